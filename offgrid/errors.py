@@ -1,0 +1,57 @@
+"""The exceptions offgrid raises, as one small tree.
+
+Errors from libllama are turned into these at the binding boundary
+(``libllama.py``) or in the engine; the HTTP server maps them to status codes
+in exactly one place (``server/errors.py``).  Nothing here imports ctypes, so
+every layer may import this module.
+
+    OffgridError
+    ├── LibraryError            libllama missing, of the wrong version, lacking a symbol
+    ├── ModelLoadError          a GGUF file that libllama refused
+    ├── ContextError            a llama_context could not be created
+    ├── DecodeError             llama_decode failed mid-request (a bug or out of memory)
+    └── InvalidRequest          the caller asked for something impossible (4xx)
+        ├── ContextFull         the prompt (plus generation) cannot fit the context
+        ├── InvalidToken        a token id outside the vocabulary
+        └── NotSupported        the model lacks what the request needs (FIM tokens)
+"""
+
+
+class OffgridError(Exception):
+    """Base of every error offgrid raises on purpose."""
+
+
+class LibraryError(OffgridError):
+    """libllama could not be found, is of another version, or lacks a symbol."""
+
+
+class ModelLoadError(OffgridError):
+    """libllama could not load a model file."""
+
+
+class ContextError(OffgridError):
+    """libllama could not create a context (usually: not enough memory)."""
+
+
+class DecodeError(OffgridError):
+    """llama_decode returned a fatal status; ``status`` is its return value."""
+
+    def __init__(self, message, status=None):
+        super().__init__(message)
+        self.status = status
+
+
+class InvalidRequest(OffgridError):
+    """The request cannot be served as asked; the client should change it."""
+
+
+class ContextFull(InvalidRequest):
+    """The prompt, with room to generate, does not fit the session's context."""
+
+
+class InvalidToken(InvalidRequest):
+    """A token id outside ``[0, n_vocab)`` was given."""
+
+
+class NotSupported(InvalidRequest):
+    """The model cannot do what was asked (e.g. fill-in-the-middle without FIM tokens)."""

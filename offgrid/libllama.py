@@ -1,0 +1,756 @@
+"""Hand-written ctypes bindings to the part of llama.h that offgrid calls.
+
+This is the only module in offgrid that imports ``ctypes``.  Everything above
+it (model, session, server) sees Python ints, strs and bytes, and the
+exceptions of ``offgrid.errors``.
+
+The bindings are written against llama.cpp commit 0c1e570, as vendored by
+llama-cpp-python 0.3.36, whose ``llama_version()`` is ``0.5.0-dev``.  Each
+binding has its C prototype above it, so comparing this file with ``llama.h``
+is a reading exercise; ``tests/test_layout.py`` compiles a C file against the
+pinned header and checks every struct's size and field offsets against the
+classes here.
+
+Functions are bound on first use: a library that lacks one symbol still loads,
+and the error names the symbol when (and only when) offgrid needs it.
+
+Finding the library: an explicit path (``--lib``) or ``$OFFGRID_LIB``, then
+``lib/`` beside the package (a checkout or a bundle), then ``offgrid/lib``
+(a wheel that bundles it), then the system's search path.
+"""
+
+import ctypes
+import ctypes.util
+import os
+import sys
+import threading
+from ctypes import (CFUNCTYPE, POINTER, Structure, c_bool, c_char, c_char_p, c_float,
+                    c_int, c_int8, c_int32, c_size_t, c_uint32, c_uint64, c_void_p)
+from pathlib import Path
+
+from .errors import LibraryError
+
+# The llama_version() these bindings were written for.  A library of another
+# version may have other struct layouts: passing it one of ours would corrupt
+# memory, so we refuse it unless the user insists.
+EXPECTED_VERSION = "0.5.0-dev"
+ALLOW_ANY_ENV = "OFFGRID_ALLOW_ANY_LIBLLAMA"
+
+# ---------------------------------------------------------------------------
+# Scalar types and constants (llama.h)
+# ---------------------------------------------------------------------------
+
+llama_token = c_int32
+llama_pos = c_int32
+llama_seq_id = c_int32
+llama_model_p = c_void_p      # struct llama_model *
+llama_context_p = c_void_p    # struct llama_context *
+llama_vocab_p = c_void_p      # const struct llama_vocab *
+llama_memory_t = c_void_p     # typedef struct llama_memory_i * llama_memory_t
+llama_sampler_p = c_void_p    # struct llama_sampler *
+
+LLAMA_DEFAULT_SEED = 0xFFFFFFFF
+LLAMA_TOKEN_NULL = -1
+
+# enum llama_token_attr (bit flags)
+LLAMA_TOKEN_ATTR_CONTROL = 1 << 3
+
+# enum llama_flash_attn_type
+LLAMA_FLASH_ATTN_TYPE_AUTO = -1
+
+# enum ggml_log_level
+GGML_LOG_LEVEL_DEBUG = 1
+GGML_LOG_LEVEL_INFO = 2
+GGML_LOG_LEVEL_WARN = 3
+GGML_LOG_LEVEL_ERROR = 4
+GGML_LOG_LEVEL_CONT = 5
+
+# typedef bool (*llama_progress_callback)(float progress, void * user_data);
+llama_progress_callback = CFUNCTYPE(c_bool, c_float, c_void_p)
+# typedef void (*ggml_log_callback)(enum ggml_log_level level, const char * text, void * user_data);
+ggml_log_callback = CFUNCTYPE(None, c_int, c_char_p, c_void_p)
+
+# ---------------------------------------------------------------------------
+# Structs, every field in C order and C type
+# ---------------------------------------------------------------------------
+
+
+class llama_model_params(Structure):
+    """struct llama_model_params (passed by value to llama_model_load_from_file)."""
+    _fields_ = [
+        ("devices", c_void_p),                  # ggml_backend_dev_t *
+        ("tensor_buft_overrides", c_void_p),    # const struct llama_model_tensor_buft_override *
+        ("n_gpu_layers", c_int32),
+        ("split_mode", c_int),                  # enum llama_split_mode
+        ("load_mode", c_int),                   # enum llama_load_mode
+        ("lazy_mode", c_int),                   # enum llama_lazy_mode
+        ("main_gpu", c_int32),
+        ("tensor_split", POINTER(c_float)),
+        ("progress_callback", llama_progress_callback),
+        ("progress_callback_user_data", c_void_p),
+        ("kv_overrides", c_void_p),             # const struct llama_model_kv_override *
+        ("vocab_only", c_bool),
+        ("check_tensors", c_bool),
+        ("use_extra_bufts", c_bool),
+        ("no_host", c_bool),
+        ("no_alloc", c_bool),
+        ("load_mtp", c_bool),
+    ]
+
+
+class llama_context_params(Structure):
+    """struct llama_context_params (passed by value to llama_init_from_model)."""
+    _fields_ = [
+        ("n_ctx", c_uint32),
+        ("n_batch", c_uint32),
+        ("n_ubatch", c_uint32),
+        ("n_seq_max", c_uint32),
+        ("n_rs_seq", c_uint32),
+        ("n_outputs_max", c_uint32),
+        ("n_outputs_max_per_seq", c_uint32),
+        ("n_threads", c_int32),
+        ("n_threads_batch", c_int32),
+        ("ctx_type", c_int),                    # enum llama_context_type
+        ("rope_scaling_type", c_int),           # enum llama_rope_scaling_type
+        ("pooling_type", c_int),                # enum llama_pooling_type
+        ("attention_type", c_int),              # enum llama_attention_type
+        ("flash_attn_type", c_int),             # enum llama_flash_attn_type
+        ("rope_freq_base", c_float),
+        ("rope_freq_scale", c_float),
+        ("yarn_ext_factor", c_float),
+        ("yarn_attn_factor", c_float),
+        ("yarn_beta_fast", c_float),
+        ("yarn_beta_slow", c_float),
+        ("yarn_orig_ctx", c_uint32),
+        ("defrag_thold", c_float),
+        ("cb_eval", c_void_p),                  # ggml_backend_sched_eval_callback
+        ("cb_eval_user_data", c_void_p),
+        ("type_k", c_int),                      # enum ggml_type
+        ("type_v", c_int),                      # enum ggml_type
+        ("abort_callback", c_void_p),           # ggml_abort_callback
+        ("abort_callback_data", c_void_p),
+        ("embeddings", c_bool),
+        ("offload_kqv", c_bool),
+        ("no_perf", c_bool),
+        ("op_offload", c_bool),
+        ("swa_full", c_bool),
+        ("kv_unified", c_bool),
+        ("samplers", c_void_p),                 # struct llama_sampler_seq_config *
+        ("n_samplers", c_size_t),
+        ("ctx_other", c_void_p),                # struct llama_context *
+    ]
+
+
+class llama_batch(Structure):
+    """struct llama_batch: parallel arrays of n_tokens entries each."""
+    _fields_ = [
+        ("n_tokens", c_int32),
+        ("token", POINTER(llama_token)),
+        ("embd", POINTER(c_float)),
+        ("pos", POINTER(llama_pos)),
+        ("n_seq_id", POINTER(c_int32)),
+        ("seq_id", POINTER(POINTER(llama_seq_id))),
+        ("logits", POINTER(c_int8)),
+    ]
+
+
+class llama_token_data(Structure):
+    """typedef struct llama_token_data { llama_token id; float logit; float p; }"""
+    _fields_ = [
+        ("id", llama_token),
+        ("logit", c_float),
+        ("p", c_float),
+    ]
+
+
+class llama_token_data_array(Structure):
+    """typedef struct llama_token_data_array: candidates handed to llama_sampler_apply."""
+    _fields_ = [
+        ("data", POINTER(llama_token_data)),
+        ("size", c_size_t),
+        ("selected", ctypes.c_int64),
+        ("sorted", c_bool),
+    ]
+
+
+class llama_logit_bias(Structure):
+    """typedef struct llama_logit_bias { llama_token token; float bias; }"""
+    _fields_ = [
+        ("token", llama_token),
+        ("bias", c_float),
+    ]
+
+
+class llama_sampler_chain_params(Structure):
+    """typedef struct llama_sampler_chain_params { bool no_perf; }"""
+    _fields_ = [
+        ("no_perf", c_bool),
+    ]
+
+
+class llama_chat_message(Structure):
+    """typedef struct llama_chat_message { const char * role; const char * content; }"""
+    _fields_ = [
+        ("role", c_char_p),
+        ("content", c_char_p),
+    ]
+
+
+# The struct classes the layout test checks against llama.h.
+STRUCTS = (llama_model_params, llama_context_params, llama_batch, llama_token_data,
+           llama_token_data_array, llama_logit_bias, llama_sampler_chain_params,
+           llama_chat_message)
+
+# ---------------------------------------------------------------------------
+# Prototypes: name -> (restype, argtypes), bound on first use
+# ---------------------------------------------------------------------------
+
+_PROTOTYPES = {
+    # const char * llama_version(void);
+    "llama_version": (c_char_p, []),
+    # const char * llama_print_system_info(void);
+    "llama_print_system_info": (c_char_p, []),
+    # void llama_backend_init(void);
+    "llama_backend_init": (None, []),
+    # void llama_log_set(ggml_log_callback log_callback, void * user_data);
+    "llama_log_set": (None, [ggml_log_callback, c_void_p]),
+    # struct llama_model_params llama_model_default_params(void);
+    "llama_model_default_params": (llama_model_params, []),
+    # struct llama_context_params llama_context_default_params(void);
+    "llama_context_default_params": (llama_context_params, []),
+    # struct llama_sampler_chain_params llama_sampler_chain_default_params(void);
+    "llama_sampler_chain_default_params": (llama_sampler_chain_params, []),
+
+    # --- model ---------------------------------------------------------------
+    # struct llama_model * llama_model_load_from_file(const char * path_model, struct llama_model_params params);
+    "llama_model_load_from_file": (llama_model_p, [c_char_p, llama_model_params]),
+    # void llama_model_free(struct llama_model * model);
+    "llama_model_free": (None, [llama_model_p]),
+    # const struct llama_vocab * llama_model_get_vocab(const struct llama_model * model);
+    "llama_model_get_vocab": (llama_vocab_p, [llama_model_p]),
+    # int32_t llama_model_n_ctx_train(const struct llama_model * model);
+    "llama_model_n_ctx_train": (c_int32, [llama_model_p]),
+    # int32_t llama_model_n_embd(const struct llama_model * model);
+    "llama_model_n_embd": (c_int32, [llama_model_p]),
+    # int32_t llama_model_n_layer(const struct llama_model * model);
+    "llama_model_n_layer": (c_int32, [llama_model_p]),
+    # int32_t llama_model_n_swa(const struct llama_model * model);
+    "llama_model_n_swa": (c_int32, [llama_model_p]),
+    # uint64_t llama_model_n_params(const struct llama_model * model);
+    "llama_model_n_params": (c_uint64, [llama_model_p]),
+    # uint64_t llama_model_size(const struct llama_model * model);
+    "llama_model_size": (c_uint64, [llama_model_p]),
+    # int32_t llama_model_desc(const struct llama_model * model, char * buf, size_t buf_size);
+    "llama_model_desc": (c_int32, [llama_model_p, c_char_p, c_size_t]),
+    # bool llama_model_has_encoder(const struct llama_model * model);
+    "llama_model_has_encoder": (c_bool, [llama_model_p]),
+    # int32_t llama_model_meta_count(const struct llama_model * model);
+    "llama_model_meta_count": (c_int32, [llama_model_p]),
+    # int32_t llama_model_meta_key_by_index(const struct llama_model * model, int32_t i, char * buf, size_t buf_size);
+    "llama_model_meta_key_by_index": (c_int32, [llama_model_p, c_int32, c_char_p, c_size_t]),
+    # int32_t llama_model_meta_val_str_by_index(const struct llama_model * model, int32_t i, char * buf, size_t buf_size);
+    "llama_model_meta_val_str_by_index": (c_int32, [llama_model_p, c_int32, c_char_p, c_size_t]),
+    # const char * llama_model_chat_template(const struct llama_model * model, const char * name);
+    "llama_model_chat_template": (c_char_p, [llama_model_p, c_char_p]),
+
+    # --- vocab ---------------------------------------------------------------
+    # int32_t llama_vocab_n_tokens(const struct llama_vocab * vocab);
+    "llama_vocab_n_tokens": (c_int32, [llama_vocab_p]),
+    # enum llama_vocab_type llama_vocab_type(const struct llama_vocab * vocab);
+    "llama_vocab_type": (c_int, [llama_vocab_p]),
+    # const char * llama_vocab_get_text(const struct llama_vocab * vocab, llama_token token);
+    "llama_vocab_get_text": (c_char_p, [llama_vocab_p, llama_token]),
+    # enum llama_token_attr llama_vocab_get_attr(const struct llama_vocab * vocab, llama_token token);
+    "llama_vocab_get_attr": (c_int, [llama_vocab_p, llama_token]),
+    # bool llama_vocab_is_eog(const struct llama_vocab * vocab, llama_token token);
+    "llama_vocab_is_eog": (c_bool, [llama_vocab_p, llama_token]),
+    # llama_token llama_vocab_bos(const struct llama_vocab * vocab); (and eos, eot, nl, pad)
+    "llama_vocab_bos": (llama_token, [llama_vocab_p]),
+    "llama_vocab_eos": (llama_token, [llama_vocab_p]),
+    "llama_vocab_eot": (llama_token, [llama_vocab_p]),
+    "llama_vocab_sep": (llama_token, [llama_vocab_p]),
+    "llama_vocab_nl": (llama_token, [llama_vocab_p]),
+    "llama_vocab_pad": (llama_token, [llama_vocab_p]),
+    # bool llama_vocab_get_add_bos(const struct llama_vocab * vocab); (and add_eos)
+    "llama_vocab_get_add_bos": (c_bool, [llama_vocab_p]),
+    "llama_vocab_get_add_eos": (c_bool, [llama_vocab_p]),
+    # llama_token llama_vocab_fim_pre(const struct llama_vocab * vocab); (and suf, mid, pad, rep, sep)
+    "llama_vocab_fim_pre": (llama_token, [llama_vocab_p]),
+    "llama_vocab_fim_suf": (llama_token, [llama_vocab_p]),
+    "llama_vocab_fim_mid": (llama_token, [llama_vocab_p]),
+    "llama_vocab_fim_pad": (llama_token, [llama_vocab_p]),
+    "llama_vocab_fim_rep": (llama_token, [llama_vocab_p]),
+    "llama_vocab_fim_sep": (llama_token, [llama_vocab_p]),
+
+    # --- tokenization ----------------------------------------------------------
+    # int32_t llama_tokenize(const struct llama_vocab * vocab, const char * text, int32_t text_len,
+    #                        llama_token * tokens, int32_t n_tokens_max, bool add_special, bool parse_special);
+    "llama_tokenize": (c_int32, [llama_vocab_p, c_char_p, c_int32, POINTER(llama_token), c_int32,
+                                 c_bool, c_bool]),
+    # int32_t llama_token_to_piece(const struct llama_vocab * vocab, llama_token token, char * buf,
+    #                              int32_t length, int32_t lstrip, bool special);
+    "llama_token_to_piece": (c_int32, [llama_vocab_p, llama_token, c_char_p, c_int32, c_int32,
+                                       c_bool]),
+    # int32_t llama_detokenize(const struct llama_vocab * vocab, const llama_token * tokens, int32_t n_tokens,
+    #                          char * text, int32_t text_len_max, bool remove_special, bool unparse_special);
+    "llama_detokenize": (c_int32, [llama_vocab_p, POINTER(llama_token), c_int32, c_char_p, c_int32,
+                                   c_bool, c_bool]),
+
+    # --- context ---------------------------------------------------------------
+    # struct llama_context * llama_init_from_model(struct llama_model * model, struct llama_context_params params);
+    "llama_init_from_model": (llama_context_p, [llama_model_p, llama_context_params]),
+    # void llama_free(struct llama_context * ctx);
+    "llama_free": (None, [llama_context_p]),
+    # uint32_t llama_n_ctx(const struct llama_context * ctx);
+    "llama_n_ctx": (c_uint32, [llama_context_p]),
+    # uint32_t llama_n_batch(const struct llama_context * ctx);
+    "llama_n_batch": (c_uint32, [llama_context_p]),
+    # uint32_t llama_n_ubatch(const struct llama_context * ctx);
+    "llama_n_ubatch": (c_uint32, [llama_context_p]),
+    # llama_memory_t llama_get_memory(const struct llama_context * ctx);
+    "llama_get_memory": (llama_memory_t, [llama_context_p]),
+    # void llama_set_abort_callback(struct llama_context * ctx, ggml_abort_callback abort_callback, void * abort_callback_data);
+    "llama_set_abort_callback": (None, [llama_context_p, c_void_p, c_void_p]),
+    # struct llama_batch llama_batch_init(int32_t n_tokens, int32_t embd, int32_t n_seq_max);
+    "llama_batch_init": (llama_batch, [c_int32, c_int32, c_int32]),
+    # void llama_batch_free(struct llama_batch batch);
+    "llama_batch_free": (None, [llama_batch]),
+    # int32_t llama_decode(struct llama_context * ctx, struct llama_batch batch);
+    "llama_decode": (c_int32, [llama_context_p, llama_batch]),
+    # float * llama_get_logits_ith(struct llama_context * ctx, int32_t i);
+    "llama_get_logits_ith": (POINTER(c_float), [llama_context_p, c_int32]),
+
+    # --- memory (KV cache) -----------------------------------------------------
+    # void llama_memory_clear(llama_memory_t mem, bool data);
+    "llama_memory_clear": (None, [llama_memory_t, c_bool]),
+    # bool llama_memory_seq_rm(llama_memory_t mem, llama_seq_id seq_id, llama_pos p0, llama_pos p1);
+    "llama_memory_seq_rm": (c_bool, [llama_memory_t, llama_seq_id, llama_pos, llama_pos]),
+    # void llama_memory_seq_add(llama_memory_t mem, llama_seq_id seq_id, llama_pos p0, llama_pos p1, llama_pos delta);
+    "llama_memory_seq_add": (None, [llama_memory_t, llama_seq_id, llama_pos, llama_pos, llama_pos]),
+    # llama_pos llama_memory_seq_pos_min(llama_memory_t mem, llama_seq_id seq_id);
+    "llama_memory_seq_pos_min": (llama_pos, [llama_memory_t, llama_seq_id]),
+    # llama_pos llama_memory_seq_pos_max(llama_memory_t mem, llama_seq_id seq_id);
+    "llama_memory_seq_pos_max": (llama_pos, [llama_memory_t, llama_seq_id]),
+    # bool llama_memory_can_shift(llama_memory_t mem);
+    "llama_memory_can_shift": (c_bool, [llama_memory_t]),
+
+    # --- sampling --------------------------------------------------------------
+    # struct llama_sampler * llama_sampler_chain_init(struct llama_sampler_chain_params params);
+    "llama_sampler_chain_init": (llama_sampler_p, [llama_sampler_chain_params]),
+    # void llama_sampler_chain_add(struct llama_sampler * chain, struct llama_sampler * smpl);
+    "llama_sampler_chain_add": (None, [llama_sampler_p, llama_sampler_p]),
+    # void llama_sampler_free(struct llama_sampler * smpl);
+    "llama_sampler_free": (None, [llama_sampler_p]),
+    # void llama_sampler_accept(struct llama_sampler * smpl, llama_token token);
+    "llama_sampler_accept": (None, [llama_sampler_p, llama_token]),
+    # llama_token llama_sampler_sample(struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx);
+    "llama_sampler_sample": (llama_token, [llama_sampler_p, llama_context_p, c_int32]),
+    # struct llama_sampler * llama_sampler_init_greedy(void);
+    "llama_sampler_init_greedy": (llama_sampler_p, []),
+    # struct llama_sampler * llama_sampler_init_dist(uint32_t seed);
+    "llama_sampler_init_dist": (llama_sampler_p, [c_uint32]),
+    # struct llama_sampler * llama_sampler_init_top_k(int32_t k);
+    "llama_sampler_init_top_k": (llama_sampler_p, [c_int32]),
+    # struct llama_sampler * llama_sampler_init_top_p(float p, size_t min_keep);
+    "llama_sampler_init_top_p": (llama_sampler_p, [c_float, c_size_t]),
+    # struct llama_sampler * llama_sampler_init_min_p(float p, size_t min_keep);
+    "llama_sampler_init_min_p": (llama_sampler_p, [c_float, c_size_t]),
+    # struct llama_sampler * llama_sampler_init_typical(float p, size_t min_keep);
+    "llama_sampler_init_typical": (llama_sampler_p, [c_float, c_size_t]),
+    # struct llama_sampler * llama_sampler_init_temp_ext(float t, float delta, float exponent);
+    "llama_sampler_init_temp_ext": (llama_sampler_p, [c_float, c_float, c_float]),
+    # struct llama_sampler * llama_sampler_init_penalties(int32_t n_vocab, int32_t penalty_last_n,
+    #                         float penalty_repeat, float penalty_freq, float penalty_present);
+    "llama_sampler_init_penalties": (llama_sampler_p, [c_int32, c_int32, c_float, c_float, c_float]),
+    # struct llama_sampler * llama_sampler_init_logit_bias(int32_t n_vocab, int32_t n_logit_bias,
+    #                                                      const llama_logit_bias * logit_bias);
+    "llama_sampler_init_logit_bias": (llama_sampler_p, [c_int32, c_int32, POINTER(llama_logit_bias)]),
+    # struct llama_sampler * llama_sampler_init_grammar(const struct llama_vocab * vocab,
+    #                                                   const char * grammar_str, const char * grammar_root);
+    "llama_sampler_init_grammar": (llama_sampler_p, [llama_vocab_p, c_char_p, c_char_p]),
+
+    # --- chat templates --------------------------------------------------------
+    # int32_t llama_chat_apply_template(const char * tmpl, const struct llama_chat_message * chat, size_t n_msg,
+    #                                   bool add_ass, char * buf, int32_t length);
+    "llama_chat_apply_template": (c_int32, [c_char_p, POINTER(llama_chat_message), c_size_t, c_bool,
+                                            c_char_p, c_int32]),
+    # int32_t llama_chat_builtin_templates(const char ** output, size_t len);
+    "llama_chat_builtin_templates": (c_int32, [POINTER(c_char_p), c_size_t]),
+}
+
+# From libggml (a portable build loads its CPU backend variants at run time):
+# void ggml_backend_load_all_from_path(const char * dir_path);
+_GGML_PROTOTYPES = {
+    "ggml_backend_load_all_from_path": (None, [c_char_p]),
+}
+
+
+class Library:
+    """A loaded libllama: its C functions as attributes, bound on first use.
+
+    ``lib.llama_decode(ctx, batch)`` calls the C function with the prototype
+    from ``_PROTOTYPES``; a symbol the library lacks raises LibraryError naming
+    it, at the first call, not at load.
+    """
+
+    def __init__(self, cdll, path, ggml=None):
+        self._cdll = cdll
+        self._ggml = ggml
+        self.path = path
+
+    def __getattr__(self, name):
+        table, dll = ((_PROTOTYPES, self._cdll) if name in _PROTOTYPES
+                      else (_GGML_PROTOTYPES, self._ggml))
+        if name not in table or dll is None:
+            raise AttributeError(name)
+        try:
+            fn = getattr(dll, name)
+        except AttributeError:
+            raise LibraryError("libllama at %s lacks the symbol %s; rebuild it with `make lib`"
+                               % (self.path, name)) from None
+        fn.restype, fn.argtypes = table[name]
+        setattr(self, name, fn)     # next lookups skip __getattr__
+        return fn
+
+
+# ---------------------------------------------------------------------------
+# Loading the library
+# ---------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_loaded = None          # the Library, once loaded
+_log_callback = None    # kept alive: libllama holds the C pointer
+_verbose = False
+
+
+def _candidates(explicit):
+    """Yield the places to look for libllama, in order."""
+    if explicit:
+        yield Path(explicit)
+        return
+    env = os.environ.get("OFFGRID_LIB")
+    if env:
+        yield Path(env)
+        return
+    here = Path(__file__).resolve().parent
+    yield here.parent / "lib"
+    yield here / "lib"
+    found = ctypes.util.find_library("llama")
+    yield Path(found or "libllama.so")
+
+
+def _open(path):
+    """dlopen one candidate; a directory means libllama.so inside it."""
+    if path.is_dir():
+        path = path / "libllama.so"
+    if path.is_absolute() or "/" in str(path):
+        if not path.exists():
+            raise OSError("no such file")
+        # A prebuilt library dropped in without an rpath still finds its ggml
+        # siblings if we load them first, globally, from the same folder.
+        for sibling in ("libggml-base.so", "libggml.so"):
+            if (path.parent / sibling).exists():
+                ctypes.CDLL(str(path.parent / sibling), mode=ctypes.RTLD_GLOBAL)
+    cdll = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+    ggml = None
+    try:
+        ggml = ctypes.CDLL(str(path.parent / "libggml.so") if "/" in str(path) else "libggml.so")
+    except OSError:
+        pass
+    return cdll, ggml, path
+
+
+def load(path=None, verbose=False):
+    """Load libllama once per process and return the Library.
+
+    Raises LibraryError listing every path tried when none loads, or naming the
+    found and expected versions when they differ.
+    """
+    global _loaded, _verbose
+    with _lock:
+        if _loaded is not None:
+            return _loaded
+        _verbose = verbose
+        tried = []
+        for candidate in _candidates(path):
+            try:
+                cdll, ggml, real = _open(candidate)
+                break
+            except OSError as e:
+                tried.append("%s (%s)" % (candidate, e))
+        else:
+            raise LibraryError(
+                "could not load libllama; tried:\n  " + "\n  ".join(tried)
+                + "\nbuild it with `make lib`, or give its path with --lib or OFFGRID_LIB")
+        lib = Library(cdll, real, ggml)
+        version = lib.llama_version().decode()
+        if version != EXPECTED_VERSION and os.environ.get(ALLOW_ANY_ENV) != "1":
+            raise LibraryError(
+                "libllama at %s is version %s, but offgrid's bindings are written for %s; "
+                "its structs may differ, so it is not used. Rebuild the pinned one with "
+                "`make lib`, or set %s=1 to try it anyway"
+                % (real, version, EXPECTED_VERSION, ALLOW_ANY_ENV))
+        _install_log_callback(lib)
+        # A portable build keeps its CPU backends as separate libggml-cpu-*.so
+        # variants that must be loaded (the best one for this CPU) before use.
+        folder = real.parent if "/" in str(real) else None
+        if folder is not None and any(folder.glob("libggml-cpu-*.so")):
+            lib.ggml_backend_load_all_from_path(str(folder).encode())
+        lib.llama_backend_init()
+        _loaded = lib
+        return lib
+
+
+def loaded():
+    """The Library loaded by load(), loading it from the default places if needed."""
+    return _loaded if _loaded is not None else load()
+
+
+def _install_log_callback(lib):
+    """Route libllama's log lines to stderr, dropping chatter unless verbose."""
+    global _log_callback
+    state = {"keep": True}
+
+    def on_log(level, text, _user_data):
+        # CONT continues the previous line at the previous line's level.
+        if level != GGML_LOG_LEVEL_CONT:
+            state["keep"] = _verbose or level >= GGML_LOG_LEVEL_ERROR
+        if state["keep"] and text:
+            sys.stderr.write(text.decode("utf-8", "replace"))
+
+    _log_callback = ggml_log_callback(on_log)
+    lib.llama_log_set(_log_callback, None)
+
+
+# ---------------------------------------------------------------------------
+# Helpers that hide C buffers from the layers above
+# ---------------------------------------------------------------------------
+
+def read_string(fn, *args, size=256):
+    """Call a ``fn(..., char * buf, size_t size) -> length`` function and return a str.
+
+    Returns None when the function reports failure (-1).  Grows the buffer when
+    the value is longer than it.
+    """
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        n = fn(*args, buf, size)
+        if n < 0:
+            return None
+        if n < size:
+            return buf.raw[:n].decode("utf-8", "replace")
+        size = n + 1
+
+
+def tokenize(lib, vocab, data, add_special, parse_special):
+    """Tokenize UTF-8 bytes; returns a list of token ids."""
+    capacity = len(data) + 8
+    while True:
+        out = (llama_token * capacity)()
+        n = lib.llama_tokenize(vocab, data, len(data), out, capacity, add_special, parse_special)
+        if n >= 0:
+            return out[:n]
+        if n == -(2 ** 31):
+            raise ValueError("text too long to tokenize")
+        capacity = -n
+
+
+def token_to_piece(lib, vocab, token, special):
+    """The bytes of one token (not necessarily a whole UTF-8 character)."""
+    buf = ctypes.create_string_buffer(64)
+    n = lib.llama_token_to_piece(vocab, token, buf, 64, 0, special)
+    if n < 0:
+        buf = ctypes.create_string_buffer(-n)
+        n = lib.llama_token_to_piece(vocab, token, buf, -n, 0, special)
+    return buf.raw[:n]
+
+
+def detokenize(lib, vocab, tokens, remove_special, unparse_special):
+    """Bytes of a token list; the caller guarantees every id is in range."""
+    arr = (llama_token * len(tokens))(*tokens)
+    size = max(16, len(tokens) * 8)
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        n = lib.llama_detokenize(vocab, arr, len(tokens), buf, size, remove_special, unparse_special)
+        if n >= 0:
+            return buf.raw[:n]
+        size = -n
+
+
+def chat_apply_template(lib, template, messages, add_assistant):
+    """libllama's built-in (non-Jinja) template by name or text.
+
+    ``messages`` is a list of (role, content) str pairs.  Returns the prompt, or
+    None when libllama does not know the template.
+    """
+    arr = (llama_chat_message * len(messages))()
+    keep = []   # the encoded strings must outlive the call
+    for i, (role, content) in enumerate(messages):
+        r, c = role.encode(), content.encode()
+        keep += [r, c]
+        arr[i].role, arr[i].content = r, c
+    tmpl = template.encode() if template is not None else None
+    size = 2 * sum(len(c) for c in keep) + 256
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        n = lib.llama_chat_apply_template(tmpl, arr, len(messages), add_assistant, buf, size)
+        if n < 0:
+            return None
+        if n <= size:
+            return buf.raw[:n].decode("utf-8", "replace")
+        size = n
+
+
+def builtin_chat_templates(lib):
+    """Names of the templates llama_chat_apply_template knows."""
+    n = lib.llama_chat_builtin_templates(None, 0)
+    arr = (c_char_p * n)()
+    lib.llama_chat_builtin_templates(arr, n)
+    return [name.decode() for name in arr]
+
+
+class ModelHandle:
+    """Owns one ``struct llama_model *``; close() frees it exactly once."""
+
+    def __init__(self, lib, path, progress=None):
+        """Load ``path``; ``progress(fraction)`` is called while loading."""
+        self.lib = lib
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = 0      # offgrid targets the CPU
+        if progress is not None:
+            def on_progress(fraction, _user_data):
+                progress(fraction)
+                return True
+            # Keep the C callback alive for as long as loading runs.
+            self._progress_cb = llama_progress_callback(on_progress)
+            params.progress_callback = self._progress_cb
+        self.ptr = lib.llama_model_load_from_file(os.fsencode(path), params)
+        self._progress_cb = None
+        self.vocab = lib.llama_model_get_vocab(self.ptr) if self.ptr else None
+
+    def close(self):
+        ptr, self.ptr = self.ptr, None
+        if ptr:
+            self.lib.llama_model_free(ptr)
+
+
+class ContextHandle:
+    """Owns one ``struct llama_context *`` and its decode batch; close() frees both once.
+
+    Cancellation: libllama calls the abort callback after every graph node,
+    from the compute thread, with the other threads waiting at a barrier.  A
+    Python callback there would take the GIL hundreds of times per token and
+    stall on whatever Python thread holds it.  So the callback is C's own
+    ``strlen`` over a two-byte buffer ``[flag, 0]``: it returns 1 (abort) once
+    ``flag`` is set and 0 otherwise, with no Python involved.  ``strlen``'s
+    size_t result in the return register reads as the C bool the callback must
+    return (its low byte) on the System V ABIs offgrid runs on.
+    """
+
+    def __init__(self, lib, model, n_ctx, n_batch, n_ubatch, n_threads, n_threads_batch,
+                 swa_full=True):
+        self.lib = lib
+        params = lib.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = n_batch
+        params.n_ubatch = n_ubatch
+        params.n_seq_max = 1
+        params.n_threads = n_threads
+        params.n_threads_batch = n_threads_batch
+        params.swa_full = swa_full
+        params.no_perf = True
+        self.ptr = lib.llama_init_from_model(model.ptr, params)
+        self.batch = None
+        if not self.ptr:
+            return
+        self.memory = lib.llama_get_memory(self.ptr)
+        self.n_ctx = lib.llama_n_ctx(self.ptr)
+        self.n_batch = lib.llama_n_batch(self.ptr)
+        self._abort_flag = ctypes.create_string_buffer(2)      # [flag, NUL]
+        libc = ctypes.CDLL(None)
+        self._strlen_addr = ctypes.cast(libc.strlen, c_void_p).value
+        lib.llama_set_abort_callback(self.ptr, self._strlen_addr,
+                                     ctypes.addressof(self._abort_flag))
+        # One batch of n_batch tokens for the context's whole life; the arrays
+        # below are typed views over its C buffers, so filling a chunk is a
+        # slice assignment rather than one ctypes call per token.
+        cap = self.n_batch
+        self.batch = lib.llama_batch_init(cap, 0, 1)
+        b = self.batch
+        self._tokens = (llama_token * cap).from_address(ctypes.cast(b.token, c_void_p).value)
+        self._pos = (llama_pos * cap).from_address(ctypes.cast(b.pos, c_void_p).value)
+        self._logits = (c_int8 * cap).from_address(ctypes.cast(b.logits, c_void_p).value)
+        n_seq = (c_int32 * cap).from_address(ctypes.cast(b.n_seq_id, c_void_p).value)
+        for i in range(cap):
+            n_seq[i] = 1
+            b.seq_id[i][0] = 0
+
+    # -- abort flag --------------------------------------------------------
+    def request_abort(self):
+        """Make the running (or next) llama_decode stop after its current graph node."""
+        self._abort_flag[0] = b"\x01"
+
+    def clear_abort(self):
+        self._abort_flag[0] = b"\x00"
+
+    # -- decoding ----------------------------------------------------------
+    def decode(self, tokens, start_pos, want_last_logits):
+        """Decode ``tokens`` (at most n_batch) at positions start_pos...
+
+        Returns llama_decode's status: 0 ok, 1 no KV slot, 2 aborted, <0 error.
+        """
+        n = len(tokens)
+        self._tokens[0:n] = tokens
+        self._pos[0:n] = range(start_pos, start_pos + n)
+        self._logits[0:n] = bytes(n)
+        if want_last_logits:
+            self._logits[n - 1] = 1
+        self.batch.n_tokens = n
+        return self.lib.llama_decode(self.ptr, self.batch)
+
+    def decode_one(self, token, pos):
+        """The per-token path of generation, kept to a few ctypes calls."""
+        self._tokens[0] = token
+        self._pos[0] = pos
+        self._logits[0] = 1
+        self.batch.n_tokens = 1
+        return self.lib.llama_decode(self.ptr, self.batch)
+
+    def close(self):
+        ptr, self.ptr = self.ptr, None
+        batch, self.batch = self.batch, None
+        if batch is not None:
+            self.lib.llama_batch_free(batch)
+        if ptr:
+            self.lib.llama_free(ptr)
+
+
+class SamplerHandle:
+    """Owns one sampler chain; close() frees it (and the samplers in it) once."""
+
+    def __init__(self, lib):
+        self.lib = lib
+        self.ptr = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+
+    def add(self, sampler_ptr):
+        """Append a sampler made by a ``llama_sampler_init_*`` call; the chain owns it."""
+        if not sampler_ptr:
+            raise ValueError("libllama could not create a sampler")
+        self.lib.llama_sampler_chain_add(self.ptr, sampler_ptr)
+
+    def logit_bias(self, n_vocab, biases):
+        """A logit-bias sampler from (token, bias) pairs."""
+        arr = (llama_logit_bias * len(biases))(*[llama_logit_bias(t, b) for t, b in biases])
+        return self.lib.llama_sampler_init_logit_bias(n_vocab, len(biases), arr)
+
+    def sample(self, ctx, idx=-1):
+        """Sample and accept a token from output ``idx`` of the last decode."""
+        return self.lib.llama_sampler_sample(self.ptr, ctx.ptr, idx)
+
+    def accept(self, token):
+        self.lib.llama_sampler_accept(self.ptr, token)
+
+    def close(self):
+        ptr, self.ptr = self.ptr, None
+        if ptr:
+            self.lib.llama_sampler_free(ptr)

@@ -1,0 +1,333 @@
+"""ChatSession: one llama_context that runs one request at a time.
+
+A session keeps the tokens whose keys and values sit in its KV cache
+(``cached``), so the next request only evaluates what differs: the longest
+common prefix is kept, the rest of the cache is dropped, the new tail is
+decoded in ``n_batch`` chunks.  Editors send a request per keystroke with a
+prompt that mostly repeats the last one, so this is where their latency goes.
+
+The generation loop is plain Python around three C calls per token
+(llama_decode, llama_sampler_sample, a cached token->bytes lookup).
+
+Threading: a session is used by one thread at a time (the server's pool
+hands it out); ``RequestCancel.cancel()`` may be called from any thread.
+"""
+
+import enum
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+from . import libllama
+from .errors import ContextError, ContextFull, DecodeError
+from .sampling import SamplingParams, build_sampler
+from .textstream import TextAssembler
+
+
+class FinishReason(str, enum.Enum):
+    """Why generation ended, in OpenAI's words."""
+    STOP = "stop"               # end-of-generation token or a stop string
+    LENGTH = "length"           # n_predict, the context, or a time/indent limit
+    CANCELLED = "cancelled"     # superseded, client gone, or server shutting down
+    TOOL_CALLS = "tool_calls"   # set by the chat layer when the text is a tool call
+
+
+class RequestCancel:
+    """A cancel switch for one request, safe to flip from any thread.
+
+    The session attaches a hook while it runs (it sets libllama's abort flag,
+    so a long prompt evaluation stops within one graph node); cancel() calls
+    the hooks under a lock, so a hook is never called after detach() returns.
+    """
+
+    def __init__(self):
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._hooks = []
+        self.reason = None
+
+    def cancel(self, reason="cancelled"):
+        with self._lock:
+            if self._event.is_set():
+                return
+            self.reason = reason
+            self._event.set()
+            for hook in self._hooks:
+                hook()
+
+    @property
+    def cancelled(self):
+        return self._event.is_set()
+
+    def wait(self, timeout=None):
+        return self._event.wait(timeout)
+
+    def attach(self, hook):
+        with self._lock:
+            self._hooks.append(hook)
+            if self._event.is_set():
+                hook()
+
+    def detach(self, hook):
+        with self._lock:
+            if hook in self._hooks:
+                self._hooks.remove(hook)
+
+
+@dataclass
+class Usage:
+    """Token counts and times of one request (milliseconds)."""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0          # prompt tokens whose KV came from the cache
+    completion_tokens: int = 0
+    prompt_ms: float = 0.0
+    generation_ms: float = 0.0
+
+    @property
+    def evaluated_tokens(self):
+        """Prompt tokens actually decoded this request."""
+        return self.prompt_tokens - self.cached_tokens
+
+
+@dataclass
+class GenerationParams:
+    """What to generate: limits, stops and sampling for one request."""
+    n_predict: int = -1                 # -1: until end-of-generation or a full context
+    stop: List[str] = field(default_factory=list)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    ignore_eos: bool = False
+    cache_prompt: bool = True
+    t_max_predict_ms: int = 0           # FIM: stop at a newline once this much time passed
+    n_indent: int = 0                   # FIM: stop at a line indented less than this
+
+
+@dataclass
+class Completion:
+    """The result of ChatSession.complete()."""
+    text: str
+    tokens: List[int]
+    finish_reason: FinishReason
+    stop_type: str                      # llama-server's: "eos", "word", "limit" or "none"
+    stopping_word: str
+    usage: Usage
+    truncated: bool = False
+
+
+class ChatSession:
+    """One llama_context with its KV cache, serving one request at a time."""
+
+    def __init__(self, model, n_ctx=4096, n_batch=512, n_ubatch=None, n_threads=None,
+                 n_threads_batch=None, swa_full=True):
+        threads = n_threads or max(1, min(os.cpu_count() or 1, 8))
+        n_ctx = min(n_ctx, model.n_ctx_train) if n_ctx and model.n_ctx_train > 0 else n_ctx
+        # swa_full: models with sliding-window attention (gemma-3) otherwise
+        # keep only the last window of keys, and llama_memory_seq_rm cannot
+        # cut such a cache at an earlier position: every request would
+        # re-evaluate its whole prompt.  The full cache costs memory
+        # (n_ctx keys for every layer instead of a window) and buys reuse.
+        self.model = model
+        self._ctx = libllama.ContextHandle(
+            model.lib, model.handle, n_ctx, n_batch, n_ubatch or n_batch, threads,
+            n_threads_batch or threads, swa_full=swa_full)
+        if not self._ctx.ptr:
+            raise ContextError("libllama could not create a context of %d tokens "
+                               "(not enough memory?)" % n_ctx)
+        self.n_ctx = self._ctx.n_ctx
+        self.n_batch = self._ctx.n_batch
+        self.cached = []        # tokens whose KV is in the cache, at positions 0..len-1
+        self.closed = False
+
+    # -- lifetime ------------------------------------------------------------
+    def close(self):
+        if not self.closed:
+            self.closed = True
+            self._ctx.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- cache ---------------------------------------------------------------
+    def reset(self):
+        """Forget the KV cache (after a failure, the cache may be inconsistent)."""
+        self.model.lib.llama_memory_clear(self._ctx.memory, True)
+        self.cached = []
+
+    def common_prefix(self, tokens):
+        """How many leading tokens of ``tokens`` this session has cached."""
+        return _common_prefix(self.cached, tokens)
+
+    def _reuse_cache(self, tokens, cache_prompt):
+        """Drop the cache beyond what ``tokens`` shares with it; return the kept count."""
+        lib, mem = self.model.lib, self._ctx.memory
+        n_keep = _common_prefix(self.cached, tokens) if cache_prompt else 0
+        # The last prompt token is always decoded again: its logits are what
+        # the first sampled token comes from.
+        n_keep = min(n_keep, len(tokens) - 1)
+        if n_keep > 0 and lib.llama_memory_seq_pos_min(mem, 0) > 0:
+            n_keep = 0          # a windowed cache lost its start: nothing reusable
+        if n_keep > 0 and not lib.llama_memory_seq_rm(mem, 0, n_keep, -1):
+            n_keep = 0          # this memory cannot be cut in the middle
+        if n_keep == 0:
+            lib.llama_memory_clear(mem, True)
+        self.cached = self.cached[:n_keep]
+        return n_keep
+
+    # -- running a request ---------------------------------------------------
+    def evaluate(self, tokens, cancel=None, cache_prompt=True):
+        """Bring the KV cache to ``tokens``; returns how many came from the cache.
+
+        Raises ContextFull if ``tokens`` cannot fit, DecodeError on a libllama
+        failure (the cache is reset).  Returns early, with a partial cache, if
+        ``cancel`` fires.
+        """
+        self.model.check_tokens(tokens)
+        if not tokens:
+            raise ContextFull("the prompt is empty")
+        if len(tokens) >= self.n_ctx:
+            raise ContextFull("the prompt has %d tokens but the context holds %d; "
+                              "shorten the prompt or start the server with a larger -c"
+                              % (len(tokens), self.n_ctx))
+        n_cached = self._reuse_cache(tokens, cache_prompt)
+        pos = n_cached
+        while pos < len(tokens):
+            if cancel is not None and cancel.cancelled:
+                break
+            chunk = tokens[pos:pos + self.n_batch]
+            last = pos + len(chunk) == len(tokens)
+            status = self._ctx.decode(chunk, pos, last)
+            if status == 2:     # aborted: keep what libllama did get into the cache
+                kept = self.model.lib.llama_memory_seq_pos_max(self._ctx.memory, 0) + 1
+                self.cached = list(tokens[:max(pos, min(kept, pos + len(chunk)))])
+                if len(self.cached) > pos:
+                    # a partly decoded chunk: trust only whole positions
+                    self.model.lib.llama_memory_seq_rm(self._ctx.memory, 0, len(self.cached), -1)
+                return n_cached
+            if status != 0:
+                self._fail(status)
+            pos += len(chunk)
+            self.cached = list(tokens[:pos])
+        return n_cached
+
+    def complete(self, tokens, params=None, on_piece=None, cancel=None):
+        """Evaluate the prompt ``tokens``, then generate.
+
+        ``on_piece(text)`` is called with each piece of text that is final (no
+        half characters, no part of a stop string); returning False stops
+        generation as cancelled.  Returns a Completion.
+        """
+        params = params or GenerationParams()
+        params.sampling.validate()
+        cancel = cancel or RequestCancel()
+        ctx = self._ctx
+        usage = Usage(prompt_tokens=len(tokens))
+
+        ctx.clear_abort()
+        cancel.attach(ctx.request_abort)
+        sampler = None
+        try:
+            t0 = time.perf_counter()
+            usage.cached_tokens = self.evaluate(tokens, cancel, params.cache_prompt)
+            usage.prompt_ms = (time.perf_counter() - t0) * 1000.0
+            if cancel.cancelled or len(self.cached) < len(tokens):
+                return Completion("", [], FinishReason.CANCELLED, "none", "", usage)
+            if params.n_predict == 0:
+                # warm-up: the prompt is now cached; nothing to generate
+                return Completion("", [], FinishReason.LENGTH, "limit", "", usage)
+
+            model = self.model
+            eog_ban = self._eog_tokens() if params.ignore_eos else ()
+            sampler = build_sampler(model.lib, params.sampling, model.n_vocab, self.n_ctx, eog_ban)
+            if params.sampling.has_penalties:
+                for t in tokens[-max(params.sampling.repeat_last_n, 0):] if \
+                        params.sampling.repeat_last_n >= 0 else tokens:
+                    sampler.accept(t)
+            return self._generate(tokens, params, sampler, on_piece, cancel, usage)
+        finally:
+            cancel.detach(ctx.request_abort)
+            ctx.clear_abort()
+            if sampler is not None:
+                sampler.close()
+
+    def _generate(self, prompt, params, sampler, on_piece, cancel, usage):
+        model, ctx = self.model, self._ctx
+        text = TextAssembler(params.stop, params.n_indent)
+        out_tokens = []
+        n_past = len(prompt)
+        finish, stop_type, truncated = FinishReason.LENGTH, "limit", False
+        t_start = time.perf_counter()
+        t_max = params.t_max_predict_ms / 1000.0 if params.t_max_predict_ms > 0 else 0.0
+        limit = params.n_predict if params.n_predict > 0 else None
+
+        while True:
+            if cancel.cancelled:
+                finish, stop_type = FinishReason.CANCELLED, "none"
+                break
+            token = sampler.sample(ctx)
+            if model.is_eog(token) and not params.ignore_eos:
+                finish, stop_type = FinishReason.STOP, "eos"
+                break
+            out_tokens.append(token)
+            piece = model.token_bytes(token)
+            released, stopped = text.add(piece)
+            if released and on_piece is not None and on_piece(released) is False:
+                finish, stop_type = FinishReason.CANCELLED, "none"
+                cancel.cancel("client")
+                break
+            if stopped:
+                if text.stop_word is not None:
+                    finish, stop_type = FinishReason.STOP, "word"
+                else:
+                    finish, stop_type = FinishReason.LENGTH, "limit"
+                break
+            if limit is not None and len(out_tokens) >= limit:
+                break
+            if t_max and b"\n" in piece and time.perf_counter() - t_start > t_max:
+                break
+            if n_past + 1 >= self.n_ctx:
+                truncated = True
+                break
+            status = ctx.decode_one(token, n_past)
+            if status == 2:
+                finish, stop_type = FinishReason.CANCELLED, "none"
+                break
+            if status != 0:
+                self._fail(status)
+            n_past += 1
+            self.cached.append(token)
+
+        tail = text.finish()
+        if tail and on_piece is not None and finish is not FinishReason.CANCELLED:
+            on_piece(tail)
+        usage.completion_tokens = len(out_tokens)
+        usage.generation_ms = (time.perf_counter() - t_start) * 1000.0
+        return Completion(text.text, out_tokens, finish, stop_type, text.stop_word or "",
+                          usage, truncated)
+
+    def _eog_tokens(self):
+        m = self.model
+        return [t for t in {m.eos, m.eot} if t is not None]
+
+    def _fail(self, status):
+        """A libllama decode failure: reset the cache so the session stays usable."""
+        self.reset()
+        if status == 1:
+            raise ContextFull("no room left in the KV cache for this request")
+        raise DecodeError("llama_decode failed with status %d" % status, status)
+
+
+def _common_prefix(a, b):
+    n = min(len(a), len(b))
+    i = 0
+    # compare in slices first: prompts of thousands of tokens usually share
+    # long runs, and slice equality runs in C
+    step = 256
+    while i + step <= n and a[i:i + step] == b[i:i + step]:
+        i += step
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

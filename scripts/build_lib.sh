@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# Build libllama and its ggml libraries from the pinned llama.cpp source and
+# install them into lib/.
+#
+# The source is llama.cpp as vendored by the llama-cpp-python sdist on PyPI
+# (the only registry we can reach); we use its C/C++ source, never its Python.
+# Everything downloaded or built lives in $OFFGRID_CACHE (~/.cache/offgrid),
+# keyed by version + hash + build flavour, so a fresh clone does not rebuild.
+#
+# usage: scripts/build_lib.sh [DEST]        (PORTABLE=1 for run-time CPU variants)
+set -euo pipefail
+
+PKG_VERSION=0.3.36
+PKG_SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
+SHORT=${PKG_SHA256:0:12}
+CACHE=${OFFGRID_CACHE:-$HOME/.cache/offgrid}
+DEST=${1:-lib}
+PORTABLE=${PORTABLE:-0}
+FLAVOUR=$([ "$PORTABLE" = 1 ] && echo portable || echo native)
+
+SDIST_DIR=$CACHE/llama-cpp-python-$PKG_VERSION-$SHORT
+SDIST=$SDIST_DIR/llama_cpp_python-$PKG_VERSION.tar.gz
+SRC=$SDIST_DIR/src/llama_cpp_python-$PKG_VERSION/vendor/llama.cpp
+BUILD=$CACHE/build-$PKG_VERSION-$SHORT-$FLAVOUR
+INSTALLED=$BUILD/installed
+
+log() { echo "[make lib] $*" >&2; }
+
+fetch_source() {
+    mkdir -p "$SDIST_DIR"
+    if [ ! -f "$SDIST" ]; then
+        log "downloading llama-cpp-python==$PKG_VERSION sdist (pinned llama.cpp source)"
+        local tmp; tmp=$(mktemp -d "$SDIST_DIR/dl.XXXXXX")
+        python3 -m pip download --quiet --no-deps --no-binary :all: --no-build-isolation \
+            "llama-cpp-python==$PKG_VERSION" -d "$tmp" 2>/dev/null \
+          || python3 -m pip download --quiet --no-deps --no-binary :all: \
+            "llama-cpp-python==$PKG_VERSION" -d "$tmp"
+        mv "$tmp/llama_cpp_python-$PKG_VERSION.tar.gz" "$SDIST"
+        rm -rf "$tmp"
+    fi
+    local got; got=$(sha256sum "$SDIST" | cut -d' ' -f1)
+    if [ "$got" != "$PKG_SHA256" ]; then
+        log "sha256 mismatch for $SDIST: got $got, want $PKG_SHA256"
+        rm -f "$SDIST"; exit 1
+    fi
+    if [ ! -f "$SRC/include/llama.h" ]; then
+        log "unpacking"
+        rm -rf "$SDIST_DIR/src"; mkdir -p "$SDIST_DIR/src"
+        tar xzf "$SDIST" -C "$SDIST_DIR/src"
+    fi
+}
+
+build() {
+    if [ -f "$INSTALLED/.done" ]; then
+        log "cached build: $INSTALLED"
+        return
+    fi
+    local cpu_flags
+    if [ "$PORTABLE" = 1 ]; then
+        cpu_flags="-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON"
+    else
+        cpu_flags="-DGGML_NATIVE=ON"
+    fi
+    log "configuring ($FLAVOUR) in $BUILD"
+    # shellcheck disable=SC2086
+    cmake -S "$SRC" -B "$BUILD/cmake" -DCMAKE_BUILD_TYPE=Release \
+        -DBUILD_SHARED_LIBS=ON -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_TESTS=OFF \
+        -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+        -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DGGML_OPENMP=OFF \
+        -DCMAKE_INSTALL_RPATH='$ORIGIN' -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON \
+        $cpu_flags >"$BUILD.configure.log" 2>&1 \
+      || { tail -30 "$BUILD.configure.log"; exit 1; }
+    log "building (about 2 minutes on 2 cores)"
+    cmake --build "$BUILD/cmake" --target llama -j "$(nproc)" >"$BUILD.build.log" 2>&1 \
+      || { tail -30 "$BUILD.build.log"; exit 1; }
+    if [ "$PORTABLE" = 1 ]; then
+        cmake --build "$BUILD/cmake" --target ggml-cpu -j "$(nproc)" >>"$BUILD.build.log" 2>&1 || true
+    fi
+    rm -rf "$INSTALLED"; mkdir -p "$INSTALLED"
+    find "$BUILD/cmake/bin" -maxdepth 1 \( -name 'libllama.so*' -o -name 'libggml*.so*' \) \
+        -exec cp -a {} "$INSTALLED/" \;
+    touch "$INSTALLED/.done"
+}
+
+fetch_source
+build
+mkdir -p "$DEST"
+rm -f "$DEST"/libllama.so* "$DEST"/libggml*.so*
+cp -a "$INSTALLED"/lib*.so* "$DEST/"
+ln -sfn "$SRC" "$CACHE/llama.cpp"   # stable path to the pinned source (llama.h, models/)
+log "installed into $DEST: $(cd "$DEST" && ls lib*.so* | tr '\n' ' ')"
