@@ -1,0 +1,1 @@
+"""The HTTP server: http (adapter) -> endpoints -> service (pool, supersede) -> engine."""

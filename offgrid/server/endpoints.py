@@ -1,0 +1,355 @@
+"""One function per endpoint, and the table from path to function.
+
+Each function gets the Handler and the parsed JSON body (None for GET),
+turns the body into typed requests (``params``), runs them through the
+Service and writes the response (``formats``).  Errors are raised, never
+written here.
+"""
+
+from collections import namedtuple
+
+from .. import __version__
+from ..infill import build_infill_prompt, InfillRequest
+from ..session import FinishReason
+from . import chat, formats
+from .errors import BadRequest, Unavailable
+from .params import (Fields, generation_from, id_slot_from, infill_from, messages_from,
+                     prompt_from, response_fields_from, tokens_of, MAX_N_CMPL)
+
+Route = namedtuple("Route", "handler methods auth needs_service")
+
+# Room kept free for generation when /infill fits extra context into the
+# window and the request sets no n_predict.
+INFILL_GENERATION_RESERVE = 256
+
+
+# -- health, props, models, metrics -------------------------------------------------
+
+def health(h, _body):
+    if h.service is None:
+        h.send_json(503, {"status": "loading",
+                          "error": {"code": 503, "message": "Loading model",
+                                    "type": "unavailable_error"}})
+    elif h.service.state != "ready":
+        h.send_json(503, {"status": "shutting down",
+                          "error": {"code": 503, "message": "server is shutting down",
+                                    "type": "unavailable_error"}})
+    else:
+        h.send_json(200, {"status": "ok"})
+
+
+def props(h, _body):
+    svc = h.service
+    e = svc.text
+    from ..session import GenerationParams
+    defaults = GenerationParams(n_predict=svc.n_predict_default)
+    settings = formats.generation_settings(defaults, e.n_ctx, e.id)
+    h.send_json(200, {
+        "default_generation_settings": {
+            "id": 0, "id_task": -1, "n_ctx": e.n_ctx, "speculative": False,
+            "is_processing": e.pool.n_busy > 0, "params": settings, "prompt": "",
+            "next_token": {"has_next_token": True, "has_new_line": False, "n_remain": -1,
+                           "n_decoded": 0, "stopping_word": ""},
+        },
+        "total_slots": len(e.pool.sessions),
+        "model_alias": e.id,
+        "model_path": e.path,
+        "chat_template": e.model.chat_template or "",
+        "chat_template_caps": {},
+        "modalities": {"vision": False, "audio": False},
+        "build_info": "offgrid-" + __version__,
+        "is_sleeping": False,
+        "infill": svc.fim.model.has_fim,
+    })
+
+
+def models(h, _body):
+    data = []
+    for e in h.service.entries:
+        m = e.model
+        data.append({
+            "id": e.id, "object": "model", "created": int(h.service.metrics.started),
+            "owned_by": "offgrid", "aliases": e.aliases,
+            "meta": {"n_vocab": m.n_vocab, "n_ctx_train": m.n_ctx_train, "n_embd": m.n_embd,
+                     "n_params": m.n_params, "size": m.size, "n_ctx": e.n_ctx,
+                     "fim": m.has_fim},
+        })
+    h.send_json(200, {"object": "list", "data": data})
+
+
+def slots(h, _body):
+    out = []
+    for e in h.service.entries:
+        for i, s in enumerate(e.pool.sessions):
+            out.append({"id": i, "model": e.id, "n_ctx": e.n_ctx,
+                        "is_processing": e.pool.is_busy(s), "n_cached": len(s.cached)})
+    h.send_json(200, out)
+
+
+def metrics(h, _body):
+    svc = h.service
+    m = svc.metrics
+    busy = sum(e.pool.n_busy for e in svc.entries)
+    idle = sum(e.pool.n_idle for e in svc.entries)
+    waiting = sum(e.pool.n_waiting for e in svc.entries)
+    lines = [
+        ("counter", "llamacpp:prompt_tokens_total", "Prompt tokens evaluated.", m.prompt_tokens),
+        ("counter", "llamacpp:prompt_seconds_total", "Prompt evaluation time.", m.prompt_seconds),
+        ("counter", "llamacpp:tokens_predicted_total", "Tokens generated.", m.predicted_tokens),
+        ("counter", "llamacpp:tokens_predicted_seconds_total", "Generation time.",
+         m.predicted_seconds),
+        ("gauge", "llamacpp:requests_processing", "Requests running.", busy),
+        ("gauge", "llamacpp:requests_deferred", "Requests waiting for a session.", waiting),
+        ("counter", "offgrid_prompt_tokens_cached_total", "Prompt tokens reused from the cache.",
+         m.cached_tokens),
+        ("counter", "offgrid_requests_cancelled_total", "Requests cancelled (superseded, "
+         "disconnected or shut down).", m.cancelled),
+        ("counter", "offgrid_requests_superseded_total", "Requests cancelled by a newer one "
+         "with the same id_slot.", svc.supersede.superseded),
+        ("counter", "offgrid_errors_total", "Requests answered with a 5xx error.", m.errors),
+        ("gauge", "offgrid_sessions_busy", "Sessions running a request.", busy),
+        ("gauge", "offgrid_sessions_idle", "Sessions free.", idle),
+        ("gauge", "offgrid_queue_length", "Requests waiting for a session.", waiting),
+    ]
+    out = []
+    for kind, name, help_text, value in lines:
+        out += ["# HELP %s %s" % (name, help_text), "# TYPE %s %s" % (name, kind),
+                "%s %s" % (name, value)]
+    out += ["# HELP offgrid_requests_total Requests by endpoint.",
+            "# TYPE offgrid_requests_total counter"]
+    for endpoint, n in sorted(m.requests.items()):
+        out.append('offgrid_requests_total{endpoint="%s"} %d' % (endpoint, n))
+    h.send_text(200, "\n".join(out) + "\n")
+
+
+# -- tokens -------------------------------------------------------------------------
+
+def tokenize(h, body):
+    f = Fields(body)
+    model = h.service.entry_for(f.raw("model")).model
+    content = f.str("content")
+    if content is None:
+        raise BadRequest("'content' is required")
+    tokens = model.tokenize(content, add_special=f.bool("add_special", False),
+                            parse_special=f.bool("parse_special", True))
+    if f.bool("with_pieces", False):
+        out = []
+        for t in tokens:
+            piece = model.token_text(t)
+            try:
+                out.append({"id": t, "piece": piece.decode("utf-8")})
+            except UnicodeDecodeError:
+                out.append({"id": t, "piece": list(piece)})
+        h.send_json(200, {"tokens": out})
+    else:
+        h.send_json(200, {"tokens": tokens})
+
+
+def detokenize(h, body):
+    f = Fields(body)
+    model = h.service.entry_for(f.raw("model")).model
+    tokens = f.raw("tokens", [])
+    if not isinstance(tokens, list):
+        raise BadRequest("'tokens' must be a list of token ids")
+    model.check_tokens(tokens)
+    h.send_json(200, {"content": model.detokenize(tokens, special=True)})
+
+
+def apply_template(h, body):
+    f = Fields(body)
+    entry = h.service.entry_for(f.raw("model"))
+    messages = messages_from(f.raw("messages"))
+    h.send_json(200, {"prompt": chat.render(entry.model, messages)})
+
+
+# -- llama-server's native completions ---------------------------------------------
+
+def completion(h, body):
+    f = Fields(body)
+    svc = h.service
+    entry = svc.entry_for(f.raw("model"))
+    if not f.has("prompt"):
+        raise BadRequest('"prompt" must be provided')
+    prompt = prompt_from(f.raw("prompt"))
+    tokens = tokens_of(entry.model, prompt, add_special=True)
+    gen = generation_from(f, entry.model.n_vocab, svc.n_predict_default)
+    prompt_text = prompt.parts[0] if prompt.is_text else ""
+    _run_native(h, f, entry, tokens, gen, prompt_text, "completion")
+
+
+def infill(h, body):
+    f = Fields(body)
+    svc = h.service
+    entry = svc.entry_for(None, fim=True)
+    req = infill_from(f)
+    gen = generation_from(f, entry.model.n_vocab, svc.n_predict_default)
+    reserve = gen.n_predict if gen.n_predict > 0 else INFILL_GENERATION_RESERVE
+    tokens = build_infill_prompt(entry.model, req, entry.n_ctx, entry.n_batch, reserve)
+    _run_native(h, f, entry, tokens, gen, "", "infill")
+
+
+def _run_native(h, f, entry, tokens, gen, prompt_text, endpoint):
+    """Run /completion or /infill: one result, or an array for n_cmpl > 1."""
+    svc = h.service
+    svc.metrics.request(endpoint)
+    stream = f.bool("stream", False)
+    id_slot = id_slot_from(f)
+    fields = response_fields_from(f)
+    return_tokens = f.bool("return_tokens", False)
+    n_cmpl = f.int("n_cmpl", 1, lo=1, hi=MAX_N_CMPL)
+    es = h.event_stream() if stream else None
+    results = []
+    base_seed = gen.sampling.seed
+    for index in range(n_cmpl):
+        if index > 0 and base_seed is not None:
+            gen.sampling.seed = base_seed + index
+        counter = {"n": 0}
+
+        def on_piece(text, index=index, counter=counter):
+            counter["n"] += 1
+            return es.send(formats.native_partial(text, index, id_slot, counter["n"],
+                                                  len(tokens)))
+
+        c = svc.generate(entry, tokens, gen, id_slot, on_piece if stream else None,
+                         sock=h.connection)
+        obj = formats.native_final(c, entry.id, gen, entry.n_ctx, id_slot, prompt_text,
+                                   index=index, stream=stream, return_tokens=return_tokens)
+        if stream:
+            obj["content"] = ""     # the pieces already carried it, as in llama-server
+        if fields:
+            obj = formats.select_fields(obj, fields)
+        results.append(obj)
+        if stream:
+            es.send(obj)
+        if c.finish_reason is FinishReason.CANCELLED:
+            break
+    if stream:
+        es.end()
+    else:
+        h.send_json(200, results[0] if n_cmpl == 1 else results)
+
+
+# -- OpenAI -------------------------------------------------------------------------
+
+def _openai_checks(f):
+    if f.int("n", 1) != 1:
+        raise BadRequest("'n' must be 1: offgrid returns one choice per request")
+    if f.int("best_of", 1) != 1:
+        raise BadRequest("'best_of' must be 1: offgrid does not rank several completions")
+    if f.bool("echo", False):
+        raise BadRequest("'echo' is not supported: the response never repeats the prompt")
+    lp = f.raw("logprobs")
+    if lp not in (None, False, 0):
+        raise BadRequest("'logprobs' is not supported by offgrid yet")
+
+
+def _include_usage(f):
+    so = f.raw("stream_options")
+    if so is None:
+        return False
+    if not isinstance(so, dict):
+        raise BadRequest("'stream_options' must be an object")
+    return Fields(so, "stream_options").bool("include_usage", False)
+
+
+def v1_completions(h, body):
+    f = Fields(body)
+    svc = h.service
+    _openai_checks(f)
+    suffix = f.str("suffix")
+    if not f.has("prompt"):
+        raise BadRequest("'prompt' is required")
+    prompt = prompt_from(f.raw("prompt"))
+    if suffix is not None:
+        if not prompt.is_text:
+            raise BadRequest("with 'suffix', 'prompt' must be a string")
+        entry = svc.entry_for(None, fim=True)
+        gen = generation_from(f, entry.model.n_vocab, svc.n_predict_default,
+                              ("max_tokens", "n_predict"))
+        reserve = gen.n_predict if gen.n_predict > 0 else INFILL_GENERATION_RESERVE
+        req = InfillRequest(input_prefix=prompt.parts[0], input_suffix=suffix)
+        tokens = build_infill_prompt(entry.model, req, entry.n_ctx, entry.n_batch, reserve)
+    else:
+        entry = svc.entry_for(f.raw("model"))
+        gen = generation_from(f, entry.model.n_vocab, svc.n_predict_default,
+                              ("max_tokens", "n_predict"))
+        tokens = tokens_of(entry.model, prompt, add_special=True)
+    svc.metrics.request("v1/completions")
+    stream = f.bool("stream", False)
+    id_slot = id_slot_from(f)
+    cid, created = formats.new_id("cmpl"), formats.now()
+    if not stream:
+        c = svc.generate(entry, tokens, gen, id_slot, sock=h.connection)
+        h.send_json(200, formats.oai_completion(c, entry.id, cid, created))
+        return
+    include_usage = _include_usage(f)
+    es = h.event_stream()
+
+    def on_piece(text):
+        return es.send(formats.oai_completion_chunk(text, entry.id, cid, created))
+
+    c = svc.generate(entry, tokens, gen, id_slot, on_piece, sock=h.connection)
+    es.send(formats.oai_completion_chunk("", entry.id, cid, created, formats.finish_reason(c)))
+    if include_usage:
+        es.send(formats.oai_usage_chunk(c, "text_completion", entry.id, cid, created))
+    es.send(b"[DONE]")
+    es.end()
+
+
+def chat_completions(h, body):
+    f = Fields(body)
+    svc = h.service
+    _openai_checks(f)
+    entry = svc.entry_for(f.raw("model"))
+    messages = messages_from(f.raw("messages"))
+    prompt = chat.render(entry.model, messages)
+    tokens = entry.model.tokenize(prompt, add_special=True, parse_special=True)
+    gen = generation_from(f, entry.model.n_vocab, svc.n_predict_default,
+                          ("max_completion_tokens", "max_tokens", "n_predict"))
+    svc.metrics.request("v1/chat/completions")
+    stream = f.bool("stream", False)
+    id_slot = id_slot_from(f)
+    cid, created = formats.new_id("chatcmpl"), formats.now()
+    if not stream:
+        c = svc.generate(entry, tokens, gen, id_slot, sock=h.connection)
+        h.send_json(200, formats.oai_chat(c, entry.id, cid, created))
+        return
+    include_usage = _include_usage(f)
+    es = h.event_stream()
+    es.send(formats.oai_chat_chunk({"role": "assistant", "content": ""}, entry.id, cid, created))
+
+    def on_piece(text):
+        return es.send(formats.oai_chat_chunk({"content": text}, entry.id, cid, created))
+
+    c = svc.generate(entry, tokens, gen, id_slot, on_piece, sock=h.connection)
+    es.send(formats.oai_chat_chunk({}, entry.id, cid, created, formats.finish_reason(c)))
+    if include_usage:
+        es.send(formats.oai_usage_chunk(c, "chat.completion.chunk", entry.id, cid, created))
+    es.send(b"[DONE]")
+    es.end()
+
+
+# -- the table ------------------------------------------------------------------------
+
+_GET, _POST = ("GET",), ("POST",)
+
+ROUTES = {
+    "/health": Route(health, _GET, False, False),
+    "/v1/health": Route(health, _GET, False, False),
+    "/props": Route(props, _GET, True, True),
+    "/models": Route(models, _GET, True, True),
+    "/v1/models": Route(models, _GET, True, True),
+    "/slots": Route(slots, _GET, True, True),
+    "/metrics": Route(metrics, _GET, True, True),
+    "/tokenize": Route(tokenize, _POST, True, True),
+    "/detokenize": Route(detokenize, _POST, True, True),
+    "/apply-template": Route(apply_template, _POST, True, True),
+    "/completion": Route(completion, _POST, True, True),
+    "/completions": Route(completion, _POST, True, True),
+    "/infill": Route(infill, _POST, True, True),
+    "/v1/completions": Route(v1_completions, _POST, True, True),
+    "/v1/chat/completions": Route(chat_completions, _POST, True, True),
+    "/chat/completions": Route(chat_completions, _POST, True, True),
+}
+
+__all__ = ["ROUTES", "Unavailable"]

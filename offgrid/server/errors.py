@@ -1,0 +1,72 @@
+"""HTTP errors, and the one place where engine errors become HTTP statuses.
+
+Handlers raise HTTPError (or one of its subclasses) instead of writing error
+responses by hand; engine code raises offgrid.errors exceptions.  Both end in
+``to_http_error`` and are sent by ``Handler.send_json_error`` in OpenAI's
+shape: ``{"error": {"code": 400, "message": "...", "type": "invalid_request_error"}}``.
+"""
+
+from .. import errors
+
+
+class HTTPError(Exception):
+    """An error response: status, message, and OpenAI's error ``type``."""
+    status = 500
+    type = "server_error"
+
+    def __init__(self, message, status=None, type=None, headers=None):
+        super().__init__(message)
+        self.message = message
+        if status is not None:
+            self.status = status
+        if type is not None:
+            self.type = type
+        self.headers = headers or {}
+
+    def body(self):
+        return {"error": {"code": self.status, "message": self.message, "type": self.type}}
+
+
+class BadRequest(HTTPError):
+    status, type = 400, "invalid_request_error"
+
+
+class Unauthorized(HTTPError):
+    status, type = 401, "authentication_error"
+
+
+class NotFound(HTTPError):
+    status, type = 404, "not_found_error"
+
+
+class MethodNotAllowed(HTTPError):
+    status, type = 405, "invalid_request_error"
+
+
+class PayloadTooLarge(HTTPError):
+    status, type = 413, "invalid_request_error"
+
+
+class NotImplementedByModel(HTTPError):
+    status, type = 501, "not_supported_error"
+
+
+class Unavailable(HTTPError):
+    status, type = 503, "unavailable_error"
+
+
+def to_http_error(exc):
+    """Map any exception to the HTTPError the client should see."""
+    if isinstance(exc, HTTPError):
+        return exc
+    if isinstance(exc, errors.NotSupported):
+        return NotImplementedByModel(str(exc))
+    if isinstance(exc, errors.ContextFull):
+        return BadRequest(str(exc), type="exceed_context_size_error")
+    if isinstance(exc, errors.InvalidRequest):
+        return BadRequest(str(exc))
+    if isinstance(exc, errors.DecodeError):
+        return HTTPError("inference failed: %s; the session was reset" % exc)
+    if isinstance(exc, errors.OffgridError):
+        return HTTPError(str(exc))
+    return HTTPError("internal error: %s: %s" % (type(exc).__name__, exc))

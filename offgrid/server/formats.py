@@ -1,0 +1,230 @@
+"""Response bodies, field for field as the clients read them.
+
+Two families:
+  * llama-server's native shape (``/completion``, ``/infill``): ``content``,
+    ``stop``, ``stop_type``, ``tokens_cached``, ``generation_settings``,
+    ``timings`` ...; streams send ``{"content": piece, "stop": false}`` events
+    and then the final object.
+  * OpenAI's (``/v1/completions``, ``/v1/chat/completions``): ``choices``,
+    ``usage``, ``finish_reason``; streams end with ``data: [DONE]``.
+
+Functions here are pure: typed results in, dicts out.
+"""
+
+import time
+import uuid
+
+from ..session import FinishReason
+
+
+def timings(usage):
+    """llama-server's ``timings`` object.
+
+    As llama-server counts, the first generated token comes with the prompt's
+    logits, so per-token generation figures divide by n-1 decode steps.
+    """
+    n_gen = usage.completion_tokens
+    steps = max(n_gen - 1, 0)
+    prompt_n = usage.evaluated_tokens
+    return {
+        "cache_n": usage.cached_tokens,
+        "prompt_n": prompt_n,
+        "prompt_ms": usage.prompt_ms,
+        "prompt_per_token_ms": usage.prompt_ms / prompt_n if prompt_n else 0.0,
+        "prompt_per_second": 1000.0 * prompt_n / usage.prompt_ms if usage.prompt_ms > 0 else 0.0,
+        "predicted_n": n_gen,
+        "predicted_ms": usage.generation_ms,
+        "predicted_per_token_ms": usage.generation_ms / steps if steps else 0.0,
+        "predicted_per_second": 1000.0 * steps / usage.generation_ms
+        if steps and usage.generation_ms > 0 else 0.0,
+    }
+
+
+def generation_settings(gen, n_ctx, model_name, stream=False):
+    """llama-server's ``generation_settings`` for a request's GenerationParams."""
+    s = gen.sampling
+    return {
+        "n_ctx": n_ctx,
+        "n_predict": gen.n_predict,
+        "model": model_name,
+        "seed": s.seed if s.seed is not None else 0xFFFFFFFF,
+        "temperature": s.temperature,
+        "dynatemp_range": s.dynatemp_range,
+        "dynatemp_exponent": s.dynatemp_exponent,
+        "top_k": s.top_k,
+        "top_p": s.top_p,
+        "min_p": s.min_p,
+        "typical_p": s.typical_p,
+        "repeat_last_n": s.repeat_last_n,
+        "repeat_penalty": s.repeat_penalty,
+        "presence_penalty": s.presence_penalty,
+        "frequency_penalty": s.frequency_penalty,
+        "max_tokens": gen.n_predict,
+        "n_keep": 0,
+        "n_discard": 0,
+        "ignore_eos": gen.ignore_eos,
+        "stream": stream,
+        "n_probs": 0,
+        "min_keep": 0,
+        "samplers": list(s.samplers),
+        "stop": list(gen.stop),
+        "n_indent": gen.n_indent,
+        "t_max_predict_ms": gen.t_max_predict_ms,
+        "cache_prompt": gen.cache_prompt,
+        "logit_bias": [[t, b if b != float("-inf") else False] for t, b in s.logit_bias],
+        "timings_per_token": False,
+        "lora": [],
+    }
+
+
+def native_final(c, model_name, gen, n_ctx, id_slot, prompt_text, index=0, stream=False,
+                 return_tokens=False):
+    """The final object of /completion and /infill."""
+    return {
+        "index": index,
+        "content": c.text,
+        "tokens": list(c.tokens) if return_tokens else [],
+        "id_slot": id_slot,
+        "stop": True,
+        "model": model_name,
+        "tokens_predicted": c.usage.completion_tokens,
+        "tokens_evaluated": c.usage.prompt_tokens,
+        "generation_settings": generation_settings(gen, n_ctx, model_name, stream),
+        "prompt": prompt_text,
+        "has_new_line": "\n" in c.text,
+        "truncated": c.truncated,
+        "stop_type": c.stop_type,
+        "stopping_word": c.stopping_word,
+        "tokens_cached": c.usage.cached_tokens,
+        "timings": timings(c.usage),
+    }
+
+
+def native_partial(piece, index, id_slot, n_predicted, n_evaluated):
+    """One streamed piece of /completion and /infill."""
+    return {
+        "index": index,
+        "content": piece,
+        "tokens": [],
+        "stop": False,
+        "id_slot": id_slot,
+        "tokens_predicted": n_predicted,
+        "tokens_evaluated": n_evaluated,
+    }
+
+
+def select_fields(obj, paths):
+    """llama-server's ``response_fields``: each path ``a/b`` becomes a top-level key.
+
+    Paths that do not exist are left out, as llama-server leaves them out.
+    """
+    out = {}
+    for path in paths:
+        cur, ok = obj, True
+        for key in path.split("/"):
+            if isinstance(cur, dict) and key in cur:
+                cur = cur[key]
+            else:
+                ok = False
+                break
+        if ok:
+            out[path] = cur
+    return out
+
+
+# -- OpenAI ---------------------------------------------------------------------
+
+def new_id(prefix):
+    return "%s-%s" % (prefix, uuid.uuid4().hex[:24])
+
+
+def finish_reason(c):
+    return c.finish_reason.value
+
+
+def usage(c):
+    u = c.usage
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }
+
+
+def oai_completion(c, model_name, cid, created):
+    return {
+        "id": cid,
+        "object": "text_completion",
+        "created": created,
+        "model": model_name,
+        "system_fingerprint": _FINGERPRINT,
+        "choices": [{"text": c.text, "index": 0, "logprobs": None,
+                     "finish_reason": finish_reason(c)}],
+        "usage": usage(c),
+        "timings": timings(c.usage),
+    }
+
+
+def oai_completion_chunk(text, model_name, cid, created, finish=None):
+    return {
+        "id": cid,
+        "object": "text_completion",
+        "created": created,
+        "model": model_name,
+        "system_fingerprint": _FINGERPRINT,
+        "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}],
+    }
+
+
+def oai_chat(c, model_name, cid, created, message=None, finish=None):
+    msg = message or {"role": "assistant", "content": c.text}
+    return {
+        "id": cid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model_name,
+        "system_fingerprint": _FINGERPRINT,
+        "choices": [{"index": 0, "message": msg, "logprobs": None,
+                     "finish_reason": finish or finish_reason(c)}],
+        "usage": usage(c),
+        "timings": timings(c.usage),
+    }
+
+
+def oai_chat_chunk(delta, model_name, cid, created, finish=None):
+    return {
+        "id": cid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model_name,
+        "system_fingerprint": _FINGERPRINT,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+    }
+
+
+def oai_usage_chunk(c, obj, model_name, cid, created):
+    """The extra chunk ``stream_options.include_usage`` asks for: no choices, usage."""
+    return {
+        "id": cid,
+        "object": obj,
+        "created": created,
+        "model": model_name,
+        "system_fingerprint": _FINGERPRINT,
+        "choices": [],
+        "usage": usage(c),
+        "timings": timings(c.usage),
+    }
+
+
+def now():
+    return int(time.time())
+
+
+def _fingerprint():
+    from .. import __version__
+    return "offgrid-" + __version__
+
+
+_FINGERPRINT = _fingerprint()
+__all__ = ["FinishReason"]

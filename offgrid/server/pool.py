@@ -1,0 +1,122 @@
+"""Sessions shared between requests: the pool, and the supersede table.
+
+ChatPool hands out a model's ``--parallel`` ChatSessions.  Requests wait in
+arrival order; a freed session goes to the oldest waiter, and among free
+sessions a request gets the one whose cache shares the longest prefix with its
+prompt, so an editor keeps landing on its warm cache.
+
+Supersede is llama-server's ``id_slot`` turned into what editors want: a
+newer request with the same key cancels the older one, whether it is running
+(it ends with what it has) or still waiting (it is answered empty at once).
+
+Lock order: a RequestCancel's lock may be taken before the pool's condition
+(cancel hooks notify it), never the other way round.
+"""
+
+import collections
+import threading
+
+from .errors import Unavailable
+
+
+class ChatPool:
+    """A fixed set of sessions behind a lock and a condition."""
+
+    def __init__(self, sessions):
+        self.sessions = list(sessions)
+        self._free = list(sessions)
+        self._cond = threading.Condition()
+        self._queue = collections.deque()       # waiting tickets, oldest first
+        self._closed = False
+
+    # -- counters for /metrics and /slots -------------------------------------
+    @property
+    def n_busy(self):
+        return len(self.sessions) - len(self._free)
+
+    @property
+    def n_idle(self):
+        return len(self._free)
+
+    @property
+    def n_waiting(self):
+        return len(self._queue)
+
+    def is_busy(self, session):
+        return session not in self._free
+
+    # -- acquire / release ----------------------------------------------------
+    def acquire(self, tokens, cancel):
+        """Wait for a session; returns it, or None if ``cancel`` fired first.
+
+        Raises Unavailable once the pool is shutting down.
+        """
+        wake = self._notify
+        cancel.attach(wake)     # outside the condition: see the lock order above
+        try:
+            with self._cond:
+                ticket = object()
+                self._queue.append(ticket)
+                try:
+                    while True:
+                        if self._closed:
+                            raise Unavailable("server is shutting down")
+                        if cancel.cancelled:
+                            return None
+                        if self._free and self._queue[0] is ticket:
+                            session = max(self._free, key=lambda s: s.common_prefix(tokens))
+                            self._free.remove(session)
+                            return session
+                        self._cond.wait()
+                finally:
+                    self._queue.remove(ticket)
+                    # the next waiter may now be first in line for a free session
+                    self._cond.notify_all()
+        finally:
+            cancel.detach(wake)
+
+    def release(self, session):
+        with self._cond:
+            if session not in self._free:
+                self._free.append(session)
+            self._cond.notify_all()
+
+    def _notify(self):
+        with self._cond:
+            self._cond.notify_all()
+
+    def close(self):
+        """Refuse new and waiting requests (503); running ones keep their session."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def wait_idle(self, timeout):
+        """Wait until every session is back; returns whether they all are."""
+        with self._cond:
+            return self._cond.wait_for(lambda: len(self._free) == len(self.sessions), timeout)
+
+
+class Supersede:
+    """The latest request per key; registering a newer one cancels the older."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._latest = {}
+        self.superseded = 0     # how many requests were cancelled this way
+
+    def register(self, key, cancel):
+        """Make ``cancel`` the latest request for ``key``, cancelling the previous one."""
+        with self._lock:
+            old = self._latest.get(key)
+            self._latest[key] = cancel
+        if old is not None and old is not cancel:
+            if not old.cancelled:
+                self.superseded += 1
+            old.cancel("superseded")
+
+    def unregister(self, key, cancel):
+        """Forget ``cancel`` if it is still the latest for ``key`` (it never lingers)."""
+        with self._lock:
+            if self._latest.get(key) is cancel:
+                del self._latest[key]

@@ -1,0 +1,163 @@
+"""A real offgrid server in a subprocess, and a small HTTP client for tests.
+
+ServerProcess runs ``python -m offgrid`` on a free loopback port, waits for
+its "listening on" line, and stops it with SIGTERM, returning the exit code.
+The client helpers use http.client directly, so tests control connections,
+bodies and headers exactly (the openai package is used where a test is about
+that client).
+"""
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``python -m offgrid`` with the given flags; use as a context manager."""
+
+    def __init__(self, model, *args, threads=2, ctx=2048, startup_timeout=120):
+        self.port = free_port()
+        self.host = "127.0.0.1"
+        self.args = ["-m", str(model), "--port", str(self.port), "-t", str(threads),
+                     "-c", str(ctx)] + [str(a) for a in args]
+        self.startup_timeout = startup_timeout
+        self.proc = None
+        self.output = []
+        self._reader = None
+
+    @property
+    def base(self):
+        return "http://%s:%d" % (self.host, self.port)
+
+    def start(self):
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "offgrid"] + self.args, cwd=str(ROOT),
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                     text=True)
+        ready = threading.Event()
+
+        def read():
+            for line in self.proc.stdout:
+                self.output.append(line)
+                if line.startswith("listening on http://"):
+                    ready.set()
+        self._reader = threading.Thread(target=read, daemon=True)
+        self._reader.start()
+        deadline = time.monotonic() + self.startup_timeout
+        while not ready.wait(0.1):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError("offgrid did not start:\n" + "".join(self.output))
+        return self
+
+    def stop(self, timeout=60):
+        """SIGTERM, then wait; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError("offgrid did not exit within %ss of SIGTERM:\n%s"
+                                 % (timeout, "".join(self.output)))
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        if self.proc and self.proc.poll() is None:
+            self.stop()
+
+    # -- client helpers ------------------------------------------------------
+    def conn(self, timeout=120):
+        return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+
+    def request(self, method, path, body=None, headers=None, timeout=120, raw=None):
+        """One request on a new connection; returns (status, headers, parsed body)."""
+        c = self.conn(timeout)
+        try:
+            data = raw if raw is not None else (json.dumps(body).encode() if body is not None
+                                                else None)
+            h = {"Content-Type": "application/json"} if data is not None else {}
+            h.update(headers or {})
+            c.request(method, path, body=data, headers=h)
+            r = c.getresponse()
+            payload = r.read()
+            ctype = r.getheader("Content-Type", "")
+            parsed = json.loads(payload) if "json" in ctype else payload.decode("utf-8", "replace")
+            return r.status, dict(r.getheaders()), parsed
+        finally:
+            c.close()
+
+    def get(self, path, **kw):
+        return self.request("GET", path, **kw)
+
+    def post(self, path, body, **kw):
+        return self.request("POST", path, body, **kw)
+
+    def stream(self, path, body, headers=None, timeout=120):
+        """POST a streaming request; returns (status, [event payloads as parsed JSON or str])."""
+        c = self.conn(timeout)
+        try:
+            h = {"Content-Type": "application/json"}
+            h.update(headers or {})
+            c.request("POST", path, body=json.dumps(body).encode(), headers=h)
+            r = c.getresponse()
+            if r.status != 200:
+                return r.status, [json.loads(r.read())]
+            assert r.getheader("Content-Type", "").startswith("text/event-stream")
+            return r.status, parse_sse(r.read().decode("utf-8"))
+        finally:
+            c.close()
+
+    def metrics(self):
+        """/metrics as {name: value} (labels kept in the name)."""
+        status, _, text = self.get("/metrics")
+        assert status == 200
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def wait_idle(self, timeout=30):
+        """Wait until no session is busy and nobody queues; returns the metrics."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if m["offgrid_sessions_busy"] == 0 and m["offgrid_queue_length"] == 0:
+                return m
+            if time.monotonic() > deadline:
+                raise AssertionError("sessions still busy after %ss: %r" % (timeout, m))
+            time.sleep(0.05)
+
+
+def parse_sse(text):
+    """The data payloads of an event stream, JSON-decoded where they are JSON."""
+    events = []
+    for block in text.split("\n\n"):
+        for line in block.splitlines():
+            if line.startswith("data: "):
+                data = line[len("data: "):]
+                try:
+                    events.append(json.loads(data))
+                except ValueError:
+                    events.append(data)
+    return events
