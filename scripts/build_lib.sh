@@ -8,7 +8,16 @@
 # keyed by version + hash + build flavour, so a fresh clone does not rebuild.
 #
 # usage: scripts/build_lib.sh [DEST]        (PORTABLE=1 for run-time CPU variants)
+#        scripts/build_lib.sh --server       llama-server and llama-bench from the
+#                                            same source, for benchmarks and golden
+#                                            files; prints the folder holding them
 set -euo pipefail
+
+if [ "${1:-}" = "--server" ]; then
+    MODE=server; shift
+else
+    MODE=lib
+fi
 
 PKG_VERSION=0.3.36
 PKG_SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
@@ -82,7 +91,31 @@ build() {
     touch "$INSTALLED/.done"
 }
 
+# llama-server and llama-bench, statically linked against their own build of
+# the same source, so they never pick up lib/ by accident.
+build_server() {
+    local dir=$CACHE/llama-server-$PKG_VERSION-$SHORT
+    if [ -x "$dir/bin/llama-server" ] && [ -x "$dir/bin/llama-bench" ]; then
+        echo "$dir/bin"; return
+    fi
+    log "configuring llama-server in $dir (about 6 minutes on 2 cores)"
+    cmake -S "$SRC" -B "$dir/cmake" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+        -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF \
+        -DLLAMA_OPENSSL=OFF -DGGML_OPENMP=OFF -DGGML_NATIVE=ON >"$dir.configure.log" 2>&1 \
+      || { tail -30 "$dir.configure.log" >&2; exit 1; }
+    cmake --build "$dir/cmake" --target llama-server llama-bench -j "$(nproc)" \
+        >"$dir.build.log" 2>&1 || { tail -30 "$dir.build.log" >&2; exit 1; }
+    mkdir -p "$dir/bin"
+    cp "$dir/cmake/bin/llama-server" "$dir/cmake/bin/llama-bench" "$dir/bin/"
+    echo "$dir/bin"
+}
+
 fetch_source
+if [ "$MODE" = server ]; then
+    build_server
+    exit 0
+fi
 build
 mkdir -p "$DEST"
 rm -f "$DEST"/libllama.so* "$DEST"/libggml*.so*
