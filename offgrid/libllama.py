@@ -612,11 +612,17 @@ def builtin_chat_templates(lib):
 class ModelHandle:
     """Owns one ``struct llama_model *``; close() frees it exactly once."""
 
-    def __init__(self, lib, path, progress=None):
-        """Load ``path``; ``progress(fraction)`` is called while loading."""
+    def __init__(self, lib, path, progress=None, vocab_only=False):
+        """Load ``path``; ``progress(fraction)`` is called while loading.
+
+        ``vocab_only`` loads the tokenizer and metadata but no weights: enough
+        to tokenize, not to create a context.
+        """
         self.lib = lib
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0      # offgrid targets the CPU
+        params.vocab_only = vocab_only
+        self.vocab_only = vocab_only
         if progress is not None:
             def on_progress(fraction, _user_data):
                 progress(fraction)

@@ -44,6 +44,7 @@ class Model:
       add_bos             whether tokenizing a prompt should prepend BOS
       meta                GGUF metadata, key -> value as a string
       chat_template       the model's Jinja template text, or None
+      vocab_only          loaded without weights: it tokenizes but cannot generate
     """
 
     def __init__(self, handle, path):
@@ -51,6 +52,7 @@ class Model:
         self.lib = handle.lib
         self.path = str(path)
         self.name = os.path.basename(self.path)
+        self.vocab_only = handle.vocab_only
         lib, vocab = self.lib, handle.vocab
         self._vocab = vocab
         self.n_vocab = lib.llama_vocab_n_tokens(vocab)
@@ -94,13 +96,17 @@ class Model:
         self._lock = threading.Lock()
 
     @classmethod
-    def load(cls, path, lib_path=None, progress=True, verbose=False):
-        """Load a GGUF file.  Raises ModelLoadError (or LibraryError)."""
+    def load(cls, path, lib_path=None, progress=True, verbose=False, vocab_only=False):
+        """Load a GGUF file.  Raises ModelLoadError (or LibraryError).
+
+        With ``vocab_only`` only the tokenizer and metadata are loaded (no
+        weights): the model can tokenize but cannot back a ChatSession.
+        """
         lib = libllama.load(lib_path, verbose=verbose)
         if not os.path.isfile(path):
             raise ModelLoadError("model file not found: %s" % path)
         show = _terminal_progress(os.path.basename(str(path))) if progress else None
-        handle = libllama.ModelHandle(lib, path, show)
+        handle = libllama.ModelHandle(lib, path, show, vocab_only=vocab_only)
         if not handle.ptr:
             raise ModelLoadError("libllama could not load the model %s "
                                  "(not a GGUF file, or an unsupported architecture)" % path)
@@ -156,12 +162,14 @@ class Model:
         """The bytes a token stands for when generated (special tokens render empty)."""
         piece = self._pieces.get(token)
         if piece is None:
+            self.check_tokens((token,))     # libllama throws through C for a bad id: abort
             piece = libllama.token_to_piece(self.lib, self._vocab, token, False)
             self._pieces[token] = piece
         return piece
 
     def token_text(self, token, special=True):
         """A token's text for display (``/tokenize`` with_pieces), special tokens rendered."""
+        self.check_tokens((token,))
         return libllama.token_to_piece(self.lib, self._vocab, token, special)
 
     def is_eog(self, token):

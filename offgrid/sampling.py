@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
 from . import libllama
+from .errors import InvalidRequest
 
 # llama-server's default sampler order (common_params_sampling::samplers);
 # a request may reorder or drop them with "samplers".
@@ -46,6 +47,7 @@ class SamplingParams:
     seed: Optional[int] = None          # None or -1: a random seed each request
     samplers: Tuple[str, ...] = DEFAULT_SAMPLERS
     logit_bias: List[Tuple[int, float]] = field(default_factory=list)
+    grammar: Optional[str] = None       # GBNF (rule "root"): only text it matches is sampled
 
     @property
     def greedy(self):
@@ -58,25 +60,33 @@ class SamplingParams:
                  or self.frequency_penalty != 0.0))
 
     def validate(self):
-        """Raise ValueError for values libllama must never see (NaN, inf, nonsense)."""
+        """Raise InvalidRequest for values libllama must never see (NaN, inf, nonsense)."""
         for name in ("temperature", "dynatemp_range", "dynatemp_exponent", "top_p", "min_p",
                      "typical_p", "repeat_penalty", "presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not math.isfinite(v):
-                raise ValueError("%s must be a finite number" % name)
+                raise InvalidRequest("%s must be a finite number" % name)
         if self.repeat_penalty < 0:
-            raise ValueError("repeat_penalty must not be negative")
+            raise InvalidRequest("repeat_penalty must not be negative")
         if self.repeat_last_n < -1:
-            raise ValueError("repeat_last_n must be -1 (the whole context) or more")
+            raise InvalidRequest("repeat_last_n must be -1 (the whole context) or more")
         for token, bias in self.logit_bias:
             if not math.isfinite(bias) and bias != -math.inf:
-                raise ValueError("logit_bias values must be numbers or -inf")
+                raise InvalidRequest("logit_bias values must be numbers or -inf")
 
 
-def build_sampler(lib, params, n_vocab, n_ctx, eog_tokens=()):
-    """A SamplerHandle for one request.  ``eog_tokens`` are banned (ignore_eos)."""
+def build_sampler(lib, params, n_vocab, n_ctx, eog_tokens=(), vocab=None):
+    """A SamplerHandle for one request.  ``eog_tokens`` are banned (ignore_eos).
+
+    A grammar needs the model's ``vocab`` and goes first in the chain, so the
+    samplers after it only ever see tokens the grammar allows.
+    """
     chain = libllama.SamplerHandle(lib)
     try:
+        if params.grammar is not None:
+            if vocab is None:
+                raise ValueError("build_sampler needs the model's vocab for a grammar")
+            chain.add(_grammar(lib, vocab, params.grammar))
         biases = list(params.logit_bias) + [(t, -math.inf) for t in eog_tokens]
         if biases:
             chain.add(chain.logit_bias(n_vocab, biases))
@@ -118,3 +128,16 @@ def _penalties(lib, params, n_vocab, n_ctx):
     last_n = n_ctx if params.repeat_last_n == -1 else params.repeat_last_n
     return lib.llama_sampler_init_penalties(n_vocab, last_n, params.repeat_penalty,
                                             params.frequency_penalty, params.presence_penalty)
+
+
+def _grammar(lib, vocab, grammar):
+    ptr = lib.llama_sampler_init_grammar(vocab, grammar.encode("utf-8"), b"root")
+    if not ptr:
+        raise InvalidRequest("the grammar is not valid GBNF with a 'root' rule "
+                             "(the server log says where)")
+    return ptr
+
+
+def check_grammar(lib, vocab, grammar):
+    """Raise InvalidRequest unless libllama accepts ``grammar``; nothing is kept."""
+    lib.llama_sampler_free(_grammar(lib, vocab, grammar))

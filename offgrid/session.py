@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
 from . import libllama
-from .errors import ContextError, ContextFull, DecodeError
+from .errors import ContextError, ContextFull, DecodeError, InvalidRequest
 from .sampling import SamplingParams, build_sampler
 from .textstream import TextAssembler
 
@@ -120,6 +120,10 @@ class ChatSession:
 
     def __init__(self, model, n_ctx=4096, n_batch=512, n_ubatch=None, n_threads=None,
                  n_threads_batch=None, swa_full=True):
+        if model.vocab_only:
+            # libllama makes the context, then aborts the process at the first decode
+            raise ContextError("%s was loaded vocab-only: it can tokenize but not generate"
+                               % model.name)
         threads = n_threads or max(1, min(os.cpu_count() or 1, 8))
         n_ctx = min(n_ctx, model.n_ctx_train) if n_ctx and model.n_ctx_train > 0 else n_ctx
         # swa_full: models with sliding-window attention (gemma-3) otherwise
@@ -151,9 +155,15 @@ class ChatSession:
     def __exit__(self, *exc):
         self.close()
 
+    def _check_open(self):
+        # a freed context is a dangling pointer to libllama: refuse, do not crash
+        if self.closed:
+            raise ContextError("the session is closed")
+
     # -- cache ---------------------------------------------------------------
     def reset(self):
         """Forget the KV cache (after a failure, the cache may be inconsistent)."""
+        self._check_open()
         self.model.lib.llama_memory_clear(self._ctx.memory, True)
         self.cached = []
 
@@ -181,13 +191,15 @@ class ChatSession:
     def evaluate(self, tokens, cancel=None, cache_prompt=True):
         """Bring the KV cache to ``tokens``; returns how many came from the cache.
 
-        Raises ContextFull if ``tokens`` cannot fit, DecodeError on a libllama
-        failure (the cache is reset).  Returns early, with a partial cache, if
-        ``cancel`` fires.
+        Raises InvalidRequest if ``tokens`` is empty, ContextFull if it cannot
+        fit, InvalidToken for an id outside the vocabulary (before anything
+        reaches libllama), DecodeError on a libllama failure (the cache is
+        reset).  Returns early, with a partial cache, if ``cancel`` fires.
         """
+        self._check_open()
         self.model.check_tokens(tokens)
         if not tokens:
-            raise ContextFull("the prompt is empty")
+            raise InvalidRequest("the prompt is empty")
         if len(tokens) >= self.n_ctx:
             raise ContextFull("the prompt has %d tokens but the context holds %d; "
                               "shorten the prompt or start the server with a larger -c"

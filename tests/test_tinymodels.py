@@ -5,9 +5,10 @@ pin the two things those tests rely on: files libllama accepts, and exactly
 the FIM tokens each factory promises.
 """
 
-import math
-
 import pytest
+
+from offgrid.sampling import SamplingParams
+from offgrid.session import ChatSession, GenerationParams
 
 try:
     from . import gguf, tinymodels
@@ -16,14 +17,6 @@ except ImportError:  # tests/ is on sys.path rather than a package
     import tinymodels
 
 V = gguf.ValueType
-
-
-def _need_vocab():
-    path = tinymodels.vocab_path()
-    if not path.is_file():
-        pytest.skip("llama.cpp source not found at %s (run scripts/build_lib.sh, "
-                    "or set OFFGRID_LLAMA_SRC)" % tinymodels.llama_cpp_source())
-    return path
 
 
 # --------------------------------------------------------------------------
@@ -110,8 +103,8 @@ def test_tensor_data_of_the_wrong_size_is_refused():
         w.add_tensor("x", (4, 2), gguf.TensorType.F16, gguf.f16_bytes([0.0] * 4))
 
 
-def test_a_vocab_file_rewrites_byte_for_byte(tmp_path):
-    vocab = _need_vocab()
+def test_a_vocab_file_rewrites_byte_for_byte(llama_src, tmp_path):
+    vocab = tinymodels.vocab_path()
     w = gguf.Writer()
     for key, value in gguf.read(vocab).metadata.items():
         w.add(key, value)
@@ -124,36 +117,27 @@ def test_a_vocab_file_rewrites_byte_for_byte(tmp_path):
 # The tiny models
 # --------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    _need_vocab()
-    return tmp_path_factory.mktemp("tinymodels")
-
-
-def test_a_model_is_built_once_and_then_reused(model_dir):
-    first = tinymodels.fim_model(model_dir)
+def test_a_model_is_built_once_and_then_reused(tiny_dir):
+    first = tinymodels.fim_model(tiny_dir)
     mtime = first.stat().st_mtime_ns
 
-    again = tinymodels.fim_model(model_dir)
+    again = tinymodels.fim_model(tiny_dir)
 
     assert again == first
     assert again.stat().st_mtime_ns == mtime
 
 
-def test_each_variant_has_its_own_file(model_dir):
-    paths = {tinymodels.fim_model(model_dir), tinymodels.fim_model(model_dir, repo_tokens=False),
-             tinymodels.plain_model(model_dir)}
-    assert len(paths) == 3
+def test_each_variant_has_its_own_file(fim_model_path, fim_norepo_model_path, plain_model_path):
+    assert len({fim_model_path, fim_norepo_model_path, plain_model_path}) == 3
 
 
-def test_the_same_recipe_builds_the_same_bytes(model_dir, tmp_path):
-    assert tinymodels.plain_model(tmp_path).read_bytes() == \
-        tinymodels.plain_model(model_dir).read_bytes()
+def test_the_same_recipe_builds_the_same_bytes(plain_model_path, tmp_path):
+    assert tinymodels.plain_model(tmp_path).read_bytes() == plain_model_path.read_bytes()
 
 
-def test_model_files_carry_the_starcoder_tokenizer(model_dir):
+def test_model_files_carry_the_starcoder_tokenizer(fim_model_path):
     vocab = gguf.read(tinymodels.vocab_path()).metadata
-    meta = gguf.read(tinymodels.fim_model(model_dir)).metadata
+    meta = gguf.read(fim_model_path).metadata
 
     assert meta["general.architecture"].value == "llama"
     for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
@@ -161,80 +145,40 @@ def test_model_files_carry_the_starcoder_tokenizer(model_dir):
         assert meta[key] == vocab[key]
 
 
-def _load(path):
-    model_mod = pytest.importorskip("offgrid.model")
-    from offgrid.errors import LibraryError
-    try:
-        return model_mod.Model.load(str(path), progress=False)
-    except LibraryError as e:
-        pytest.skip("libllama not available: %s" % e)
-
-
 def _fim_ids(m):
     return (m.fim_pre, m.fim_suf, m.fim_mid, m.fim_pad, m.fim_rep, m.fim_sep)
 
 
-def test_fim_model_has_all_six_fim_tokens(model_dir):
-    m = _load(tinymodels.fim_model(model_dir))
-    try:
-        assert _fim_ids(m) == (1, 3, 2, 4, 5, 6)
-        assert m.n_vocab == 49152
-        assert m.n_ctx_train == 4096
-    finally:
-        m.close()
+def test_fim_model_has_all_six_fim_tokens(fim_model):
+    assert _fim_ids(fim_model) == (1, 3, 2, 4, 5, 6)
+    assert fim_model.n_vocab == 49152
+    assert fim_model.n_ctx_train == 4096
 
 
-def test_fim_model_without_repo_tokens_lacks_only_rep_and_sep(model_dir):
-    m = _load(tinymodels.fim_model(model_dir, repo_tokens=False))
-    try:
-        assert _fim_ids(m) == (1, 3, 2, 4, None, None)
-    finally:
-        m.close()
+def test_fim_model_without_repo_tokens_lacks_only_rep_and_sep(fim_norepo_model):
+    assert _fim_ids(fim_norepo_model) == (1, 3, 2, 4, None, None)
 
 
-def test_plain_model_has_no_fim_tokens(model_dir):
-    m = _load(tinymodels.plain_model(model_dir))
-    try:
-        assert _fim_ids(m) == (None,) * 6
-        # The old token text is now ordinary text, not a special token.
-        assert m.tokenize("<fim_prefix>", add_special=False, parse_special=True) != [1]
-    finally:
-        m.close()
+def test_plain_model_has_no_fim_tokens(plain_model):
+    assert _fim_ids(plain_model) == (None,) * 6
+    # The old token text is now ordinary text, not a special token.
+    assert plain_model.tokenize("<fim_prefix>", add_special=False, parse_special=True) != [1]
 
 
-def _greedy(m, prompt, n, one_by_one):
-    """Greedy continuation of prompt through a bare libllama context."""
-    from offgrid import libllama
-    ctx = libllama.ContextHandle(m.lib, m.handle, n_ctx=256, n_batch=64, n_ubatch=64,
-                                 n_threads=2, n_threads_batch=2)
-    try:
-        if one_by_one:
-            for pos, tok in enumerate(prompt):
-                assert ctx.decode_one(tok, pos) == 0
-        else:
-            assert ctx.decode(prompt, 0, True) == 0
-        out = []
-        for pos in range(len(prompt), len(prompt) + n):
-            logits = m.lib.llama_get_logits_ith(ctx.ptr, -1)[:m.n_vocab]
-            assert all(math.isfinite(x) for x in logits)
-            best = max(range(m.n_vocab), key=logits.__getitem__)
-            out.append(best)
-            assert ctx.decode_one(best, pos) == 0
-        return out
-    finally:
-        ctx.close()
+def _greedy(m, prompt, n, n_batch):
+    """Greedy continuation of ``prompt``, evaluated in chunks of ``n_batch`` tokens."""
+    params = GenerationParams(n_predict=n, sampling=SamplingParams(temperature=0))
+    with ChatSession(m, n_ctx=256, n_batch=n_batch, n_threads=2) as session:
+        return session.complete(prompt, params).tokens
 
 
-def test_greedy_decoding_is_deterministic_and_runs_without_stopping(model_dir):
-    m = _load(tinymodels.fim_model(model_dir))
-    try:
-        prompt = m.tokenize("<fim_prefix>def add(a, b):\n    <fim_suffix>\n    return c\n<fim_middle>",
-                            add_special=False, parse_special=True)
-        batched = _greedy(m, prompt, 12, one_by_one=False)
-        stepwise = _greedy(m, prompt, 12, one_by_one=True)
+def test_greedy_decoding_is_deterministic_and_runs_without_stopping(fim_model):
+    m = fim_model
+    prompt = m.tokenize("<fim_prefix>def add(a, b):\n    <fim_suffix>\n    return c\n<fim_middle>",
+                        add_special=False, parse_special=True)
+    batched = _greedy(m, prompt, 12, n_batch=64)
+    stepwise = _greedy(m, prompt, 12, n_batch=1)
 
-        assert batched == stepwise
-        assert not any(m.is_eog(t) for t in batched)
-        assert len(set(batched)) > 1  # not stuck repeating one token
-    finally:
-        m.close()
+    assert batched == stepwise
+    assert len(batched) == 12  # no end-of-generation token chosen
+    assert len(set(batched)) > 1  # not stuck repeating one token

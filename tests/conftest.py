@@ -1,0 +1,123 @@
+"""Fixtures shared by the whole suite: libllama, the models, their paths.
+
+Nothing here skips.  `make test` builds libllama and fetches the default model
+before it runs pytest, so a missing library or model means the build is broken,
+and a test that quietly skipped would hide exactly that.  Fixtures fail instead,
+saying what is missing and which make target provides it.
+
+Models are loaded once per test session and closed at its end; tests that make
+ChatSessions from them must close those first (a ``with`` block or a
+module-scoped fixture does).  The tiny random models are built into a cache
+folder that outlives the run ($OFFGRID_CACHE or ~/.cache/offgrid, under
+``tiny-models``), keyed by their recipe, so they are built once per machine.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# `pytest` run from anywhere still tests this checkout's offgrid
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from offgrid import libllama        # noqa: E402
+from offgrid.model import Model     # noqa: E402
+
+try:
+    from . import tinymodels
+except ImportError:  # tests/ is on sys.path rather than a package
+    import tinymodels
+
+GEMMA = ROOT / "models" / "gemma-3-270m-q4_k_m.gguf"
+
+
+def cache_dir():
+    """offgrid's download and build cache: $OFFGRID_CACHE or ~/.cache/offgrid."""
+    return Path(os.environ.get("OFFGRID_CACHE") or "~/.cache/offgrid").expanduser()
+
+
+# --------------------------------------------------------------------------
+# The library and the pinned llama.cpp source
+# --------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def lib():
+    """The loaded libllama (LibraryError, not a skip, when it is missing)."""
+    return libllama.load()
+
+
+@pytest.fixture(scope="session")
+def llama_src():
+    """The pinned llama.cpp source tree that `make lib` unpacks."""
+    src = tinymodels.llama_cpp_source()
+    assert (src / "include" / "llama.h").is_file(), \
+        "the pinned llama.cpp source is missing at %s; run `make lib`" % src
+    return src
+
+
+# --------------------------------------------------------------------------
+# Model files
+# --------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def tiny_dir(llama_src):
+    """Where the tiny models are built, once per machine."""
+    path = cache_dir() / "tiny-models"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def fim_model_path(tiny_dir):
+    return tinymodels.fim_model(tiny_dir)
+
+
+@pytest.fixture(scope="session")
+def fim_norepo_model_path(tiny_dir):
+    return tinymodels.fim_model(tiny_dir, repo_tokens=False)
+
+
+@pytest.fixture(scope="session")
+def plain_model_path(tiny_dir):
+    return tinymodels.plain_model(tiny_dir)
+
+
+@pytest.fixture(scope="session")
+def gemma_path():
+    assert GEMMA.is_file(), "the default model is missing at %s; run `make model`" % GEMMA
+    return GEMMA
+
+
+# --------------------------------------------------------------------------
+# Loaded models, one of each per session
+# --------------------------------------------------------------------------
+
+def _loaded(path):
+    model = Model.load(str(path), progress=False)
+    try:
+        yield model
+    finally:
+        model.close()
+
+
+@pytest.fixture(scope="session")
+def gemma(lib, gemma_path):
+    yield from _loaded(gemma_path)
+
+
+@pytest.fixture(scope="session")
+def fim_model(lib, fim_model_path):
+    yield from _loaded(fim_model_path)
+
+
+@pytest.fixture(scope="session")
+def fim_norepo_model(lib, fim_norepo_model_path):
+    yield from _loaded(fim_norepo_model_path)
+
+
+@pytest.fixture(scope="session")
+def plain_model(lib, plain_model_path):
+    yield from _loaded(plain_model_path)
