@@ -325,6 +325,9 @@ _PROTOTYPES = {
     "llama_memory_clear": (None, [llama_memory_t, c_bool]),
     # bool llama_memory_seq_rm(llama_memory_t mem, llama_seq_id seq_id, llama_pos p0, llama_pos p1);
     "llama_memory_seq_rm": (c_bool, [llama_memory_t, llama_seq_id, llama_pos, llama_pos]),
+    # void llama_memory_seq_cp(llama_memory_t mem, llama_seq_id seq_id_src, llama_seq_id seq_id_dst,
+    #                          llama_pos p0, llama_pos p1);
+    "llama_memory_seq_cp": (None, [llama_memory_t, llama_seq_id, llama_seq_id, llama_pos, llama_pos]),
     # void llama_memory_seq_add(llama_memory_t mem, llama_seq_id seq_id, llama_pos p0, llama_pos p1, llama_pos delta);
     "llama_memory_seq_add": (None, [llama_memory_t, llama_seq_id, llama_pos, llama_pos, llama_pos]),
     # llama_pos llama_memory_seq_pos_min(llama_memory_t mem, llama_seq_id seq_id);
@@ -365,6 +368,8 @@ _PROTOTYPES = {
     # struct llama_sampler * llama_sampler_init_logit_bias(int32_t n_vocab, int32_t n_logit_bias,
     #                                                      const llama_logit_bias * logit_bias);
     "llama_sampler_init_logit_bias": (llama_sampler_p, [c_int32, c_int32, POINTER(llama_logit_bias)]),
+    # struct llama_sampler * llama_sampler_init_infill(const struct llama_vocab * vocab);
+    "llama_sampler_init_infill": (llama_sampler_p, [llama_vocab_p]),
     # struct llama_sampler * llama_sampler_init_grammar(const struct llama_vocab * vocab,
     #                                                   const char * grammar_str, const char * grammar_root);
     "llama_sampler_init_grammar": (llama_sampler_p, [llama_vocab_p, c_char_p, c_char_p]),
@@ -660,7 +665,12 @@ class ContextHandle:
         params.n_ctx = n_ctx
         params.n_batch = n_batch
         params.n_ubatch = n_ubatch
-        params.n_seq_max = 1
+        # Two sequences over one unified cache: sequence 0 holds the prompt;
+        # sequence 1 is scratch, for evaluating text inserted before reused
+        # cache chunks (see ChatSession._evaluate_gap).  Unified, the cells
+        # are shared, so the second sequence costs no memory.
+        params.n_seq_max = 2
+        params.kv_unified = True
         params.n_threads = n_threads
         params.n_threads_batch = n_threads_batch
         params.swa_full = swa_full
@@ -700,8 +710,8 @@ class ContextHandle:
         self._abort_flag[0] = b"\x00"
 
     # -- decoding ----------------------------------------------------------
-    def decode(self, tokens, start_pos, want_last_logits):
-        """Decode ``tokens`` (at most n_batch) at positions start_pos...
+    def decode(self, tokens, start_pos, want_last_logits, seq=0):
+        """Decode ``tokens`` (at most n_batch) at positions start_pos... in sequence ``seq``.
 
         Returns llama_decode's status: 0 ok, 1 no KV slot, 2 aborted, <0 error.
         """
@@ -712,7 +722,16 @@ class ContextHandle:
         if want_last_logits:
             self._logits[n - 1] = 1
         self.batch.n_tokens = n
-        return self.lib.llama_decode(self.ptr, self.batch)
+        if seq == 0:
+            return self.lib.llama_decode(self.ptr, self.batch)
+        seq_id = self.batch.seq_id
+        for i in range(n):
+            seq_id[i][0] = seq
+        try:
+            return self.lib.llama_decode(self.ptr, self.batch)
+        finally:
+            for i in range(n):
+                seq_id[i][0] = 0
 
     def decode_one(self, token, pos):
         """The per-token path of generation, kept to a few ctypes calls."""

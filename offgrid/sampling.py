@@ -26,7 +26,9 @@ SAMPLER_ALIASES = {
     "min_p": "min_p", "temperature": "temperature", "temp": "temperature",
     # samplers offgrid does not run; accepted and skipped, as llama-server
     # skips names it does not know
-    "dry": None, "top_n_sigma": None, "xtc": None, "infill": None,
+    "dry": None, "top_n_sigma": None, "xtc": None,
+    # FIM: merges candidates that share a prefix, prefers ending when likely
+    "infill": "infill",
 }
 
 
@@ -111,6 +113,9 @@ def build_sampler(lib, params, n_vocab, n_ctx, eog_tokens=(), vocab=None):
             elif name == "min_p":
                 if params.min_p > 0.0:
                     chain.add(lib.llama_sampler_init_min_p(params.min_p, 1))
+            elif name == "infill":
+                if vocab is not None:
+                    chain.add(lib.llama_sampler_init_infill(vocab))
             elif name == "temperature":
                 chain.add(lib.llama_sampler_init_temp_ext(
                     params.temperature, params.dynatemp_range, params.dynatemp_exponent))
@@ -125,7 +130,8 @@ def build_sampler(lib, params, n_vocab, n_ctx, eog_tokens=(), vocab=None):
 
 
 def _penalties(lib, params, n_vocab, n_ctx):
-    last_n = n_ctx if params.repeat_last_n == -1 else params.repeat_last_n
+    # never wider than the context: libllama sizes a ring buffer by it
+    last_n = n_ctx if params.repeat_last_n == -1 else min(params.repeat_last_n, n_ctx)
     return lib.llama_sampler_init_penalties(n_vocab, last_n, params.repeat_penalty,
                                             params.frequency_penalty, params.presence_penalty)
 

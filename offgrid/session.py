@@ -18,12 +18,21 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import List
 
-from . import libllama
+from . import cachereuse, libllama
 from .errors import ContextError, ContextFull, DecodeError, InvalidRequest
 from .sampling import SamplingParams, build_sampler
 from .textstream import TextAssembler
+
+
+# One decode at a time in the whole process.  Each context runs its own ggml
+# thread pool, whose threads spin while they wait at a barrier; two contexts
+# decoding at once on the same cores starve each other's spinning threads,
+# and measured here two 2-thread decodes on 2 cores ran 50 to 100 times
+# slower than one.  Taking turns keeps each decode at full speed; sessions
+# interleave per token.
+_DECODE_LOCK = threading.Lock()
 
 
 class FinishReason(str, enum.Enum):
@@ -100,6 +109,8 @@ class GenerationParams:
     ignore_eos: bool = False
     cache_prompt: bool = True
     t_max_predict_ms: int = 0           # FIM: stop at a newline once this much time passed
+    cache_reuse: int = 0                # reuse cached runs of at least this many tokens
+                                        # after the common prefix (0: prefix only)
     n_indent: int = 0                   # FIM: stop at a line indented less than this
 
 
@@ -140,6 +151,9 @@ class ChatSession:
                                "(not enough memory?)" % n_ctx)
         self.n_ctx = self._ctx.n_ctx
         self.n_batch = self._ctx.n_batch
+        # chunk reuse moves cached keys to new positions: only where the
+        # memory can re-rotate them (not recurrent state, for one)
+        self._can_shift = bool(model.lib.llama_memory_can_shift(self._ctx.memory))
         self.cached = []        # tokens whose KV is in the cache, at positions 0..len-1
         self.closed = False
 
@@ -169,30 +183,56 @@ class ChatSession:
 
     def common_prefix(self, tokens):
         """How many leading tokens of ``tokens`` this session has cached."""
-        return _common_prefix(self.cached, tokens)
+        return cachereuse.common_prefix(self.cached, tokens)
 
-    def _reuse_cache(self, tokens, cache_prompt):
-        """Drop the cache beyond what ``tokens`` shares with it; return the kept count."""
+    def _prepare_cache(self, tokens, cache_prompt, min_run):
+        """Cut and rearrange the cache for ``tokens``; returns the ReusePlan applied.
+
+        Afterwards sequence 0 holds the plan's kept prefix at positions
+        0..keep-1 and each reused run at its new position; every other cell
+        is gone.  Any step libllama refuses falls back to an empty cache.
+        """
         lib, mem = self.model.lib, self._ctx.memory
-        n_keep = _common_prefix(self.cached, tokens) if cache_prompt else 0
-        # The last prompt token is always decoded again: its logits are what
-        # the first sampled token comes from.
-        n_keep = min(n_keep, len(tokens) - 1)
-        if n_keep > 0 and lib.llama_memory_seq_pos_min(mem, 0) > 0:
-            n_keep = 0          # a windowed cache lost its start: nothing reusable
-        if n_keep > 0 and not lib.llama_memory_seq_rm(mem, 0, n_keep, -1):
-            n_keep = 0          # this memory cannot be cut in the middle
-        if n_keep == 0:
-            lib.llama_memory_clear(mem, True)
-        self.cached = self.cached[:n_keep]
-        return n_keep
+        if not cache_prompt or not self.cached:
+            return self._clear_plan()
+        if min_run > 0 and not self._can_shift:
+            min_run = 0
+        plan = cachereuse.plan(self.cached, tokens, min_run)
+        if plan.keep == 0 and not plan.runs:
+            return self._clear_plan()
+        if lib.llama_memory_seq_pos_min(mem, 0) > 0:
+            return self._clear_plan()   # a windowed cache lost its start: nothing reusable
+        # drop what the plan does not keep, from the cached tokens' positions
+        cursor = plan.keep
+        for _, old, n in plan.runs:
+            if old > cursor and not lib.llama_memory_seq_rm(mem, 0, cursor, old):
+                return self._clear_plan()
+            cursor = old + n
+        if not lib.llama_memory_seq_rm(mem, 0, cursor, -1):
+            return self._clear_plan()   # this memory cannot be cut in the middle
+        # Move the runs.  Runs keep their order, so a run moving left never
+        # lands on one not yet moved if those go left to right, and runs
+        # moving right go right to left for the same reason.
+        left = [r for r in plan.runs if r[0] < r[1]]
+        right = [r for r in plan.runs if r[0] > r[1]]
+        for new, old, n in left + right[::-1]:
+            lib.llama_memory_seq_add(mem, 0, old, old + n, new - old)
+        self.cached = list(tokens[:plan.keep])
+        return plan
+
+    def _clear_plan(self):
+        self.model.lib.llama_memory_clear(self._ctx.memory, True)
+        self.cached = []
+        return cachereuse.ReusePlan(0)
 
     # -- running a request ---------------------------------------------------
-    def evaluate(self, tokens, cancel=None, cache_prompt=True):
+    def evaluate(self, tokens, cancel=None, cache_prompt=True, cache_reuse=0):
         """Bring the KV cache to ``tokens``; returns how many came from the cache.
 
-        Raises InvalidRequest if ``tokens`` is empty, ContextFull if it cannot
-        fit, InvalidToken for an id outside the vocabulary (before anything
+        ``cache_reuse`` > 0 also reuses cached runs of at least that many
+        tokens after the common prefix (see cachereuse.py).  Raises
+        InvalidRequest if ``tokens`` is empty, ContextFull if it cannot fit,
+        InvalidToken for an id outside the vocabulary (before anything
         reaches libllama), DecodeError on a libllama failure (the cache is
         reset).  Returns early, with a partial cache, if ``cancel`` fires.
         """
@@ -204,26 +244,77 @@ class ChatSession:
             raise ContextFull("the prompt has %d tokens but the context holds %d; "
                               "shorten the prompt or start the server with a larger -c"
                               % (len(tokens), self.n_ctx))
-        n_cached = self._reuse_cache(tokens, cache_prompt)
-        pos = n_cached
+        plan = self._prepare_cache(tokens, cache_prompt, cache_reuse)
+        for start, end in plan.gaps(len(tokens)):
+            if end == len(tokens):
+                done = self._evaluate_tail(tokens, start, cancel)
+            else:
+                done = self._evaluate_gap(tokens, start, end, cancel)
+            if not done:
+                return plan.reused
+        self.cached = list(tokens)
+        return plan.reused
+
+    def _decode(self, chunk, pos, want_logits, seq=0):
+        with _DECODE_LOCK:
+            return self._ctx.decode(chunk, pos, want_logits, seq)
+
+    def _evaluate_tail(self, tokens, start, cancel):
+        """Decode tokens[start:] in sequence 0; False if cancelled part way."""
+        lib, mem = self.model.lib, self._ctx.memory
+        pos = start
         while pos < len(tokens):
             if cancel is not None and cancel.cancelled:
-                break
+                self.cached = list(tokens[:pos])
+                return False
             chunk = tokens[pos:pos + self.n_batch]
-            last = pos + len(chunk) == len(tokens)
-            status = self._ctx.decode(chunk, pos, last)
+            status = self._decode(chunk, pos, pos + len(chunk) == len(tokens))
             if status == 2:     # aborted: keep what libllama did get into the cache
-                kept = self.model.lib.llama_memory_seq_pos_max(self._ctx.memory, 0) + 1
-                self.cached = list(tokens[:max(pos, min(kept, pos + len(chunk)))])
-                if len(self.cached) > pos:
-                    # a partly decoded chunk: trust only whole positions
-                    self.model.lib.llama_memory_seq_rm(self._ctx.memory, 0, len(self.cached), -1)
-                return n_cached
+                kept = lib.llama_memory_seq_pos_max(mem, 0) + 1
+                kept = max(pos, min(kept, pos + len(chunk)))
+                lib.llama_memory_seq_rm(mem, 0, kept, -1)
+                self.cached = list(tokens[:kept])
+                return False
             if status != 0:
                 self._fail(status)
             pos += len(chunk)
             self.cached = list(tokens[:pos])
-        return n_cached
+        return True
+
+    def _evaluate_gap(self, tokens, start, end, cancel):
+        """Decode tokens[start:end], which lie before a reused run, into sequence 0.
+
+        libllama only appends to a sequence (a batch must start at the
+        sequence's last position + 1), and sequence 0 already holds the run
+        after the gap.  So the gap is decoded in sequence 1, which first gets
+        every cell before the gap (shared, not copied), then its new cells
+        are added to sequence 0 and sequence 1 is emptied again.
+        """
+        lib, mem = self.model.lib, self._ctx.memory
+        lib.llama_memory_seq_cp(mem, 0, 1, 0, start)
+        pos, status = start, 0
+        try:
+            while pos < end:
+                if cancel is not None and cancel.cancelled:
+                    status = 2
+                    break
+                chunk = tokens[pos:min(pos + self.n_batch, end)]
+                status = self._decode(chunk, pos, False, seq=1)
+                if status != 0:
+                    break
+                pos += len(chunk)
+            if status == 0:
+                lib.llama_memory_seq_cp(mem, 1, 0, start, end)
+        finally:
+            lib.llama_memory_seq_rm(mem, 1, -1, -1)
+        if status == 0:
+            return True
+        # cancelled or failed: keep what is whole, the part before the gap
+        lib.llama_memory_seq_rm(mem, 0, start, -1)
+        self.cached = list(tokens[:start])
+        if status != 2:
+            self._fail(status)
+        return False
 
     def complete(self, tokens, params=None, on_piece=None, cancel=None):
         """Evaluate the prompt ``tokens``, then generate.
@@ -243,7 +334,8 @@ class ChatSession:
         sampler = None
         try:
             t0 = time.perf_counter()
-            usage.cached_tokens = self.evaluate(tokens, cancel, params.cache_prompt)
+            usage.cached_tokens = self.evaluate(tokens, cancel, params.cache_prompt,
+                                                params.cache_reuse)
             usage.prompt_ms = (time.perf_counter() - t0) * 1000.0
             if cancel.cancelled or len(self.cached) < len(tokens):
                 return Completion("", [], FinishReason.CANCELLED, "none", "", usage)
@@ -253,8 +345,11 @@ class ChatSession:
 
             model = self.model
             eog_ban = self._eog_tokens() if params.ignore_eos else ()
-            sampler = build_sampler(model.lib, params.sampling, model.n_vocab, self.n_ctx, eog_ban)
-            if params.sampling.has_penalties:
+            sampler = build_sampler(model.lib, params.sampling, model.n_vocab, self.n_ctx, eog_ban,
+                                    vocab=model.handle.vocab)
+            # Penalties count the prompt's last tokens too, as llama-server's
+            # do; a grammar must not see them (it constrains only the output).
+            if params.sampling.has_penalties and params.sampling.grammar is None:
                 for t in tokens[-max(params.sampling.repeat_last_n, 0):] if \
                         params.sampling.repeat_last_n >= 0 else tokens:
                     sampler.accept(t)
@@ -274,6 +369,7 @@ class ChatSession:
         t_start = time.perf_counter()
         t_max = params.t_max_predict_ms / 1000.0 if params.t_max_predict_ms > 0 else 0.0
         limit = params.n_predict if params.n_predict > 0 else None
+        n_eog = 0
 
         while True:
             if cancel.cancelled:
@@ -281,6 +377,9 @@ class ChatSession:
                 break
             token = sampler.sample(ctx)
             if model.is_eog(token) and not params.ignore_eos:
+                # counted as generated (llama-server's tokens_predicted and
+                # OpenAI's completion_tokens include it) but never shown
+                n_eog = 1
                 finish, stop_type = FinishReason.STOP, "eos"
                 break
             out_tokens.append(token)
@@ -303,7 +402,8 @@ class ChatSession:
             if n_past + 1 >= self.n_ctx:
                 truncated = True
                 break
-            status = ctx.decode_one(token, n_past)
+            with _DECODE_LOCK:
+                status = ctx.decode_one(token, n_past)
             if status == 2:
                 finish, stop_type = FinishReason.CANCELLED, "none"
                 break
@@ -315,7 +415,7 @@ class ChatSession:
         tail = text.finish()
         if tail and on_piece is not None and finish is not FinishReason.CANCELLED:
             on_piece(tail)
-        usage.completion_tokens = len(out_tokens)
+        usage.completion_tokens = len(out_tokens) + n_eog
         usage.generation_ms = (time.perf_counter() - t_start) * 1000.0
         return Completion(text.text, out_tokens, finish, stop_type, text.stop_word or "",
                           usage, truncated)
@@ -330,16 +430,3 @@ class ChatSession:
         if status == 1:
             raise ContextFull("no room left in the KV cache for this request")
         raise DecodeError("llama_decode failed with status %d" % status, status)
-
-
-def _common_prefix(a, b):
-    n = min(len(a), len(b))
-    i = 0
-    # compare in slices first: prompts of thousands of tokens usually share
-    # long runs, and slice equality runs in C
-    step = 256
-    while i + step <= n and a[i:i + step] == b[i:i + step]:
-        i += step
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

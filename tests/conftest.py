@@ -121,3 +121,14 @@ def fim_norepo_model(lib, fim_norepo_model_path):
 @pytest.fixture(scope="session")
 def plain_model(lib, plain_model_path):
     yield from _loaded(plain_model_path)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Print the "figures:" lines tests wrote to stdout (fault and load figures) after the run."""
+    lines = [line for report in terminalreporter.stats.get("passed", [])
+             for name, text in report.sections if "stdout" in name
+             for line in text.splitlines() if line.startswith("figures:")]
+    if lines:
+        terminalreporter.section("figures")
+        for line in lines:
+            terminalreporter.write_line(line)

@@ -1,0 +1,107 @@
+"""Chunk reuse on the real library: cached runs moved to new positions.
+
+The editor case: the line being typed sits between the prefix and a long
+suffix.  With cache_reuse the suffix's keys and values are moved, not
+recomputed, and the cache ends up exactly as long as the prompt, with every
+position present, so the next request builds on it like any other.
+"""
+
+import pytest
+
+from offgrid.session import ChatSession, GenerationParams
+from offgrid.sampling import SamplingParams
+
+
+@pytest.fixture()
+def session(fim_model):
+    with ChatSession(fim_model, n_ctx=2048, n_batch=64, n_threads=2) as s:
+        yield s
+
+
+def text_tokens(model, text):
+    return model.tokenize(text, add_special=False)
+
+
+def layout(model, middle):
+    prefix = text_tokens(model, "import os\n\n\ndef walk(root):\n" * 8)
+    suffix = text_tokens(model, "\n    return files\n\n\ndef main():\n    print(walk('.'))\n" * 6)
+    return prefix, text_tokens(model, middle), suffix
+
+
+def positions(session):
+    lib, mem = session.model.lib, session._ctx.memory
+    return lib.llama_memory_seq_pos_min(mem, 0), lib.llama_memory_seq_pos_max(mem, 0)
+
+
+def test_typed_line_before_the_suffix_reuses_the_suffix(session, fim_model):
+    prefix, line, suffix = layout(fim_model, "    files = os.listdir(")
+    first = prefix + line + suffix + [fim_model.fim_mid]
+    session.evaluate(first)
+    _, typed, _ = layout(fim_model, "    files = os.listdir(root")
+    assert typed[:len(line) - 1] == line[:-1] and len(typed) > len(line)
+    second = prefix + typed + suffix + [fim_model.fim_mid]
+    keep = len(prefix) + len(line) - 1   # the last token of the old line changed
+    reused = session.evaluate(second, cache_reuse=16)
+    assert reused == pytest.approx(keep + len(suffix), abs=2)
+    assert reused > keep + 0.9 * len(suffix)
+    assert session.cached == second
+    # every position 0..n-1 is present in sequence 0, nothing else
+    assert positions(session) == (0, len(second) - 1)
+
+
+def test_without_cache_reuse_only_the_prefix_is_kept(session, fim_model):
+    prefix, line, suffix = layout(fim_model, "    x = 1")
+    first = prefix + line + suffix + [fim_model.fim_mid]
+    session.evaluate(first)
+    _, typed, _ = layout(fim_model, "    x = 12")
+    second = prefix + typed + suffix + [fim_model.fim_mid]
+    shared = session.common_prefix(second)
+    assert shared < len(prefix) + len(typed)
+    assert session.evaluate(second) == shared
+    assert positions(session) == (0, len(second) - 1)
+
+
+def test_removed_chunk_shifts_what_follows(session, fim_model):
+    a = text_tokens(fim_model, "def first():\n    pass\n" * 10)
+    b = text_tokens(fim_model, "def second():\n    return 2\n" * 10)
+    c = text_tokens(fim_model, "def third():\n    return 3\n" * 10)
+    session.evaluate(a + b + c + [fim_model.fim_mid])
+    second = a + c + [fim_model.fim_mid]
+    reused = session.evaluate(second, cache_reuse=16)
+    assert reused >= len(a) + len(c) - 2
+    assert positions(session) == (0, len(second) - 1)
+
+
+def test_generation_after_reuse_builds_on_a_consistent_cache(session, fim_model):
+    prefix, line, suffix = layout(fim_model, "    y = walk(")
+    session.evaluate(prefix + line + suffix + [fim_model.fim_mid])
+    _, typed, _ = layout(fim_model, "    y = walk(root")
+    prompt = prefix + typed + suffix + [fim_model.fim_mid]
+    greedy = GenerationParams(n_predict=8, sampling=SamplingParams(temperature=0), cache_reuse=16)
+    c = session.complete(prompt, greedy)
+    assert c.usage.cached_tokens > len(prefix) + 0.9 * len(suffix)
+    assert len(c.tokens) == 8
+    # the generated tokens extend the cache like any prompt tokens
+    follow = prompt + c.tokens[:-1]
+    assert session.common_prefix(follow) == len(follow)
+    assert positions(session) == (0, len(follow) - 1)
+    again = session.complete(prompt + c.tokens, greedy)
+    assert again.usage.cached_tokens == len(follow)
+
+
+def test_cancel_inside_a_gap_keeps_the_prefix(session, fim_model):
+    prefix, line, suffix = layout(fim_model, "    z = 0")
+    session.evaluate(prefix + line + suffix + [fim_model.fim_mid])
+    insert = text_tokens(fim_model, "    more = [i for i in range(100)]\n" * 8)
+    prompt = prefix + line + insert + suffix + [fim_model.fim_mid]
+
+    class Cancelled:
+        cancelled = True
+    session.evaluate(prompt, cancel=Cancelled(), cache_reuse=16)
+    # the gap never ran: the cache is cut back to what is whole before it
+    n = len(session.cached)
+    assert session.cached == prompt[:n] and n >= len(prefix)
+    assert positions(session) == (0, n - 1)
+    # and the session carries on normally
+    assert session.evaluate(prompt, cache_reuse=16) >= n
+    assert positions(session) == (0, len(prompt) - 1)
