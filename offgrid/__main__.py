@@ -8,6 +8,7 @@ period, the process exits 0.
 """
 
 import argparse
+import ipaddress
 import logging
 import os
 import signal
@@ -41,19 +42,29 @@ def parse_args(argv=None):
                    help="sessions per model, i.e. requests run at once (default 1)")
     p.add_argument("-n", "--n-predict", type=int, default=-1,
                    help="default tokens to generate when a request sets none (-1: no limit)")
-    p.add_argument("--api-key", action="append", default=[], help="API key (repeatable)")
+    p.add_argument("--api-key", action="append", default=[],
+                   help="API key (repeatable; also $OFFGRID_API_KEY)")
     p.add_argument("--api-key-file", help="file with one API key per line")
     p.add_argument("--cors-origin", action="append", default=[],
                    help="origin allowed to call the API from a browser (repeatable)")
     p.add_argument("--max-body", type=int, default=8 * 1024 * 1024,
                    help="largest request body in bytes (default 8 MiB)")
     p.add_argument("--timeout", type=float, default=30.0,
-                   help="seconds an idle or silent connection is kept (default 30)")
+                   help="seconds an idle connection is kept, and a client that stops "
+                   "reading a response is waited for (default 30)")
+    p.add_argument("--read-timeout", type=float, default=30.0,
+                   help="seconds a client may take to send a whole request (default 30)")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds running requests get to finish on shutdown (default 10)")
+    p.add_argument("--cache-reuse", type=int, default=64,
+                   help="FIM requests move cached runs of at least N tokens to where the new "
+                   "prompt needs them instead of recomputing them (default 64; 0: off)")
     p.add_argument("--no-swa-full", action="store_true",
                    help="windowed KV cache for sliding-window models: less memory, "
                    "but no prompt-cache reuse")
+    p.add_argument("--chat-template", metavar="NAME|FILE",
+                   help="chat template for --model instead of its own: a Jinja file, "
+                   "\"chatml\", or the name of a libllama built-in template")
     p.add_argument("--lib", help="path to libllama.so or its folder (default: lib/, "
                    "$OFFGRID_LIB, the system)")
     p.add_argument("-v", "--verbose", action="store_true", help="log requests and libllama")
@@ -62,14 +73,39 @@ def parse_args(argv=None):
 
 
 def read_api_keys(args):
-    keys = [k for k in args.api_key if k]
+    """The keys from --api-key, $OFFGRID_API_KEY and --api-key-file.
+
+    Raises ValueError where a key was asked for but none came of it (an
+    empty --api-key, an empty file): a server meant to be locked must not
+    start open.
+    """
+    keys = list(args.api_key)
+    env = os.environ.get("OFFGRID_API_KEY")
+    if env is not None:
+        keys.append(env)
+    if any(not k.strip() for k in keys):
+        raise ValueError("an empty API key was given (--api-key or $OFFGRID_API_KEY)")
+    keys = [k.strip() for k in keys]
     if args.api_key_file:
         with open(args.api_key_file, encoding="utf-8") as fh:
-            keys += [line.strip() for line in fh if line.strip() and not line.startswith("#")]
+            found = [k for k in (line.strip() for line in fh) if k and not k.startswith("#")]
+        if not found:
+            raise ValueError("--api-key-file %s holds no key" % args.api_key_file)
+        keys += found
     return keys
 
 
-def load_entry(path, ids, args, lib_path):
+def is_loopback(host):
+    """Whether ``host`` only accepts connections from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def load_entry(path, ids, args, lib_path, chat_template=None):
     """Load one model and its --parallel sessions into a ModelEntry."""
     from .model import Model
     from .session import ChatSession
@@ -92,13 +128,14 @@ def load_entry(path, ids, args, lib_path):
     name = ids[0] if ids else os.path.basename(path)
     return ModelEntry(id=name, aliases=ids[1:], model=model, pool=ChatPool(sessions),
                       n_ctx=sessions[0].n_ctx, n_batch=sessions[0].n_batch,
-                      path=os.path.abspath(path))
+                      path=os.path.abspath(path), chat_template=chat_template)
 
 
 def main(argv=None):
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    from .server.errors import HTTPError
     from .server.http import make_server
     from .server.service import Service
 
@@ -107,12 +144,15 @@ def main(argv=None):
     except OSError as e:
         print("offgrid: cannot read --api-key-file: %s" % e, file=sys.stderr)
         return 2
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_keys:
+    except ValueError as e:
+        print("offgrid: %s" % e, file=sys.stderr)
+        return 2
+    if not is_loopback(args.host) and not api_keys:
         print("offgrid: warning: listening on %s without an API key; anyone who can reach "
               "this address can use the server (set --api-key)" % args.host, file=sys.stderr)
     try:
         httpd = make_server(args.host, args.port, None, api_keys, args.cors_origin,
-                            args.max_body, args.verbose, args.timeout)
+                            args.max_body, args.verbose, args.timeout, args.read_timeout)
     except OSError as e:
         print("offgrid: cannot listen on %s:%d: %s" % (args.host, args.port, e), file=sys.stderr)
         return 1
@@ -120,24 +160,33 @@ def main(argv=None):
                                name="http", daemon=True)
     serving.start()   # /health says "loading" meanwhile
 
+    chat_template = args.chat_template
+    if chat_template and os.path.isfile(chat_template):
+        with open(chat_template, encoding="utf-8") as fh:
+            chat_template = fh.read()
     try:
-        text = load_entry(args.model, args.alias, args, args.lib)
+        text = load_entry(args.model, args.alias, args, args.lib, chat_template)
+        from .server.chat import template_for
+        template_for(text)      # a template that cannot be used stops startup here
         fim = None
         if args.fim_model and os.path.abspath(args.fim_model) != os.path.abspath(args.model):
             fim = load_entry(args.fim_model, [], args, args.lib)
-    except OffgridError as e:
+    except (OffgridError, HTTPError) as e:
         print("offgrid: %s" % e, file=sys.stderr)
         httpd.shutdown()
         httpd.server_close()
         return 1
     service = Service(text, fim, n_predict_default=args.n_predict,
-                      shutdown_grace=args.shutdown_grace)
+                      shutdown_grace=args.shutdown_grace, cache_reuse=max(0, args.cache_reuse))
     httpd.RequestHandlerClass.service = service
 
     stop = threading.Event()
 
     def on_signal(signum, _frame):
         stop.set()
+        # a second Ctrl-C (or SIGTERM) ends the process at once, grace or not
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
@@ -152,8 +201,13 @@ def main(argv=None):
     # the service and get 503 from here on, while running ones finish.
     httpd.shutdown()
     service.shutdown()
+    # Let the handlers write their last bytes; only then are the models freed,
+    # since a handler may still be tokenizing.  One that does not finish in
+    # time (a client that stopped reading) keeps them: the process ends anyway.
+    drained = httpd.drain(5.0)
     httpd.server_close()
-    service.close()
+    if drained:
+        service.close()
     return 0
 
 

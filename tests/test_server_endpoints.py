@@ -234,3 +234,14 @@ def test_any_authorization_is_accepted_without_keys(srv):
     status, _, _ = srv.post("/completion", {"prompt": "a", "n_predict": 1},
                             headers={"Authorization": "Bearer undefined"})
     assert status == 200
+
+
+def test_infill_keystroke_reuses_the_suffix_after_the_typed_line(srv):
+    suffix = "\n    return result\n\n\n"
+    suffix += "".join("def other_%d(x):\n    return x + %d\n\n" % (i, i) for i in range(40))
+    body = editor_body("import math\n\n\ndef compute(n):\n", input_suffix=suffix, id_slot=3)
+    srv.post("/infill", body)
+    second = srv.post("/infill", dict(body, prompt="    result = math."))[2]
+    total = second["tokens_cached"] + second["timings/prompt_n"]
+    # the changed line and the few tokens after the suffix are all that is evaluated
+    assert second["timings/prompt_n"] < 0.1 * total, second

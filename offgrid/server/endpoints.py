@@ -13,7 +13,7 @@ from ..infill import build_infill_prompt, InfillRequest
 from ..session import FinishReason
 from . import chat, formats
 from .errors import BadRequest, Unavailable
-from .params import (Fields, generation_from, id_slot_from, infill_from, messages_from,
+from .params import (Fields, generation_from, id_slot_from, infill_from,
                      prompt_from, response_fields_from, tokens_of, MAX_N_CMPL)
 
 Route = namedtuple("Route", "handler methods auth needs_service")
@@ -55,7 +55,7 @@ def props(h, _body):
         "model_alias": e.id,
         "model_path": e.path,
         "chat_template": e.model.chat_template or "",
-        "chat_template_caps": {},
+        "chat_template_caps": chat.template_for(e).caps.as_dict(),
         "modalities": {"vision": False, "audio": False},
         "build_info": "offgrid-" + __version__,
         "is_sleeping": False,
@@ -155,13 +155,6 @@ def detokenize(h, body):
     h.send_json(200, {"content": model.detokenize(tokens, special=True)})
 
 
-def apply_template(h, body):
-    f = Fields(body)
-    entry = h.service.entry_for(f.raw("model"))
-    messages = messages_from(f.raw("messages"))
-    h.send_json(200, {"prompt": chat.render(entry.model, messages)})
-
-
 # -- llama-server's native completions ---------------------------------------------
 
 def completion(h, body):
@@ -183,9 +176,15 @@ def infill(h, body):
     entry = svc.entry_for(None, fim=True)
     req = infill_from(f)
     gen = generation_from(f, entry.model.n_vocab, svc.n_predict_default)
+    gen.cache_reuse = _cache_reuse(f, svc)
     reserve = gen.n_predict if gen.n_predict > 0 else INFILL_GENERATION_RESERVE
     tokens = build_infill_prompt(entry.model, req, entry.n_ctx, entry.n_batch, reserve)
     _run_native(h, f, entry, tokens, gen, "", "infill")
+
+
+def _cache_reuse(f, svc):
+    """Chunk reuse for a FIM request: llama-server's n_cache_reuse, else the server's."""
+    return f.int("n_cache_reuse", svc.cache_reuse, lo=0, hi=1 << 20)
 
 
 def _run_native(h, f, entry, tokens, gen, prompt_text, endpoint):
@@ -266,6 +265,7 @@ def v1_completions(h, body):
         entry = svc.entry_for(None, fim=True)
         gen = generation_from(f, entry.model.n_vocab, svc.n_predict_default,
                               ("max_tokens", "n_predict"))
+        gen.cache_reuse = _cache_reuse(f, svc)
         reserve = gen.n_predict if gen.n_predict > 0 else INFILL_GENERATION_RESERVE
         req = InfillRequest(input_prefix=prompt.parts[0], input_suffix=suffix)
         tokens = build_infill_prompt(entry.model, req, entry.n_ctx, entry.n_batch, reserve)
@@ -276,13 +276,13 @@ def v1_completions(h, body):
         tokens = tokens_of(entry.model, prompt, add_special=True)
     svc.metrics.request("v1/completions")
     stream = f.bool("stream", False)
+    include_usage = _include_usage(f)
     id_slot = id_slot_from(f)
     cid, created = formats.new_id("cmpl"), formats.now()
     if not stream:
         c = svc.generate(entry, tokens, gen, id_slot, sock=h.connection)
         h.send_json(200, formats.oai_completion(c, entry.id, cid, created))
         return
-    include_usage = _include_usage(f)
     es = h.event_stream()
 
     def on_piece(text):
@@ -292,39 +292,6 @@ def v1_completions(h, body):
     es.send(formats.oai_completion_chunk("", entry.id, cid, created, formats.finish_reason(c)))
     if include_usage:
         es.send(formats.oai_usage_chunk(c, "text_completion", entry.id, cid, created))
-    es.send(b"[DONE]")
-    es.end()
-
-
-def chat_completions(h, body):
-    f = Fields(body)
-    svc = h.service
-    _openai_checks(f)
-    entry = svc.entry_for(f.raw("model"))
-    messages = messages_from(f.raw("messages"))
-    prompt = chat.render(entry.model, messages)
-    tokens = entry.model.tokenize(prompt, add_special=True, parse_special=True)
-    gen = generation_from(f, entry.model.n_vocab, svc.n_predict_default,
-                          ("max_completion_tokens", "max_tokens", "n_predict"))
-    svc.metrics.request("v1/chat/completions")
-    stream = f.bool("stream", False)
-    id_slot = id_slot_from(f)
-    cid, created = formats.new_id("chatcmpl"), formats.now()
-    if not stream:
-        c = svc.generate(entry, tokens, gen, id_slot, sock=h.connection)
-        h.send_json(200, formats.oai_chat(c, entry.id, cid, created))
-        return
-    include_usage = _include_usage(f)
-    es = h.event_stream()
-    es.send(formats.oai_chat_chunk({"role": "assistant", "content": ""}, entry.id, cid, created))
-
-    def on_piece(text):
-        return es.send(formats.oai_chat_chunk({"content": text}, entry.id, cid, created))
-
-    c = svc.generate(entry, tokens, gen, id_slot, on_piece, sock=h.connection)
-    es.send(formats.oai_chat_chunk({}, entry.id, cid, created, formats.finish_reason(c)))
-    if include_usage:
-        es.send(formats.oai_usage_chunk(c, "chat.completion.chunk", entry.id, cid, created))
     es.send(b"[DONE]")
     es.end()
 
@@ -343,13 +310,13 @@ ROUTES = {
     "/metrics": Route(metrics, _GET, True, True),
     "/tokenize": Route(tokenize, _POST, True, True),
     "/detokenize": Route(detokenize, _POST, True, True),
-    "/apply-template": Route(apply_template, _POST, True, True),
+    "/apply-template": Route(chat.apply_template, _POST, True, True),
     "/completion": Route(completion, _POST, True, True),
     "/completions": Route(completion, _POST, True, True),
     "/infill": Route(infill, _POST, True, True),
     "/v1/completions": Route(v1_completions, _POST, True, True),
-    "/v1/chat/completions": Route(chat_completions, _POST, True, True),
-    "/chat/completions": Route(chat_completions, _POST, True, True),
+    "/v1/chat/completions": Route(chat.chat_completions, _POST, True, True),
+    "/chat/completions": Route(chat.chat_completions, _POST, True, True),
 }
 
 __all__ = ["ROUTES", "Unavailable"]

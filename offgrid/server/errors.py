@@ -2,7 +2,7 @@
 
 Handlers raise HTTPError (or one of its subclasses) instead of writing error
 responses by hand; engine code raises offgrid.errors exceptions.  Both end in
-``to_http_error`` and are sent by ``Handler.send_json_error`` in OpenAI's
+``to_http_error`` and are sent by ``Handler._send_exception`` in OpenAI's
 shape: ``{"error": {"code": 400, "message": "...", "type": "invalid_request_error"}}``.
 """
 
@@ -43,8 +43,20 @@ class MethodNotAllowed(HTTPError):
     status, type = 405, "invalid_request_error"
 
 
+class RequestTimeout(HTTPError):
+    status, type = 408, "invalid_request_error"
+
+
+class LengthRequired(HTTPError):
+    status, type = 411, "invalid_request_error"
+
+
 class PayloadTooLarge(HTTPError):
     status, type = 413, "invalid_request_error"
+
+
+class HeadersTooLarge(HTTPError):
+    status, type = 431, "invalid_request_error"
 
 
 class NotImplementedByModel(HTTPError):

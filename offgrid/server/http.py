@@ -8,67 +8,106 @@ session; streams write each piece as one chunk of a chunked response.
 Errors: handlers raise ``HTTPError`` (or let engine errors through);
 ``_dispatch`` turns every exception into one JSON error response via
 ``errors.to_http_error``.  Nothing else writes error bodies.
+
+Limits, so that no client can hold a thread or memory for long (the knobs are
+Handler's class attributes, set by make_server from the command line; the
+reading itself is ``reader``'s):
+
+* idle: a kept-alive connection waits ``timeout`` seconds for its next
+  request; a new connection that sends nothing in that time gets 408;
+* read: once a request's first byte arrives, its line, headers and body must
+  all arrive within ``read_timeout`` seconds (408), however slowly they drip;
+* size: the request line 64 KiB (414), headers ``max_header_bytes`` (431),
+  the body ``max_body`` (413, answered before the body is read);
+* write: a client that stops reading a response for ``timeout`` seconds is
+  treated as gone, which cancels its request;
+* connections: at most ``Server.max_connections`` at once (503 beyond).
+
+A request answered without reading its body (413, 401, 404 ...) closes its
+connection after a short, bounded drain ("lingering close"), so the client
+reads the answer rather than a connection reset.
+
+Shutdown: ``Server.drain`` refuses new requests and waits for those being
+answered, so the models are freed only once no handler can touch them.
 """
 
+import hashlib
 import hmac
 import json
 import logging
+import re
 import socket
 import sys
+import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
 
 from .. import __version__
 from ..errors import OffgridError
-from . import endpoints
-from .errors import (BadRequest, HTTPError, MethodNotAllowed, NotFound, PayloadTooLarge,
-                     Unauthorized, Unavailable, to_http_error)
+from . import endpoints, reader
+from .errors import (HTTPError, MethodNotAllowed, NotFound, Unauthorized, Unavailable,
+                     to_http_error)
 
 log = logging.getLogger("offgrid.http")
 
+# An HTTP token (RFC 9110): what a header name in Access-Control-Request-Headers may be.
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
 
 def dumps(obj):
-    """JSON bytes; lone surrogates a client sent become U+FFFD rather than an error."""
+    """JSON bytes; lone surrogates become U+FFFD rather than an error."""
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "replace")
 
 
+# -- responses -------------------------------------------------------------------------
+
 class EventStream:
-    """A ``text/event-stream`` response written as HTTP/1.1 chunks.
+    """A ``text/event-stream`` response, written as HTTP/1.1 chunks.
 
     ``send`` returns False once the client is gone, which the generation loop
-    takes as a cancel.
+    takes as a cancel.  An HTTP/1.0 client gets the events unchunked, ended
+    by closing the connection.
     """
 
     def __init__(self, handler):
         self.handler = handler
         self.started = False
         self.broken = False
+        self.chunked = handler.request_version != "HTTP/1.0"
 
     def start(self):
         h = self.handler
         h.send_response(200)
         h.send_header("Content-Type", "text/event-stream")
         h.send_header("Cache-Control", "no-cache")
-        h.send_header("Transfer-Encoding", "chunked")
+        if self.chunked:
+            h.send_header("Transfer-Encoding", "chunked")
+        else:
+            h.close_connection = True
+            h.send_header("Connection", "close")
         h.send_cors_headers()
         h.end_headers()
         self.started = True
 
     def send(self, obj):
         data = b"data: " + (obj if isinstance(obj, bytes) else dumps(obj)) + b"\n\n"
-        return self._write(b"%x\r\n%s\r\n" % (len(data), data))
+        if self.chunked:
+            data = b"%x\r\n%s\r\n" % (len(data), data)
+        return self._write(data)
 
     def end(self):
-        self._write(b"0\r\n\r\n")
+        if self.chunked:
+            self._write(b"0\r\n\r\n")
 
     def _write(self, data):
         if self.broken:
             return False
-        if not self.started:
-            self.start()
         try:
+            if not self.started:
+                self.start()
             self.handler.wfile.write(data)
             return True
-        except OSError:
+        except OSError:             # gone, or stopped reading for `timeout` seconds
             self.broken = True
             self.handler.close_connection = True
             return False
@@ -80,12 +119,24 @@ class Handler(BaseHTTPRequestHandler):
     # HTTP/1.1: keep-alive by default, so an editor reuses one connection.
     protocol_version = "HTTP/1.1"
     server_version = "offgrid/" + __version__
-    # Seconds a connection may sit idle (or a client take to send a request)
-    # before its thread gives up; bounds threads held by silent clients.
+    # The Server header names offgrid, not the Python under it.
+    sys_version = ""
+    # Streams write small chunks; Nagle's algorithm would hold each back.
+    disable_nagle_algorithm = True
+    # Seconds a kept-alive connection waits for its next request, and a
+    # response waits for a client that stopped reading.
     timeout = 30
+    # Seconds a request's line, headers and body may take to arrive, in all.
+    read_timeout = 30
+    # Bytes of headers accepted (the request line has http.server's 64 KiB).
+    max_header_bytes = 64 * 1024
     # Largest request body accepted (bytes); larger ones get 413 unread.
     max_body = 8 * 1024 * 1024
-    # API keys (empty: no auth).  Compared in constant time.
+    # After answering without reading a body: how long, and how much, to
+    # drain before closing, so the client reads the answer, not a reset.
+    linger_seconds = 2.0
+    linger_bytes = 1 << 20
+    # SHA-256 digests of the API keys (empty: no auth); compared in constant time.
     api_keys = ()
     # Origins allowed to make cross-origin requests (empty: CORS off).
     cors_origins = ()
@@ -93,9 +144,66 @@ class Handler(BaseHTTPRequestHandler):
     # The Service, or None while the models load.
     service = None
 
+    # -- connection ---------------------------------------------------------------
+    def setup(self):
+        super().setup()
+        self.rfile.close()
+        self.rfile = reader.RequestReader(self.connection)
+        self._n_served = 0
+        self._body_pending = False
+
+    def handle_one_request(self):
+        self._stream = None
+        self._body_pending = False
+        # what send_error needs if the request line never arrives whole
+        self.command, self.path, self.request_version = "", "", "HTTP/1.1"
+        try:
+            if not self._wait_for_request():
+                self.close_connection = True
+                return
+            self.rfile.phase(self.read_timeout)
+            super().handle_one_request()
+        except reader.ReadTimeout:
+            self.send_error(408, "the request did not arrive within %g seconds"
+                            % self.read_timeout)
+        except reader.HeadersTooLarge:
+            self.send_error(431, "the request headers exceed %d bytes" % self.max_header_bytes)
+        except OSError:
+            self.close_connection = True
+        finally:
+            self._n_served += 1
+            self.rfile.head_left = None
+            if self._body_pending:
+                self.close_connection = True
+
+    def _wait_for_request(self):
+        """Wait up to ``timeout`` for a request's first byte; False to close the connection."""
+        self.rfile.phase(self.timeout)
+        try:
+            return bool(self.rfile.peek(1))
+        except reader.ReadTimeout:
+            if self._n_served == 0:
+                # a new connection that never spoke; a kept-alive one just closes
+                self.send_error(408, "no request arrived within %g seconds" % self.timeout)
+            return False
+
+    def finish(self):
+        super().finish()
+        if self._body_pending or reader.unread_bytes(self.connection):
+            reader.linger(self.connection, self.linger_seconds, self.linger_bytes)
+
+    def parse_request(self):
+        self.rfile.head_left = self.max_header_bytes     # the line is in; the headers follow
+        ok = super().parse_request()
+        self.rfile.head_left = None
+        return ok
+
     # -- methods ----------------------------------------------------------------
     def do_GET(self):
         self._dispatch("GET")
+
+    def do_HEAD(self):
+        self._dispatch("HEAD")
 
     def do_POST(self):
         self._dispatch("POST")
@@ -103,26 +211,29 @@ class Handler(BaseHTTPRequestHandler):
     def do_OPTIONS(self):
         self._dispatch("OPTIONS")
 
-    def _not_allowed(self):
+    def _other_method(self):
         self._dispatch(self.command)
 
-    do_PUT = do_DELETE = do_PATCH = do_HEAD = _not_allowed
+    def __getattr__(self, name):
+        # any other method (PUT, TRACE, PROPFIND, ...) meets the route table too: 404 or 405
+        if name.startswith("do_"):
+            return self._other_method
+        raise AttributeError(name)
 
     # -- dispatch -----------------------------------------------------------------
     def _dispatch(self, method):
-        path = self.path.split("?", 1)[0]
+        self.rfile.head_left = None
+        self._body_pending = reader.has_body(self.headers)
+        if not self.server.begin_request():
+            self.close_connection = True
+            self._send_exception(Unavailable("server is shutting down"))
+            return
         try:
-            route = endpoints.ROUTES.get(path)
+            route = self._route(method)
             if method == "OPTIONS":
                 return self._preflight(route)
-            if route is None:
-                self._drain_body()
-                raise NotFound("File Not Found: %s" % path[:200])
-            if method not in route.methods:
-                self._drain_body()
-                raise MethodNotAllowed("%s is not allowed on %s" % (method, path),
-                                       headers={"Allow": ", ".join(route.methods)})
             if route.auth:
+                self._check_origin()
                 self._check_auth()
             body = self._read_json() if method == "POST" else None
             if route.needs_service and self.service is None:
@@ -130,13 +241,31 @@ class Handler(BaseHTTPRequestHandler):
             route.handler(self, body)
         except Exception as exc:           # the one exit for errors
             self._send_exception(exc)
+        finally:
+            self.server.end_request()
+
+    def _route(self, method):
+        """The route for this request; NotFound or MethodNotAllowed (OPTIONS: route or None)."""
+        path = self.path.split("?", 1)[0]
+        route = endpoints.ROUTES.get(path)
+        if method == "OPTIONS":
+            return route
+        if route is None:
+            raise NotFound("File Not Found: %s" % path[:200])
+        allowed = route.methods + (("HEAD",) if "GET" in route.methods else ())
+        if method not in allowed:
+            raise MethodNotAllowed("%s is not allowed on %s" % (method[:32], path),
+                                   headers={"Allow": ", ".join(allowed)})
+        return route
 
     def _send_exception(self, exc):
         err = to_http_error(exc)
         if err.status >= 500 and not isinstance(exc, (HTTPError, OffgridError)):
-            log.exception("internal error on %s %s", self.command, self.path)
+            log.exception("internal error on %s %s", self.command, self.path.split("?", 1)[0])
         if self.service is not None and err.status >= 500:
             self.service.metrics.error()
+        if self._body_pending:
+            self.close_connection = True    # the unread body must not be read as a request
         stream = getattr(self, "_stream", None)
         if stream is not None and stream.started:
             # headers are gone: the error becomes the stream's last event
@@ -145,7 +274,7 @@ class Handler(BaseHTTPRequestHandler):
             return
         self.send_json(err.status, err.body(), err.headers)
 
-    # -- requests ---------------------------------------------------------------
+    # -- who may ask -------------------------------------------------------------
     def _check_auth(self):
         if not self.api_keys:
             return
@@ -153,193 +282,233 @@ class Handler(BaseHTTPRequestHandler):
         auth = self.headers.get("Authorization") or ""
         if auth[:7].lower() == "bearer ":
             given = auth[7:].strip()
+        # digests have one length, so the comparison time says nothing about the key
+        digest = hashlib.sha256(given.encode("latin-1", "replace")).digest()
         ok = False
         for key in self.api_keys:     # no early exit: time does not tell which key
-            ok |= hmac.compare_digest(given.encode("utf-8", "replace"), key.encode("utf-8"))
+            ok |= hmac.compare_digest(digest, key)
         if not ok:
-            self._drain_body()
-            raise Unauthorized("Invalid API Key")
+            raise Unauthorized("Invalid API Key", headers={"WWW-Authenticate": "Bearer"})
 
-    def _read_body(self):
-        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            return self._read_chunked()
-        length = self.headers.get("Content-Length")
-        if length is None:
-            return b""
+    def _origin_allowed(self, origin):
+        return origin in self.cors_origins
+
+    def _check_origin(self):
+        """Refuse a web page on another origin, even where CORS would hide the answer.
+
+        A browser sends ``Origin`` with every cross-origin request; without
+        this check any page could make it POST to a local server (a "simple"
+        request needs no preflight) and spend its CPU.
+        """
+        origin = self.headers.get("Origin")
+        if origin is None or self._origin_allowed(origin):
+            return
         try:
-            n = int(length)
-            if n < 0:
-                raise ValueError
-        except ValueError:
-            self.close_connection = True
-            raise BadRequest("invalid Content-Length header")
-        if n > self.max_body:
-            self.close_connection = True    # the unread body must not be parsed as a request
-            raise PayloadTooLarge("request body of %d bytes exceeds the limit of %d bytes"
-                                  % (n, self.max_body))
-        data = self._read_exact(n)
-        return data
+            netloc = urlsplit(origin).netloc.lower()
+        except ValueError:      # not a URL at all (e.g. "http://[::1")
+            netloc = None
+        if netloc == (self.headers.get("Host") or "").lower():
+            return      # same origin: a page the server itself would have served
+        raise HTTPError("requests from the web origin %r are not allowed; start offgrid with "
+                        "--cors-origin to allow it" % origin[:200], status=403,
+                        type="permission_error")
 
-    def _read_exact(self, n):
-        chunks, left = [], n
-        while left > 0:
-            try:
-                chunk = self.rfile.read(min(left, 1 << 16))
-            except OSError:
-                chunk = b""
-            if not chunk:
-                self.close_connection = True
-                raise BadRequest("request body ended after %d of %d bytes" % (n - left, n))
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
-
-    def _read_chunked(self):
-        out, total = [], 0
-        while True:
-            line = self.rfile.readline(1024)
-            try:
-                size = int(line.split(b";", 1)[0].strip(), 16)
-            except ValueError:
-                self.close_connection = True
-                raise BadRequest("malformed chunked request body")
-            if size == 0:
-                while self.rfile.readline(1024).strip():
-                    pass        # trailers
-                return b"".join(out)
-            total += size
-            if total > self.max_body:
-                self.close_connection = True
-                raise PayloadTooLarge("request body exceeds the limit of %d bytes" % self.max_body)
-            out.append(self._read_exact(size))
-            self.rfile.readline(8)      # CRLF after the chunk
-
-    def _drain_body(self):
-        """Read (and drop) a small body so the connection stays usable."""
-        try:
-            n = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            n = -1
-        if 0 < n <= self.max_body:
-            self._read_exact(n)
-        elif n != 0:
-            self.close_connection = True
-
+    # -- request bodies ----------------------------------------------------------
     def _read_json(self):
-        data = self._read_body()
-        if not data.strip():
-            raise BadRequest("the request body is empty; send a JSON object")
         try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise BadRequest("the request body is not valid UTF-8 (byte %d)" % e.start)
+            data = reader.read_body(self.rfile, self.headers, self.max_body, self.read_timeout)
+            self._body_pending = False
+            return reader.parse_json_object(data)
+        except HTTPError:
+            # a body that is not what it claimed (a Content-Length that lies, no
+            # length at all) leaves the connection out of step: end it
+            self.close_connection = True
+            raise
+
+    def handle_expect_100(self):
+        """Say "100 Continue" only to a body that will be read: right path, key and size."""
+        self.rfile.head_left = None
+        self._body_pending = reader.has_body(self.headers)
         try:
-            body = json.loads(text)
-        except ValueError as e:
-            raise BadRequest("invalid JSON in the request body: %s" % e)
-        if not isinstance(body, dict):
-            raise BadRequest("the request body must be a JSON object")
-        return body
+            route = self._route(self.command)
+            if route is not None and route.auth:
+                self._check_origin()
+                self._check_auth()
+            if self.command == "POST":
+                reader.body_length(self.headers, self.max_body)
+        except HTTPError as exc:
+            self._send_exception(exc)
+            return False
+        return super().handle_expect_100()
 
     # -- responses --------------------------------------------------------------
+    def send_response(self, code, message=None):
+        # reading is over: no read deadline, and a stalled write gets the idle limit
+        self.rfile.phase(None)
+        self.connection.settimeout(self.timeout)
+        super().send_response(code, message)
+
     def send_json(self, status, obj, headers=None):
-        body = dumps(obj)
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json; charset=utf-8")
-        self.send_header("Content-Length", str(len(body)))
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
-        self.send_cors_headers()
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        try:
-            self.wfile.write(body)
-        except OSError:
-            self.close_connection = True
+        self._send_body(status, dumps(obj), "application/json; charset=utf-8", headers)
 
     def send_text(self, status, text, content_type="text/plain; version=0.0.4"):
-        body = text.encode("utf-8")
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_cors_headers()
-        self.end_headers()
-        self.wfile.write(body)
+        self._send_body(status, text.encode("utf-8"), content_type)
+
+    def _send_body(self, status, body, content_type, headers=None):
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            for k, v in (headers or {}).items():
+                self.send_header(k, v)
+            self.send_cors_headers()
+            if self.close_connection:
+                self.send_header("Connection", "close")
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+        except OSError:
+            self.close_connection = True
 
     def event_stream(self):
         self._stream = EventStream(self)
         return self._stream
 
     def send_cors_headers(self):
-        origin = self.headers.get("Origin") if self.headers else None
-        if origin and origin in self.cors_origins:
+        headers = getattr(self, "headers", None)     # absent if the request never parsed
+        origin = headers.get("Origin") if headers is not None else None
+        if origin and self._origin_allowed(origin):
             self.send_header("Access-Control-Allow-Origin", origin)
             self.send_header("Vary", "Origin")
 
     def _preflight(self, route):
         origin = self.headers.get("Origin")
-        if route is None or not origin or origin not in self.cors_origins:
-            self._drain_body()
-            raise HTTPError("CORS preflight refused", status=403, type="permission_error")
+        if not origin or not self._origin_allowed(origin):
+            raise HTTPError("CORS preflight refused: the origin is not allowed", status=403,
+                            type="permission_error")
+        if route is None:
+            raise NotFound("File Not Found: %s" % self.path.split("?", 1)[0][:200])
+        asked = self.headers.get("Access-Control-Request-Headers") or ""
+        names = [n.strip() for n in asked.split(",") if _TOKEN.fullmatch(n.strip())]
         self.send_response(204)
         self.send_cors_headers()
         self.send_header("Access-Control-Allow-Methods", ", ".join(route.methods + ("OPTIONS",)))
         self.send_header("Access-Control-Allow-Headers",
-                         self.headers.get("Access-Control-Request-Headers") or
-                         "Authorization, Content-Type")
+                         ", ".join(names) or "Authorization, Content-Type, X-Api-Key")
         self.send_header("Access-Control-Max-Age", "600")
         self.send_header("Content-Length", "0")
         self.end_headers()
 
     def send_error(self, code, message=None, explain=None):
         """http.server's own errors (bad request line, huge headers, ...) as JSON."""
-        kind = {400: "invalid_request_error", 404: "not_found_error", 408: "invalid_request_error",
-                414: "invalid_request_error", 431: "invalid_request_error",
-                501: "not_supported_error"}.get(code, "server_error")
+        kind = {404: "not_found_error"}.get(code, "invalid_request_error" if code < 500
+                                            else "server_error")
         if code == 501:
             code = 405      # an unknown method: the path may exist, the method does not
             kind = "invalid_request_error"
+        if self.request_version == "HTTP/0.9":
+            # http.server says so of a request line it could not read; the
+            # answer still needs its status line and headers
+            self.request_version = "HTTP/1.1"
         self.close_connection = True
-        try:
-            self.send_json(code, {"error": {"code": code, "message": message or explain or "error",
-                                            "type": kind}})
-        except OSError:
-            pass
+        self.send_json(code, {"error": {"code": int(code), "type": kind,
+                                        "message": message or explain or "error"}})
+
+    def log_request(self, code="-", size="-"):
+        # method and path only: a query string may carry a secret
+        if self.verbose:
+            self.log_message("%s %s %s", self.command, self.path.split("?", 1)[0][:200],
+                             getattr(code, "value", code))
 
     def log_message(self, fmt, *args):
-        # http.server logs every request line; only in verbose mode, and never
-        # headers (they may carry API keys).
+        # only in verbose mode, and never headers (they may carry API keys)
         if self.verbose:
             sys.stderr.write("%s - %s\n" % (self.address_string(), fmt % args))
 
-    def handle_one_request(self):
-        self._stream = None
-        try:
-            super().handle_one_request()
-        except (ConnectionError, TimeoutError, OSError):
-            self.close_connection = True
-
 
 class Server(ThreadingHTTPServer):
-    """ThreadingHTTPServer with our settings."""
+    """ThreadingHTTPServer with our settings, a connection cap and a drain for shutdown."""
     # Handler threads must not keep the process alive past shutdown: the
-    # shutdown sequence itself waits for the requests that matter.
+    # shutdown sequence itself waits for the requests that matter (drain).
     daemon_threads = True
     # Restarting the server right after a stop must not fail on TIME_WAIT.
     allow_reuse_address = True
     request_queue_size = 128
+    # Connections served at once; one more gets 503 and is closed, so a flood
+    # of clients cannot run the process out of threads.
+    max_connections = 512
+
+    def __init__(self, *args, **kwargs):
+        self._cond = threading.Condition()
+        self._n_connections = 0
+        self._n_requests = 0            # requests between _dispatch's start and end
+        self.closing = False
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request, client_address):
+        with self._cond:
+            full = self._n_connections >= self.max_connections
+            if not full:
+                self._n_connections += 1
+        if full:
+            body = dumps({"error": {"code": 503, "type": "unavailable_error",
+                                    "message": "too many connections"}})
+            try:
+                request.settimeout(1.0)
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: "
+                                b"application/json\r\nContent-Length: %d\r\nConnection: close"
+                                b"\r\n\r\n%s" % (len(body), body))
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._connection_ended()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._connection_ended()
+
+    def _connection_ended(self):
+        with self._cond:
+            self._n_connections -= 1
+
+    def begin_request(self):
+        """Count a request in; False once the server is draining."""
+        with self._cond:
+            if self.closing:
+                return False
+            self._n_requests += 1
+            return True
+
+    def end_request(self):
+        with self._cond:
+            self._n_requests -= 1
+            self._cond.notify_all()
+
+    def drain(self, timeout):
+        """Refuse new requests, wait for those being answered; True if they all were."""
+        with self._cond:
+            self.closing = True
+            return self._cond.wait_for(lambda: self._n_requests == 0, timeout)
 
 
 def make_server(host, port, service=None, api_keys=(), cors_origins=(), max_body=None,
-                verbose=False, timeout=None):
+                verbose=False, timeout=None, read_timeout=None):
     """A Server bound to host:port whose Handler class carries these settings."""
-    attrs = {"service": service, "api_keys": tuple(api_keys), "cors_origins": tuple(cors_origins),
-             "verbose": verbose}
+    attrs = {"service": service, "cors_origins": tuple(cors_origins), "verbose": verbose,
+             "api_keys": tuple(hashlib.sha256(k.encode("utf-8")).digest() for k in api_keys)}
     if max_body is not None:
         attrs["max_body"] = max_body
     if timeout is not None:
         attrs["timeout"] = timeout
+    if read_timeout is not None:
+        attrs["read_timeout"] = read_timeout
     handler = type("OffgridHandler", (Handler,), attrs)
     server_class = Server
     if ":" in host:

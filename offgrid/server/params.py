@@ -7,11 +7,11 @@ Nothing below this module sees a dict from a client.
 """
 
 import math
-from dataclasses import dataclass, field
-from typing import List, Optional, Union
+from dataclasses import dataclass
+from typing import List, Union
 
 from ..infill import InfillRequest
-from ..sampling import DEFAULT_SAMPLERS, SAMPLER_ALIASES, SamplingParams
+from ..sampling import SAMPLER_ALIASES, SamplingParams
 from ..session import GenerationParams
 from .errors import BadRequest
 
@@ -21,6 +21,9 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_LEN = 1024
 MAX_N_CMPL = 16
 MAX_N_PREDICT = 2 ** 31 - 1
+# libllama allocates a buffer of repeat_last_n tokens per request; a window
+# wider than any context would only waste memory (2**31 would be 8 GiB).
+MAX_REPEAT_LAST_N = 1 << 20
 
 
 class Fields:
@@ -58,7 +61,10 @@ class Fields:
             return default
         if not isinstance(v, (int, float)) or isinstance(v, bool):
             raise BadRequest("'%s' must be a number" % name)
-        v = float(v)
+        try:
+            v = float(v)
+        except OverflowError:       # an integer with hundreds of digits
+            v = math.inf
         if not math.isfinite(v):
             raise BadRequest("'%s' must be a finite number" % name)
         if (lo is not None and v < lo) or (hi is not None and v > hi):
@@ -109,7 +115,7 @@ def sampling_from(f, n_vocab):
     p.min_p = f.float("min_p", p.min_p, lo=0.0, hi=1.0)
     p.typical_p = f.float("typical_p", p.typical_p, lo=0.0, hi=1.0)
     p.repeat_penalty = f.float("repeat_penalty", p.repeat_penalty, lo=0.0)
-    p.repeat_last_n = f.int("repeat_last_n", p.repeat_last_n, lo=-1, hi=MAX_N_PREDICT)
+    p.repeat_last_n = f.int("repeat_last_n", p.repeat_last_n, lo=-1, hi=MAX_REPEAT_LAST_N)
     p.presence_penalty = f.float("presence_penalty", p.presence_penalty, lo=-2.0, hi=2.0)
     p.frequency_penalty = f.float("frequency_penalty", p.frequency_penalty, lo=-2.0, hi=2.0)
     seed = f.int("seed", -1, lo=-(2 ** 63), hi=2 ** 64 - 1)
@@ -146,7 +152,7 @@ def _logit_bias(v, n_vocab):
         if not isinstance(item, (list, tuple)) or len(item) != 2:
             raise BadRequest("'logit_bias' entries must be [token, bias] pairs")
         tok, bias = item
-        if isinstance(tok, str) and tok.lstrip("-").isdigit():
+        if isinstance(tok, str) and tok.isascii() and tok.lstrip("-").isdigit():
             tok = int(tok)
         if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < n_vocab:
             raise BadRequest("'logit_bias' token %r is not a token id of this model" % (tok,))
@@ -226,11 +232,11 @@ def prompt_from(v, where="prompt"):
 
     Returns a Prompt.  Several prompts (OpenAI's batch form) are refused: n=1 only.
     """
+    while isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+        v = v[0]        # [[...]] and ["..."]: one prompt, unwrapped (a loop: no recursion)
     if isinstance(v, str):
         return Prompt([v])
     if isinstance(v, list):
-        if len(v) == 1 and isinstance(v[0], (str, list)):
-            return prompt_from(v[0], where)
         if all(isinstance(x, str) for x in v) and len(v) > 1:
             raise BadRequest("'%s' with several prompts is not supported; send one per request"
                              % where)
@@ -262,45 +268,159 @@ def tokens_of(model, prompt, add_special=True):
         else:
             model.check_tokens(part)
             out += part
+    if not out:
+        raise BadRequest("the prompt is empty: send some text or token ids")
     return out
 
 
-@dataclass
-class ChatMessage:
-    role: str
-    content: str
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+def chat_messages_from(v):
+    """OpenAI ``messages`` as chat.Message, with tool calls, tool results and text parts.
 
-
-def messages_from(v):
-    """OpenAI ``messages`` as ChatMessages (text content, or text parts)."""
+    Validation follows llama-server: every message has a role; messages other
+    than the assistant's have ``content``; an assistant message has content or
+    tool calls; content is a string, null, or an array of text parts.
+    """
+    import json
+    from ..chat import Message, ToolCall
     if not isinstance(v, list) or not v:
         raise BadRequest("'messages' must be a non-empty array")
     out = []
     for i, m in enumerate(v):
+        where = "messages[%d]" % i
         if not isinstance(m, dict):
-            raise BadRequest("messages[%d] must be an object" % i)
+            raise BadRequest("%s must be an object" % where)
         role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise BadRequest("%s.role must be a non-empty string" % where)
         if role not in CHAT_ROLES:
-            raise BadRequest("messages[%d].role must be one of %s" % (i, ", ".join(CHAT_ROLES)))
+            # OpenAI's 400; a template would otherwise render a role its model never saw
+            raise BadRequest("%s.role must be one of %s, got %r"
+                             % (where, ", ".join(CHAT_ROLES), role[:40]))
+        if role != "assistant" and "content" not in m:
+            raise BadRequest("%s: all non-assistant messages must contain 'content'" % where)
+        if role == "assistant" and "content" not in m and "tool_calls" not in m:
+            raise BadRequest("%s: an assistant message must contain 'content' or 'tool_calls'"
+                             % where)
+        msg = Message(role)
         content = m.get("content")
-        if content is None:
-            text = ""
-        elif isinstance(content, str):
-            text = content
+        if isinstance(content, str):
+            msg.content = content
         elif isinstance(content, list):
-            pieces = []
+            msg.parts = []
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or part.get("type") != "text" \
                         or not isinstance(part.get("text"), str):
-                    raise BadRequest("messages[%d].content[%d] must be a text part "
-                                     "({\"type\": \"text\", \"text\": ...}); only text is supported"
-                                     % (i, j))
-                pieces.append(part["text"])
-            text = "\n".join(pieces)
-        else:
-            raise BadRequest("messages[%d].content must be a string or an array of parts" % i)
-        out.append(ChatMessage("system" if role == "developer" else role, text))
+                    raise BadRequest("%s.content[%d] must be a text part ({\"type\": \"text\", "
+                                     "\"text\": ...}); only text is supported" % (where, j))
+                msg.parts.append(part["text"])
+        elif content is not None:
+            raise BadRequest("%s.content must be a string, null or an array of text parts"
+                             % where)
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if not isinstance(calls, list):
+                raise BadRequest("%s.tool_calls must be an array" % where)
+            for j, tc in enumerate(calls):
+                fn = tc.get("function") if isinstance(tc, dict) else None
+                if not isinstance(fn, dict) or tc.get("type", "function") != "function" \
+                        or not isinstance(fn.get("name"), str):
+                    raise BadRequest("%s.tool_calls[%d] must be {\"type\": \"function\", "
+                                     "\"function\": {\"name\": ..., \"arguments\": ...}}"
+                                     % (where, j))
+                args = fn.get("arguments", "{}")
+                if not isinstance(args, str):
+                    args = json.dumps(args, ensure_ascii=False)
+                tc_id = tc.get("id") or ""
+                if not isinstance(tc_id, str):
+                    raise BadRequest("%s.tool_calls[%d].id must be a string" % (where, j))
+                msg.tool_calls.append(ToolCall(fn["name"], args, tc_id))
+        for name in ("reasoning_content", "tool_call_id", "name"):
+            val = m.get(name)
+            if val is not None:
+                if not isinstance(val, str):
+                    raise BadRequest("%s.%s must be a string" % (where, name))
+                setattr(msg, name, val)
+        out.append(msg)
     return out
+
+
+def tools_from(v):
+    """OpenAI ``tools`` (functions only) as chat.Tool; None or [] gives []."""
+    from ..chat import Tool
+    if v is None:
+        return []
+    if not isinstance(v, list):
+        raise BadRequest("'tools' must be an array")
+    out = []
+    for i, t in enumerate(v):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) \
+                or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise BadRequest("tools[%d] must be {\"type\": \"function\", \"function\": "
+                             "{\"name\": ..., \"parameters\": ...}}" % i)
+        desc = fn.get("description") or ""
+        params = fn.get("parameters")
+        if params is None:
+            params = {}
+        if not isinstance(desc, str) or not isinstance(params, dict):
+            raise BadRequest("tools[%d]: 'description' must be a string and 'parameters' an "
+                             "object" % i)
+        out.append(Tool(fn["name"], desc, params))
+    return out
+
+
+def tool_choice_from(v, tools):
+    """``tool_choice``: "auto" | "none" | "required", or the name of one of ``tools``."""
+    if v is None:
+        return "auto"
+    if isinstance(v, str):
+        if v not in ("auto", "none", "required"):
+            raise BadRequest("'tool_choice' must be \"auto\", \"none\", \"required\" or "
+                             "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+        return v
+    fn = v.get("function") if isinstance(v, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise BadRequest("'tool_choice' must be \"auto\", \"none\", \"required\" or "
+                         "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+    if fn["name"] not in [t.name for t in tools]:
+        raise BadRequest("'tool_choice' names %r, which is not in 'tools'" % fn["name"])
+    return fn["name"]
+
+
+def output_schema_from(f):
+    """(json_schema, grammar) from ``response_format``, ``json_schema`` and ``grammar``.
+
+    As llama-server: ``json_object`` with no schema means any object, an
+    empty schema means any object, and a schema and a grammar together are
+    refused.
+    """
+    schema = f.raw("json_schema")
+    grammar = f.str("grammar")
+    if schema is not None and grammar:
+        raise BadRequest("cannot use both json_schema and grammar")
+    rf = f.raw("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict):
+            raise BadRequest("'response_format' must be an object")
+        kind = rf.get("type") or ""
+        if kind == "json_object":
+            if "schema" in rf or schema is None:
+                schema = rf.get("schema") or {}
+        elif kind == "json_schema":
+            wrapper = rf.get("json_schema")
+            if not isinstance(wrapper, dict):
+                raise BadRequest("response_format.json_schema must be an object")
+            schema = wrapper.get("schema") or {}
+        elif kind != "text":
+            raise BadRequest("response_format type must be one of \"text\", \"json_object\" "
+                             "or \"json_schema\", got %r" % kind)
+    if schema is not None and not isinstance(schema, (dict, bool)):
+        raise BadRequest("the JSON schema must be an object")
+    if isinstance(schema, dict) and not schema:
+        schema = {"type": "object"}
+    if schema is not None and grammar:
+        raise BadRequest("cannot use both json_schema and grammar")
+    return schema, grammar or None

@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Optional
 
 from ..session import Completion, FinishReason, RequestCancel, Usage
 from .errors import BadRequest, Unavailable
@@ -34,6 +34,7 @@ class ModelEntry:
     n_batch: int
     aliases: List[str] = field(default_factory=list)
     path: str = ""
+    chat_template: Optional[str] = None     # --chat-template: Jinja text or a built-in name
 
     def answers_to(self, name):
         return name == self.id or name in self.aliases
@@ -109,15 +110,20 @@ class DisconnectWatcher:
                 items = list(self._watched.items())
             if not items:
                 continue
+            # poll, not select: select cannot watch descriptors past 1023,
+            # which a busy server's sockets reach
+            poller = select.poll()
+            for fd, _ in items:
+                poller.register(fd, select.POLLIN | select.POLLPRI)
             try:
-                readable, _, broken = select.select([s for _, (s, _) in items], [], [s for _, (s, _) in items], 0)
-            except (OSError, ValueError):
-                readable, broken = [], [s for _, (s, _) in items if s.fileno() < 0]
-            for sock in set(readable) | set(broken):
-                if self._closed(sock):
-                    for _, (s, cancel) in items:
-                        if s is sock:
-                            cancel.cancel("client disconnected")
+                ready = dict(poller.poll(0))
+            except OSError:
+                continue
+            for fd, (sock, cancel) in items:
+                events = ready.get(fd, 0)
+                if events & (select.POLLHUP | select.POLLERR | select.POLLNVAL) or \
+                        (events and self._closed(sock)):
+                    cancel.cancel("client disconnected")
 
     @staticmethod
     def _closed(sock):
@@ -132,11 +138,15 @@ class DisconnectWatcher:
 class Service:
     """Models, pools, supersede table, counters, and the lifecycle of requests."""
 
-    def __init__(self, text, fim=None, n_predict_default=-1, shutdown_grace=10.0):
+    def __init__(self, text, fim=None, n_predict_default=-1, shutdown_grace=10.0,
+                 cache_reuse=64):
         self.text = text                # ModelEntry for text and chat requests
         self.fim = fim or text          # ModelEntry for /infill and suffix requests
         self.entries = [text] + ([fim] if fim is not None and fim is not text else [])
         self.n_predict_default = n_predict_default
+        # minimum run of cached tokens that FIM requests move rather than
+        # recompute (0: prefix reuse only); see offgrid/cachereuse.py
+        self.cache_reuse = cache_reuse
         self.shutdown_grace = shutdown_grace
         self.supersede = Supersede()
         self.metrics = Metrics()
