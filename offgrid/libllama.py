@@ -24,7 +24,7 @@ import ctypes.util
 import os
 import sys
 import threading
-from ctypes import (CFUNCTYPE, POINTER, Structure, c_bool, c_char, c_char_p, c_float,
+from ctypes import (CFUNCTYPE, POINTER, Structure, c_bool, c_char_p, c_float,
                     c_int, c_int8, c_int32, c_size_t, c_uint32, c_uint64, c_void_p)
 from pathlib import Path
 

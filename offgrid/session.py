@@ -18,7 +18,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import List
+from typing import FrozenSet, List
 
 from . import cachereuse, libllama
 from .errors import ContextError, ContextFull, DecodeError, InvalidRequest
@@ -109,6 +109,9 @@ class GenerationParams:
     ignore_eos: bool = False
     cache_prompt: bool = True
     t_max_predict_ms: int = 0           # FIM: stop at a newline once this much time passed
+    # control tokens whose text is kept in the output (a template's tool-call
+    # markers such as <|python_tag|>, which otherwise render as nothing)
+    preserved_tokens: FrozenSet[int] = frozenset()
     cache_reuse: int = 0                # reuse cached runs of at least this many tokens
                                         # after the common prefix (0: prefix only)
     n_indent: int = 0                   # FIM: stop at a line indented less than this
@@ -383,7 +386,8 @@ class ChatSession:
                 finish, stop_type = FinishReason.STOP, "eos"
                 break
             out_tokens.append(token)
-            piece = model.token_bytes(token)
+            piece = (model.token_text(token) if token in params.preserved_tokens
+                     else model.token_bytes(token))
             released, stopped = text.add(piece)
             if released and on_piece is not None and on_piece(released) is False:
                 finish, stop_type = FinishReason.CANCELLED, "none"

@@ -1,13 +1,38 @@
-"""Chat messages to a prompt, with the model's template.
+"""/v1/chat/completions and /apply-template: chat through the model's own template.
 
-This is the basic path: libllama's built-in templates
-(``llama_chat_apply_template``), which recognise the common template
-families by name or by the text of the model's own template.  A model with no
-template (the default gemma-3-270m base) gets its architecture's built-in
-template where libllama has one, else ChatML.
+    body --params--> Messages, Tools, tool_choice, output schema
+         --ChatTemplate.apply--> prompt text, ReplyFormat, tool-call grammar
+         --Service.generate--> text (pieces while streaming)
+         --chatreply--> content, reasoning_content, tool_calls --formats--> OpenAI JSON
+
+Which template a model uses is settled once per model (``template_for``):
+``--chat-template`` (a Jinja file, or "chatml", or the name of one of
+libllama's built-in templates), else the model's ``tokenizer.chat_template``
+rendered by offgrid.jinja; a model with neither falls back to libllama's
+built-in template for its architecture (or ChatML), which cannot show tools
+to the model, so tools are then described in a system message and calls are
+read in the generic JSON form.
+
+Output constraints become a GBNF grammar for libllama's grammar sampler:
+``tool_choice`` "required" or a named function (a call in the template's
+syntax, arguments per the tool's schema), ``response_format`` json_object /
+json_schema and llama.cpp's ``json_schema`` (offgrid.jsonschema), or a
+``grammar`` given as is.  A grammar libllama rejects is a 400 before anything
+is generated.
 """
 
+import json
+import threading
+
+from .. import chat as chat_engine
+from ..chatreply import ReplyStream, parse_reply
+from ..jsonschema import schema_to_grammar
+from ..sampling import check_grammar
+from ..session import FinishReason
+from . import formats
 from .errors import BadRequest
+from .params import (Fields, chat_messages_from, generation_from, id_slot_from,
+                     output_schema_from, tool_choice_from, tools_from)
 
 # general.architecture -> libllama built-in template name, for models that
 # carry no template of their own
@@ -15,26 +40,301 @@ _ARCH_TEMPLATES = {"gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "gemm
                    "llama": "llama3", "qwen2": "chatml", "qwen3": "chatml", "phi3": "phi3",
                    "mistral": "mistral-v7"}
 
-
-def template_name(model, override=None):
-    """The template to render with: an override, the model's own text, or a name."""
-    if override:
-        return override
-    if model.chat_template:
-        return model.chat_template
-    arch = model.meta.get("general.architecture", "")
-    name = _ARCH_TEMPLATES.get(arch, "chatml")
-    return name if name in model.builtin_template_names() else "chatml"
+REASONING_FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")
 
 
-def render(model, messages, add_generation_prompt=True, override=None):
-    """The prompt text for a list of ChatMessage."""
-    pairs = [(m.role, m.content) for m in messages]
-    tmpl = template_name(model, override)
-    prompt = model.builtin_template(tmpl, pairs, add_generation_prompt)
-    if prompt is None:
-        # the model's own template is not one libllama recognises
-        prompt = model.builtin_template("chatml", pairs, add_generation_prompt)
-    if prompt is None:
-        raise BadRequest("could not apply a chat template to these messages")
-    return prompt
+# -- which template ------------------------------------------------------------------
+
+class BuiltinTemplate:
+    """libllama's llama_chat_apply_template by name, for models without a Jinja template.
+
+    It knows roles and text only: tools are described in a system message,
+    tool calls and results are written into the text, and the reply is read
+    in the generic JSON form.
+    """
+
+    def __init__(self, model, name):
+        self.model, self.name = model, name
+        self.source = name
+        self.caps = chat_engine.Caps(supports_tools=False, supports_tool_calls=False)
+        self.tool_syntax = "generic"
+
+    def apply(self, messages, tools=(), add_generation_prompt=True, tool_choice="auto",
+              reasoning_format="auto", **_ignored):
+        pairs = []
+        for m in messages:
+            role = "system" if m.role == "developer" else m.role
+            text = m.text()
+            if m.tool_calls:
+                calls = [{"name": c.name, "arguments": _json_or_text(c.arguments)}
+                         for c in m.tool_calls]
+                text = (text + "\n" if text else "") + json.dumps(
+                    calls[0] if len(calls) == 1 else calls, ensure_ascii=False)
+            pairs.append((role, text))
+        if tools and tool_choice != "none":
+            prompt = chat_engine.generic_tool_prompt(tools)
+            if pairs and pairs[0][0] == "system":
+                pairs[0] = ("system", pairs[0][1] + "\n\n" + prompt)
+            else:
+                pairs.insert(0, ("system", prompt))
+        text = self.model.builtin_template(self.name, pairs, add_generation_prompt)
+        if text is None:
+            text = self.model.builtin_template("chatml", pairs, add_generation_prompt)
+        if text is None:
+            raise BadRequest("could not apply a chat template to these messages")
+        fmt = chat_engine.ReplyFormat(tool_syntax="generic",
+                                      parse_tools=bool(tools) and tool_choice != "none",
+                                      extract_reasoning=reasoning_format != "none",
+                                      keep_reasoning_inline=reasoning_format == "deepseek-legacy")
+        grammar = None
+        if tools and tool_choice not in ("auto", "none"):
+            grammar = chat_engine.tool_call_grammar(tools, "generic", tool_choice, False)
+        return chat_engine.ChatPrompt(text, "", fmt, grammar)
+
+
+def _json_or_text(s):
+    try:
+        return json.loads(s)
+    except ValueError:
+        return s
+
+
+_templates = {}
+_templates_lock = threading.Lock()
+
+
+def template_for(entry):
+    """The ChatTemplate (or BuiltinTemplate) of a ModelEntry, built once and kept."""
+    key = id(entry)
+    with _templates_lock:
+        t = _templates.get(key)
+        if t is None:
+            t = _templates[key] = _make_template(entry)
+        return t
+
+
+def _token_text(model, token):
+    if token is None:
+        return ""
+    return model.token_text(token, special=True).decode("utf-8", "replace")
+
+
+def _make_template(entry):
+    model = entry.model
+    spec = getattr(entry, "chat_template", None)
+    builtin_names = model.builtin_template_names()
+    if spec and spec != "chatml" and "{" not in spec:
+        if spec not in builtin_names:
+            raise BadRequest("unknown chat template %r; give a Jinja file, \"chatml\" or one of: %s"
+                             % (spec, ", ".join(builtin_names)))
+        return BuiltinTemplate(model, spec)
+    source = spec or model.chat_template
+    if not source:
+        arch = model.meta.get("general.architecture", "")
+        name = _ARCH_TEMPLATES.get(arch, "chatml")
+        return BuiltinTemplate(model, name if name in builtin_names else "chatml")
+    try:
+        return chat_engine.ChatTemplate(source, _token_text(model, model.bos),
+                                        _token_text(model, model.eos),
+                                        add_bos=model.add_bos, add_eos=model.add_eos)
+    except chat_engine.ChatTemplateError as e:
+        raise BadRequest(str(e))
+
+
+# -- the request ------------------------------------------------------------------------
+
+def _openai_checks(f):
+    if f.int("n", 1) != 1:
+        raise BadRequest("'n' must be 1: offgrid returns one choice per request")
+    if f.int("best_of", 1) != 1:
+        raise BadRequest("'best_of' must be 1: offgrid does not rank several completions")
+    lp = f.raw("logprobs")
+    if lp not in (None, False, 0):
+        raise BadRequest("'logprobs' is not supported by offgrid yet")
+
+
+def _template_kwargs(f):
+    kwargs = f.raw("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise BadRequest("'chat_template_kwargs' must be an object")
+    kwargs = dict(kwargs)
+    enable_thinking = None
+    if "enable_thinking" in kwargs:
+        if not isinstance(kwargs["enable_thinking"], bool):
+            raise BadRequest("invalid type for \"enable_thinking\" (expected boolean)")
+        enable_thinking = kwargs["enable_thinking"]
+    effort = f.str("reasoning_effort")
+    if effort == "none":
+        enable_thinking = False
+        kwargs.pop("reasoning_effort", None)
+    elif effort:
+        kwargs["reasoning_effort"] = effort
+    return kwargs, enable_thinking
+
+
+def _prompt_from(f, entry, for_generation=True):
+    """(ChatPrompt, tools, tool_choice, schema, grammar) of a chat request."""
+    messages = chat_messages_from(f.raw("messages"))
+    tools = tools_from(f.raw("tools"))
+    tool_choice = tool_choice_from(f.raw("tool_choice"), tools)
+    reasoning_format = f.str("reasoning_format", "auto")
+    if reasoning_format not in REASONING_FORMATS:
+        raise BadRequest("'reasoning_format' must be one of %s" % ", ".join(REASONING_FORMATS))
+    schema, grammar = output_schema_from(f) if for_generation else (None, None)
+    if tools and tool_choice != "none" and f.has("grammar"):
+        raise BadRequest("cannot use custom grammar constraints with tools")
+    kwargs, enable_thinking = _template_kwargs(f)
+    add_gp = f.bool("add_generation_prompt", True)
+    tmpl = template_for(entry)
+    try:
+        prompt = tmpl.apply(messages, tools, add_generation_prompt=add_gp,
+                            enable_thinking=enable_thinking, kwargs=kwargs,
+                            json_schema=schema, tool_choice=tool_choice,
+                            parallel_tool_calls=f.raw("parallel_tool_calls"),
+                            reasoning_format=reasoning_format)
+    except chat_engine.ChatTemplateError as e:
+        raise BadRequest(str(e))
+    return prompt, tools, tool_choice, schema, grammar
+
+
+def apply_template(h, body):
+    """POST /apply-template: the prompt the chat endpoint would evaluate, as llama-server's."""
+    f = Fields(body)
+    entry = h.service.entry_for(f.raw("model"))
+    prompt = _prompt_from(f, entry, for_generation=False)[0]
+    h.send_json(200, {"prompt": prompt.text})
+
+
+def _grammar_of(prompt, schema, grammar):
+    if prompt.grammar is not None:
+        if schema is not None:
+            raise BadRequest("a required tool call and a response format cannot be combined")
+        return prompt.grammar
+    if schema is not None:
+        return schema_to_grammar(schema)
+    return grammar
+
+
+def _preserved_tokens(model, fmt):
+    """Control tokens the reply must show as text for the markers to be read."""
+    markers = [m for pair in fmt.reasoning_markers for m in pair]
+    markers += ["<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]",
+                "[CALL_ID]"]
+    out = set()
+    for text in markers:
+        toks = model.tokenize(text, add_special=False, parse_special=True)
+        if len(toks) == 1 and not model.token_bytes(toks[0]):
+            out.add(toks[0])
+    return frozenset(out)
+
+
+def _message(reply, c, id_length):
+    msg = {"role": "assistant", "content": reply.content}
+    if reply.reasoning_content:
+        msg["reasoning_content"] = reply.reasoning_content
+    if reply.tool_calls:
+        if not reply.content:
+            msg["content"] = None
+        msg["tool_calls"] = [_tool_call_json(tc, id_length) for tc in reply.tool_calls]
+    return msg
+
+
+def _tool_call_json(tc, id_length, index=None):
+    if not tc.id:
+        tc.id = chat_engine.new_tool_call_id(id_length)
+    out = {"id": tc.id, "type": "function",
+           "function": {"name": tc.name, "arguments": tc.arguments}}
+    if index is not None:
+        out = dict({"index": index}, **out)
+    return out
+
+
+def _finish(c, reply):
+    if reply.tool_calls and c.finish_reason is FinishReason.STOP:
+        return FinishReason.TOOL_CALLS.value
+    return formats.finish_reason(c)
+
+
+def _delta_json(d, id_length):
+    if d.reasoning_content is not None:
+        return {"reasoning_content": d.reasoning_content}
+    if d.content is not None:
+        return {"content": d.content}
+    index, tc = d.tool_call
+    return {"tool_calls": [_tool_call_json(tc, id_length, index)]}
+
+
+def _include_usage(f):
+    so = f.raw("stream_options")
+    if so is None:
+        return False
+    if not isinstance(so, dict):
+        raise BadRequest("'stream_options' must be an object")
+    return Fields(so, "stream_options").bool("include_usage", False)
+
+
+def chat_completions(h, body):
+    """POST /v1/chat/completions (and /chat/completions)."""
+    f = Fields(body)
+    svc = h.service
+    _openai_checks(f)
+    entry = svc.entry_for(f.raw("model"))
+    model = entry.model
+    prompt, tools, tool_choice, schema, grammar = _prompt_from(f, entry)
+    tokens = model.tokenize(prompt.text, add_special=True, parse_special=True)
+    gen = generation_from(f, model.n_vocab, svc.n_predict_default,
+                          ("max_completion_tokens", "max_tokens", "n_predict"))
+    gen.sampling.grammar = _grammar_of(prompt, schema, grammar)
+    if gen.sampling.grammar is not None:
+        check_grammar(model.lib, model.handle.vocab, gen.sampling.grammar)
+    fmt = prompt.reply_format
+    gen.preserved_tokens = _preserved_tokens(model, fmt)
+    id_length = 9 if getattr(template_for(entry), "tool_syntax", "") == "mistral" else 32
+    svc.metrics.request("v1/chat/completions")
+    stream = f.bool("stream", False)
+    id_slot = id_slot_from(f)
+    cid, created = formats.new_id("chatcmpl"), formats.now()
+
+    if not stream:
+        c = svc.generate(entry, tokens, gen, id_slot, sock=h.connection)
+        reply = parse_reply(c.text, fmt)
+        h.send_json(200, formats.oai_chat(c, entry.id, cid, created,
+                                          message=_message(reply, c, id_length),
+                                          finish=_finish(c, reply)))
+        return
+
+    include_usage = _include_usage(f)
+    es = h.event_stream()
+    rs = ReplyStream(fmt, id_length)
+    opened = []
+
+    def open_stream():
+        # The role chunk goes out with the first piece, not before generate():
+        # a request refused there (503 shutting down, 400 too long) must get
+        # its real status, not an error event inside a 200 stream.
+        if not opened:
+            opened.append(True)
+            es.send(formats.oai_chat_chunk({"role": "assistant", "content": None}, entry.id,
+                                           cid, created))
+
+    def send(deltas):
+        open_stream()
+        for d in deltas:
+            chunk = formats.oai_chat_chunk(_delta_json(d, id_length), entry.id, cid, created)
+            if es.send(chunk) is False:
+                return False
+        return True
+
+    def on_piece(text):
+        return send(rs.add(text))
+
+    c = svc.generate(entry, tokens, gen, id_slot, on_piece, sock=h.connection)
+    open_stream()
+    deltas, reply = rs.finish()
+    if c.finish_reason is not FinishReason.CANCELLED:
+        send(deltas)
+    es.send(formats.oai_chat_chunk({}, entry.id, cid, created, _finish(c, reply)))
+    if include_usage:
+        es.send(formats.oai_usage_chunk(c, "chat.completion.chunk", entry.id, cid, created))
+    es.send(b"[DONE]")
+    es.end()

@@ -1,0 +1,370 @@
+"""The model's reply read as content, reasoning and tool calls, whole or piece by piece.
+
+    reply = parse_reply(text, fmt)            # after generation
+    stream = ReplyStream(fmt)                 # while generating
+    for piece in pieces: deltas = stream.add(piece)
+    deltas, reply = stream.finish()
+
+``fmt`` is the ReplyFormat chat.ChatTemplate derived from the template and
+the request.  Reasoning is a leading block between markers (``<think>`` ...
+``</think>`` and the family's own), or everything up to the end marker when
+the prompt already opened the block (DeepSeek-R1, Qwen3 thinking templates).
+Tool calls are read in the template's syntax:
+
+    hermes    <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Hermes, Qwen,
+              and Qwen3-Coder's <tool_call><function=...><parameter=...> form)
+    llama3    <|python_tag|>{"name": ..., "parameters": {...}}, or that JSON alone
+    mistral   [TOOL_CALLS][{"name": ..., "arguments": {...}}] or [TOOL_CALLS]name[ARGS]{...}
+    generic   the whole reply one JSON object {"name", "arguments"} (or
+              {"tool_call": ...}, {"tool_calls": [...]}, or a list of calls)
+
+and the generic form is tried for every syntax when the template's own finds
+nothing.  Text outside calls is content.
+
+Streaming parses the whole text so far after each piece and sends what grew
+since the last parse.  To never take back what was sent, a partial parse
+holds back text that could still turn out to be a marker ("<thi", "<tool_")
+or the start of a JSON tool call, and sends each tool call once, whole,
+when its JSON is complete.
+"""
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+from .chat import ToolCall, new_tool_call_id
+
+_WS = " \t\n\r\v\f"
+
+
+@dataclass
+class Reply:
+    content: str = ""
+    reasoning_content: str = ""
+    tool_calls: List[ToolCall] = field(default_factory=list)
+
+
+@dataclass
+class Delta:
+    """One step of a streamed reply: exactly one of the three is set."""
+    content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_call: Optional[Tuple[int, ToolCall]] = None
+
+
+def _held_back(text, markers):
+    """``text`` without a suffix that is the beginning of one of ``markers``."""
+    cut = len(text)
+    for m in markers:
+        for n in range(min(len(m) - 1, len(text)), 0, -1):
+            if text.endswith(m[:n]):
+                cut = min(cut, len(text) - n)
+                break
+    return text[:cut]
+
+
+# ---------------------------------------------------------------------------
+# Reasoning
+# ---------------------------------------------------------------------------
+
+def split_reasoning(text, fmt, partial=False):
+    """(reasoning, rest, found): a leading reasoning block and the text after it."""
+    if not fmt.extract_reasoning:
+        return "", text, False
+    s, end = text, None
+    if fmt.starts_in_reasoning:
+        end = fmt.reasoning_end
+    else:
+        head = text.lstrip(_WS)
+        for start, e in fmt.reasoning_markers:
+            if head.startswith(start):
+                s, end = head[len(start):], e
+                break
+        else:
+            if partial and head and any(start.startswith(head)
+                                        for start, _ in fmt.reasoning_markers):
+                return "", "", False        # may still become a reasoning block
+    if end is None:
+        return "", text, False
+    k = s.find(end)
+    if k < 0:
+        body = _held_back(s, [end]) if partial else s
+        return body.strip(_WS), "", True
+    return s[:k].strip(_WS), s[k + len(end):].lstrip(_WS), True
+
+
+# ---------------------------------------------------------------------------
+# Tool calls
+# ---------------------------------------------------------------------------
+
+_decoder = json.JSONDecoder()
+
+
+def _json_at(text, i):
+    """(value, end) of the JSON value at text[i:], or (None, None) if there is none (yet)."""
+    try:
+        return _decoder.raw_decode(text, i)
+    except ValueError:
+        return None, None
+
+
+def _skip_ws(text, i):
+    while i < len(text) and text[i] in _WS:
+        i += 1
+    return i
+
+
+def _arguments_text(args):
+    if isinstance(args, str):
+        try:
+            json.loads(args)
+            return args
+        except ValueError:
+            return json.dumps(args, ensure_ascii=False)
+    return json.dumps({} if args is None else args, ensure_ascii=False)
+
+
+def _call_from_json(obj):
+    """A ToolCall from {"name", "arguments"|"parameters"} (or OpenAI's nested form), else None."""
+    if not isinstance(obj, dict):
+        return None
+    if isinstance(obj.get("function"), dict) and "name" not in obj:
+        inner = obj["function"]
+        call = _call_from_json(inner)
+        if call is not None and isinstance(obj.get("id"), str):
+            call.id = obj["id"]
+        return call
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        return None
+    if "arguments" in obj:
+        args = obj["arguments"]
+    elif "parameters" in obj:
+        args = obj["parameters"]
+    else:
+        args = {}
+    call = ToolCall(name, _arguments_text(args))
+    if isinstance(obj.get("id"), str):
+        call.id = obj["id"]
+    return call
+
+
+def _xml_value(raw):
+    v = raw[1:] if raw.startswith("\n") else raw
+    v = v[:-1] if v.endswith("\n") else v
+    try:
+        parsed = json.loads(v)
+        if not isinstance(parsed, str):
+            return parsed
+    except ValueError:
+        pass
+    return v
+
+
+def _hermes_call(text, i, partial):
+    """The call after ``<tool_call>`` at i: (ToolCall, end) or (None, None) when none/incomplete."""
+    i = _skip_ws(text, i)
+    if text.startswith("<function=", i):
+        m = re.compile(r"<function=([^>\n]+)>").match(text, i)
+        if not m:
+            return None, None
+        close = text.find("</function>", m.end())
+        if close < 0:
+            return None, None
+        body = text[m.end():close]
+        args = {}
+        for p in re.finditer(r"<parameter=([^>\n]+)>(.*?)</parameter>", body, re.S):
+            args[p.group(1).strip()] = _xml_value(p.group(2))
+        call, j = ToolCall(m.group(1).strip(), json.dumps(args, ensure_ascii=False)), \
+            close + len("</function>")
+    else:
+        obj, j = _json_at(text, i)
+        call = _call_from_json(obj) if j is not None else None
+        if call is None:
+            return None, None
+    k = _skip_ws(text, j)
+    if text.startswith("</tool_call>", k):
+        return call, k + len("</tool_call>")
+    if partial and "</tool_call>".startswith(text[k:]):
+        return call, len(text)      # the closing tag may be on its way
+    return call, j
+
+
+def _tagged_calls(text, partial, marker, parse_one):
+    """Content and calls where each call follows ``marker``; stops at an incomplete one."""
+    parts, calls, pos = [], [], 0
+    while True:
+        k = text.find(marker, pos)
+        if k < 0:
+            tail = text[pos:]
+            parts.append(_held_back(tail, [marker]) if partial else tail)
+            return "".join(parts), calls, False
+        parts.append(text[pos:k])
+        call, end = parse_one(text, k + len(marker), partial)
+        if call is None:
+            if partial:
+                return "".join(parts), calls, True
+            parts.append(text[k:])
+            return "".join(parts), calls, False
+        calls.append(call)
+        pos = end
+
+
+def _hermes(text, partial):
+    return _tagged_calls(text, partial, "<tool_call>", _hermes_call)
+
+
+def _json_calls(text, i, sep=";"):
+    """Consecutive JSON calls from text[i:] to the end: calls, or None if anything else is there."""
+    calls = []
+    i = _skip_ws(text, i)
+    while i < len(text):
+        obj, j = _json_at(text, i)
+        if j is None:
+            return None
+        found = obj if isinstance(obj, list) else [obj]
+        for o in found:
+            call = _call_from_json(o)
+            if call is None:
+                return None
+            calls.append(call)
+        i = _skip_ws(text, j)
+        if i < len(text) and text[i] in sep:
+            i = _skip_ws(text, i + 1)
+    return calls or None
+
+
+def _llama3(text, partial):
+    k = text.find("<|python_tag|>")
+    if k < 0:
+        return (_held_back(text, ["<|python_tag|>"]) if partial else text), [], False
+    calls = _json_calls(text, k + len("<|python_tag|>"))
+    if calls is None:
+        return (text[:k], [], True) if partial else (text, [], False)
+    return text[:k], calls, False
+
+
+def _mistral_one(text, i, partial):
+    """``name[ARGS]{...}`` or ``name[CALL_ID]id[ARGS]{...}`` after [TOOL_CALLS]."""
+    m = re.compile(r"([^\[\]{}\s]+)(?:\[CALL_ID\]([A-Za-z0-9]+))?\[ARGS\]").match(text, i)
+    if not m:
+        return None, None
+    obj, j = _json_at(text, m.end())
+    if j is None or not isinstance(obj, dict):
+        return None, None
+    return ToolCall(m.group(1), json.dumps(obj, ensure_ascii=False), m.group(2) or ""), j
+
+
+def _mistral(text, partial):
+    marker = "[TOOL_CALLS]"
+    k = text.find(marker)
+    if k < 0:
+        return (_held_back(text, [marker]) if partial else text), [], False
+    i = _skip_ws(text, k + len(marker))
+    if text.startswith("[", i):
+        calls = _json_calls(text, i)
+        if calls is None:
+            return (text[:k], [], True) if partial else (text, [], False)
+        return text[:k], calls, False
+    content, calls, pending = _tagged_calls(text[k:], partial, marker, _mistral_one)
+    return text[:k] + content, calls, pending
+
+
+_SYNTAXES = {"hermes": _hermes, "llama3": _llama3, "mistral": _mistral}
+
+
+def _generic(text):
+    """Calls when the whole text is JSON calls (optionally in a ``` fence), else None."""
+    s = text.strip(_WS)
+    fence = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", s, re.S)
+    if fence:
+        s = fence.group(1)
+    obj, j = _json_at(s, 0)
+    if j is None or s[j:].strip(_WS):
+        return _json_calls(s, 0)
+    if isinstance(obj, dict):
+        if isinstance(obj.get("tool_calls"), list):
+            calls = [_call_from_json(o) for o in obj["tool_calls"]]
+            return calls if calls and None not in calls else None
+        if isinstance(obj.get("tool_call"), dict):
+            call = _call_from_json(obj["tool_call"])
+            return [call] if call else None
+    return _json_calls(s, 0)
+
+
+def split_tool_calls(text, fmt, partial=False):
+    """(content, calls, pending): calls in the template's syntax, else the generic form."""
+    head = text.lstrip(_WS)
+    if partial and head[:1] in ("{", "[", "`"):
+        return "", [], True         # possibly one JSON call: wait for all of it
+    parse = _SYNTAXES.get(fmt.tool_syntax)
+    content, calls, pending = parse(text, partial) if parse else (text, [], False)
+    if not calls and not pending and not partial:
+        generic = _generic(text)
+        if generic:
+            return "", generic, False
+    return content, calls, pending
+
+
+# ---------------------------------------------------------------------------
+# The reply, whole or streamed
+# ---------------------------------------------------------------------------
+
+def parse_reply(text, fmt, partial=False):
+    """A Reply from the generated text.  ``partial``: more text may follow."""
+    reasoning, rest, found = split_reasoning(text, fmt, partial)
+    if fmt.parse_tools:
+        content, calls, _ = split_tool_calls(rest, fmt, partial)
+        content = content.strip(_WS)
+    else:
+        content, calls = rest, []
+    if found and fmt.keep_reasoning_inline and not calls:
+        content = text if not partial else _held_back(text, [m for p in fmt.reasoning_markers
+                                                             for m in p])
+    return Reply(content, reasoning, calls)
+
+
+class ReplyStream:
+    """Turns generated pieces into deltas that only ever add to what was sent."""
+
+    def __init__(self, fmt, id_length=32):
+        self.fmt = fmt
+        self.id_length = id_length
+        self.text = ""
+        self.sent = Reply()
+
+    def add(self, piece):
+        self.text += piece
+        return self._diff(parse_reply(self.text, self.fmt, partial=True))
+
+    def finish(self):
+        """The last deltas, and the whole reply (its tool calls carry the ids sent)."""
+        final = parse_reply(self.text, self.fmt, partial=False)
+        return self._diff(final), final
+
+    def _diff(self, r):
+        out = []
+        sent = self.sent
+        # never take back what was sent: a parse that disagrees keeps the old text
+        if r.reasoning_content.startswith(sent.reasoning_content):
+            if len(r.reasoning_content) > len(sent.reasoning_content):
+                out.append(Delta(reasoning_content=r.reasoning_content[
+                    len(sent.reasoning_content):]))
+        else:
+            r.reasoning_content = sent.reasoning_content
+        if r.content.startswith(sent.content):
+            if len(r.content) > len(sent.content):
+                out.append(Delta(content=r.content[len(sent.content):]))
+        else:
+            r.content = sent.content
+        calls = list(sent.tool_calls)
+        for i in range(len(sent.tool_calls), len(r.tool_calls)):
+            tc = r.tool_calls[i]
+            if not tc.id:
+                tc.id = new_tool_call_id(self.id_length)
+            calls.append(tc)
+            out.append(Delta(tool_call=(i, tc)))
+        r.tool_calls = calls
+        self.sent = r
+        return out

@@ -1,0 +1,250 @@
+"""Tool calls: read per template family, streamed and not, and served end to end.
+
+The first half parses given model output for each family (Hermes/Qwen,
+Qwen3-Coder XML, Llama 3.x, Mistral, generic JSON) whole and piece by piece,
+with markers split across pieces.  The second half runs a real server with
+gemma-3-270m and Qwen2.5's template through the official openai client.  The
+base model never calls a tool by itself, so the served calls come from
+``tool_choice: required`` / a named function, whose grammar makes the model
+write a call in the template's syntax; what it chooses to put in the
+arguments is its own (within the tool's schema).
+"""
+
+import json
+
+import openai
+import pytest
+
+from offgrid.chat import ChatTemplate, Message, Tool, ToolCall, ReplyFormat, tool_call_grammar
+from offgrid.chatreply import ReplyStream, parse_reply
+
+try:
+    from .serverproc import ServerProcess
+except ImportError:
+    from serverproc import ServerProcess
+
+
+def fmt(syntax, **kw):
+    return ReplyFormat(tool_syntax=syntax, parse_tools=True, **kw)
+
+
+def streamed(text, f, size):
+    """Deltas for ``text`` fed in pieces of ``size`` characters, and the final reply."""
+    s = ReplyStream(f)
+    deltas = []
+    for i in range(0, len(text), size):
+        deltas += s.add(text[i:i + size])
+    last, reply = s.finish()
+    return deltas + last, reply
+
+
+def calls(reply):
+    return [(c.name, json.loads(c.arguments)) for c in reply.tool_calls]
+
+
+FAMILIES = {
+    "hermes": ('I will check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+               '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n'
+               '</tool_call>',
+               "I will check.", [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]),
+    "qwen3-coder": ('<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n'
+                    '<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>',
+                    "", [("get_weather", {"city": "New York", "days": 3})]),
+    "llama3-tag": ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}',
+                   "", [("get_weather", {"city": "Paris"})]),
+    "llama3-json": ('{"type": "function", "name": "get_weather", "parameters": {"city": "Oslo"}}',
+                    "", [("get_weather", {"city": "Oslo"})]),
+    "mistral-json": ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, '
+                     '"id": "abcdefghi"}, {"name": "get_time", "arguments": {}}]',
+                     "", [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    "mistral-args": ('[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}[TOOL_CALLS]get_time[ARGS]{}',
+                     "", [("get_weather", {"city": "Rome"}), ("get_time", {})]),
+    "generic": ('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Lima"}}]}',
+                "", [("get_weather", {"city": "Lima"})]),
+    "generic-fenced": ('```json\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n```',
+                       "", [("get_time", {"tz": "UTC"})]),
+}
+SYNTAX = {"hermes": "hermes", "qwen3-coder": "hermes", "llama3-tag": "llama3",
+          "llama3-json": "llama3", "mistral-json": "mistral", "mistral-args": "mistral",
+          "generic": "generic", "generic-fenced": "hermes"}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_parses_whole(family):
+    text, content, expected = FAMILIES[family]
+    reply = parse_reply(text, fmt(SYNTAX[family]))
+    assert reply.content == content
+    assert calls(reply) == expected
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 13])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_streams_the_same_calls_with_distinct_indexes(family, size):
+    text, content, expected = FAMILIES[family]
+    deltas, reply = streamed(text, fmt(SYNTAX[family]), size)
+    assert "".join(d.content for d in deltas if d.content) == content
+    tool_deltas = [d.tool_call for d in deltas if d.tool_call]
+    assert [i for i, _ in tool_deltas] == list(range(len(expected)))
+    assert [(c.name, json.loads(c.arguments)) for _, c in tool_deltas] == expected
+    ids = [c.id for _, c in tool_deltas]
+    assert all(ids) and len(set(ids)) == len(ids)
+    assert [c.id for c in reply.tool_calls] == ids      # the final reply keeps the sent ids
+
+
+def test_mistral_ids_from_the_model_are_kept():
+    reply = parse_reply(FAMILIES["mistral-json"][0], fmt("mistral"))
+    assert reply.tool_calls[0].id == "abcdefghi"
+
+
+def test_text_without_calls_is_content():
+    reply = parse_reply("Just words, and a {brace}.", fmt("hermes"))
+    assert reply.content == "Just words, and a {brace}." and reply.tool_calls == []
+
+
+def test_broken_call_stays_content():
+    text = 'Sure <tool_call>{"name": "get_weather", "arguments": {"city":'
+    assert parse_reply(text, fmt("hermes")).content == text
+    deltas, reply = streamed(text, fmt("hermes"), 3)
+    assert "".join(d.content for d in deltas if d.content) == text and not reply.tool_calls
+
+
+def test_without_tools_nothing_is_parsed_as_a_call():
+    f = ReplyFormat(tool_syntax="hermes", parse_tools=False)
+    text = FAMILIES["hermes"][0]
+    assert parse_reply(text, f).content == text
+
+
+def test_marker_split_across_pieces_is_not_sent_as_content():
+    f = fmt("hermes")
+    s = ReplyStream(f)
+    sent = []
+    for piece in ["Hi ", "<tool", "_ca", "ll>\n", '{"name": "f", "arguments": {}}', "</tool_call>"]:
+        sent += s.add(piece)
+    assert [d.content for d in sent if d.content] == ["Hi"]
+    assert [d.tool_call[1].name for d in sent if d.tool_call] == ["f"]
+
+
+# -- templates decide the syntax; grammars force a parseable call -----------------
+
+
+
+@pytest.mark.parametrize("name, syntax", [
+    ("Qwen-Qwen2.5-7B-Instruct.jinja", "hermes"), ("Qwen3-Coder.jinja", "hermes"),
+    ("meta-llama-Llama-3.1-8B-Instruct.jinja", "llama3"),
+    ("mistralai-Mistral-Nemo-Instruct-2407.jinja", "mistral"),
+    ("microsoft-Phi-3.5-mini-instruct.jinja", "generic"),
+])
+def test_template_family_is_detected(llama_src, name, syntax):
+    src = (llama_src / "models" / "templates" / name).read_text(encoding="utf-8")
+    assert ChatTemplate(src).tool_syntax == syntax
+
+
+WEATHER = Tool("get_weather", "Weather in a city", {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo"]}},
+    "required": ["city"]})
+CLOCK = Tool("get_time", "Time in a zone", {
+    "type": "object", "properties": {"tz": {"type": "string", "maxLength": 8}}, "required": ["tz"]})
+
+
+@pytest.mark.parametrize("syntax", ["hermes", "llama3", "mistral", "generic"])
+def test_forced_call_grammar_is_valid_gbnf(gemma, syntax):
+    from offgrid.sampling import check_grammar
+    for choice, parallel in (("required", False), ("required", True), ("get_time", False)):
+        check_grammar(gemma.lib, gemma.handle.vocab,
+                      tool_call_grammar([WEATHER, CLOCK], syntax, choice, parallel))
+
+
+def test_tool_results_round_trip_through_the_template(llama_src):
+    src = (llama_src / "models" / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
+    t = ChatTemplate(src)
+    msgs = [Message("user", "Weather in Paris?"),
+            Message("assistant", "", tool_calls=[ToolCall("get_weather", '{"city": "Paris"}',
+                                                          "call_1")]),
+            Message("tool", '{"temperature": 21}', tool_call_id="call_1")]
+    prompt = t.apply(msgs, [WEATHER]).text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' \
+        in prompt
+    assert '<tool_response>\n{"temperature": 21}\n</tool_response>' in prompt
+    assert prompt.endswith("<|im_start|>assistant\n")
+
+
+# -- served end to end, through the openai client -----------------------------------
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Get the weather in a city",
+        "parameters": {"type": "object", "required": ["city"], "properties": {
+            "city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]}}}}},
+    {"type": "function", "function": {
+        "name": "get_time", "description": "Get the time in a timezone",
+        "parameters": {"type": "object", "required": ["tz"], "properties": {
+            "tz": {"type": "string", "enum": ["UTC", "CET"]}}}}},
+]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def srv(gemma_path, llama_src):
+    qwen = llama_src / "models" / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja"
+    with ServerProcess(gemma_path, "--chat-template", qwen) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    return openai.OpenAI(base_url=srv.base + "/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def required_call(client):
+    return client.chat.completions.create(model="m", messages=ASK, tools=TOOLS,
+                                          tool_choice="required", max_tokens=40, temperature=0)
+
+
+def test_required_tool_call(required_call):
+    choice = required_call.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id
+    assert call.function.name in ("get_weather", "get_time")
+    args = json.loads(call.function.arguments)
+    assert set(args) == ({"city"} if call.function.name == "get_weather" else {"tz"})
+
+
+def test_named_function_streams_one_whole_call(client):
+    stream = client.chat.completions.create(
+        model="m", messages=ASK, tools=TOOLS, max_tokens=40, temperature=0, stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_time"}})
+    chunks = [c for c in stream if c.choices]
+    deltas = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [d.index for d in deltas] == [0]
+    assert deltas[0].id and deltas[0].type == "function"
+    assert deltas[0].function.name == "get_time"
+    assert json.loads(deltas[0].function.arguments)["tz"] in ("UTC", "CET")
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks)
+
+
+def test_tool_result_conversation_is_served(client, required_call, srv):
+    call = required_call.choices[0].message.tool_calls[0]
+    msgs = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                  {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]
+    status, _, body = srv.post("/apply-template", {"messages": msgs, "tools": TOOLS})
+    assert status == 200
+    assert '<tool_response>\n{"temperature": 21}\n</tool_response>' in body["prompt"]
+    assert call.function.name in body["prompt"]
+    r = client.chat.completions.create(model="m", messages=msgs, tools=TOOLS, max_tokens=4,
+                                       temperature=0, tool_choice="none")
+    assert r.choices[0].message.tool_calls is None
+
+
+def test_unknown_named_function_is_400(client):
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(
+            model="m", messages=ASK, tools=TOOLS, max_tokens=4,
+            tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+def test_malformed_tools_are_400(srv):
+    status, _, body = srv.post("/v1/chat/completions", {"messages": ASK, "tools": [{"x": 1}]})
+    assert status == 400 and "tools[0]" in body["error"]["message"]
