@@ -662,9 +662,13 @@ class ContextHandle:
                  swa_full=True):
         self.lib = lib
         params = lib.llama_context_default_params()
+        # libllama asserts (aborting the process) unless a batch can hold one
+        # output per sequence: at least 2 with the two sequences below
+        n_batch = max(n_batch, 2)
+        n_ctx = max(n_ctx, 16)          # libllama clamps the batch to the context
         params.n_ctx = n_ctx
         params.n_batch = n_batch
-        params.n_ubatch = n_ubatch
+        params.n_ubatch = max(min(n_ubatch, n_batch), 2)
         # Two sequences over one unified cache: sequence 0 holds the prompt;
         # sequence 1 is scratch, for evaluating text inserted before reused
         # cache chunks (see ChatSession._evaluate_gap).  Unified, the cells

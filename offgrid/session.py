@@ -138,7 +138,7 @@ class ChatSession:
             # libllama makes the context, then aborts the process at the first decode
             raise ContextError("%s was loaded vocab-only: it can tokenize but not generate"
                                % model.name)
-        threads = n_threads or max(1, min(os.cpu_count() or 1, 8))
+        threads = n_threads if n_threads and n_threads > 0 else max(1, min(os.cpu_count() or 1, 8))
         n_ctx = min(n_ctx, model.n_ctx_train) if n_ctx and model.n_ctx_train > 0 else n_ctx
         # swa_full: models with sliding-window attention (gemma-3) otherwise
         # keep only the last window of keys, and llama_memory_seq_rm cannot
@@ -148,7 +148,8 @@ class ChatSession:
         self.model = model
         self._ctx = libllama.ContextHandle(
             model.lib, model.handle, n_ctx, n_batch, n_ubatch or n_batch, threads,
-            n_threads_batch or threads, swa_full=swa_full)
+            n_threads_batch if n_threads_batch and n_threads_batch > 0 else threads,
+            swa_full=swa_full)
         if not self._ctx.ptr:
             raise ContextError("libllama could not create a context of %d tokens "
                                "(not enough memory?)" % n_ctx)

@@ -499,3 +499,17 @@ def test_completing_an_infill_prompt(fim_model, new_session):
     assert first.text
     assert again.text == first.text
     assert again.usage.cached_tokens == len(tokens) - 1
+
+
+@pytest.mark.parametrize("n_ctx,n_batch,n_ubatch,n_threads", [
+    (0, 512, 512, 2), (1, 512, 512, 2), (256, 1, 1, 2), (64, 100000, 100000, 2),
+    (4096, 512, 1, 2), (256, 7, 3, -4),
+])
+def test_odd_context_settings_never_abort(fim_model, n_ctx, n_batch, n_ubatch, n_threads):
+    # libllama asserts (killing the process) on some of these as given; the
+    # session must clamp them to something it accepts and still generate
+    with ChatSession(fim_model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
+                     n_threads=n_threads) as s:
+        c = s.complete(fim_model.tokenize("hello world " * 3, add_special=False),
+                       GenerationParams(n_predict=4, sampling=SamplingParams(temperature=0)))
+        assert c.usage.completion_tokens == 4
