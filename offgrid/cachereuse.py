@@ -20,6 +20,7 @@ to the old text before it; that is the approximation every cache-reuse scheme
 makes, and it is small for a keystroke's worth of change.
 """
 
+import bisect
 from dataclasses import dataclass, field
 from typing import List, Tuple
 
@@ -89,9 +90,9 @@ def plan(cached, prompt, min_run=0):
     p = keep
     while p + min_run <= last:
         best = None
-        for c in index.get(tuple(prompt[p:p + k]), ())[:_MAX_CANDIDATES]:
-            if c < head_c:
-                continue
+        starts = index.get(tuple(prompt[p:p + k]), ())
+        first = bisect.bisect_left(starts, head_c)     # runs keep the cache's order
+        for c in starts[first:first + _MAX_CANDIDATES]:
             n = 0
             while p + n < last and c + n < len(cached) and cached[c + n] == prompt[p + n]:
                 n += 1

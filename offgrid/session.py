@@ -249,11 +249,14 @@ class ChatSession:
                               "shorten the prompt or start the server with a larger -c"
                               % (len(tokens), self.n_ctx))
         plan = self._prepare_cache(tokens, cache_prompt, cache_reuse)
-        for start, end in plan.gaps(len(tokens)):
+        gaps = plan.gaps(len(tokens))
+        for i, (start, end) in enumerate(gaps):
             if end == len(tokens):
                 done = self._evaluate_tail(tokens, start, cancel)
             else:
                 done = self._evaluate_gap(tokens, start, end, cancel)
+                if not done:
+                    self.cached = _with_holes(tokens, plan, gaps[i:])
             if not done:
                 return plan.reused
         self.cached = list(tokens)
@@ -313,11 +316,12 @@ class ChatSession:
             lib.llama_memory_seq_rm(mem, 1, -1, -1)
         if status == 0:
             return True
-        # cancelled or failed: keep what is whole, the part before the gap
-        lib.llama_memory_seq_rm(mem, 0, start, -1)
-        self.cached = list(tokens[:start])
         if status != 2:
             self._fail(status)
+        # Cancelled: sequence 0 still holds the prefix and the moved runs,
+        # with a hole where the gap was; the caller records the hole, and
+        # the next request reuses the runs again.  Editors cancel requests
+        # all the time, often right here.
         return False
 
     def complete(self, tokens, params=None, on_piece=None, cancel=None):
@@ -435,3 +439,19 @@ class ChatSession:
         if status == 1:
             raise ContextFull("no room left in the KV cache for this request")
         raise DecodeError("llama_decode failed with status %d" % status, status)
+
+
+def _with_holes(tokens, plan, unfinished):
+    """What sequence 0 holds after a cancelled gap: ``tokens`` up to the last
+    moved run, with None at the positions of the gaps not evaluated.
+
+    None matches no token, so the next plan keeps the part before the first
+    hole as its prefix and finds the runs after it again.
+    """
+    end = max(new + n for new, _, n in plan.runs)
+    cached = list(tokens[:end])
+    for start, stop in unfinished:
+        for i in range(start, min(stop, end)):
+            cached[i] = None
+    return cached
+

@@ -51,3 +51,16 @@ def test_runs_come_in_cache_order():
     p = plan(cached, prompt, min_run=16)
     # a is found after b in the cache; b, earlier in the cache, cannot follow it
     assert p.runs == [(2, 42, 40)]
+
+
+def test_a_run_is_found_after_many_earlier_copies_of_its_start():
+    # code repeats itself: the suffix's first tokens occur many times earlier
+    common = [1, 2, 3, 4, 5, 6, 7, 8]
+    noise = []
+    for i in range(40):
+        noise += common + [100 + i]
+    suffix = common + seq(500, 80)
+    cached = [0] + noise + [42] + suffix + [9]
+    prompt = [0] + noise + [43] + suffix + [9]
+    p = plan(cached, prompt, min_run=32)
+    assert p.runs and p.runs[-1][2] >= len(suffix)

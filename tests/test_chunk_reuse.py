@@ -89,7 +89,7 @@ def test_generation_after_reuse_builds_on_a_consistent_cache(session, fim_model)
     assert again.usage.cached_tokens == len(follow)
 
 
-def test_cancel_inside_a_gap_keeps_the_prefix(session, fim_model):
+def test_cancel_inside_a_gap_keeps_the_prefix_and_the_moved_suffix(session, fim_model):
     prefix, line, suffix = layout(fim_model, "    z = 0")
     session.evaluate(prefix + line + suffix + [fim_model.fim_mid])
     insert = text_tokens(fim_model, "    more = [i for i in range(100)]\n" * 8)
@@ -98,10 +98,14 @@ def test_cancel_inside_a_gap_keeps_the_prefix(session, fim_model):
     class Cancelled:
         cancelled = True
     session.evaluate(prompt, cancel=Cancelled(), cache_reuse=16)
-    # the gap never ran: the cache is cut back to what is whole before it
-    n = len(session.cached)
-    assert session.cached == prompt[:n] and n >= len(prefix)
-    assert positions(session) == (0, n - 1)
-    # and the session carries on normally
-    assert session.evaluate(prompt, cache_reuse=16) >= n
+    # the gap never ran: the cache has a hole there, and the suffix after it
+    gap = (len(prefix) + len(line), len(prefix) + len(line) + len(insert))
+    assert session.cached[:gap[0]] == prompt[:gap[0]]
+    assert set(session.cached[gap[0]:gap[1]]) == {None}
+    assert session.cached[gap[1]:] == prompt[gap[1]:len(session.cached)]
+    assert len(session.cached) >= gap[1] + 0.9 * len(suffix)
+    # the next request evaluates only the gap (and the last token) again
+    reused = session.evaluate(prompt, cache_reuse=16)
+    assert reused >= len(prompt) - len(insert) - 2
+    assert session.cached == prompt
     assert positions(session) == (0, len(prompt) - 1)
