@@ -67,14 +67,14 @@ def common_prefix(a, b):
     return i
 
 
-def plan(cached, prompt, min_run=0):
+def plan(cached, prompt, min_run=0, need_logits=True):
     """A ReusePlan for evaluating ``prompt`` on a cache holding ``cached``.
 
-    The last prompt token is never reused: its logits are what the first
-    generated token is sampled from.  With ``min_run`` 0 only the common
-    prefix is kept.
+    The last prompt token is not reused when ``need_logits``: its logits are
+    what the first generated token is sampled from.  With ``min_run`` 0 only
+    the common prefix is kept.
     """
-    keep = min(common_prefix(cached, prompt), len(prompt) - 1)
+    keep = min(common_prefix(cached, prompt), len(prompt) - (1 if need_logits else 0))
     result = ReusePlan(max(keep, 0))
     if min_run <= 0 or keep < 0:
         return result

@@ -189,7 +189,7 @@ class ChatSession:
         """How many leading tokens of ``tokens`` this session has cached."""
         return cachereuse.common_prefix(self.cached, tokens)
 
-    def _prepare_cache(self, tokens, cache_prompt, min_run):
+    def _prepare_cache(self, tokens, cache_prompt, min_run, need_logits=True):
         """Cut and rearrange the cache for ``tokens``; returns the ReusePlan applied.
 
         Afterwards sequence 0 holds the plan's kept prefix at positions
@@ -201,7 +201,7 @@ class ChatSession:
             return self._clear_plan()
         if min_run > 0 and not self._can_shift:
             min_run = 0
-        plan = cachereuse.plan(self.cached, tokens, min_run)
+        plan = cachereuse.plan(self.cached, tokens, min_run, need_logits)
         if plan.keep == 0 and not plan.runs:
             return self._clear_plan()
         if lib.llama_memory_seq_pos_min(mem, 0) > 0:
@@ -230,7 +230,7 @@ class ChatSession:
         return cachereuse.ReusePlan(0)
 
     # -- running a request ---------------------------------------------------
-    def evaluate(self, tokens, cancel=None, cache_prompt=True, cache_reuse=0):
+    def evaluate(self, tokens, cancel=None, cache_prompt=True, cache_reuse=0, need_logits=True):
         """Bring the KV cache to ``tokens``; returns how many came from the cache.
 
         ``cache_reuse`` > 0 also reuses cached runs of at least that many
@@ -239,6 +239,8 @@ class ChatSession:
         InvalidToken for an id outside the vocabulary (before anything
         reaches libllama), DecodeError on a libllama failure (the cache is
         reset).  Returns early, with a partial cache, if ``cancel`` fires.
+        Without ``need_logits`` (a warm-up) a fully cached prompt decodes
+        nothing at all.
         """
         self._check_open()
         self.model.check_tokens(tokens)
@@ -248,7 +250,7 @@ class ChatSession:
             raise ContextFull("the prompt has %d tokens but the context holds %d; "
                               "shorten the prompt or start the server with a larger -c"
                               % (len(tokens), self.n_ctx))
-        plan = self._prepare_cache(tokens, cache_prompt, cache_reuse)
+        plan = self._prepare_cache(tokens, cache_prompt, cache_reuse, need_logits)
         gaps = plan.gaps(len(tokens))
         for i, (start, end) in enumerate(gaps):
             if end == len(tokens):
@@ -343,7 +345,8 @@ class ChatSession:
         try:
             t0 = time.perf_counter()
             usage.cached_tokens = self.evaluate(tokens, cancel, params.cache_prompt,
-                                                params.cache_reuse)
+                                                params.cache_reuse,
+                                                need_logits=params.n_predict != 0)
             usage.prompt_ms = (time.perf_counter() - t0) * 1000.0
             if cancel.cancelled or len(self.cached) < len(tokens):
                 return Completion("", [], FinishReason.CANCELLED, "none", "", usage)

@@ -109,3 +109,16 @@ def test_cancel_inside_a_gap_keeps_the_prefix_and_the_moved_suffix(session, fim_
     assert reused >= len(prompt) - len(insert) - 2
     assert session.cached == prompt
     assert positions(session) == (0, len(prompt) - 1)
+
+
+def test_warm_up_of_a_cached_prompt_decodes_nothing(session, fim_model):
+    prompt = text_tokens(fim_model, "def warm():\n    return 1\n" * 5)
+    warm = GenerationParams(n_predict=0)
+    first = session.complete(prompt, warm)
+    assert first.usage.cached_tokens == 0
+    again = session.complete(prompt, warm)
+    assert again.usage.cached_tokens == len(prompt)      # nothing evaluated
+    # a real request afterwards still gets logits for its last token
+    c = session.complete(prompt, GenerationParams(n_predict=3,
+                                                  sampling=SamplingParams(temperature=0)))
+    assert c.usage.cached_tokens == len(prompt) - 1 and len(c.tokens) == 3
