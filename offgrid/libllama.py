@@ -713,6 +713,20 @@ class ContextHandle:
     def clear_abort(self):
         self._abort_flag[0] = b"\x00"
 
+    def set_abortable(self, abortable):
+        """Install or remove the abort callback for the decodes that follow.
+
+        Used around the first decode after keys were moved: libllama rotates
+        the moved keys in place at the start of that decode and, if aborted
+        part way, applies the whole rotation again next time, rotating some
+        layers twice.
+        """
+        if abortable:
+            self.lib.llama_set_abort_callback(self.ptr, self._strlen_addr,
+                                              ctypes.addressof(self._abort_flag))
+        else:
+            self.lib.llama_set_abort_callback(self.ptr, None, None)
+
     # -- decoding ----------------------------------------------------------
     def decode(self, tokens, start_pos, want_last_logits, seq=0):
         """Decode ``tokens`` (at most n_batch) at positions start_pos... in sequence ``seq``.

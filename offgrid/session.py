@@ -159,6 +159,7 @@ class ChatSession:
         # memory can re-rotate them (not recurrent state, for one)
         self._can_shift = bool(model.lib.llama_memory_can_shift(self._ctx.memory))
         self.cached = []        # tokens whose KV is in the cache, at positions 0..len-1
+        self._shift_pending = False     # keys moved, rotation not yet applied by a decode
         self.closed = False
 
     # -- lifetime ------------------------------------------------------------
@@ -182,6 +183,7 @@ class ChatSession:
     def reset(self):
         """Forget the KV cache (after a failure, the cache may be inconsistent)."""
         self._check_open()
+        self._shift_pending = False
         self.model.lib.llama_memory_clear(self._ctx.memory, True)
         self.cached = []
 
@@ -221,10 +223,12 @@ class ChatSession:
         right = [r for r in plan.runs if r[0] > r[1]]
         for new, old, n in left + right[::-1]:
             lib.llama_memory_seq_add(mem, 0, old, old + n, new - old)
+            self._shift_pending = True
         self.cached = list(tokens[:plan.keep])
         return plan
 
     def _clear_plan(self):
+        self._shift_pending = False
         self.model.lib.llama_memory_clear(self._ctx.memory, True)
         self.cached = []
         return cachereuse.ReusePlan(0)
@@ -266,7 +270,18 @@ class ChatSession:
 
     def _decode(self, chunk, pos, want_logits, seq=0):
         with _DECODE_LOCK:
-            return self._ctx.decode(chunk, pos, want_logits, seq)
+            if not self._shift_pending:
+                return self._ctx.decode(chunk, pos, want_logits, seq)
+            # the decode that applies moved keys' rotation must not be cut
+            # short (see ContextHandle.set_abortable); later ones may
+            self._ctx.set_abortable(False)
+            try:
+                status = self._ctx.decode(chunk, pos, want_logits, seq)
+            finally:
+                self._ctx.set_abortable(True)
+            if status == 0:
+                self._shift_pending = False
+            return status
 
     def _evaluate_tail(self, tokens, start, cancel):
         """Decode tokens[start:] in sequence 0; False if cancelled part way."""

@@ -122,3 +122,20 @@ def test_warm_up_of_a_cached_prompt_decodes_nothing(session, fim_model):
     c = session.complete(prompt, GenerationParams(n_predict=3,
                                                   sampling=SamplingParams(temperature=0)))
     assert c.usage.cached_tokens == len(prompt) - 1 and len(c.tokens) == 3
+
+
+def test_the_decode_that_rotates_moved_keys_is_never_aborted(session, fim_model):
+    # libllama rotates moved keys at the start of the next decode and, if that
+    # decode is aborted part way, rotates them all again the time after
+    prefix, line, suffix = layout(fim_model, "    w = 1")
+    session.evaluate(prefix + line + suffix + [fim_model.fim_mid])
+    _, typed, _ = layout(fim_model, "    w = 12")
+    second = prefix + typed + suffix + [fim_model.fim_mid]
+    session._ctx.request_abort()        # a cancel lands just as the request starts
+    try:
+        session.evaluate(second, cache_reuse=16)
+    finally:
+        session._ctx.clear_abort()
+    assert not session._shift_pending   # the rotating decode ran to the end
+    assert session.evaluate(second, cache_reuse=16) >= len(second) - len(typed) - 2
+    assert positions(session) == (0, len(second) - 1)
