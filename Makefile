@@ -46,5 +46,25 @@ venv: $(VENV)/.ready
 test: lib/libllama.so $(MODEL) $(VENV)/.ready
 	$(VENV)/bin/python -m pytest -q -ra $(PYTEST_ARGS) tests
 
+# Air-gapped tarball dist/offgrid-<version>-linux-<arch>.tar.gz: offgrid, a
+# portable libllama (built apart from lib/), licenses, README; serves with only
+# python3.  `MODEL=path make bundle` puts that model in too.
+bundle:
+	@PYTHON=$(PYTHON) bash scripts/bundle.sh $(if $(filter file,$(origin MODEL)),,$(MODEL))
+
+# offgrid against llama-server on the same model: a table on the terminal and
+# bench/results/latest.json.  bench/run.py gets llama-server and llama-bench
+# from scripts/build_lib.sh --server (built once, cached).  BENCH_ARGS passes
+# flags to it, e.g. BENCH_ARGS="--rounds 1 --only editor".
+bench: lib/libllama.so $(MODEL)
+	$(PYTHON) bench/run.py --model $(MODEL) $(BENCH_ARGS)
+
+# Mixed traffic from 4 clients for 10 minutes against the default model:
+# prints requests, errors and the server's RSS at start and end, and fails on
+# any error or on RSS growth of 5% or more.  Not part of `make test`.
+# SOAK_ARGS passes flags, e.g. SOAK_ARGS="--minutes 1".
+soak: lib/libllama.so $(MODEL)
+	$(PYTHON) scripts/soak.py --model $(MODEL) $(SOAK_ARGS)
+
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache
