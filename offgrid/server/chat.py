@@ -31,7 +31,7 @@ from ..sampling import check_grammar
 from ..session import FinishReason
 from . import formats
 from .errors import BadRequest
-from .params import (Fields, chat_messages_from, generation_from, id_slot_from,
+from .params import (Fields, include_usage_from, chat_messages_from, generation_from, id_slot_from,
                      output_schema_from, tool_choice_from, tools_from)
 
 # general.architecture -> libllama built-in template name, for models that
@@ -264,15 +264,6 @@ def _delta_json(d, id_length):
     return {"tool_calls": [_tool_call_json(tc, id_length, index)]}
 
 
-def _include_usage(f):
-    so = f.raw("stream_options")
-    if so is None:
-        return False
-    if not isinstance(so, dict):
-        raise BadRequest("'stream_options' must be an object")
-    return Fields(so, "stream_options").bool("include_usage", False)
-
-
 def chat_completions(h, body):
     """POST /v1/chat/completions (and /chat/completions)."""
     f = Fields(body)
@@ -303,7 +294,7 @@ def chat_completions(h, body):
                                           finish=_finish(c, reply)))
         return
 
-    include_usage = _include_usage(f)
+    include_usage = include_usage_from(f)
     es = h.event_stream()
     rs = ReplyStream(fmt, id_length)
     opened = []

@@ -13,7 +13,7 @@ from ..infill import build_infill_prompt, InfillRequest
 from ..session import FinishReason
 from . import chat, formats
 from .errors import BadRequest, Unavailable
-from .params import (Fields, generation_from, id_slot_from, infill_from,
+from .params import (Fields, include_usage_from, generation_from, id_slot_from, infill_from,
                      prompt_from, response_fields_from, tokens_of, MAX_N_CMPL)
 
 Route = namedtuple("Route", "handler methods auth needs_service")
@@ -242,15 +242,6 @@ def _openai_checks(f):
         raise BadRequest("'logprobs' is not supported by offgrid yet")
 
 
-def _include_usage(f):
-    so = f.raw("stream_options")
-    if so is None:
-        return False
-    if not isinstance(so, dict):
-        raise BadRequest("'stream_options' must be an object")
-    return Fields(so, "stream_options").bool("include_usage", False)
-
-
 def v1_completions(h, body):
     f = Fields(body)
     svc = h.service
@@ -276,7 +267,7 @@ def v1_completions(h, body):
         tokens = tokens_of(entry.model, prompt, add_special=True)
     svc.metrics.request("v1/completions")
     stream = f.bool("stream", False)
-    include_usage = _include_usage(f)
+    include_usage = include_usage_from(f)
     id_slot = id_slot_from(f)
     cid, created = formats.new_id("cmpl"), formats.now()
     if not stream:

@@ -424,3 +424,13 @@ def output_schema_from(f):
     if schema is not None and grammar:
         raise BadRequest("cannot use both json_schema and grammar")
     return schema, grammar or None
+
+
+def include_usage_from(f):
+    """OpenAI's ``stream_options.include_usage``: add a usage chunk to a stream."""
+    so = f.raw("stream_options")
+    if so is None:
+        return False
+    if not isinstance(so, dict):
+        raise BadRequest("'stream_options' must be an object")
+    return Fields(so, "stream_options").bool("include_usage", False)
