@@ -14,7 +14,6 @@ Functions here are pure: typed results in, dicts out.
 import time
 import uuid
 
-from ..session import FinishReason
 
 
 def timings(usage):
@@ -152,69 +151,44 @@ def usage(c):
     }
 
 
+def _envelope(obj, model_name, cid, created, choices):
+    """The fields every OpenAI response and chunk carries around its choices."""
+    return {"id": cid, "object": obj, "created": created, "model": model_name,
+            "system_fingerprint": _FINGERPRINT, "choices": choices}
+
+
 def oai_completion(c, model_name, cid, created):
-    return {
-        "id": cid,
-        "object": "text_completion",
-        "created": created,
-        "model": model_name,
-        "system_fingerprint": _FINGERPRINT,
-        "choices": [{"text": c.text, "index": 0, "logprobs": None,
-                     "finish_reason": finish_reason(c)}],
-        "usage": usage(c),
-        "timings": timings(c.usage),
-    }
+    out = _envelope("text_completion", model_name, cid, created,
+                    [{"text": c.text, "index": 0, "logprobs": None,
+                      "finish_reason": finish_reason(c)}])
+    out.update(usage=usage(c), timings=timings(c.usage))
+    return out
 
 
 def oai_completion_chunk(text, model_name, cid, created, finish=None):
-    return {
-        "id": cid,
-        "object": "text_completion",
-        "created": created,
-        "model": model_name,
-        "system_fingerprint": _FINGERPRINT,
-        "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}],
-    }
+    return _envelope("text_completion", model_name, cid, created,
+                     [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}])
 
 
 def oai_chat(c, model_name, cid, created, message=None, finish=None):
     msg = message or {"role": "assistant", "content": c.text}
-    return {
-        "id": cid,
-        "object": "chat.completion",
-        "created": created,
-        "model": model_name,
-        "system_fingerprint": _FINGERPRINT,
-        "choices": [{"index": 0, "message": msg, "logprobs": None,
-                     "finish_reason": finish or finish_reason(c)}],
-        "usage": usage(c),
-        "timings": timings(c.usage),
-    }
+    out = _envelope("chat.completion", model_name, cid, created,
+                    [{"index": 0, "message": msg, "logprobs": None,
+                      "finish_reason": finish or finish_reason(c)}])
+    out.update(usage=usage(c), timings=timings(c.usage))
+    return out
 
 
 def oai_chat_chunk(delta, model_name, cid, created, finish=None):
-    return {
-        "id": cid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model_name,
-        "system_fingerprint": _FINGERPRINT,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
-    }
+    return _envelope("chat.completion.chunk", model_name, cid, created,
+                     [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}])
 
 
 def oai_usage_chunk(c, obj, model_name, cid, created):
     """The extra chunk ``stream_options.include_usage`` asks for: no choices, usage."""
-    return {
-        "id": cid,
-        "object": obj,
-        "created": created,
-        "model": model_name,
-        "system_fingerprint": _FINGERPRINT,
-        "choices": [],
-        "usage": usage(c),
-        "timings": timings(c.usage),
-    }
+    out = _envelope(obj, model_name, cid, created, [])
+    out.update(usage=usage(c), timings=timings(c.usage))
+    return out
 
 
 def now():
@@ -227,4 +201,3 @@ def _fingerprint():
 
 
 _FINGERPRINT = _fingerprint()
-__all__ = ["FinishReason"]
