@@ -58,6 +58,12 @@ LLAMA_TOKEN_ATTR_CONTROL = 1 << 3
 # enum llama_flash_attn_type
 LLAMA_FLASH_ATTN_TYPE_AUTO = -1
 
+# enum ggml_backend_dev_type (ggml-backend.h)
+GGML_BACKEND_DEVICE_TYPE_CPU = 0
+
+# ggml.h: the size of ggml_threadpool_params.cpumask
+GGML_MAX_N_THREADS = 512
+
 # enum ggml_log_level
 GGML_LOG_LEVEL_DEBUG = 1
 GGML_LOG_LEVEL_INFO = 2
@@ -196,10 +202,22 @@ class llama_chat_message(Structure):
     ]
 
 
-# The struct classes the layout test checks against llama.h.
+class ggml_threadpool_params(Structure):
+    """struct ggml_threadpool_params (ggml.h), filled by ggml_threadpool_params_init."""
+    _fields_ = [
+        ("cpumask", c_bool * GGML_MAX_N_THREADS),  # all false: the default affinity
+        ("n_threads", c_int),
+        ("prio", c_int),                        # enum ggml_sched_priority
+        ("poll", c_uint32),                     # 0: no polling .. 100: aggressive
+        ("strict_cpu", c_bool),
+        ("paused", c_bool),
+    ]
+
+
+# The struct classes the layout test checks against llama.h (and the ggml.h it includes).
 STRUCTS = (llama_model_params, llama_context_params, llama_batch, llama_token_data,
            llama_token_data_array, llama_logit_bias, llama_sampler_chain_params,
-           llama_chat_message)
+           llama_chat_message, ggml_threadpool_params)
 
 # ---------------------------------------------------------------------------
 # Prototypes: name -> (restype, argtypes), bound on first use
@@ -307,10 +325,15 @@ _PROTOTYPES = {
     "llama_n_batch": (c_uint32, [llama_context_p]),
     # uint32_t llama_n_ubatch(const struct llama_context * ctx);
     "llama_n_ubatch": (c_uint32, [llama_context_p]),
+    # uint32_t llama_n_ubatch(const struct llama_context * ctx);
+    "llama_n_ubatch": (c_uint32, [llama_context_p]),
     # llama_memory_t llama_get_memory(const struct llama_context * ctx);
     "llama_get_memory": (llama_memory_t, [llama_context_p]),
     # void llama_set_abort_callback(struct llama_context * ctx, ggml_abort_callback abort_callback, void * abort_callback_data);
     "llama_set_abort_callback": (None, [llama_context_p, c_void_p, c_void_p]),
+    # void llama_attach_threadpool(struct llama_context * ctx, ggml_threadpool_t threadpool,
+    #                              ggml_threadpool_t threadpool_batch);
+    "llama_attach_threadpool": (None, [llama_context_p, c_void_p, c_void_p]),
     # struct llama_batch llama_batch_init(int32_t n_tokens, int32_t embd, int32_t n_seq_max);
     "llama_batch_init": (llama_batch, [c_int32, c_int32, c_int32]),
     # void llama_batch_free(struct llama_batch batch);
@@ -383,11 +406,27 @@ _PROTOTYPES = {
     "llama_chat_builtin_templates": (c_int32, [POINTER(c_char_p), c_size_t]),
 }
 
-# From libggml (a portable build loads its CPU backend variants at run time):
-# void ggml_backend_load_all_from_path(const char * dir_path);
+# From libggml and the libggml-base it links (a portable build loads its CPU
+# backend variants at run time, so the CPU backend's own functions are found
+# through the backend registry rather than by symbol):
 _GGML_PROTOTYPES = {
+    # void ggml_backend_load_all_from_path(const char * dir_path);
     "ggml_backend_load_all_from_path": (None, [c_char_p]),
+    # ggml_backend_dev_t ggml_backend_dev_by_type(enum ggml_backend_dev_type type);
+    "ggml_backend_dev_by_type": (c_void_p, [c_int]),
+    # ggml_backend_reg_t ggml_backend_dev_backend_reg(ggml_backend_dev_t device);
+    "ggml_backend_dev_backend_reg": (c_void_p, [c_void_p]),
+    # void * ggml_backend_reg_get_proc_address(ggml_backend_reg_t reg, const char * name);
+    "ggml_backend_reg_get_proc_address": (c_void_p, [c_void_p, c_char_p]),
+    # void ggml_threadpool_params_init(struct ggml_threadpool_params * p, int n_threads);
+    "ggml_threadpool_params_init": (None, [POINTER(ggml_threadpool_params), c_int]),
 }
+
+# Found through the CPU backend's registry entry (ggml-cpu.h):
+# struct ggml_threadpool * ggml_threadpool_new(struct ggml_threadpool_params * params);
+_ggml_threadpool_new = CFUNCTYPE(c_void_p, POINTER(ggml_threadpool_params))
+# void ggml_threadpool_free(struct ggml_threadpool * threadpool);
+_ggml_threadpool_free = CFUNCTYPE(None, c_void_p)
 
 
 class Library:
@@ -645,6 +684,45 @@ class ModelHandle:
             self.lib.llama_model_free(ptr)
 
 
+class ThreadPool:
+    """Owns one ``struct ggml_threadpool *``: n worker threads that persist.
+
+    Without one attached, every llama_decode makes a pool of threads and
+    joins it at the end: tens of microseconds per token, and with several
+    contexts, threads of one decode still winding down while the next one
+    spins up.  A persistent pool's workers wait between graphs (polling
+    briefly, then sleeping), as llama-server's do.
+
+    ``ptr`` is None where the CPU backend offers no pools (a library built
+    otherwise); contexts then keep ggml's per-decode pools.  A pool may be
+    attached to several contexts as long as they never decode at the same
+    time, and must outlive them all.
+    """
+
+    def __init__(self, lib, n_threads):
+        self.n_threads = n_threads
+        self.ptr = None
+        self._free = None
+        try:
+            dev = lib.ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU)
+            reg = lib.ggml_backend_dev_backend_reg(dev) if dev else None
+            new = lib.ggml_backend_reg_get_proc_address(reg, b"ggml_threadpool_new") if reg else None
+            free = lib.ggml_backend_reg_get_proc_address(reg, b"ggml_threadpool_free") if reg else None
+        except (AttributeError, LibraryError):
+            return      # no libggml handle, or it lacks the registry functions
+        if not (new and free):
+            return
+        params = ggml_threadpool_params()
+        lib.ggml_threadpool_params_init(ctypes.byref(params), n_threads)
+        self.ptr = _ggml_threadpool_new(new)(ctypes.byref(params)) or None
+        self._free = _ggml_threadpool_free(free)
+
+    def close(self):
+        ptr, self.ptr = self.ptr, None
+        if ptr:
+            self._free(ptr)
+
+
 class ContextHandle:
     """Owns one ``struct llama_context *`` and its decode batch; close() frees both once.
 
@@ -659,21 +737,20 @@ class ContextHandle:
     """
 
     def __init__(self, lib, model, n_ctx, n_batch, n_ubatch, n_threads, n_threads_batch,
-                 swa_full=True):
+                 swa_full=True, n_seq_max=1, token_seqs=(0,)):
+        """``n_seq_max`` sequences share one unified cache (so extra ones cost
+        no memory); decode() puts each token in the sequences ``token_seqs``
+        unless told otherwise."""
         self.lib = lib
         params = lib.llama_context_default_params()
         # libllama asserts (aborting the process) unless a batch can hold one
-        # output per sequence: at least 2 with the two sequences below
-        n_batch = max(n_batch, 2)
+        # output per sequence
+        n_batch = max(n_batch, n_seq_max, 2)
         n_ctx = max(n_ctx, 16)          # libllama clamps the batch to the context
         params.n_ctx = n_ctx
         params.n_batch = n_batch
-        params.n_ubatch = max(min(n_ubatch, n_batch), 2)
-        # Two sequences over one unified cache: sequence 0 holds the prompt;
-        # sequence 1 is scratch, for evaluating text inserted before reused
-        # cache chunks (see ChatSession._evaluate_gap).  Unified, the cells
-        # are shared, so the second sequence costs no memory.
-        params.n_seq_max = 2
+        params.n_ubatch = max(min(n_ubatch, n_batch), n_seq_max, 2)
+        params.n_seq_max = n_seq_max
         params.kv_unified = True
         params.n_threads = n_threads
         params.n_threads_batch = n_threads_batch
@@ -686,6 +763,7 @@ class ContextHandle:
         self.memory = lib.llama_get_memory(self.ptr)
         self.n_ctx = lib.llama_n_ctx(self.ptr)
         self.n_batch = lib.llama_n_batch(self.ptr)
+        self.n_ubatch = lib.llama_n_ubatch(self.ptr)
         self._abort_flag = ctypes.create_string_buffer(2)      # [flag, NUL]
         libc = ctypes.CDLL(None)
         self._strlen_addr = ctypes.cast(libc.strlen, c_void_p).value
@@ -695,15 +773,14 @@ class ContextHandle:
         # below are typed views over its C buffers, so filling a chunk is a
         # slice assignment rather than one ctypes call per token.
         cap = self.n_batch
-        self.batch = lib.llama_batch_init(cap, 0, 1)
+        self._token_seqs = tuple(token_seqs)
+        self.batch = lib.llama_batch_init(cap, 0, max(len(self._token_seqs), 1))
         b = self.batch
         self._tokens = (llama_token * cap).from_address(ctypes.cast(b.token, c_void_p).value)
         self._pos = (llama_pos * cap).from_address(ctypes.cast(b.pos, c_void_p).value)
         self._logits = (c_int8 * cap).from_address(ctypes.cast(b.logits, c_void_p).value)
-        n_seq = (c_int32 * cap).from_address(ctypes.cast(b.n_seq_id, c_void_p).value)
-        for i in range(cap):
-            n_seq[i] = 1
-            b.seq_id[i][0] = 0
+        self._n_seq = (c_int32 * cap).from_address(ctypes.cast(b.n_seq_id, c_void_p).value)
+        self._set_seqs(cap, self._token_seqs)
 
     # -- abort flag --------------------------------------------------------
     def request_abort(self):
@@ -727,11 +804,30 @@ class ContextHandle:
         else:
             self.lib.llama_set_abort_callback(self.ptr, None, None)
 
-    # -- decoding ----------------------------------------------------------
-    def decode(self, tokens, start_pos, want_last_logits, seq=0):
-        """Decode ``tokens`` (at most n_batch) at positions start_pos... in sequence ``seq``.
+    def attach_threadpool(self, pool, pool_batch):
+        """Run this context's decodes on ThreadPools that outlive it.
 
-        Returns llama_decode's status: 0 ok, 1 no KV slot, 2 aborted, <0 error.
+        ``pool`` runs single-token decodes (n_threads), ``pool_batch`` the
+        prompt batches (n_threads_batch); each must have exactly its count.
+        """
+        if pool.ptr and pool_batch.ptr:
+            self.lib.llama_attach_threadpool(self.ptr, pool.ptr, pool_batch.ptr)
+
+    # -- decoding ----------------------------------------------------------
+    def _set_seqs(self, n, seqs):
+        seq_id = self.batch.seq_id
+        for i in range(n):
+            self._n_seq[i] = len(seqs)
+            row = seq_id[i]
+            for j, s in enumerate(seqs):
+                row[j] = s
+
+    def decode(self, tokens, start_pos, want_last_logits, seq=None):
+        """Decode ``tokens`` (at most n_batch) at positions start_pos...
+
+        Each token goes into the sequences ``token_seqs``, or into ``seq``
+        alone when given.  Returns llama_decode's status: 0 ok, 1 no KV
+        slot, 2 aborted, <0 error.
         """
         n = len(tokens)
         self._tokens[0:n] = tokens
@@ -740,16 +836,13 @@ class ContextHandle:
         if want_last_logits:
             self._logits[n - 1] = 1
         self.batch.n_tokens = n
-        if seq == 0:
+        if seq is None:
             return self.lib.llama_decode(self.ptr, self.batch)
-        seq_id = self.batch.seq_id
-        for i in range(n):
-            seq_id[i][0] = seq
+        self._set_seqs(n, (seq,))
         try:
             return self.lib.llama_decode(self.ptr, self.batch)
         finally:
-            for i in range(n):
-                seq_id[i][0] = 0
+            self._set_seqs(n, self._token_seqs)
 
     def decode_one(self, token, pos):
         """The per-token path of generation, kept to a few ctypes calls."""

@@ -26,13 +26,45 @@ from .sampling import SamplingParams, build_sampler
 from .textstream import TextAssembler
 
 
-# One decode at a time in the whole process.  Each context runs its own ggml
-# thread pool, whose threads spin while they wait at a barrier; two contexts
-# decoding at once on the same cores starve each other's spinning threads,
-# and measured here two 2-thread decodes on 2 cores ran 50 to 100 times
-# slower than one.  Taking turns keeps each decode at full speed; sessions
-# interleave per token.
+# One decode at a time in the whole process.  ggml's worker threads spin
+# while they wait at a barrier; two contexts decoding at once on the same
+# cores starve each other's spinning threads, and measured here two 2-thread
+# decodes on 2 cores ran 50 to 100 times slower than one.  Taking turns keeps
+# each decode at full speed; sessions interleave per token.
 _DECODE_LOCK = threading.Lock()
+
+# Because decodes take turns, every context can run them on the same
+# persistent ggml thread pool (one per thread count), rather than on threads
+# ggml starts and joins inside each llama_decode.  Measured with 2 sessions
+# on 2 cores: 45 tok/s with per-decode threads, 88 with one shared pool (a
+# pool per context is far worse: idle pools' threads poll and steal cores).
+# Pools live as long as the process, like the library: a context holds a raw
+# pointer to its pool, and freeing one under a live context would crash.
+_POOLS = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _shared_pool(lib, n_threads):
+    with _POOLS_LOCK:
+        pool = _POOLS.get(n_threads)
+        if pool is None:
+            pool = _POOLS[n_threads] = libllama.ThreadPool(lib, n_threads)
+        return pool
+
+
+# The sequences of a session's cache.  They share cells: a cell holds one
+# position's keys and values for every sequence it belongs to.
+SEQ_PROMPT = 0  # the prompt and generated tokens, at positions 0..len(cached)-1
+SEQ_GAP = 1     # scratch for text inserted before a reused run (_evaluate_gap)
+# Every cell of SEQ_PROMPT, always.  A model with sliding-window attention
+# (gemma-3: 512 tokens) has a second, windowed cache, and libllama reuses any
+# of its cells that belong to one sequence only and lie a window behind that
+# sequence's last position, then drops the sequence's positions from its
+# start up to that cell, even with swa_full.  Prompt decodes put each token in
+# both sequences, so no prompt cell is ever alone, and the windowed cache
+# keeps the whole prompt, as the full one does: a later request that keeps a
+# prefix, or moves a run, finds the window before its first new token there.
+SEQ_PIN = 2
 
 
 class FinishReason(str, enum.Enum):
@@ -145,14 +177,16 @@ class ChatSession:
         # cut such a cache at an earlier position: every request would
         # re-evaluate its whole prompt.  The full cache costs memory
         # (n_ctx keys for every layer instead of a window) and buys reuse.
+        threads_batch = n_threads_batch if n_threads_batch and n_threads_batch > 0 else threads
         self.model = model
         self._ctx = libllama.ContextHandle(
             model.lib, model.handle, n_ctx, n_batch, n_ubatch or n_batch, threads,
-            n_threads_batch if n_threads_batch and n_threads_batch > 0 else threads,
-            swa_full=swa_full)
+            threads_batch, swa_full=swa_full, n_seq_max=3, token_seqs=(SEQ_PROMPT, SEQ_PIN))
         if not self._ctx.ptr:
             raise ContextError("libllama could not create a context of %d tokens "
                                "(not enough memory?)" % n_ctx)
+        self._ctx.attach_threadpool(_shared_pool(model.lib, threads),
+                                    _shared_pool(model.lib, threads_batch))
         self.n_ctx = self._ctx.n_ctx
         self.n_batch = self._ctx.n_batch
         # chunk reuse moves cached keys to new positions: only where the
@@ -206,26 +240,46 @@ class ChatSession:
         plan = cachereuse.plan(self.cached, tokens, min_run, need_logits)
         if plan.keep == 0 and not plan.runs:
             return self._clear_plan()
-        if lib.llama_memory_seq_pos_min(mem, 0) > 0:
-            return self._clear_plan()   # a windowed cache lost its start: nothing reusable
         # drop what the plan does not keep, from the cached tokens' positions
+        # (sequence -1: every sequence, i.e. SEQ_PROMPT and SEQ_PIN alike)
         cursor = plan.keep
         for _, old, n in plan.runs:
-            if old > cursor and not lib.llama_memory_seq_rm(mem, 0, cursor, old):
+            if old > cursor and not lib.llama_memory_seq_rm(mem, -1, cursor, old):
                 return self._clear_plan()
             cursor = old + n
-        if not lib.llama_memory_seq_rm(mem, 0, cursor, -1):
+        if not lib.llama_memory_seq_rm(mem, -1, cursor, -1):
             return self._clear_plan()   # this memory cannot be cut in the middle
-        # Move the runs.  Runs keep their order, so a run moving left never
-        # lands on one not yet moved if those go left to right, and runs
-        # moving right go right to left for the same reason.
+        # Move the runs (SEQ_PIN shares the cells, so it moves with them).
+        # Runs keep their order, so a run moving left never lands on one not
+        # yet moved if those go left to right, and runs moving right go right
+        # to left for the same reason.
         left = [r for r in plan.runs if r[0] < r[1]]
         right = [r for r in plan.runs if r[0] > r[1]]
         for new, old, n in left + right[::-1]:
             lib.llama_memory_seq_add(mem, 0, old, old + n, new - old)
             self._shift_pending = True
+        if not self._window_intact(plan, len(tokens)):
+            return self._clear_plan()
         self.cached = list(tokens[:plan.keep])
         return plan
+
+    def _window_intact(self, plan, n_tokens):
+        """Whether the windowed cache, if any, holds what the first token to
+        evaluate attends to: [first - n_swa + 1, first).
+
+        SEQ_PIN keeps libllama from dropping prompt cells; this checks that
+        it did not, rather than evaluate with keys missing.  (llama-server
+        checks only that something before ``first`` is left.)  Runs move in
+        order, so what a windowed cache lacks is every position below
+        llama_memory_seq_pos_min.
+        """
+        gaps = plan.gaps(n_tokens)
+        if not gaps or plan.reused == 0:
+            return True         # nothing to evaluate, or nothing reused
+        n_swa = self.model.n_swa
+        pos_min = self.model.lib.llama_memory_seq_pos_min(self._ctx.memory, SEQ_PROMPT)
+        limit = max(0, gaps[0][0] - n_swa + 1) if n_swa > 0 else 0
+        return 0 <= pos_min <= limit
 
     def _clear_plan(self):
         self._shift_pending = False
@@ -268,7 +322,7 @@ class ChatSession:
         self.cached = list(tokens)
         return plan.reused
 
-    def _decode(self, chunk, pos, want_logits, seq=0):
+    def _decode(self, chunk, pos, want_logits, seq=None):
         with _DECODE_LOCK:
             if not self._shift_pending:
                 return self._ctx.decode(chunk, pos, want_logits, seq)
@@ -294,9 +348,12 @@ class ChatSession:
             chunk = tokens[pos:pos + self.n_batch]
             status = self._decode(chunk, pos, pos + len(chunk) == len(tokens))
             if status == 2:     # aborted: keep what libllama did get into the cache
-                kept = lib.llama_memory_seq_pos_max(mem, 0) + 1
+                # libllama drops the aborted ubatch's positions from the
+                # token's first sequence only, whichever it takes that to be
+                kept = min(lib.llama_memory_seq_pos_max(mem, SEQ_PROMPT),
+                           lib.llama_memory_seq_pos_max(mem, SEQ_PIN)) + 1
                 kept = max(pos, min(kept, pos + len(chunk)))
-                lib.llama_memory_seq_rm(mem, 0, kept, -1)
+                lib.llama_memory_seq_rm(mem, -1, kept, -1)
                 self.cached = list(tokens[:kept])
                 return False
             if status != 0:
@@ -310,27 +367,34 @@ class ChatSession:
 
         libllama only appends to a sequence (a batch must start at the
         sequence's last position + 1), and sequence 0 already holds the run
-        after the gap.  So the gap is decoded in sequence 1, which first gets
+        after the gap.  So the gap is decoded in SEQ_GAP, which first gets
         every cell before the gap (shared, not copied), then its new cells
-        are added to sequence 0 and sequence 1 is emptied again.
+        are added to SEQ_PROMPT and SEQ_GAP is emptied again.
+
+        The gap's cells are pinned after each ubatch (see SEQ_PIN): a gap
+        longer than the attention window would otherwise lose its start.
         """
         lib, mem = self.model.lib, self._ctx.memory
-        lib.llama_memory_seq_cp(mem, 0, 1, 0, start)
+        lib.llama_memory_seq_cp(mem, SEQ_PROMPT, SEQ_GAP, 0, start)
+        step = min(self.n_batch, self._ctx.n_ubatch)
         pos, status = start, 0
         try:
             while pos < end:
                 if cancel is not None and cancel.cancelled:
                     status = 2
                     break
-                chunk = tokens[pos:min(pos + self.n_batch, end)]
-                status = self._decode(chunk, pos, False, seq=1)
+                chunk = tokens[pos:min(pos + step, end)]
+                status = self._decode(chunk, pos, False, seq=SEQ_GAP)
                 if status != 0:
                     break
+                lib.llama_memory_seq_cp(mem, SEQ_GAP, SEQ_PIN, pos, pos + len(chunk))
                 pos += len(chunk)
             if status == 0:
-                lib.llama_memory_seq_cp(mem, 1, 0, start, end)
+                lib.llama_memory_seq_cp(mem, SEQ_GAP, SEQ_PROMPT, start, end)
+            else:
+                lib.llama_memory_seq_rm(mem, SEQ_PIN, start, end)
         finally:
-            lib.llama_memory_seq_rm(mem, 1, -1, -1)
+            lib.llama_memory_seq_rm(mem, SEQ_GAP, -1, -1)
         if status == 0:
             return True
         if status != 2:

@@ -139,3 +139,35 @@ def test_the_decode_that_rotates_moved_keys_is_never_aborted(session, fim_model)
     assert not session._shift_pending   # the rotating decode ran to the end
     assert session.evaluate(second, cache_reuse=16) >= len(second) - len(typed) - 2
     assert positions(session) == (0, len(second) - 1)
+
+
+def test_a_windowed_cache_keeps_the_whole_prompt_through_an_editing_session(gemma):
+    # gemma-3 attends over a 512-token window in 5 of its 6 layers, and
+    # libllama's windowed cache recycles cells a window behind a sequence's
+    # end, dropping that sequence's start.  Without SEQ_PIN that happened
+    # here when the second chunk rotated in (the new chunk is decoded in
+    # the scratch sequence, and the moved prefix looked old), and the next
+    # keystroke found the window before the cursor gone: all 2600 tokens
+    # were evaluated again.
+    def code(i, n):
+        return "".join("def f%d_%d(x):\n    return x * %d + %d\n" % (i, j, j, i) for j in range(n))
+    chunks = [text_tokens(gemma, "# chunk %d\n" % i + code(i, 6)) for i in range(8)]
+    prefix = text_tokens(gemma, code(100, 70))
+    suffix = text_tokens(gemma, code(200, 28))
+    line = "    result = compute(alpha, beta, gamma) + other_value\n"
+    greedy = GenerationParams(n_predict=16, sampling=SamplingParams(temperature=0), cache_reuse=64)
+    with ChatSession(gemma, n_ctx=4096, n_batch=512, n_threads=2) as session:
+        first = 0
+        for k in range(14):
+            rotated = k % 6 == 5
+            first += rotated
+            extra = sum(chunks[first:first + 6], [])
+            prompt = [gemma.bos] + extra + prefix + text_tokens(gemma, line[:k]) + suffix
+            done = session.complete(prompt, greedy)
+            if k == 0:
+                assert len(prompt) > 2000
+                continue
+            # at most the new chunk, or the typed line's last tokens, is evaluated
+            new = len(chunks[first + 5]) if rotated else 0
+            assert done.usage.evaluated_tokens <= new + 8, (k, done.usage)
+            assert positions(session) == (0, len(session.cached) - 1)

@@ -4,7 +4,8 @@ A struct passed by value with the wrong layout does not fail loudly: libllama
 reads a neighbour's bytes as a flag or a pointer and the process corrupts
 itself later.  So every class in ``libllama.STRUCTS`` is checked two ways:
 
-- its field names, in order, equal the C field names read from llama.h's text.
+- its field names, in order, equal the C field names read from the header's
+  text (llama.h, and ggml.h for the one ggml struct offgrid fills).
   This catches a field added, removed, renamed or moved, even one that
   padding would hide from sizeof (a bool added after the last bool);
 - a small C program compiled with gcc against the header prints sizeof and
@@ -33,6 +34,12 @@ except ImportError:  # tests/ is on sys.path rather than a package
 def _header_dirs():
     src = tinymodels.llama_cpp_source()
     return src / "include" / "llama.h", [src / "include", src / "ggml" / "include"]
+
+
+def _headers():
+    """llama.h and the ggml.h it includes: where the structs offgrid passes are declared."""
+    llama_h, include_dirs = _header_dirs()
+    return [llama_h, include_dirs[1] / "ggml.h"]
 
 
 # --------------------------------------------------------------------------
@@ -83,6 +90,9 @@ _C_PRELUDE = r"""
              "other")
 #define FIELD(S, f) printf("F %s %s %zu %zu %s\n", #S, #f, offsetof(struct S, f), \
                            sizeof(((struct S *) 0)->f), KIND(((struct S *) 0)->f))
+/* an array field: the kind of its elements (the array itself decays to a pointer) */
+#define ARRAY(S, f) printf("F %s %s %zu %zu %s\n", #S, #f, offsetof(struct S, f), \
+                           sizeof(((struct S *) 0)->f), KIND(((struct S *) 0)->f[0]))
 
 int main(void) {
 """
@@ -95,14 +105,17 @@ def c_program(structs):
         name = cls.__name__
         lines.append('    printf("S %s %%zu %%zu\\n", sizeof(struct %s), _Alignof(struct %s));'
                      % (name, name, name))
-        for field, _ in cls._fields_:
-            lines.append("    FIELD(%s, %s);" % (name, field))
+        for field, ctype in cls._fields_:
+            macro = "ARRAY" if issubclass(ctype, ctypes.Array) else "FIELD"
+            lines.append("    %s(%s, %s);" % (macro, name, field))
     lines.append("    return 0;\n}\n")
     return "\n".join(lines)
 
 
 def ctypes_kind(ctype):
     """The C kind of a ctypes field type, in the words KIND() prints."""
+    if issubclass(ctype, ctypes.Array):
+        return ctypes_kind(ctype._type_)
     if ctype in (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_wchar_p) or \
             issubclass(ctype, (ctypes._Pointer, ctypes._CFuncPtr)):
         return "pointer"
@@ -144,9 +157,9 @@ def c_layout(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def header_text():
-    header, _ = _header_dirs()
-    assert header.is_file(), "llama.h not found at %s (run `make lib`)" % header
-    return header.read_text()
+    for header in _headers():
+        assert header.is_file(), "%s not found (run `make lib`)" % header
+    return "\n".join(h.read_text() for h in _headers())
 
 
 # --------------------------------------------------------------------------

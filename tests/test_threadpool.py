@@ -1,0 +1,63 @@
+"""Every context decodes on one persistent ggml thread pool per thread count.
+
+Without an attached pool, ggml starts and joins its worker threads inside
+each llama_decode; with several sessions that costs half the throughput
+(see session._POOLS).  What a pool changes is visible from outside: its
+workers exist from the moment the first context attaches it, survive every
+decode, and are not multiplied by more sessions.  The threads are counted in
+a fresh interpreter, where nothing else starts threads.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from offgrid import libllama
+
+ROOT = Path(__file__).resolve().parent.parent
+
+_PROBE = r"""
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from offgrid.model import Model
+from offgrid.sampling import SamplingParams
+from offgrid.session import ChatSession, GenerationParams
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+model = Model.load(sys.argv[2], progress=False)
+counts = [threads()]
+a = ChatSession(model, n_ctx=256, n_batch=64, n_threads=2)
+counts.append(threads())
+b = ChatSession(model, n_ctx=256, n_batch=64, n_threads=2)
+counts.append(threads())
+greedy = GenerationParams(n_predict=8, sampling=SamplingParams(temperature=0.0))
+prompt = model.tokenize("The capital of France is")
+texts = [a.complete(prompt, greedy).text, b.complete(prompt, greedy).text]
+counts.append(threads())
+a.close(); b.close(); model.close()
+print(counts)
+print(texts[0] == texts[1] and len(texts[0]) > 0)
+"""
+
+
+def test_sessions_share_one_persistent_pool(gemma_path):
+    out = subprocess.run([sys.executable, "-c", _PROBE, str(ROOT), str(gemma_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    counts, same = out.stdout.split("\n")[:2]
+    before, first, second, after_decodes = eval(counts)
+    # a 2-thread pool has one worker besides the thread that calls decode
+    assert first == before + 1
+    assert second == first, "a second session made a second pool"
+    assert after_decodes == first, "decodes started or stopped threads"
+    assert same == "True"
+
+
+def test_a_pool_closes_once(lib):
+    pool = libllama.ThreadPool(lib, 1)
+    assert pool.ptr is not None, "the CPU backend offers no ggml_threadpool_new"
+    pool.close()
+    pool.close()
+    assert pool.ptr is None
