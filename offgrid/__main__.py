@@ -29,7 +29,8 @@ def parse_args(argv=None):
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks one)")
     p.add_argument("-c", "--ctx-size", type=int, default=4096,
-                   help="context size of each session, in tokens (default 4096)")
+                   help="context size of each session, in tokens (default 4096; "
+                   "0: the model's training context)")
     p.add_argument("-b", "--batch-size", type=int, default=512,
                    help="prompt tokens decoded per step (default 512)")
     p.add_argument("-ub", "--ubatch-size", type=int, default=None,

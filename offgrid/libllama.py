@@ -550,6 +550,16 @@ def loaded():
     return _loaded if _loaded is not None else load()
 
 
+# What libllama logs, as errors, when a decode stops because offgrid aborted
+# it: a cancelled request, which an editor makes on nearly every keystroke.
+# (GGML_STATUS_ABORTED is 1; llama_decode returns 2.)
+_ABORT_LINES = frozenset((
+    b"graph_compute: ggml_backend_sched_graph_compute_async failed with error 1\n",
+    b"process_ubatch: failed to compute graph, compute status: 1\n",
+    b"llama_decode: failed to decode, ret = 2\n",
+))
+
+
 def _install_log_callback(lib):
     """Route libllama's log lines to stderr, dropping chatter unless verbose."""
     global _log_callback
@@ -558,7 +568,8 @@ def _install_log_callback(lib):
     def on_log(level, text, _user_data):
         # CONT continues the previous line at the previous line's level.
         if level != GGML_LOG_LEVEL_CONT:
-            state["keep"] = _verbose or level >= GGML_LOG_LEVEL_ERROR
+            state["keep"] = _verbose or (level >= GGML_LOG_LEVEL_ERROR
+                                         and text not in _ABORT_LINES)
         if state["keep"] and text:
             sys.stderr.write(text.decode("utf-8", "replace"))
 

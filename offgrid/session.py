@@ -56,14 +56,17 @@ def _shared_pool(lib, n_threads):
 # position's keys and values for every sequence it belongs to.
 SEQ_PROMPT = 0  # the prompt and generated tokens, at positions 0..len(cached)-1
 SEQ_GAP = 1     # scratch for text inserted before a reused run (_evaluate_gap)
-# Every cell of SEQ_PROMPT, always.  A model with sliding-window attention
-# (gemma-3: 512 tokens) has a second, windowed cache, and libllama reuses any
-# of its cells that belong to one sequence only and lie a window behind that
-# sequence's last position, then drops the sequence's positions from its
-# start up to that cell, even with swa_full.  Prompt decodes put each token in
+# Every cell of SEQ_PROMPT, in a model with sliding-window attention and a
+# full-size window cache (swa_full).  Such a model (gemma-3: 512 tokens) has a
+# second, windowed cache, and libllama reuses any of its cells that belong to
+# one sequence only and lie a window behind that sequence's last position,
+# then drops the sequence's positions from its start up to that cell, even
+# when the cache has room for everything.  Prompt decodes put each token in
 # both sequences, so no prompt cell is ever alone, and the windowed cache
 # keeps the whole prompt, as the full one does: a later request that keeps a
 # prefix, or moves a run, finds the window before its first new token there.
+# (Without swa_full the windowed cache holds little more than a window and
+# must recycle; prefix reuse then mostly fails _window_intact.)
 SEQ_PIN = 2
 
 
@@ -171,7 +174,9 @@ class ChatSession:
             raise ContextError("%s was loaded vocab-only: it can tokenize but not generate"
                                % model.name)
         threads = n_threads if n_threads and n_threads > 0 else max(1, min(os.cpu_count() or 1, 8))
-        n_ctx = min(n_ctx, model.n_ctx_train) if n_ctx and model.n_ctx_train > 0 else n_ctx
+        if not n_ctx or n_ctx <= 0:     # 0: the model's own context, as llama-server's -c 0
+            n_ctx = model.n_ctx_train if model.n_ctx_train > 0 else 4096
+        n_ctx = min(n_ctx, model.n_ctx_train) if model.n_ctx_train > 0 else n_ctx
         # swa_full: models with sliding-window attention (gemma-3) otherwise
         # keep only the last window of keys, and llama_memory_seq_rm cannot
         # cut such a cache at an earlier position: every request would
@@ -179,9 +184,11 @@ class ChatSession:
         # (n_ctx keys for every layer instead of a window) and buys reuse.
         threads_batch = n_threads_batch if n_threads_batch and n_threads_batch > 0 else threads
         self.model = model
+        pin = swa_full and model.n_swa > 0
+        self._prompt_seqs = (SEQ_PROMPT, SEQ_PIN) if pin else (SEQ_PROMPT,)
         self._ctx = libllama.ContextHandle(
             model.lib, model.handle, n_ctx, n_batch, n_ubatch or n_batch, threads,
-            threads_batch, swa_full=swa_full, n_seq_max=3, token_seqs=(SEQ_PROMPT, SEQ_PIN))
+            threads_batch, swa_full=swa_full, n_seq_max=3, token_seqs=self._prompt_seqs)
         if not self._ctx.ptr:
             raise ContextError("libllama could not create a context of %d tokens "
                                "(not enough memory?)" % n_ctx)
@@ -350,8 +357,7 @@ class ChatSession:
             if status == 2:     # aborted: keep what libllama did get into the cache
                 # libllama drops the aborted ubatch's positions from the
                 # token's first sequence only, whichever it takes that to be
-                kept = min(lib.llama_memory_seq_pos_max(mem, SEQ_PROMPT),
-                           lib.llama_memory_seq_pos_max(mem, SEQ_PIN)) + 1
+                kept = min(lib.llama_memory_seq_pos_max(mem, s) for s in self._prompt_seqs) + 1
                 kept = max(pos, min(kept, pos + len(chunk)))
                 lib.llama_memory_seq_rm(mem, -1, kept, -1)
                 self.cached = list(tokens[:kept])
@@ -387,7 +393,8 @@ class ChatSession:
                 status = self._decode(chunk, pos, False, seq=SEQ_GAP)
                 if status != 0:
                     break
-                lib.llama_memory_seq_cp(mem, SEQ_GAP, SEQ_PIN, pos, pos + len(chunk))
+                if SEQ_PIN in self._prompt_seqs:
+                    lib.llama_memory_seq_cp(mem, SEQ_GAP, SEQ_PIN, pos, pos + len(chunk))
                 pos += len(chunk)
             if status == 0:
                 lib.llama_memory_seq_cp(mem, SEQ_GAP, SEQ_PROMPT, start, end)
