@@ -11,7 +11,11 @@ terminal and ``bench/results/latest.json``.
 Rounds and alternation: the scenarios are grouped into phases, one server
 configuration each.  Each round runs every phase on both servers, and the
 server that goes first alternates from round to round (ABBA), so load that
-drifts during a run hits both.  Figures are medians over all samples of all
+drifts during a run hits both.  The single-stream phase goes further: both
+servers are up at once and its generation and prompt samples alternate
+request by request (A B B A ...), because this VM's speed wanders by several
+per cent within a minute, and a ratio near 1 is only meaningful if both
+sides see the same machine.  Figures are medians over all samples of all
 rounds (the editor's p50/p95 over all pauses of all rounds).
 
     phase     server flags (both)                     scenarios
@@ -26,6 +30,7 @@ editor's request has.  Benchmarks report; they never fail on a figure.
 """
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -142,11 +147,37 @@ def llama_bench(bindir, model, threads, reps):
 
 # -- phases ------------------------------------------------------------------------
 
-def run_single(port, reps):
-    scenarios.warm_up(port)
-    return {"generation": scenarios.generation(port, reps),
-            "prompt": scenarios.prompt(port, reps + 1),
-            "overhead": scenarios.overhead(port)}
+IDLE_GAP_S = 1.0       # before each paired sample: the other server's threads go to sleep
+
+
+def run_single(servers, order, reps):
+    """The single-stream scenarios on servers that are all up at once.
+
+    Generation and prompt samples alternate between the servers one request
+    at a time (A B B A ...), so a sample of one is never more than a few
+    seconds from a sample of the other.  Before each, a pause: after a
+    decode, ggml's worker threads keep polling for the next one for a while
+    (up to a few hundred ms here) before they sleep, and the other server's
+    must not be spinning while this one is measured.
+    """
+    out = {name: {} for name in servers}
+    for name in order:
+        scenarios.warm_up(servers[name].port)
+
+    def quiet(fn, *a, **kw):
+        time.sleep(IDLE_GAP_S)
+        return fn(*a, **kw)
+
+    for i in range(reps + 1):
+        for name in (order if i % 2 == 0 else order[::-1]):
+            port = servers[name].port
+            got = {"prompt": quiet(scenarios.prompt, port, 1, first=i)}
+            if i < reps:
+                got["generation"] = quiet(scenarios.generation, port, 1, first=i)
+            merge(out[name], got)
+    for name in order:
+        merge(out[name], {"overhead": scenarios.overhead(servers[name].port)})
+    return out
 
 
 def run_parallel(port, reps):
@@ -155,8 +186,9 @@ def run_parallel(port, reps):
 
 
 def phases(args, fim):
+    """(name, server config, what to run on one server's port); None: run_paired."""
     return [
-        ("single", Config(args.model, args.threads, args.ctx, 1, 512, 512), run_single),
+        ("single", Config(args.model, args.threads, args.ctx, 1, 512, 512), None),
         ("parallel", Config(args.model, args.threads, args.ctx, 2, 512, 512), run_parallel),
         ("editor", Config(str(fim), args.threads, args.ctx, 1, 2048, 512),
          lambda port, reps: {"editor": editor.replay(port, args.keys)}),
@@ -174,6 +206,34 @@ def merge(into, new):
                 dst[k] = dst.get(k, 0) + v
 
 
+def run_paired(rnd, args, cfg, bindir, order, samples, busy, errors):
+    """Round ``rnd`` of the single-stream phase: every server up at once."""
+    servers = {name: SERVERS[name](cfg, bindir) for name in order}
+    l0 = load()
+    t0 = time.monotonic()
+    try:
+        with contextlib.ExitStack() as stack:
+            for server in servers.values():
+                stack.enter_context(server)
+            meter = CpuMeter(*(server.proc.pid for server in servers.values()))
+            meter.start()
+            got = run_single(servers, order, args.reps)
+            for name, server in servers.items():
+                got[name]["rss"] = {"peak_mib": [server.peak_rss_mb()]}
+            others = meter.others()
+    except Exception as e:
+        log("round %d single FAILED: %s" % (rnd + 1, e))
+        errors.append("round %d single: %s" % (rnd + 1, e))
+        return
+    for name in order:
+        busy.append({"round": rnd + 1, "phase": "single", "server": name,
+                     "load": l0, "others_cpu": round(others, 3)})
+        merge(samples[name], got[name])
+    log("round %d/%d %-8s %-12s %5.1f s  load %.2f, other processes %2.0f%% CPU"
+        % (rnd + 1, args.rounds, "single", "+".join(NAMES[n] for n in order),
+           time.monotonic() - t0, l0, 100 * others))
+
+
 def run_all(args, bindir, fim):
     samples = {s: {} for s in args.servers}
     busy, errors = [], []
@@ -181,6 +241,9 @@ def run_all(args, bindir, fim):
         order = args.servers if rnd % 2 == 0 else list(reversed(args.servers))
         for phase, cfg, fn in phases(args, fim):
             if args.only and phase not in args.only:
+                continue
+            if fn is None:
+                run_paired(rnd, args, cfg, bindir, order, samples, busy, errors)
                 continue
             for name in order:
                 server = SERVERS[name](cfg, bindir)

@@ -42,7 +42,7 @@ def warm_up(port):
 
 # -- 1. generation --------------------------------------------------------------
 
-def generation(port, reps):
+def generation(port, reps, first=0):
     """One stream, GEN_TOKENS tokens, greedy, cache off.
 
     client tok/s: (n - 1) token intervals between the first streamed piece and
@@ -50,7 +50,7 @@ def generation(port, reps):
     predicted_ms from the final event's timings.
     """
     out = {"client_tps": [], "server_tps": [], "predicted_n": []}
-    for i in range(reps):
+    for i in range(first, first + reps):
         body = {"prompt": "Here is a long story about a lighthouse keeper named %d:" % i,
                 "n_predict": GEN_TOKENS, "temperature": 0, "ignore_eos": True,
                 "cache_prompt": False}
@@ -82,7 +82,7 @@ def prompt_tokens(port):
     return obj["tokens"]
 
 
-def prompt(port, reps):
+def prompt(port, reps, first=0):
     """A PROMPT_TOKENS-token prompt, n_predict 1, cache off: prompt_n / prompt_ms.
 
     The prompt is sent as token ids, so both servers evaluate exactly the same
@@ -90,7 +90,7 @@ def prompt(port, reps):
     """
     ids = prompt_tokens(port)
     out = {"server_tps": [], "client_tps": [], "prompt_n": []}
-    for i in range(reps):
+    for i in range(first, first + reps):
         start = (i * 37) % (len(ids) - PROMPT_TOKENS)
         body = {"prompt": ids[start:start + PROMPT_TOKENS], "n_predict": 1, "temperature": 0,
                 "cache_prompt": False}

@@ -147,8 +147,8 @@ class CpuMeter:
     machine means another process kept one core busy the whole time.
     """
 
-    def __init__(self, pid):
-        self.pid = pid
+    def __init__(self, *pids):
+        self.pids = pids        # the servers being measured
         self.hz = os.sysconf("SC_CLK_TCK")
         self._start = None
 
@@ -156,9 +156,11 @@ class CpuMeter:
         with open("/proc/stat") as f:
             fields = [int(x) for x in f.readline().split()[1:]]
         busy = sum(fields[i] for i in (0, 1, 2, 5, 6, 7) if i < len(fields))
-        with open("/proc/%d/stat" % self.pid) as f:
-            rest = f.read().rsplit(")", 1)[1].split()
-        server = int(rest[11]) + int(rest[12])      # utime, stime (fields 14, 15)
+        server = 0
+        for pid in self.pids:
+            with open("/proc/%d/stat" % pid) as f:
+                rest = f.read().rsplit(")", 1)[1].split()
+            server += int(rest[11]) + int(rest[12])     # utime, stime (fields 14, 15)
         me = os.times()
         return time.monotonic(), busy / self.hz, server / self.hz, me.user + me.system
 
