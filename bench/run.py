@@ -176,7 +176,7 @@ def run_single(servers, order, reps):
                 got["generation"] = quiet(scenarios.generation, port, 1, first=i)
             merge(out[name], got)
     for name in order:
-        merge(out[name], {"overhead": scenarios.overhead(servers[name].port)})
+        merge(out[name], {"overhead": quiet(scenarios.overhead, servers[name].port)})
     return out
 
 
