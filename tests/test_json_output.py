@@ -217,3 +217,32 @@ def test_schema_and_grammar_together_are_refused(srv):
         "messages": [{"role": "user", "content": "Hi"}], "json_schema": PERSON,
         "grammar": 'root ::= "x"'})
     assert status == 400 and "both" in body["error"]["message"]
+
+
+# -- the same constraints on completions (llama-server's /completion fields) -----------
+
+def test_completion_grammar_constrains_the_text(srv):
+    status, _, body = srv.post("/completion", {
+        "prompt": "Q: Is the sky green?\nA:", "grammar": 'root ::= " yes" | " no"',
+        "n_predict": 8, "temperature": 0})
+    assert status == 200
+    assert body["content"] in (" yes", " no") and body["stop_type"] == "eos"
+
+
+@pytest.mark.parametrize("path, text_of", [
+    ("/completion", lambda b: b["content"]),
+    ("/v1/completions", lambda b: b["choices"][0]["text"]),
+])
+def test_completion_json_schema_output_validates(srv, path, text_of):
+    status, _, body = srv.post(path, {
+        "prompt": "Is it raining? Reply in JSON.\n", "json_schema": PERSON,
+        "max_tokens": 80, "temperature": 0})
+    assert status == 200
+    validate(json.loads(text_of(body)), PERSON)
+
+
+def test_completion_with_a_bad_grammar_is_400(srv):
+    status, _, body = srv.post("/completion", {
+        "prompt": "Hi", "grammar": "root ::= undefined-rule", "n_predict": 4})
+    assert status == 400 and "grammar" in body["error"]["message"]
+    assert srv.get("/health")[0] == 200

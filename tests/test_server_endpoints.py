@@ -142,6 +142,14 @@ def test_infill_editor_request_and_cache_reuse(srv):
     assert second["tokens_cached"] > total / 2, second
 
 
+def test_infill_takes_a_grammar(srv):
+    # llama-server's grammar field, with the editor's sampler chain ending in infill
+    status, _, body = srv.post("/infill", dict(editor_body("def f():\n"), n_predict=8,
+                                               grammar="root ::= [0-9] [0-9] [0-9]"))
+    assert status == 200
+    assert len(body["content"]) == 3 and body["content"].isdigit(), body["content"]
+
+
 def test_infill_n_cmpl_returns_an_array(srv):
     status, _, body = srv.post("/infill", dict(editor_body("def f():\n"), n_cmpl=3,
                                                response_fields=[]))

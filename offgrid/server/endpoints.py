@@ -13,8 +13,11 @@ from ..infill import build_infill_prompt, InfillRequest
 from ..session import FinishReason
 from . import chat, formats
 from .errors import BadRequest, Unavailable
+from ..jsonschema import schema_to_grammar
+from ..sampling import check_grammar
 from .params import (Fields, include_usage_from, generation_from, id_slot_from, infill_from,
-                     prompt_from, response_fields_from, tokens_of, MAX_N_CMPL)
+                     output_schema_from, prompt_from, response_fields_from, tokens_of,
+                     MAX_N_CMPL)
 
 Route = namedtuple("Route", "handler methods auth needs_service")
 
@@ -166,6 +169,7 @@ def completion(h, body):
     prompt = prompt_from(f.raw("prompt"))
     tokens = tokens_of(entry.model, prompt, add_special=True)
     gen = generation_from(f, entry.model.n_vocab, svc.n_predict_default)
+    _constrain(f, entry.model, gen)
     prompt_text = prompt.parts[0] if prompt.is_text else ""
     _run_native(h, f, entry, tokens, gen, prompt_text, "completion")
 
@@ -176,10 +180,22 @@ def infill(h, body):
     entry = svc.entry_for(None, fim=True)
     req = infill_from(f)
     gen = generation_from(f, entry.model.n_vocab, svc.n_predict_default)
+    _constrain(f, entry.model, gen)
     gen.cache_reuse = _cache_reuse(f, svc)
     reserve = gen.n_predict if gen.n_predict > 0 else INFILL_GENERATION_RESERVE
     tokens = build_infill_prompt(entry.model, req, entry.n_ctx, entry.n_batch, reserve)
     _run_native(h, f, entry, tokens, gen, "", "infill")
+
+
+def _constrain(f, model, gen):
+    """llama-server's ``grammar`` (GBNF) or ``json_schema`` on a completion:
+    only text they match is sampled.  A grammar libllama refuses is a 400."""
+    schema, grammar = output_schema_from(f)
+    if schema is not None:
+        grammar = schema_to_grammar(schema)
+    if grammar is not None:
+        check_grammar(model.lib, model.handle.vocab, grammar)
+        gen.sampling.grammar = grammar
 
 
 def _cache_reuse(f, svc):
@@ -256,6 +272,7 @@ def v1_completions(h, body):
         entry = svc.entry_for(None, fim=True)
         gen = generation_from(f, entry.model.n_vocab, svc.n_predict_default,
                               ("max_tokens", "n_predict"))
+        _constrain(f, entry.model, gen)
         gen.cache_reuse = _cache_reuse(f, svc)
         reserve = gen.n_predict if gen.n_predict > 0 else INFILL_GENERATION_RESERVE
         req = InfillRequest(input_prefix=prompt.parts[0], input_suffix=suffix)
@@ -264,6 +281,7 @@ def v1_completions(h, body):
         entry = svc.entry_for(f.raw("model"))
         gen = generation_from(f, entry.model.n_vocab, svc.n_predict_default,
                               ("max_tokens", "n_predict"))
+        _constrain(f, entry.model, gen)
         tokens = tokens_of(entry.model, prompt, add_special=True)
     svc.metrics.request("v1/completions")
     stream = f.bool("stream", False)
