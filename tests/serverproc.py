@@ -44,11 +44,15 @@ class ServerProcess:
     def base(self):
         return "http://%s:%d" % (self.host, self.port)
 
+    def launch(self):
+        """(argv, cwd, env) of the server process: this checkout's offgrid."""
+        return ([sys.executable, "-m", "offgrid"] + self.args, str(ROOT),
+                dict(os.environ, PYTHONUNBUFFERED="1"))
+
     def start(self):
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "offgrid"] + self.args, cwd=str(ROOT),
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                                     text=True)
+        argv, cwd, env = self.launch()
+        self.proc = subprocess.Popen(argv, cwd=cwd, env=env, text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         ready = threading.Event()
 
         def read():
@@ -62,7 +66,7 @@ class ServerProcess:
         while not ready.wait(0.1):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.proc.kill()
-                raise RuntimeError("offgrid did not start:\n" + "".join(self.output))
+                raise RuntimeError("%s did not start:\n%s" % (" ".join(argv), "".join(self.output)))
         return self
 
     def stop(self, timeout=60):
