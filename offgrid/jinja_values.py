@@ -866,15 +866,20 @@ def _str_float(a):
     return float(m.group(1))
 
 
-def _str_slice(a):
+def _slice_args(a, kind):
+    """(start, stop, step) of slice(stop) / slice(start, stop[, step]) on a ``kind``."""
     a.count(1, 4)
-    a.expect("str", "int", required=2)
+    a.expect(kind, "int", required=2)
     vals = [as_int(x) for x in a.items[1:]]
     start, stop, step = (0, vals[0], 1) if len(vals) == 1 else \
         ((vals[0], vals[1], 1) if len(vals) == 2 else vals)
     if step == 0:
         raise TemplateError("slice step cannot be zero")
-    return "".join(_slice(a.pos(0), start, stop, step))
+    return start, stop, step
+
+
+def _str_slice(a):
+    return "".join(_slice(a.pos(0), *_slice_args(a, "str")))
 
 
 def _str_indent(a):
@@ -1076,14 +1081,7 @@ def _first_last(i):
 
 
 def _array_slice(a):
-    a.count(1, 4)
-    a.expect("array", "int", required=2)
-    vals = [as_int(x) for x in a.items[1:]]
-    start, stop, step = (0, vals[0], 1) if len(vals) == 1 else \
-        ((vals[0], vals[1], 1) if len(vals) == 2 else vals)
-    if step == 0:
-        raise TemplateError("slice step cannot be zero")
-    return _same_shape(a.pos(0), _slice(a.pos(0), start, stop, step))
+    return _same_shape(a.pos(0), _slice(a.pos(0), *_slice_args(a, "array")))
 
 
 ARRAY_BUILTINS = {
