@@ -5,7 +5,12 @@
 # The source is llama.cpp as vendored by the llama-cpp-python sdist on PyPI
 # (the only registry we can reach); we use its C/C++ source, never its Python.
 # Everything downloaded or built lives in $OFFGRID_CACHE (~/.cache/offgrid),
-# keyed by version + hash + build flavour, so a fresh clone does not rebuild.
+# keyed by version + hash + patch set + build flavour, so a fresh clone does not
+# rebuild.
+#
+# libllama is built from a copy of that source with scripts/patches/*.patch
+# applied (each says why); llama-server and llama-bench are built from the
+# source as released, so the benchmark compares against what its users run.
 #
 # usage: scripts/build_lib.sh [DEST]        (PORTABLE=1 for run-time CPU variants)
 #        scripts/build_lib.sh --server       llama-server and llama-bench from the
@@ -30,7 +35,11 @@ FLAVOUR=$([ "$PORTABLE" = 1 ] && echo portable || echo native)
 SDIST_DIR=$CACHE/llama-cpp-python-$PKG_VERSION-$SHORT
 SDIST=$SDIST_DIR/llama_cpp_python-$PKG_VERSION.tar.gz
 SRC=$SDIST_DIR/src/llama_cpp_python-$PKG_VERSION/vendor/llama.cpp
-BUILD=$CACHE/build-$PKG_VERSION-$SHORT-$FLAVOUR
+shopt -s nullglob
+PATCHES=("$(dirname "$0")"/patches/*.patch)          # applied in name order
+PATCH_ID=$(cat /dev/null "${PATCHES[@]}" | sha256sum | cut -c1-8)
+LIB_SRC=$CACHE/llama.cpp-$PKG_VERSION-$SHORT-p$PATCH_ID       # SRC with PATCHES applied
+BUILD=$CACHE/build-$PKG_VERSION-$SHORT-p$PATCH_ID-$FLAVOUR
 INSTALLED=$BUILD/installed
 
 log() { echo "[make lib] $*" >&2; }
@@ -59,6 +68,23 @@ fetch_source() {
     fi
 }
 
+# A copy of SRC with PATCHES applied, made once per patch set.
+patch_source() {
+    if [ -f "$LIB_SRC/.patched" ]; then
+        return
+    fi
+    log "applying scripts/patches to a copy of the source in $LIB_SRC"
+    local tmp p; tmp=$(mktemp -d "$CACHE/patching.XXXXXX")
+    cp -a "$SRC/." "$tmp/"
+    for p in "${PATCHES[@]}"; do
+        patch --quiet --forward -p1 -d "$tmp" <"$p" \
+          || { log "$p does not apply to llama.cpp from llama-cpp-python==$PKG_VERSION"; rm -rf "$tmp"; exit 1; }
+    done
+    touch "$tmp/.patched"
+    rm -rf "$LIB_SRC"
+    mv -T "$tmp" "$LIB_SRC" 2>/dev/null || rm -rf "$tmp"   # another build got there first
+}
+
 build() {
     if [ -f "$INSTALLED/.done" ]; then
         log "cached build: $INSTALLED"
@@ -72,7 +98,7 @@ build() {
     fi
     log "configuring ($FLAVOUR) in $BUILD"
     # shellcheck disable=SC2086
-    cmake -S "$SRC" -B "$BUILD/cmake" -DCMAKE_BUILD_TYPE=Release \
+    cmake -S "$LIB_SRC" -B "$BUILD/cmake" -DCMAKE_BUILD_TYPE=Release \
         -DBUILD_SHARED_LIBS=ON -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_TESTS=OFF \
         -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
         -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DGGML_OPENMP=OFF \
@@ -90,7 +116,7 @@ build() {
 }
 
 # llama-server and llama-bench, statically linked against their own build of
-# the same source, so they never pick up lib/ by accident.
+# the same source (unpatched), so they never pick up lib/ by accident.
 build_server() {
     local dir=$CACHE/llama-server-$PKG_VERSION-$SHORT
     if [ -x "$dir/bin/llama-server" ] && [ -x "$dir/bin/llama-bench" ]; then
@@ -114,6 +140,7 @@ if [ "$MODE" = server ]; then
     build_server
     exit 0
 fi
+patch_source
 build
 mkdir -p "$DEST"
 rm -f "$DEST"/libllama.so* "$DEST"/libggml*.so*

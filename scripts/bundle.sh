@@ -195,7 +195,8 @@ Contents
 offgrid/      the Python package
 __main__.py   lets \`python3 -I <this folder>\` run the package
 lib/          libllama and ggml, built portable (no -march=native) with glibc $HOST_GLIBC
-              from llama.cpp as vendored in the llama-cpp-python 0.3.36 sdist
+              from llama.cpp as vendored in the llama-cpp-python 0.3.36 sdist, with
+              offgrid's patches (scripts/patches in its source; one aligns a buffer)
 LICENSES/     llama.cpp's MIT license (it covers ggml) and the notices of code in lib/
 $WHEEL
               the same package, as a wheel
