@@ -396,6 +396,13 @@ class ReplyFormat:
     keep_reasoning_inline: bool = False  # reasoning_format "deepseek-legacy"
 
 
+# The text that opens a call, for the syntaxes whose call grammar starts with
+# it (a lazy grammar is fed the output from its trigger's match on).  Mistral's
+# [TOOL_CALLS] and llama3's <|python_tag|> are left free: their grammars do not
+# start with the marker.
+CALL_OPENERS = {"hermes": "<tool_call>"}
+
+
 def tool_syntax_of(src):
     """The tool-call syntax a template teaches its model."""
     if "<tool_call>" in src:
@@ -433,6 +440,8 @@ class ChatPrompt:
     generation_prompt: str
     reply_format: ReplyFormat
     grammar: Optional[str] = None       # GBNF forcing a tool call (tool_choice required/named)
+    # with tool_choice "auto": regexes that start ``grammar`` once the model opens a call
+    grammar_triggers: tuple = ()
 
 
 def _patch_source(src):
@@ -502,13 +511,19 @@ class ChatTemplate:
             generation_prompt = self._continued(generation_prompt, prefill)
             text = without_gp + generation_prompt
         fmt = self.reply_format(generation_prompt, tools, tool_choice, reasoning_format)
-        grammar = None
+        grammar, triggers = None, ()
         if tools and tool_choice not in ("auto", "none"):
             # one forced call unless asked for more: a model that does not stop
             # on its own would otherwise repeat calls up to max_tokens
             grammar = tool_call_grammar(tools, self.tool_syntax, tool_choice,
                                         bool(parallel_tool_calls))
-        return ChatPrompt(text, generation_prompt, fmt, grammar)
+        elif tools and tool_choice == "auto" and self.tool_syntax in CALL_OPENERS:
+            # llama-server's lazy grammar: any text until the model opens a
+            # call, then only a well-formed call to one of ``tools``
+            grammar = tool_call_grammar(tools, self.tool_syntax, "required",
+                                        bool(parallel_tool_calls))
+            triggers = (re.escape(CALL_OPENERS[self.tool_syntax]),)
+        return ChatPrompt(text, generation_prompt, fmt, grammar, triggers)
 
     def _continued(self, generation_prompt, msg):
         """The start of the assistant's turn followed by the message being continued.

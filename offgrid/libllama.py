@@ -396,6 +396,13 @@ _PROTOTYPES = {
     # struct llama_sampler * llama_sampler_init_grammar(const struct llama_vocab * vocab,
     #                                                   const char * grammar_str, const char * grammar_root);
     "llama_sampler_init_grammar": (llama_sampler_p, [llama_vocab_p, c_char_p, c_char_p]),
+    # struct llama_sampler * llama_sampler_init_grammar_lazy_patterns(
+    #         const struct llama_vocab * vocab, const char * grammar_str, const char * grammar_root,
+    #         const char ** trigger_patterns, size_t num_trigger_patterns,
+    #         const llama_token * trigger_tokens, size_t num_trigger_tokens);
+    "llama_sampler_init_grammar_lazy_patterns": (
+        llama_sampler_p, [llama_vocab_p, c_char_p, c_char_p, POINTER(c_char_p), c_size_t,
+                          POINTER(llama_token), c_size_t]),
 
     # --- chat templates --------------------------------------------------------
     # int32_t llama_chat_apply_template(const char * tmpl, const struct llama_chat_message * chat, size_t n_msg,
@@ -630,6 +637,24 @@ def detokenize(lib, vocab, tokens, remove_special, unparse_special):
         if n >= 0:
             return buf.raw[:n]
         size = -n
+
+
+def init_grammar_sampler(lib, vocab, grammar, trigger_patterns=()):
+    """A grammar sampler (NULL when libllama rejects the GBNF); lazy with triggers.
+
+    A lazy grammar lets everything through until the output so far matches
+    one of ``trigger_patterns`` (ECMAScript regexes, searched from the start
+    of the output), then constrains the rest, from the match on.  libllama
+    compiles the patterns with std::regex and an invalid one throws through
+    the C API, so only offgrid's own fixed patterns may reach here.
+    """
+    g = grammar.encode("utf-8")
+    if not trigger_patterns:
+        return lib.llama_sampler_init_grammar(vocab, g, b"root")
+    patterns = [p.encode("utf-8") for p in trigger_patterns]
+    arr = (c_char_p * len(patterns))(*patterns)
+    return lib.llama_sampler_init_grammar_lazy_patterns(vocab, g, b"root", arr, len(patterns),
+                                                        None, 0)
 
 
 def chat_apply_template(lib, template, messages, add_assistant):

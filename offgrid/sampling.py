@@ -50,6 +50,9 @@ class SamplingParams:
     samplers: Tuple[str, ...] = DEFAULT_SAMPLERS
     logit_bias: List[Tuple[int, float]] = field(default_factory=list)
     grammar: Optional[str] = None       # GBNF (rule "root"): only text it matches is sampled
+    # regexes that make the grammar lazy: free text until the output matches one
+    # (offgrid's own fixed patterns only: libllama cannot report a bad one)
+    grammar_triggers: Tuple[str, ...] = ()
 
     @property
     def greedy(self):
@@ -88,7 +91,7 @@ def build_sampler(lib, params, n_vocab, n_ctx, eog_tokens=(), vocab=None):
         if params.grammar is not None:
             if vocab is None:
                 raise ValueError("build_sampler needs the model's vocab for a grammar")
-            chain.add(_grammar(lib, vocab, params.grammar))
+            chain.add(_grammar(lib, vocab, params.grammar, params.grammar_triggers))
         biases = list(params.logit_bias) + [(t, -math.inf) for t in eog_tokens]
         if biases:
             chain.add(chain.logit_bias(n_vocab, biases))
@@ -136,14 +139,14 @@ def _penalties(lib, params, n_vocab, n_ctx):
                                             params.frequency_penalty, params.presence_penalty)
 
 
-def _grammar(lib, vocab, grammar):
-    ptr = lib.llama_sampler_init_grammar(vocab, grammar.encode("utf-8"), b"root")
+def _grammar(lib, vocab, grammar, triggers=()):
+    ptr = libllama.init_grammar_sampler(lib, vocab, grammar, triggers)
     if not ptr:
         raise InvalidRequest("the grammar is not valid GBNF with a 'root' rule "
                              "(the server log says where)")
     return ptr
 
 
-def check_grammar(lib, vocab, grammar):
+def check_grammar(lib, vocab, grammar, triggers=()):
     """Raise InvalidRequest unless libllama accepts ``grammar``; nothing is kept."""
-    lib.llama_sampler_free(_grammar(lib, vocab, grammar))
+    lib.llama_sampler_free(_grammar(lib, vocab, grammar, triggers))

@@ -168,6 +168,77 @@ def test_tool_results_round_trip_through_the_template(llama_src):
     assert prompt.endswith("<|im_start|>assistant\n")
 
 
+# -- tool_choice "auto": a lazy grammar, as llama-server's ---------------------------
+
+def template(llama_src, name):
+    return ChatTemplate((llama_src / "models" / "templates" / name).read_text(encoding="utf-8"))
+
+
+def test_auto_tool_choice_waits_for_the_call_opener(llama_src):
+    qwen = template(llama_src, "Qwen-Qwen2.5-7B-Instruct.jinja")
+    ask = [Message("user", "Weather in Paris?")]
+    p = qwen.apply(ask, [WEATHER, CLOCK], tool_choice="auto")
+    assert p.grammar_triggers == ("<tool_call>",)
+    assert p.grammar == tool_call_grammar([WEATHER, CLOCK], "hermes", "required")
+    assert qwen.apply(ask, [WEATHER], tool_choice="none").grammar is None
+    assert qwen.apply(ask, [], tool_choice="auto").grammar is None
+    forced = qwen.apply(ask, [WEATHER], tool_choice="required")
+    assert forced.grammar is not None and forced.grammar_triggers == ()
+    # Mistral's grammar does not start with its [TOOL_CALLS] marker: left free
+    mistral = template(llama_src, "mistralai-Mistral-Nemo-Instruct-2407.jinja")
+    assert mistral.apply(ask, [WEATHER], tool_choice="auto").grammar is None
+
+
+def lazy_run(model, grammar, triggers, forced, n):
+    """Greedy text after a prompt: ``forced`` is put in the output first, as if
+    the model had written it (fed to the sampler and decoded), then up to ``n``
+    tokens are sampled.  The sampler chain is the server's (build_sampler)."""
+    from offgrid import libllama
+    from offgrid.sampling import SamplingParams, build_sampler
+    params = SamplingParams(temperature=0.0, grammar=grammar, grammar_triggers=triggers)
+    ctx = libllama.ContextHandle(model.lib, model.handle, 512, 512, 512, 2, 2)
+    sampler = build_sampler(model.lib, params, model.n_vocab, 512, vocab=model.handle.vocab)
+    try:
+        prompt = model.tokenize("Question: what is the weather in Paris?\nAnswer:")
+        assert ctx.decode(prompt, 0, True) == 0
+        out = model.tokenize(forced, add_special=False) if forced else []
+        for t in out:
+            sampler.accept(t)
+            assert ctx.decode_one(t, len(prompt)) == 0
+            prompt.append(t)
+        for _ in range(n):
+            t = sampler.sample(ctx)
+            if model.is_eog(t):
+                break
+            out.append(t)
+            assert ctx.decode_one(t, len(prompt)) == 0
+            prompt.append(t)
+        return model.detokenize(out)
+    finally:
+        sampler.close()
+        ctx.close()
+
+
+def test_lazy_grammar_leaves_text_free_until_the_opener(gemma):
+    grammar = tool_call_grammar([WEATHER, CLOCK], "hermes", "required")
+    free = lazy_run(gemma, None, (), "", 12)
+    assert "<tool_call>" not in free
+    assert lazy_run(gemma, grammar, ("<tool_call>",), "", 12) == free
+    # forced from the start, the same grammar allows nothing but a call
+    assert lazy_run(gemma, grammar, (), "", 12).startswith("<tool_call>\n{")
+
+
+def test_lazy_grammar_constrains_the_call_once_opened(gemma):
+    grammar = tool_call_grammar([WEATHER, CLOCK], "hermes", "required")
+    text = lazy_run(gemma, grammar, ("<tool_call>",), "Let me look. <tool_call>\n", 60)
+    reply = parse_reply(text, fmt("hermes"))
+    assert reply.content == "Let me look."
+    (call,) = reply.tool_calls
+    args = json.loads(call.arguments)
+    assert (call.name, set(args)) in (("get_weather", {"city"}), ("get_time", {"tz"}))
+    assert text.endswith("</tool_call>")      # and nothing after: the grammar is complete
+
+
 # -- served end to end, through the openai client -----------------------------------
 
 TOOLS = [
@@ -236,6 +307,25 @@ def test_tool_result_conversation_is_served(client, required_call, srv):
     r = client.chat.completions.create(model="m", messages=msgs, tools=TOOLS, max_tokens=4,
                                        temperature=0, tool_choice="none")
     assert r.choices[0].message.tool_calls is None
+
+
+def test_auto_tool_choice_lets_the_model_answer_in_text(client):
+    """gemma-3 (a base model) does not open a call here; the lazy grammar must
+    not force one, and the reply is plain content."""
+    r = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, max_tokens=12,
+                                       temperature=0, tool_choice="auto")
+    choice = r.choices[0]
+    assert choice.message.tool_calls is None and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+
+
+def test_auto_tool_choice_with_a_response_format_answers_the_format(client):
+    r = client.chat.completions.create(
+        model="m", messages=ASK, tools=TOOLS, max_tokens=40, temperature=0, tool_choice="auto",
+        response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": {
+            "type": "object", "required": ["city"],
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Lima"]}}}}})
+    assert json.loads(r.choices[0].message.content)["city"] in ("Paris", "Lima")
 
 
 def test_unknown_named_function_is_400(client):

@@ -17,8 +17,11 @@ Output constraints become a GBNF grammar for libllama's grammar sampler:
 ``tool_choice`` "required" or a named function (a call in the template's
 syntax, arguments per the tool's schema), ``response_format`` json_object /
 json_schema and llama.cpp's ``json_schema`` (offgrid.jsonschema), or a
-``grammar`` given as is.  A grammar libllama rejects is a 400 before anything
-is generated.
+``grammar`` given as is.  With ``tool_choice`` "auto" the call grammar is
+lazy, as llama-server's: text is free until the model writes the template's
+call opener (Hermes/Qwen ``<tool_call>``), and from there only a well-formed
+call follows.  A grammar libllama rejects is a 400 before anything is
+generated.
 """
 
 import json
@@ -206,13 +209,18 @@ def apply_template(h, body):
 
 
 def _grammar_of(prompt, schema, grammar):
-    if prompt.grammar is not None:
+    """(GBNF or None, lazy triggers) constraining the reply.
+
+    A response format wins over tool_choice "auto"'s lazy call grammar (the
+    reply is then the format's JSON), but not over a required call.
+    """
+    if prompt.grammar is not None and not (prompt.grammar_triggers and schema is not None):
         if schema is not None:
             raise BadRequest("a required tool call and a response format cannot be combined")
-        return prompt.grammar
+        return prompt.grammar, prompt.grammar_triggers
     if schema is not None:
-        return schema_to_grammar(schema)
-    return grammar
+        return schema_to_grammar(schema), ()
+    return grammar, ()
 
 
 def _preserved_tokens(model, fmt):
@@ -275,9 +283,10 @@ def chat_completions(h, body):
     tokens = model.tokenize(prompt.text, add_special=True, parse_special=True)
     gen = generation_from(f, model.n_vocab, svc.n_predict_default,
                           ("max_completion_tokens", "max_tokens", "n_predict"))
-    gen.sampling.grammar = _grammar_of(prompt, schema, grammar)
+    gen.sampling.grammar, gen.sampling.grammar_triggers = _grammar_of(prompt, schema, grammar)
     if gen.sampling.grammar is not None:
-        check_grammar(model.lib, model.handle.vocab, gen.sampling.grammar)
+        check_grammar(model.lib, model.handle.vocab, gen.sampling.grammar,
+                      gen.sampling.grammar_triggers)
     fmt = prompt.reply_format
     gen.preserved_tokens = _preserved_tokens(model, fmt)
     id_length = 9 if getattr(template_for(entry), "tool_syntax", "") == "mistral" else 32
