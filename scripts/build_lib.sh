@@ -9,8 +9,9 @@
 # rebuild.
 #
 # libllama is built from a copy of that source with scripts/patches/*.patch
-# applied (each says why); llama-server and llama-bench are built from the
-# source as released, so the benchmark compares against what its users run.
+# applied (each says why), and so are llama-server and llama-bench: the
+# benchmark compares the servers, not where each process's heap happened to
+# put a buffer (see the first patch).
 #
 # usage: scripts/build_lib.sh [DEST]        (PORTABLE=1 for run-time CPU variants)
 #        scripts/build_lib.sh --server       llama-server and llama-bench from the
@@ -116,14 +117,14 @@ build() {
 }
 
 # llama-server and llama-bench, statically linked against their own build of
-# the same source (unpatched), so they never pick up lib/ by accident.
+# the same patched source, so they never pick up lib/ by accident.
 build_server() {
-    local dir=$CACHE/llama-server-$PKG_VERSION-$SHORT
+    local dir=$CACHE/llama-server-$PKG_VERSION-$SHORT-p$PATCH_ID
     if [ -x "$dir/bin/llama-server" ] && [ -x "$dir/bin/llama-bench" ]; then
         echo "$dir/bin"; return
     fi
     log "configuring llama-server in $dir (about 6 minutes on 2 cores)"
-    cmake -S "$SRC" -B "$dir/cmake" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+    cmake -S "$LIB_SRC" -B "$dir/cmake" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
         -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF \
         -DLLAMA_OPENSSL=OFF -DGGML_OPENMP=OFF -DGGML_NATIVE=ON >"$dir.configure.log" 2>&1 \
@@ -136,11 +137,11 @@ build_server() {
 }
 
 fetch_source
+patch_source
 if [ "$MODE" = server ]; then
     build_server
     exit 0
 fi
-patch_source
 build
 mkdir -p "$DEST"
 rm -f "$DEST"/libllama.so* "$DEST"/libggml*.so*
