@@ -214,12 +214,13 @@ def _grammar_of(prompt, schema, grammar):
     A response format wins over tool_choice "auto"'s lazy call grammar (the
     reply is then the format's JSON), but not over a required call.
     """
-    if prompt.grammar is not None and not (prompt.grammar_triggers and schema is not None):
-        if schema is not None:
-            raise BadRequest("a required tool call and a response format cannot be combined")
-        return prompt.grammar, prompt.grammar_triggers
+    required_call = prompt.grammar is not None and not prompt.grammar_triggers
+    if required_call and schema is not None:
+        raise BadRequest("a required tool call and a response format cannot be combined")
     if schema is not None:
         return schema_to_grammar(schema), ()
+    if prompt.grammar is not None:
+        return prompt.grammar, prompt.grammar_triggers
     return grammar, ()
 
 
