@@ -328,6 +328,13 @@ def test_auto_tool_choice_with_a_response_format_answers_the_format(client):
     assert json.loads(r.choices[0].message.content)["city"] in ("Paris", "Lima")
 
 
+def test_required_tool_call_with_a_response_format_is_400(client):
+    with pytest.raises(openai.BadRequestError, match="cannot be combined"):
+        client.chat.completions.create(
+            model="m", messages=ASK, tools=TOOLS, max_tokens=4, tool_choice="required",
+            response_format={"type": "json_object"})
+
+
 def test_unknown_named_function_is_400(client):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(
