@@ -82,8 +82,10 @@ patch_source() {
           || { log "$p does not apply to llama.cpp from llama-cpp-python==$PKG_VERSION"; rm -rf "$tmp"; exit 1; }
     done
     touch "$tmp/.patched"
-    rm -rf "$LIB_SRC"
-    mv -T "$tmp" "$LIB_SRC" 2>/dev/null || rm -rf "$tmp"   # another build got there first
+    # rename is atomic; if another build got there first, its copy stands
+    # (removing it could pull the source from under that build)
+    mv -T "$tmp" "$LIB_SRC" 2>/dev/null || rm -rf "$tmp"
+    [ -f "$LIB_SRC/.patched" ] || { log "$LIB_SRC is not a patched source; remove it"; exit 1; }
 }
 
 build() {
