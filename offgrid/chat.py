@@ -390,7 +390,7 @@ class ReplyFormat:
     reasoning_markers: List[tuple] = field(default_factory=lambda: [REASONING_MARKERS[0]])
     starts_in_reasoning: bool = False   # the prompt ends inside an open reasoning block
     reasoning_end: str = "</think>"     # its end marker, when it does
-    tool_syntax: str = "generic"        # hermes, llama3, mistral or generic
+    tool_syntax: str = "generic"        # hermes, llama3, mistral, harmony or generic
     parse_tools: bool = False           # tools were given and tool_choice is not "none"
     extract_reasoning: bool = True      # reasoning_format other than "none"
     keep_reasoning_inline: bool = False  # reasoning_format "deepseek-legacy"
@@ -405,6 +405,8 @@ CALL_OPENERS = {"hermes": "<tool_call>"}
 
 def tool_syntax_of(src):
     """The tool-call syntax a template teaches its model."""
+    if "<|channel|>" in src:
+        return "harmony"            # gpt-oss: its replies are channels, calls included
     if "<tool_call>" in src:
         return "hermes"
     if "[TOOL_CALLS]" in src:

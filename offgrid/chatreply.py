@@ -17,6 +17,10 @@ Tool calls are read in the template's syntax:
     mistral   [TOOL_CALLS][{"name": ..., "arguments": {...}}] or [TOOL_CALLS]name[ARGS]{...}
     generic   the whole reply one JSON object {"name", "arguments"} (or
               {"tool_call": ...}, {"tool_calls": [...]}, or a list of calls)
+    harmony   gpt-oss: messages "<|channel|>analysis<|message|>...<|end|>" (reasoning),
+              "<|start|>assistant<|channel|>final<|message|>..." (content), and
+              "<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}"
+              (a call), the recipient also allowed in the role header
 
 and the generic form is tried for every syntax when the template's own finds
 nothing.  Text outside calls is content.
@@ -308,11 +312,79 @@ def split_tool_calls(text, fmt, partial=False):
 
 
 # ---------------------------------------------------------------------------
+# gpt-oss (harmony): the reply is a run of messages with channels
+# ---------------------------------------------------------------------------
+
+_HARMONY_ENDS = ("<|end|>", "<|call|>", "<|return|>")
+_HARMONY_HELD = _HARMONY_ENDS + ("<|start|>",)
+_CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
+_RECIPIENT = re.compile(r"\bto=functions\.([^\s<]+)")
+
+
+def _harmony_reply(text, fmt, partial):
+    """A Reply from gpt-oss output, which starts inside the assistant message
+    the generation prompt (``<|start|>assistant``) opened.
+
+    analysis -> reasoning_content; final, and commentary without a recipient
+    (a preamble) -> content; a message to ``functions.NAME`` -> a call, once
+    its JSON is complete and the message closed (or the reply ended: libllama
+    ends generation on <|call|> and <|return|>, so they rarely reach the text).
+    """
+    head = text.lstrip(_WS)
+    if fmt.parse_tools and "<|message|>" not in text and head[:1] in ("{", "[", "`"):
+        if partial:
+            return Reply()                  # possibly a forced call's JSON: wait for it
+        calls = _generic(text)
+        if calls:
+            return Reply("", "", calls)
+    reasoning, content, calls = [], [], []
+    chunks = text.split("<|start|>")
+    for i, chunk in enumerate(chunks):
+        last = i == len(chunks) - 1
+        header, sep, body = chunk.partition("<|message|>")
+        if not sep:
+            plain = header.strip(_WS)
+            if i == 0 and plain and not plain.startswith(("<|", "to=")) \
+                    and not "<|channel|>".startswith(plain):
+                # no channels (a continued message, or a grammar's bare output)
+                content.append(_held_back(plain, _HARMONY_HELD) if partial and last else plain)
+            continue                        # else a header, maybe still coming
+        ends = [k for k in (body.find(e) for e in _HARMONY_ENDS) if k >= 0]
+        closed = bool(ends)
+        if closed:
+            body = body[:min(ends)]
+        elif partial and last:
+            body = _held_back(body, _HARMONY_HELD)
+        channel = _CHANNEL.search(header)
+        channel = channel.group(1) if channel else ""
+        recipient = _RECIPIENT.search(header)
+        if recipient:
+            if not fmt.parse_tools or (partial and not closed):
+                continue                    # unsolicited, or not whole yet
+            obj, j = _json_at(body.strip(_WS), 0)
+            if j is not None and not body.strip(_WS)[j:].strip(_WS) and isinstance(obj, dict):
+                calls.append(ToolCall(recipient.group(1), _arguments_text(obj)))
+            else:
+                content.append(body.strip(_WS))     # a broken call stays content
+        elif channel == "analysis" and fmt.extract_reasoning:
+            reasoning.append(body.strip(_WS))
+        elif channel == "analysis":         # reasoning_format none: shown as written
+            content.append("<|channel|>analysis<|message|>" + body
+                           + ("<|end|>" if closed else ""))
+        else:
+            content.append(body.strip(_WS))
+    return Reply("\n\n".join(c for c in content if c),
+                 "\n\n".join(r for r in reasoning if r), calls)
+
+
+# ---------------------------------------------------------------------------
 # The reply, whole or streamed
 # ---------------------------------------------------------------------------
 
 def parse_reply(text, fmt, partial=False):
     """A Reply from the generated text.  ``partial``: more text may follow."""
+    if fmt.tool_syntax == "harmony":
+        return _harmony_reply(text, fmt, partial)
     reasoning, rest, found = split_reasoning(text, fmt, partial)
     if fmt.parse_tools:
         content, calls, _ = split_tool_calls(rest, fmt, partial)

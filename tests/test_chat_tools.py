@@ -63,10 +63,21 @@ FAMILIES = {
                 "", [("get_weather", {"city": "Lima"})]),
     "generic-fenced": ('```json\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n```',
                        "", [("get_time", {"tz": "UTC"})]),
+    # gpt-oss: the generation prompt opened the assistant message; a call ends
+    # generation (<|call|> is end-of-generation), so it may or may not show
+    "harmony": ('<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant'
+                '<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant'
+                '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+                '{"city": "Paris"}<|call|>',
+                "Checking.", [("get_weather", {"city": "Paris"})]),
+    "harmony-role": ('<|channel|>analysis<|message|>Time?<|end|><|start|>assistant '
+                     'to=functions.get_time<|channel|>commentary json<|message|>{"tz": "CET"}',
+                     "", [("get_time", {"tz": "CET"})]),
 }
 SYNTAX = {"hermes": "hermes", "qwen3-coder": "hermes", "llama3-tag": "llama3",
           "llama3-json": "llama3", "mistral-json": "mistral", "mistral-args": "mistral",
-          "generic": "generic", "generic-fenced": "hermes"}
+          "generic": "generic", "generic-fenced": "hermes", "harmony": "harmony",
+          "harmony-role": "harmony"}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -114,6 +125,61 @@ def test_without_tools_nothing_is_parsed_as_a_call():
     assert parse_reply(text, f).content == text
 
 
+HARMONY_ANSWER = ('<|channel|>analysis<|message|>The user greets. Reply briefly.<|end|>'
+                  '<|start|>assistant<|channel|>final<|message|>Hello! How can I help?')
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 200])
+def test_harmony_analysis_is_reasoning_and_final_is_content(size):
+    f = ReplyFormat(tool_syntax="harmony")
+    deltas, reply = streamed(HARMONY_ANSWER, f, size)
+    assert reply.reasoning_content == "The user greets. Reply briefly."
+    assert reply.content == "Hello! How can I help?" and not reply.tool_calls
+    assert "".join(d.reasoning_content for d in deltas if d.reasoning_content) == \
+        reply.reasoning_content
+    assert "".join(d.content for d in deltas if d.content) == reply.content
+    # reasoning streams before the answer; no marker leaks into either
+    kinds = [("r" if d.reasoning_content else "c") for d in deltas]
+    assert kinds == sorted(kinds, reverse=True)
+    assert "<|" not in "".join(d.content or d.reasoning_content or "" for d in deltas)
+
+
+def test_harmony_reasoning_format_none_keeps_the_analysis_as_written():
+    f = ReplyFormat(tool_syntax="harmony", extract_reasoning=False)
+    reply = parse_reply(HARMONY_ANSWER, f)
+    assert reply.reasoning_content == ""
+    assert reply.content == ("<|channel|>analysis<|message|>The user greets. Reply briefly."
+                             "<|end|>\n\nHello! How can I help?")
+
+
+def test_harmony_calls_need_tools_and_whole_json():
+    text = FAMILIES["harmony"][0]
+    untold = parse_reply(text, ReplyFormat(tool_syntax="harmony", parse_tools=False))
+    assert untold.tool_calls == [] and untold.content == "Checking."
+    broken = text.replace('{"city": "Paris"}<|call|>', '{"city": "Par')
+    assert parse_reply(broken, fmt("harmony")).content == 'Checking.\n\n{"city": "Par'
+    s = ReplyStream(fmt("harmony"))
+    sent = s.add(text.replace("<|call|>", ""))      # JSON whole, message not closed yet
+    assert not [d for d in sent if d.tool_call]
+    last, reply = s.finish()
+    assert [d.tool_call[1].name for d in last if d.tool_call] == ["get_weather"]
+
+
+def test_harmony_text_without_channels_streams_as_content():
+    deltas, reply = streamed("Plain words, no channels.", ReplyFormat(tool_syntax="harmony"), 4)
+    assert reply.content == "Plain words, no channels."
+    assert "".join(d.content for d in deltas if d.content) == reply.content
+    assert len([d for d in deltas if d.content]) > 1         # while generating, not at the end
+
+
+def test_harmony_forced_call_json_is_read_as_a_call():
+    # tool_choice required: the grammar makes the reply the bare JSON call
+    text = '{"name": "get_time", "arguments": {"tz": "UTC"}}'
+    assert calls(parse_reply(text, fmt("harmony"))) == [("get_time", {"tz": "UTC"})]
+    deltas, _ = streamed(text, fmt("harmony"), 4)
+    assert not [d for d in deltas if d.content]
+
+
 def test_marker_split_across_pieces_is_not_sent_as_content():
     f = fmt("hermes")
     s = ReplyStream(f)
@@ -133,6 +199,7 @@ def test_marker_split_across_pieces_is_not_sent_as_content():
     ("meta-llama-Llama-3.1-8B-Instruct.jinja", "llama3"),
     ("mistralai-Mistral-Nemo-Instruct-2407.jinja", "mistral"),
     ("microsoft-Phi-3.5-mini-instruct.jinja", "generic"),
+    ("openai-gpt-oss-120b.jinja", "harmony"),
 ])
 def test_template_family_is_detected(llama_src, name, syntax):
     src = (llama_src / "models" / "templates" / name).read_text(encoding="utf-8")

@@ -229,6 +229,8 @@ def _preserved_tokens(model, fmt):
     markers = [m for pair in fmt.reasoning_markers for m in pair]
     markers += ["<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]",
                 "[CALL_ID]"]
+    if fmt.tool_syntax == "harmony":
+        markers += ["<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>"]
     out = set()
     for text in markers:
         toks = model.tokenize(text, add_special=False, parse_special=True)
