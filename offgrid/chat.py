@@ -32,7 +32,7 @@ from typing import List, Optional
 
 from . import jinja
 from .errors import InvalidRequest
-from .jsonschema import Grammar, json_literal
+from .jsonschema import Grammar, json_literal, literal
 
 
 class ChatTemplateError(InvalidRequest):
@@ -396,11 +396,15 @@ class ReplyFormat:
     keep_reasoning_inline: bool = False  # reasoning_format "deepseek-legacy"
 
 
-# The text that opens a call, for the syntaxes whose call grammar starts with
-# it (a lazy grammar is fed the output from its trigger's match on).  Mistral's
+# What opens a call (ECMAScript regexes), for the syntaxes whose call grammar
+# starts with it: a lazy grammar is fed the output from its trigger's match on
+# (from its first capture group, if any, hence gpt-oss's (?:...)).  Mistral's
 # [TOOL_CALLS] and llama3's <|python_tag|> are left free: their grammars do not
 # start with the marker.
-CALL_OPENERS = {"hermes": "<tool_call>"}
+CALL_TRIGGERS = {
+    "hermes": re.escape("<tool_call>"),
+    "harmony": r"<\|channel\|>(?:commentary|analysis) to=functions\.",
+}
 
 
 def tool_syntax_of(src):
@@ -519,12 +523,12 @@ class ChatTemplate:
             # on its own would otherwise repeat calls up to max_tokens
             grammar = tool_call_grammar(tools, self.tool_syntax, tool_choice,
                                         bool(parallel_tool_calls))
-        elif tools and tool_choice == "auto" and self.tool_syntax in CALL_OPENERS:
+        elif tools and tool_choice == "auto" and self.tool_syntax in CALL_TRIGGERS:
             # llama-server's lazy grammar: any text until the model opens a
             # call, then only a well-formed call to one of ``tools``
             grammar = tool_call_grammar(tools, self.tool_syntax, "required",
                                         bool(parallel_tool_calls))
-            triggers = (re.escape(CALL_OPENERS[self.tool_syntax]),)
+            triggers = (CALL_TRIGGERS[self.tool_syntax],)
         return ChatPrompt(text, generation_prompt, fmt, grammar, triggers)
 
     def _continued(self, generation_prompt, msg):
@@ -778,12 +782,24 @@ def tool_call_grammar(tools, syntax, tool_choice="required", parallel=False):
         g.root_schema = params
         g._refs = {}
         args = g.schema(params, "tool-%d-args" % i)
+        if syntax == "harmony":
+            # a message to the function: its name in the channel header, the
+            # arguments as the message; <|call|> (end of generation) follows
+            alts.append(g.add("tool-%d-call" % i,
+                              '"<|channel|>" ("commentary" | "analysis") " to=functions." %s '
+                              '(" " "<|constrain|>"? "json")? "<|message|>" %s'
+                              % (literal(t.name), args)))
+            continue
         alts.append(g.add("tool-%d-call" % i,
                           '"{" space %s space ":" space %s "," space %s space ":" space %s "}" space'
                           % (json_literal("name"), json_literal(t.name), json_literal(args_key),
                              args)))
     call = g.add("call", " | ".join(alts))
-    if syntax == "hermes":
+    if syntax == "harmony":
+        # one call (it ends the turn), after at most one analysis message
+        g.rules["root"] = ('("<|channel|>analysis<|message|>" ([^<] | "<" [^|])* '
+                           '"<|end|><|start|>assistant")? %s' % call)
+    elif syntax == "hermes":
         one = '"<tool_call>\\n" %s "</tool_call>"' % call
         g.rules["root"] = ('%s ("\\n" %s)*' % (one, one)) if parallel else one
     elif syntax == "mistral":

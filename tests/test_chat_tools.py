@@ -15,7 +15,8 @@ import json
 import openai
 import pytest
 
-from offgrid.chat import ChatTemplate, Message, Tool, ToolCall, ReplyFormat, tool_call_grammar
+from offgrid.chat import (CALL_TRIGGERS, ChatTemplate, Message, Tool, ToolCall, ReplyFormat,
+                          tool_call_grammar)
 from offgrid.chatreply import ReplyStream, parse_reply
 
 try:
@@ -213,7 +214,7 @@ CLOCK = Tool("get_time", "Time in a zone", {
     "type": "object", "properties": {"tz": {"type": "string", "maxLength": 8}}, "required": ["tz"]})
 
 
-@pytest.mark.parametrize("syntax", ["hermes", "llama3", "mistral", "generic"])
+@pytest.mark.parametrize("syntax", ["hermes", "llama3", "mistral", "harmony", "generic"])
 def test_forced_call_grammar_is_valid_gbnf(gemma, syntax):
     from offgrid.sampling import check_grammar
     for choice, parallel in (("required", False), ("required", True), ("get_time", False)):
@@ -254,6 +255,9 @@ def test_auto_tool_choice_waits_for_the_call_opener(llama_src):
     # Mistral's grammar does not start with its [TOOL_CALLS] marker: left free
     mistral = template(llama_src, "mistralai-Mistral-Nemo-Instruct-2407.jinja")
     assert mistral.apply(ask, [WEATHER], tool_choice="auto").grammar is None
+    oss = template(llama_src, "openai-gpt-oss-120b.jinja").apply(ask, [WEATHER], tool_choice="auto")
+    assert oss.grammar_triggers == (CALL_TRIGGERS["harmony"],)
+    assert oss.grammar == tool_call_grammar([WEATHER], "harmony", "required")
 
 
 def lazy_run(model, grammar, triggers, forced, n):
@@ -293,6 +297,19 @@ def test_lazy_grammar_leaves_text_free_until_the_opener(gemma):
     assert lazy_run(gemma, grammar, ("<tool_call>",), "", 12) == free
     # forced from the start, the same grammar allows nothing but a call
     assert lazy_run(gemma, grammar, (), "", 12).startswith("<tool_call>\n{")
+
+
+def test_harmony_lazy_grammar_makes_a_message_to_a_function(gemma):
+    """gpt-oss's form, on gemma's vocabulary (the markers are plain text there)."""
+    grammar = tool_call_grammar([WEATHER, CLOCK], "harmony", "required")
+    opened = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant"
+              "<|channel|>commentary to=functions.")
+    text = lazy_run(gemma, grammar, (CALL_TRIGGERS["harmony"],), opened, 60)
+    reply = parse_reply(text, fmt("harmony"))
+    assert reply.reasoning_content == "Need the weather."
+    (call,) = reply.tool_calls
+    assert (call.name, set(json.loads(call.arguments))) in (("get_weather", {"city"}),
+                                                             ("get_time", {"tz"}))
 
 
 def test_lazy_grammar_constrains_the_call_once_opened(gemma):
