@@ -398,11 +398,12 @@ class ReplyFormat:
 
 # What opens a call (ECMAScript regexes), for the syntaxes whose call grammar
 # starts with it: a lazy grammar is fed the output from its trigger's match on
-# (from its first capture group, if any, hence gpt-oss's (?:...)).  Mistral's
-# [TOOL_CALLS] and llama3's <|python_tag|> are left free: their grammars do not
-# start with the marker.
+# (from its first capture group, if any, hence gpt-oss's (?:...)).  Llama 3's
+# calls are left free: its JSON form has no marker, and <|python_tag|> is for
+# its built-in tools.
 CALL_TRIGGERS = {
     "hermes": re.escape("<tool_call>"),
+    "mistral": re.escape("[TOOL_CALLS]"),
     "harmony": r"<\|channel\|>(?:commentary|analysis) to=functions\.",
 }
 
@@ -418,6 +419,15 @@ def tool_syntax_of(src):
     if "<|python_tag|>" in src or "<|start_header_id|>" in src:
         return "llama3"
     return "generic"
+
+
+def call_form_of(src, syntax):
+    """The grammar's form of a call: the syntax, or for Mistral which of its
+    three: a JSON list (Nemo), name[ARGS]{...} (Devstral, Ministral 3), or
+    name[CALL_ID]id[ARGS]{...} (Small 3.2)."""
+    if syntax == "mistral" and "[ARGS]" in src:
+        return "mistral-callid" if "[CALL_ID]" in src else "mistral-args"
+    return syntax
 
 
 def reasoning_markers_of(src):
@@ -479,6 +489,7 @@ class ChatTemplate:
         self.caps = detect_caps(self.template)
         self.family = template_family(self.source)
         self.tool_syntax = tool_syntax_of(self.source)
+        self.call_form = call_form_of(self.source, self.tool_syntax)
         self.reasoning_markers = reasoning_markers_of(self.source)
         self.supports_thinking, self.reasoning_start, self.reasoning_end = \
             self._analyze_reasoning()
@@ -521,12 +532,12 @@ class ChatTemplate:
         if tools and tool_choice not in ("auto", "none"):
             # one forced call unless asked for more: a model that does not stop
             # on its own would otherwise repeat calls up to max_tokens
-            grammar = tool_call_grammar(tools, self.tool_syntax, tool_choice,
+            grammar = tool_call_grammar(tools, self.call_form, tool_choice,
                                         bool(parallel_tool_calls))
         elif tools and tool_choice == "auto" and self.tool_syntax in CALL_TRIGGERS:
             # llama-server's lazy grammar: any text until the model opens a
             # call, then only a well-formed call to one of ``tools``
-            grammar = tool_call_grammar(tools, self.tool_syntax, "required",
+            grammar = tool_call_grammar(tools, self.call_form, "required",
                                         bool(parallel_tool_calls))
             triggers = (CALL_TRIGGERS[self.tool_syntax],)
         return ChatPrompt(text, generation_prompt, fmt, grammar, triggers)
@@ -762,7 +773,8 @@ def _as_text(content):
 # ---------------------------------------------------------------------------
 
 def tool_call_grammar(tools, syntax, tool_choice="required", parallel=False):
-    """GBNF for one (or, with ``parallel``, several) calls in the template's syntax.
+    """GBNF for one (or, with ``parallel``, several) calls in the template's syntax
+    (``call_form_of``: a syntax, or one of Mistral's forms).
 
     ``tool_choice`` is "required" (any of ``tools``) or a function name.
     The JSON inside follows each tool's parameter schema, so the reply always
@@ -790,6 +802,11 @@ def tool_call_grammar(tools, syntax, tool_choice="required", parallel=False):
                               '(" " "<|constrain|>"? "json")? "<|message|>" %s'
                               % (literal(t.name), args)))
             continue
+        if syntax in ("mistral-args", "mistral-callid"):
+            call_id = ' "[CALL_ID]" [a-zA-Z0-9]{9}' if syntax == "mistral-callid" else ""
+            alts.append(g.add("tool-%d-call" % i, '"[TOOL_CALLS]" %s%s "[ARGS]" %s'
+                              % (literal(t.name), call_id, args)))
+            continue
         alts.append(g.add("tool-%d-call" % i,
                           '"{" space %s space ":" space %s "," space %s space ":" space %s "}" space'
                           % (json_literal("name"), json_literal(t.name), json_literal(args_key),
@@ -804,7 +821,9 @@ def tool_call_grammar(tools, syntax, tool_choice="required", parallel=False):
         g.rules["root"] = ('%s ("\\n" %s)*' % (one, one)) if parallel else one
     elif syntax == "mistral":
         more = ' ("," space %s)*' % call if parallel else ""
-        g.rules["root"] = '"[" space %s%s "]"' % (call, more)
+        g.rules["root"] = '"[TOOL_CALLS]" "[" space %s%s "]"' % (call, more)
+    elif syntax in ("mistral-args", "mistral-callid"):
+        g.rules["root"] = ("%s+" % call) if parallel else call
     else:
         if parallel:
             g.rules["root"] = '"[" space %s ("," space %s)* "]"' % (call, call)

@@ -214,7 +214,8 @@ CLOCK = Tool("get_time", "Time in a zone", {
     "type": "object", "properties": {"tz": {"type": "string", "maxLength": 8}}, "required": ["tz"]})
 
 
-@pytest.mark.parametrize("syntax", ["hermes", "llama3", "mistral", "harmony", "generic"])
+@pytest.mark.parametrize("syntax", ["hermes", "llama3", "mistral", "mistral-args",
+                                    "mistral-callid", "harmony", "generic"])
 def test_forced_call_grammar_is_valid_gbnf(gemma, syntax):
     from offgrid.sampling import check_grammar
     for choice, parallel in (("required", False), ("required", True), ("get_time", False)):
@@ -252,9 +253,17 @@ def test_auto_tool_choice_waits_for_the_call_opener(llama_src):
     assert qwen.apply(ask, [], tool_choice="auto").grammar is None
     forced = qwen.apply(ask, [WEATHER], tool_choice="required")
     assert forced.grammar is not None and forced.grammar_triggers == ()
-    # Mistral's grammar does not start with its [TOOL_CALLS] marker: left free
-    mistral = template(llama_src, "mistralai-Mistral-Nemo-Instruct-2407.jinja")
-    assert mistral.apply(ask, [WEATHER], tool_choice="auto").grammar is None
+    # Llama 3's JSON calls have no opener: left free
+    llama3 = template(llama_src, "meta-llama-Llama-3.1-8B-Instruct.jinja")
+    assert llama3.apply(ask, [WEATHER], tool_choice="auto").grammar is None
+    for name, form in (("mistralai-Mistral-Nemo-Instruct-2407.jinja", "mistral"),
+                       ("unsloth-mistral-Devstral-Small-2507.jinja", "mistral-args"),
+                       ("Mistral-Small-3.2-24B-Instruct-2506.jinja", "mistral-callid")):
+        mistral = template(llama_src, name)
+        assert (mistral.tool_syntax, mistral.call_form) == ("mistral", form)
+        p = mistral.apply(ask, [WEATHER], tool_choice="auto")
+        assert p.grammar_triggers == (CALL_TRIGGERS["mistral"],)
+        assert p.grammar == tool_call_grammar([WEATHER], form, "required")
     oss = template(llama_src, "openai-gpt-oss-120b.jinja").apply(ask, [WEATHER], tool_choice="auto")
     assert oss.grammar_triggers == (CALL_TRIGGERS["harmony"],)
     assert oss.grammar == tool_call_grammar([WEATHER], "harmony", "required")
@@ -310,6 +319,19 @@ def test_harmony_lazy_grammar_makes_a_message_to_a_function(gemma):
     (call,) = reply.tool_calls
     assert (call.name, set(json.loads(call.arguments))) in (("get_weather", {"city"}),
                                                              ("get_time", {"tz"}))
+
+
+@pytest.mark.parametrize("form", ["mistral", "mistral-args", "mistral-callid"])
+def test_mistral_lazy_grammar_writes_the_templates_form(gemma, form):
+    grammar = tool_call_grammar([WEATHER, CLOCK], form, "required")
+    text = lazy_run(gemma, grammar, (CALL_TRIGGERS["mistral"],), "Sure. [TOOL_CALLS]", 60)
+    assert text.startswith("Sure. [TOOL_CALLS]" + ("[" if form == "mistral" else ""))
+    reply = parse_reply(text, fmt("mistral"))
+    assert reply.content == "Sure."
+    (call,) = reply.tool_calls
+    assert (call.name, set(json.loads(call.arguments))) in (("get_weather", {"city"}),
+                                                             ("get_time", {"tz"}))
+    assert (len(call.id) == 9) == (form == "mistral-callid")     # the model's own id
 
 
 def test_lazy_grammar_constrains_the_call_once_opened(gemma):

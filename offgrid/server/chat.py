@@ -19,8 +19,8 @@ syntax, arguments per the tool's schema), ``response_format`` json_object /
 json_schema and llama.cpp's ``json_schema`` (offgrid.jsonschema), or a
 ``grammar`` given as is.  With ``tool_choice`` "auto" the call grammar is
 lazy, as llama-server's: text is free until the model writes the template's
-call opener (Hermes/Qwen ``<tool_call>``), and from there only a well-formed
-call follows.  A grammar libllama rejects is a 400 before anything is
+call opener (``<tool_call>``, ``[TOOL_CALLS]``, gpt-oss's ``to=functions.``),
+and from there only a well-formed call follows.  A grammar libllama rejects is a 400 before anything is
 generated.
 """
 
