@@ -333,7 +333,7 @@ def _harmony_reply(text, fmt, partial):
     head = text.lstrip(_WS)
     if fmt.parse_tools and "<|message|>" not in text and head[:1] in ("{", "[", "`"):
         if partial:
-            return Reply()                  # possibly a forced call's JSON: wait for it
+            return Reply()                  # maybe a bare JSON call (no channels): wait
         calls = _generic(text)
         if calls:
             return Reply("", "", calls)
@@ -361,11 +361,12 @@ def _harmony_reply(text, fmt, partial):
         if recipient:
             if not fmt.parse_tools or (partial and not closed):
                 continue                    # unsolicited, or not whole yet
-            obj, j = _json_at(body.strip(_WS), 0)
-            if j is not None and not body.strip(_WS)[j:].strip(_WS) and isinstance(obj, dict):
+            args = body.strip(_WS)
+            obj, j = _json_at(args, 0)
+            if j is not None and not args[j:].strip(_WS) and isinstance(obj, dict):
                 calls.append(ToolCall(recipient.group(1), _arguments_text(obj)))
             else:
-                content.append(body.strip(_WS))     # a broken call stays content
+                content.append(args)        # a broken call stays content
         elif channel == "analysis" and fmt.extract_reasoning:
             reasoning.append(body.strip(_WS))
         elif channel == "analysis":         # reasoning_format none: shown as written

@@ -174,7 +174,7 @@ def test_harmony_text_without_channels_streams_as_content():
 
 
 def test_harmony_forced_call_json_is_read_as_a_call():
-    # tool_choice required: the grammar makes the reply the bare JSON call
+    # a reply that skips the channels and writes the call as bare JSON
     text = '{"name": "get_time", "arguments": {"tz": "UTC"}}'
     assert calls(parse_reply(text, fmt("harmony"))) == [("get_time", {"tz": "UTC"})]
     deltas, _ = streamed(text, fmt("harmony"), 4)
@@ -195,6 +195,10 @@ def test_marker_split_across_pieces_is_not_sent_as_content():
 
 
 
+def template(llama_src, name):
+    return ChatTemplate((llama_src / "models" / "templates" / name).read_text(encoding="utf-8"))
+
+
 @pytest.mark.parametrize("name, syntax", [
     ("Qwen-Qwen2.5-7B-Instruct.jinja", "hermes"), ("Qwen3-Coder.jinja", "hermes"),
     ("meta-llama-Llama-3.1-8B-Instruct.jinja", "llama3"),
@@ -203,8 +207,7 @@ def test_marker_split_across_pieces_is_not_sent_as_content():
     ("openai-gpt-oss-120b.jinja", "harmony"),
 ])
 def test_template_family_is_detected(llama_src, name, syntax):
-    src = (llama_src / "models" / "templates" / name).read_text(encoding="utf-8")
-    assert ChatTemplate(src).tool_syntax == syntax
+    assert template(llama_src, name).tool_syntax == syntax
 
 
 WEATHER = Tool("get_weather", "Weather in a city", {
@@ -238,10 +241,6 @@ def test_tool_results_round_trip_through_the_template(llama_src):
 
 
 # -- tool_choice "auto": a lazy grammar, as llama-server's ---------------------------
-
-def template(llama_src, name):
-    return ChatTemplate((llama_src / "models" / "templates" / name).read_text(encoding="utf-8"))
-
 
 def test_auto_tool_choice_waits_for_the_call_opener(llama_src):
     qwen = template(llama_src, "Qwen-Qwen2.5-7B-Instruct.jinja")
