@@ -108,8 +108,8 @@ def is_loopback(host):
 
 def load_entry(path, ids, args, lib_path, chat_template=None):
     """Load one model and its --parallel sessions into a ModelEntry."""
-    from .model import Model
-    from .session import ChatSession
+    from .engine.model import Model
+    from .engine.session import ChatSession
     from .server.pool import ChatPool
     from .server.service import ModelEntry
 
@@ -167,7 +167,7 @@ def main(argv=None):
             chat_template = fh.read()
     try:
         text = load_entry(args.model, args.alias, args, args.lib, chat_template)
-        from .server.chat import template_for
+        from .chat.select import template_for
         template_for(text)      # a template that cannot be used stops startup here
         fim = None
         if args.fim_model and os.path.abspath(args.fim_model) != os.path.abspath(args.model):

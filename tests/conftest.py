@@ -24,7 +24,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from offgrid import libllama        # noqa: E402
-from offgrid.model import Model     # noqa: E402
+from offgrid.engine.model import Model     # noqa: E402
 
 try:
     from . import tinymodels

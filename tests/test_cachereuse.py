@@ -1,6 +1,6 @@
 """plan(): which cached runs a new prompt can reuse, and what is left to evaluate."""
 
-from offgrid.cachereuse import plan
+from offgrid.engine.cachereuse import plan
 
 
 def seq(start, n):

@@ -9,8 +9,8 @@ write a reasoning block, so the split is checked on real generated tokens
 
 import pytest
 
-from offgrid.chat import ChatTemplate, Message, ReplyFormat, REASONING_MARKERS
-from offgrid.chatreply import ReplyStream, parse_reply
+from offgrid.chat.template import ChatTemplate, Message, ReplyFormat, REASONING_MARKERS
+from offgrid.chat.reply import ReplyStream, parse_reply
 
 try:
     from .serverproc import ServerProcess

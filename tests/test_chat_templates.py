@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from offgrid import chat
+from offgrid.chat import template as chat
 from offgrid.server.errors import HTTPError
 from offgrid.server.params import Fields, chat_messages_from, tools_from
 

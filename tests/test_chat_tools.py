@@ -15,9 +15,9 @@ import json
 import openai
 import pytest
 
-from offgrid.chat import (CALL_TRIGGERS, ChatTemplate, Message, Tool, ToolCall, ReplyFormat,
+from offgrid.chat.template import (CALL_TRIGGERS, ChatTemplate, Message, Tool, ToolCall, ReplyFormat,
                           tool_call_grammar)
-from offgrid.chatreply import ReplyStream, parse_reply
+from offgrid.chat.reply import ReplyStream, parse_reply
 
 try:
     from .serverproc import ServerProcess
@@ -220,7 +220,7 @@ CLOCK = Tool("get_time", "Time in a zone", {
 @pytest.mark.parametrize("syntax", ["hermes", "llama3", "mistral", "mistral-args",
                                     "mistral-callid", "harmony", "generic"])
 def test_forced_call_grammar_is_valid_gbnf(gemma, syntax):
-    from offgrid.sampling import check_grammar
+    from offgrid.engine.sampling import check_grammar
     for choice, parallel in (("required", False), ("required", True), ("get_time", False)):
         check_grammar(gemma.lib, gemma.handle.vocab,
                       tool_call_grammar([WEATHER, CLOCK], syntax, choice, parallel))
@@ -273,7 +273,7 @@ def lazy_run(model, grammar, triggers, forced, n):
     the model had written it (fed to the sampler and decoded), then up to ``n``
     tokens are sampled.  The sampler chain is the server's (build_sampler)."""
     from offgrid import libllama
-    from offgrid.sampling import SamplingParams, build_sampler
+    from offgrid.engine.sampling import SamplingParams, build_sampler
     params = SamplingParams(temperature=0.0, grammar=grammar, grammar_triggers=triggers)
     ctx = libllama.ContextHandle(model.lib, model.handle, 512, 512, 512, 2, 2)
     sampler = build_sampler(model.lib, params, model.n_vocab, 512, vocab=model.handle.vocab)

@@ -8,8 +8,8 @@ position present, so the next request builds on it like any other.
 
 import pytest
 
-from offgrid.session import ChatSession, GenerationParams
-from offgrid.sampling import SamplingParams
+from offgrid.engine.session import ChatSession, GenerationParams
+from offgrid.engine.sampling import SamplingParams
 
 
 @pytest.fixture()

@@ -15,9 +15,9 @@ import time
 import pytest
 
 from offgrid.errors import ContextError, ContextFull, InvalidRequest, InvalidToken, NotSupported
-from offgrid.infill import InfillRequest, build_infill_prompt
-from offgrid.sampling import SamplingParams
-from offgrid.session import ChatSession, FinishReason, GenerationParams, RequestCancel
+from offgrid.engine.infill import InfillRequest, build_infill_prompt
+from offgrid.engine.sampling import SamplingParams
+from offgrid.engine.session import ChatSession, FinishReason, GenerationParams, RequestCancel
 
 STORY = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
 

@@ -23,7 +23,7 @@ import pytest
 from offgrid.server.http import make_server
 from offgrid.server.pool import ChatPool
 from offgrid.server.service import ModelEntry, Service
-from offgrid.session import ChatSession
+from offgrid.engine.session import ChatSession
 
 try:
     from . import rawhttp

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from offgrid.jinja import Template, TemplateError, TemplateRaised, TemplateSyntaxError, Unsupported
+from offgrid.chat.jinja import Template, TemplateError, TemplateRaised, TemplateSyntaxError, Unsupported
 
 
 def render(src, **variables):

@@ -15,8 +15,8 @@ import json
 import openai
 import pytest
 
-from offgrid.jsonschema import SchemaError, schema_to_grammar
-from offgrid.sampling import check_grammar
+from offgrid.chat.jsonschema import SchemaError, schema_to_grammar
+from offgrid.engine.sampling import check_grammar
 
 try:
     from .serverproc import ServerProcess
@@ -128,7 +128,7 @@ def test_unsupported_schema_features_are_named(schema, word):
 
 
 def test_integer_ranges_are_exact():
-    from offgrid.jsonschema import _int_range
+    from offgrid.chat.jsonschema import _int_range
     import re
     # GBNF alternatives of literals and classes, checked by translating to a regex
     for lo, hi in [(0, 9), (5, 123), (-15, 7), (100, 150), (-99, -10), (0, 1000)]:

@@ -34,9 +34,9 @@ _ARG2 = {"x86_64": "$rsi", "aarch64": "$x1"}.get(platform.machine())
 _PROBE = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
-from offgrid.model import Model
-from offgrid.sampling import SamplingParams
-from offgrid.session import ChatSession, GenerationParams
+from offgrid.engine.model import Model
+from offgrid.engine.sampling import SamplingParams
+from offgrid.engine.session import ChatSession, GenerationParams
 model = Model.load(sys.argv[2], progress=False)
 with ChatSession(model, n_ctx=512, n_batch=256, n_threads=2) as s:
     prompt = model.tokenize("The lighthouse keeper counted the ships. " * 12)

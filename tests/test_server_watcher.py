@@ -11,7 +11,7 @@ import pytest
 
 from offgrid.server import service
 from offgrid.server.service import DisconnectWatcher
-from offgrid.session import RequestCancel
+from offgrid.engine.session import RequestCancel
 
 
 @pytest.fixture(params=["rdhup", "interval"])

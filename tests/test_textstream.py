@@ -7,7 +7,7 @@ concatenation of every released piece plus what finish() returns.
 
 import itertools
 
-from offgrid.textstream import TextAssembler
+from offgrid.engine.textstream import TextAssembler
 
 
 def feed(asm, pieces):

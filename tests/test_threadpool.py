@@ -19,9 +19,9 @@ ROOT = Path(__file__).resolve().parent.parent
 _PROBE = r"""
 import os, sys
 sys.path.insert(0, sys.argv[1])
-from offgrid.model import Model
-from offgrid.sampling import SamplingParams
-from offgrid.session import ChatSession, GenerationParams
+from offgrid.engine.model import Model
+from offgrid.engine.sampling import SamplingParams
+from offgrid.engine.session import ChatSession, GenerationParams
 
 def threads():
     return len(os.listdir("/proc/self/task"))

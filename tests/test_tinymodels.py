@@ -7,8 +7,8 @@ the FIM tokens each factory promises.
 
 import pytest
 
-from offgrid.sampling import SamplingParams
-from offgrid.session import ChatSession, GenerationParams
+from offgrid.engine.sampling import SamplingParams
+from offgrid.engine.session import ChatSession, GenerationParams
 
 try:
     from . import gguf, tinymodels

@@ -14,8 +14,8 @@ binding, or a mangled string, shows up here.
 import pytest
 
 from offgrid.errors import ContextError
-from offgrid.model import Model
-from offgrid.session import ChatSession
+from offgrid.engine.model import Model
+from offgrid.engine.session import ChatSession
 
 # The vocabs the pinned llama.cpp runs test-tokenizer-0 on (tests/CMakeLists.txt).
 # Listed, not discovered, so that a missing file fails rather than vanishes.

@@ -5,18 +5,12 @@
          --Service.generate--> text (pieces while streaming)
          --chatreply--> content, reasoning_content, tool_calls --formats--> OpenAI JSON
 
-Which template a model uses is settled once per model (``template_for``):
-``--chat-template`` (a Jinja file, or "chatml", or the name of one of
-libllama's built-in templates), else the model's ``tokenizer.chat_template``
-rendered by offgrid.jinja; a model with neither falls back to libllama's
-built-in template for its architecture (or ChatML), which cannot show tools
-to the model, so tools are then described in a system message and calls are
-read in the generic JSON form.
+Which template a model uses is settled once per model (``chat.select``).
 
 Output constraints become a GBNF grammar for libllama's grammar sampler:
 ``tool_choice`` "required" or a named function (a call in the template's
 syntax, arguments per the tool's schema), ``response_format`` json_object /
-json_schema and llama.cpp's ``json_schema`` (offgrid.jsonschema), or a
+json_schema and llama.cpp's ``json_schema`` (chat.jsonschema), or a
 ``grammar`` given as is.  With ``tool_choice`` "auto" the call grammar is
 lazy, as llama-server's: text is free until the model writes the template's
 call opener (``<tool_call>``, ``[TOOL_CALLS]``, gpt-oss's ``to=functions.``),
@@ -24,125 +18,16 @@ and from there only a well-formed call follows.  A grammar libllama rejects is a
 generated.
 """
 
-import json
-import threading
-
-from .. import chat as chat_engine
-from ..chatreply import ReplyStream, parse_reply
-from ..jsonschema import schema_to_grammar
-from ..sampling import check_grammar
-from ..session import FinishReason
+from ..chat import template as chat_engine
+from ..chat.select import template_for
+from ..chat.reply import ReplyStream, parse_reply
+from ..chat.jsonschema import schema_to_grammar
+from ..engine.sampling import check_grammar
+from ..request import FinishReason
 from . import formats
 from .errors import BadRequest
 from .params import (Fields, include_usage_from, chat_messages_from, generation_from, id_slot_from,
                      output_schema_from, tool_choice_from, tools_from)
-
-# general.architecture -> libllama built-in template name, for models that
-# carry no template of their own
-_ARCH_TEMPLATES = {"gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "gemma3n": "gemma",
-                   "llama": "llama3", "qwen2": "chatml", "qwen3": "chatml", "phi3": "phi3",
-                   "mistral": "mistral-v7"}
-
-REASONING_FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")
-
-
-# -- which template ------------------------------------------------------------------
-
-class BuiltinTemplate:
-    """libllama's llama_chat_apply_template by name, for models without a Jinja template.
-
-    It knows roles and text only: tools are described in a system message,
-    tool calls and results are written into the text, and the reply is read
-    in the generic JSON form.
-    """
-
-    def __init__(self, model, name):
-        self.model, self.name = model, name
-        self.source = name
-        self.caps = chat_engine.Caps(supports_tools=False, supports_tool_calls=False)
-        self.tool_syntax = "generic"
-
-    def apply(self, messages, tools=(), add_generation_prompt=True, tool_choice="auto",
-              reasoning_format="auto", **_ignored):
-        pairs = []
-        for m in messages:
-            role = "system" if m.role == "developer" else m.role
-            text = m.text()
-            if m.tool_calls:
-                calls = [{"name": c.name, "arguments": _json_or_text(c.arguments)}
-                         for c in m.tool_calls]
-                text = (text + "\n" if text else "") + json.dumps(
-                    calls[0] if len(calls) == 1 else calls, ensure_ascii=False)
-            pairs.append((role, text))
-        if tools and tool_choice != "none":
-            prompt = chat_engine.generic_tool_prompt(tools)
-            if pairs and pairs[0][0] == "system":
-                pairs[0] = ("system", pairs[0][1] + "\n\n" + prompt)
-            else:
-                pairs.insert(0, ("system", prompt))
-        text = self.model.builtin_template(self.name, pairs, add_generation_prompt)
-        if text is None:
-            text = self.model.builtin_template("chatml", pairs, add_generation_prompt)
-        if text is None:
-            raise BadRequest("could not apply a chat template to these messages")
-        fmt = chat_engine.ReplyFormat(tool_syntax="generic",
-                                      parse_tools=bool(tools) and tool_choice != "none",
-                                      extract_reasoning=reasoning_format != "none",
-                                      keep_reasoning_inline=reasoning_format == "deepseek-legacy")
-        grammar = None
-        if tools and tool_choice not in ("auto", "none"):
-            grammar = chat_engine.tool_call_grammar(tools, "generic", tool_choice, False)
-        return chat_engine.ChatPrompt(text, "", fmt, grammar)
-
-
-def _json_or_text(s):
-    try:
-        return json.loads(s)
-    except ValueError:
-        return s
-
-
-_templates = {}
-_templates_lock = threading.Lock()
-
-
-def template_for(entry):
-    """The ChatTemplate (or BuiltinTemplate) of a ModelEntry, built once and kept."""
-    key = id(entry)
-    with _templates_lock:
-        t = _templates.get(key)
-        if t is None:
-            t = _templates[key] = _make_template(entry)
-        return t
-
-
-def _token_text(model, token):
-    if token is None:
-        return ""
-    return model.token_text(token, special=True).decode("utf-8", "replace")
-
-
-def _make_template(entry):
-    model = entry.model
-    spec = getattr(entry, "chat_template", None)
-    builtin_names = model.builtin_template_names()
-    if spec and spec != "chatml" and "{" not in spec:
-        if spec not in builtin_names:
-            raise BadRequest("unknown chat template %r; give a Jinja file, \"chatml\" or one of: %s"
-                             % (spec, ", ".join(builtin_names)))
-        return BuiltinTemplate(model, spec)
-    source = spec or model.chat_template
-    if not source:
-        arch = model.meta.get("general.architecture", "")
-        name = _ARCH_TEMPLATES.get(arch, "chatml")
-        return BuiltinTemplate(model, name if name in builtin_names else "chatml")
-    try:
-        return chat_engine.ChatTemplate(source, _token_text(model, model.bos),
-                                        _token_text(model, model.eos),
-                                        add_bos=model.add_bos, add_eos=model.add_eos)
-    except chat_engine.ChatTemplateError as e:
-        raise BadRequest(str(e))
-
 
 # -- the request ------------------------------------------------------------------------
 

@@ -9,12 +9,13 @@ written here.
 from collections import namedtuple
 
 from .. import __version__
-from ..infill import build_infill_prompt, InfillRequest
-from ..session import FinishReason
+from ..engine.infill import build_infill_prompt, InfillRequest
+from ..request import FinishReason
+from ..chat.select import template_for
 from . import chat, formats
 from .errors import BadRequest, Unavailable
-from ..jsonschema import schema_to_grammar
-from ..sampling import check_grammar
+from ..chat.jsonschema import schema_to_grammar
+from ..engine.sampling import check_grammar
 from .params import (Fields, include_usage_from, generation_from, id_slot_from, infill_from,
                      output_schema_from, prompt_from, response_fields_from, tokens_of,
                      MAX_N_CMPL)
@@ -44,7 +45,7 @@ def health(h, _body):
 def props(h, _body):
     svc = h.service
     e = svc.text
-    from ..session import GenerationParams
+    from ..request import GenerationParams
     defaults = GenerationParams(n_predict=svc.n_predict_default)
     settings = formats.generation_settings(defaults, e.n_ctx, e.id)
     h.send_json(200, {
@@ -58,7 +59,7 @@ def props(h, _body):
         "model_alias": e.id,
         "model_path": e.path,
         "chat_template": e.model.chat_template or "",
-        "chat_template_caps": chat.template_for(e).caps.as_dict(),
+        "chat_template_caps": template_for(e).caps.as_dict(),
         "modalities": {"vision": False, "audio": False},
         "build_info": "offgrid-" + __version__,
         "is_sleeping": False,

@@ -10,9 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import List, Union
 
-from ..infill import InfillRequest
-from ..sampling import SAMPLER_ALIASES, SamplingParams
-from ..session import GenerationParams
+from ..request import SAMPLER_ALIASES, GenerationParams, InfillRequest, SamplingParams
 from .errors import BadRequest
 
 # Limits on what a request may ask for; beyond them it is refused, not clamped,
@@ -284,7 +282,7 @@ def chat_messages_from(v):
     tool calls; content is a string, null, or an array of text parts.
     """
     import json
-    from ..chat import Message, ToolCall
+    from ..chat.template import Message, ToolCall
     if not isinstance(v, list) or not v:
         raise BadRequest("'messages' must be a non-empty array")
     out = []
@@ -349,7 +347,7 @@ def chat_messages_from(v):
 
 def tools_from(v):
     """OpenAI ``tools`` (functions only) as chat.Tool; None or [] gives []."""
-    from ..chat import Tool
+    from ..chat.template import Tool
     if v is None:
         return []
     if not isinstance(v, list):

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from ..session import Completion, FinishReason, RequestCancel, Usage
+from ..request import Completion, FinishReason, RequestCancel, Usage
 from .errors import BadRequest, Unavailable
 from .pool import ChatPool, Supersede
 
@@ -29,13 +29,14 @@ from .pool import ChatPool, Supersede
 class ModelEntry:
     """One loaded model, the names it answers to, and its sessions."""
     id: str
-    model: object               # offgrid.model.Model
+    model: object               # offgrid.engine.model.Model
     pool: ChatPool
     n_ctx: int
     n_batch: int
     aliases: List[str] = field(default_factory=list)
     path: str = ""
     chat_template: Optional[str] = None     # --chat-template: Jinja text or a built-in name
+    template: object = None     # the chat template in use, set by chat.select.template_for
 
     def answers_to(self, name):
         return name == self.id or name in self.aliases
@@ -180,7 +181,7 @@ class Service:
         self.entries = [text] + ([fim] if fim is not None and fim is not text else [])
         self.n_predict_default = n_predict_default
         # minimum run of cached tokens that FIM requests move rather than
-        # recompute (0: prefix reuse only); see offgrid/cachereuse.py
+        # recompute (0: prefix reuse only); see engine/cachereuse.py
         self.cache_reuse = cache_reuse
         self.shutdown_grace = shutdown_grace
         self.supersede = Supersede()

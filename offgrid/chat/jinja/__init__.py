@@ -35,7 +35,7 @@ text outside ASCII; nothing else is known to differ.
 
 import math
 
-from .jinja_values import (  # noqa: F401  (the first line is re-exported)
+from .values import (  # noqa: F401  (the first line is re-exported)
     TemplateError, TemplateSyntaxError, Unsupported, TemplateRaised, Stats, TrackedStr,
     Undefined, UNDEFINED, Func, Kwarg, Loop, Args, Context, GLOBALS, _SPACE, _line_col, _key,
     _test_in, as_int, builtin, equal, hashable, is_undefined, kind, to_str, truthy, type_name)

@@ -13,16 +13,16 @@ Threading: a session is used by one thread at a time (the server's pool
 hands it out); ``RequestCancel.cancel()`` may be called from any thread.
 """
 
-import enum
 import os
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import FrozenSet, List
 
-from . import cachereuse, libllama
-from .errors import ContextError, ContextFull, DecodeError, InvalidRequest
-from .sampling import SamplingParams, build_sampler
+from .. import libllama
+from . import cachereuse
+from ..errors import ContextError, ContextFull, DecodeError, InvalidRequest
+from ..request import (Completion, FinishReason, GenerationParams, RequestCancel,  # noqa: F401
+                       SamplingParams, Usage)
+from .sampling import build_sampler
 from .textstream import TextAssembler
 
 
@@ -68,100 +68,6 @@ SEQ_GAP = 1     # scratch for text inserted before a reused run (_evaluate_gap)
 # (Without swa_full the windowed cache holds little more than a window and
 # must recycle; prefix reuse then mostly fails _window_intact.)
 SEQ_PIN = 2
-
-
-class FinishReason(str, enum.Enum):
-    """Why generation ended, in OpenAI's words."""
-    STOP = "stop"               # end-of-generation token or a stop string
-    LENGTH = "length"           # n_predict, the context, or a time/indent limit
-    CANCELLED = "cancelled"     # superseded, client gone, or server shutting down
-    TOOL_CALLS = "tool_calls"   # set by the chat layer when the text is a tool call
-
-
-class RequestCancel:
-    """A cancel switch for one request, safe to flip from any thread.
-
-    The session attaches a hook while it runs (it sets libllama's abort flag,
-    so a long prompt evaluation stops within one graph node); cancel() calls
-    the hooks under a lock, so a hook is never called after detach() returns.
-    """
-
-    def __init__(self):
-        self._event = threading.Event()
-        self._lock = threading.Lock()
-        self._hooks = []
-        self.reason = None
-
-    def cancel(self, reason="cancelled"):
-        with self._lock:
-            if self._event.is_set():
-                return
-            self.reason = reason
-            self._event.set()
-            for hook in self._hooks:
-                hook()
-
-    @property
-    def cancelled(self):
-        return self._event.is_set()
-
-    def wait(self, timeout=None):
-        return self._event.wait(timeout)
-
-    def attach(self, hook):
-        with self._lock:
-            self._hooks.append(hook)
-            if self._event.is_set():
-                hook()
-
-    def detach(self, hook):
-        with self._lock:
-            if hook in self._hooks:
-                self._hooks.remove(hook)
-
-
-@dataclass
-class Usage:
-    """Token counts and times of one request (milliseconds)."""
-    prompt_tokens: int = 0
-    cached_tokens: int = 0          # prompt tokens whose KV came from the cache
-    completion_tokens: int = 0
-    prompt_ms: float = 0.0
-    generation_ms: float = 0.0
-
-    @property
-    def evaluated_tokens(self):
-        """Prompt tokens actually decoded this request."""
-        return self.prompt_tokens - self.cached_tokens
-
-
-@dataclass
-class GenerationParams:
-    """What to generate: limits, stops and sampling for one request."""
-    n_predict: int = -1                 # -1: until end-of-generation or a full context
-    stop: List[str] = field(default_factory=list)
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    ignore_eos: bool = False
-    cache_prompt: bool = True
-    t_max_predict_ms: int = 0           # FIM: stop at a newline once this much time passed
-    # control tokens whose text is kept in the output (a template's tool-call
-    # markers such as <|python_tag|>, which otherwise render as nothing)
-    preserved_tokens: FrozenSet[int] = frozenset()
-    cache_reuse: int = 0                # reuse cached runs of at least this many tokens
-                                        # after the common prefix (0: prefix only)
-    n_indent: int = 0                   # FIM: stop at a line indented less than this
-
-
-@dataclass
-class Completion:
-    """The result of ChatSession.complete()."""
-    text: str
-    tokens: List[int]
-    finish_reason: FinishReason
-    stop_type: str                      # llama-server's: "eos", "word", "limit" or "none"
-    stopping_word: str
-    usage: Usage
-    truncated: bool = False
 
 
 class ChatSession:

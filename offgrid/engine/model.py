@@ -9,8 +9,8 @@ import os
 import sys
 import threading
 
-from . import libllama
-from .errors import InvalidToken, ModelLoadError
+from .. import libllama
+from ..errors import InvalidToken, ModelLoadError
 
 
 def _terminal_progress(name):

@@ -37,7 +37,7 @@ import re
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
-from .chat import ToolCall, new_tool_call_id
+from .template import ToolCall, new_tool_call_id
 
 _WS = " \t\n\r\v\f"
 

@@ -12,23 +12,11 @@ fill what is left of the context, keeping their end.  ``spm_infill`` puts the
 suffix first (SPM order), for models trained that way.
 """
 
-from dataclasses import dataclass, field
-from typing import List, Tuple
-
-from .errors import NotSupported
+from ..errors import NotSupported
+from ..request import InfillRequest  # noqa: F401
 
 # llama-server's chunk separator when the model has no FIM_SEP token
 _CHUNK_PREFIX = "\n\n--- snippet ---\n\n"
-
-
-@dataclass
-class InfillRequest:
-    """The text parts of a fill-in-the-middle request."""
-    input_prefix: str = ""
-    input_suffix: str = ""
-    input_extra: List[Tuple[str, str]] = field(default_factory=list)   # (filename, text)
-    prompt: str = ""            # text appended after the prefix (tokenized with specials)
-    spm_infill: bool = False
 
 
 def build_infill_prompt(model, req, n_ctx, n_batch, n_predict=-1):

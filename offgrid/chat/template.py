@@ -3,9 +3,9 @@
     tmpl = ChatTemplate(model.chat_template, bos_token="<bos>", eos_token="<eos>", add_bos=True)
     prompt = tmpl.apply(messages, tools, add_generation_prompt=True)
     prompt.text               what to tokenize (parse_special=True, add_special=True)
-    prompt.reply_format       how to read the reply (offgrid.chatreply)
+    prompt.reply_format       how to read the reply (chat.reply)
 
-The template is Jinja, rendered by offgrid.jinja with the variables
+The template is Jinja, rendered by chat.jinja with the variables
 llama-server passes: ``messages``, ``tools`` (only when there are some),
 ``add_generation_prompt`` (only when true), ``bos_token``, ``eos_token``,
 ``enable_thinking``, ``datetime`` and ``date_string`` (today, as "%b %d %Y" and
@@ -17,7 +17,7 @@ system messages, tool-call arguments become objects for templates that read
 them as objects, text parts become one string (or the reverse); and a few
 template families get their own adjustments (see ``_adjust_for_family``).
 
-Tool calls and reasoning in the reply are read by offgrid.chatreply; this
+Tool calls and reasoning in the reply are read by chat.reply; this
 module decides the format from the template (``ReplyFormat``) and builds the
 grammar that forces a tool call when ``tool_choice`` requires one.
 """
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from . import jinja
-from .errors import InvalidRequest
+from ..errors import InvalidRequest
 from .jsonschema import Grammar, json_literal, literal
 
 

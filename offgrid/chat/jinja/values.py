@@ -1,4 +1,4 @@
-"""Values, scopes and builtins of offgrid.jinja: what templates compute with.
+"""Values, scopes and builtins of chat.jinja: what templates compute with.
 
 Values are plain Python objects -- str, int, float, bool, None, list (an
 array), tuple, dict (an object) -- plus ``Undefined``, ``Func`` (builtins and
@@ -11,7 +11,7 @@ is an error rather than a conversion.
 
 ``Stats`` records which values a rendering touched and how; llama-server's
 capability probes (offgrid.chat.detect_caps) are built on it.  Only
-offgrid.jinja and the probes use this module.
+chat.jinja and the probes use this module.
 """
 
 import functools

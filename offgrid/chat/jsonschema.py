@@ -24,7 +24,7 @@ properties come out in the schema's order, required ones first.
 import json
 import re
 
-from .errors import InvalidRequest
+from ..errors import InvalidRequest
 
 
 class SchemaError(InvalidRequest):

@@ -1,0 +1,192 @@
+"""The typed request and result of one generation, shared by the front and the worker.
+
+JSON becomes these once, at the edge (``server/params.py``); they cross to a
+model's worker process as plain dicts (``protocol.py``) and the engine works
+on them there.  Pure Python: importing this never loads libllama, so the
+front may use it.
+
+    SamplingParams      how to pick each next token (llama-server's names and defaults)
+    GenerationParams    limits, stops and sampling of one request
+    InfillRequest       the text parts of a fill-in-the-middle request
+    RequestCancel       a cancel switch, flipped from any thread
+    Usage, Completion   token counts and times; the result
+    FinishReason        why generation ended, in OpenAI's words
+"""
+
+import enum
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import FrozenSet, List, Optional, Tuple
+
+from .errors import InvalidRequest
+
+# llama-server's default sampler order (common_params_sampling::samplers);
+# a request may reorder or drop them with "samplers".
+DEFAULT_SAMPLERS = ("penalties", "top_k", "typ_p", "top_p", "min_p", "temperature")
+
+# Names a request may use for each sampler: llama-server accepts these
+# aliases in "samplers" (e.g. llama.vscode sends ["top_k", "top_p", "infill"]).
+SAMPLER_ALIASES = {
+    "penalties": "penalties", "top_k": "top_k", "typ_p": "typ_p", "typical_p": "typ_p",
+    "typ": "typ_p", "typical": "typ_p", "top_p": "top_p", "nucleus": "top_p",
+    "min_p": "min_p", "temperature": "temperature", "temp": "temperature",
+    # samplers offgrid does not run; accepted and skipped, as llama-server
+    # skips names it does not know
+    "dry": None, "top_n_sigma": None, "xtc": None,
+    # FIM: merges candidates that share a prefix, prefers ending when likely
+    "infill": "infill",
+}
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token (llama-server's names and defaults)."""
+    temperature: float = 0.8
+    dynatemp_range: float = 0.0
+    dynatemp_exponent: float = 1.0
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    typical_p: float = 1.0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: Optional[int] = None          # None or -1: a random seed each request
+    samplers: Tuple[str, ...] = DEFAULT_SAMPLERS
+    logit_bias: List[Tuple[int, float]] = field(default_factory=list)
+    grammar: Optional[str] = None       # GBNF (rule "root"): only text it matches is sampled
+    # regexes that make the grammar lazy: free text until the output matches one
+    # (offgrid's own fixed patterns only: libllama cannot report a bad one)
+    grammar_triggers: Tuple[str, ...] = ()
+
+    @property
+    def greedy(self):
+        return self.temperature <= 0
+
+    @property
+    def has_penalties(self):
+        return (self.repeat_last_n != 0 and
+                (self.repeat_penalty != 1.0 or self.presence_penalty != 0.0
+                 or self.frequency_penalty != 0.0))
+
+    def validate(self):
+        """Raise InvalidRequest for values libllama must never see (NaN, inf, nonsense)."""
+        for name in ("temperature", "dynatemp_range", "dynatemp_exponent", "top_p", "min_p",
+                     "typical_p", "repeat_penalty", "presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not math.isfinite(v):
+                raise InvalidRequest("%s must be a finite number" % name)
+        if self.repeat_penalty < 0:
+            raise InvalidRequest("repeat_penalty must not be negative")
+        if self.repeat_last_n < -1:
+            raise InvalidRequest("repeat_last_n must be -1 (the whole context) or more")
+        for token, bias in self.logit_bias:
+            if not math.isfinite(bias) and bias != -math.inf:
+                raise InvalidRequest("logit_bias values must be numbers or -inf")
+
+
+
+class FinishReason(str, enum.Enum):
+    """Why generation ended, in OpenAI's words."""
+    STOP = "stop"               # end-of-generation token or a stop string
+    LENGTH = "length"           # n_predict, the context, or a time/indent limit
+    CANCELLED = "cancelled"     # superseded, client gone, or server shutting down
+    TOOL_CALLS = "tool_calls"   # set by the chat layer when the text is a tool call
+
+
+class RequestCancel:
+    """A cancel switch for one request, safe to flip from any thread.
+
+    The session attaches a hook while it runs (it sets libllama's abort flag,
+    so a long prompt evaluation stops within one graph node); cancel() calls
+    the hooks under a lock, so a hook is never called after detach() returns.
+    """
+
+    def __init__(self):
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._hooks = []
+        self.reason = None
+
+    def cancel(self, reason="cancelled"):
+        with self._lock:
+            if self._event.is_set():
+                return
+            self.reason = reason
+            self._event.set()
+            for hook in self._hooks:
+                hook()
+
+    @property
+    def cancelled(self):
+        return self._event.is_set()
+
+    def wait(self, timeout=None):
+        return self._event.wait(timeout)
+
+    def attach(self, hook):
+        with self._lock:
+            self._hooks.append(hook)
+            if self._event.is_set():
+                hook()
+
+    def detach(self, hook):
+        with self._lock:
+            if hook in self._hooks:
+                self._hooks.remove(hook)
+
+
+@dataclass
+class Usage:
+    """Token counts and times of one request (milliseconds)."""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0          # prompt tokens whose KV came from the cache
+    completion_tokens: int = 0
+    prompt_ms: float = 0.0
+    generation_ms: float = 0.0
+
+    @property
+    def evaluated_tokens(self):
+        """Prompt tokens actually decoded this request."""
+        return self.prompt_tokens - self.cached_tokens
+
+
+@dataclass
+class GenerationParams:
+    """What to generate: limits, stops and sampling for one request."""
+    n_predict: int = -1                 # -1: until end-of-generation or a full context
+    stop: List[str] = field(default_factory=list)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    ignore_eos: bool = False
+    cache_prompt: bool = True
+    t_max_predict_ms: int = 0           # FIM: stop at a newline once this much time passed
+    # control tokens whose text is kept in the output (a template's tool-call
+    # markers such as <|python_tag|>, which otherwise render as nothing)
+    preserved_tokens: FrozenSet[int] = frozenset()
+    cache_reuse: int = 0                # reuse cached runs of at least this many tokens
+                                        # after the common prefix (0: prefix only)
+    n_indent: int = 0                   # FIM: stop at a line indented less than this
+
+
+@dataclass
+class Completion:
+    """The result of ChatSession.complete()."""
+    text: str
+    tokens: List[int]
+    finish_reason: FinishReason
+    stop_type: str                      # llama-server's: "eos", "word", "limit" or "none"
+    stopping_word: str
+    usage: Usage
+    truncated: bool = False
+
+
+@dataclass
+class InfillRequest:
+    """The text parts of a fill-in-the-middle request."""
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: List[Tuple[str, str]] = field(default_factory=list)   # (filename, text)
+    prompt: str = ""            # text appended after the prefix (tokenized with specials)
+    spm_infill: bool = False
