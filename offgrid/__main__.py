@@ -13,10 +13,11 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import threading
 
 from . import __version__
-from .errors import OffgridError
+from .errors import ModelLoadError, OffgridError
 
 
 def parse_args(argv=None):
@@ -68,6 +69,10 @@ def parse_args(argv=None):
                    "\"chatml\", or the name of a libllama built-in template")
     p.add_argument("--lib", help="path to libllama.so or its folder (default: lib/, "
                    "$OFFGRID_LIB, the system)")
+    p.add_argument("--worker-max-rss", type=float, default=None, metavar="MIB",
+                   help="memory ceiling of each model's worker process in MiB; past it the "
+                   "worker is killed and restarted (default: model file + KV cache + "
+                   "a margin; 0: none)")
     p.add_argument("-v", "--verbose", action="store_true", help="log requests and libllama")
     p.add_argument("--version", action="version", version="offgrid " + __version__)
     return p.parse_args(argv)
@@ -106,30 +111,45 @@ def is_loopback(host):
         return False
 
 
-def load_entry(path, ids, args, lib_path, chat_template=None):
-    """Load one model and its --parallel sessions into a ModelEntry."""
-    from .engine.model import Model
-    from .engine.session import ChatSession
-    from .server.pool import ChatPool
-    from .server.service import ModelEntry
+def worker_args(path, args, chat_template=None, decode_lock=None):
+    """The worker's command line for one model: the engine's share of our flags."""
+    out = ["--model", path, "--ctx-size", str(args.ctx_size), "--batch-size",
+           str(args.batch_size), "--parallel", str(max(1, args.parallel))]
+    for flag, value in (("--ubatch-size", args.ubatch_size), ("--threads", args.threads),
+                        ("--threads-batch", args.threads_batch), ("--lib", args.lib),
+                        ("--chat-template", chat_template), ("--decode-lock", decode_lock)):
+        if value is not None:
+            out += [flag, str(value)]
+    if args.no_swa_full:
+        out.append("--no-swa-full")
+    if args.verbose:
+        out.append("--verbose")
+    return out
 
-    model = Model.load(path, lib_path=lib_path, verbose=args.verbose)
-    sessions = []
-    try:
-        for _ in range(max(1, args.parallel)):
-            sessions.append(ChatSession(model, n_ctx=args.ctx_size, n_batch=args.batch_size,
-                                        n_ubatch=args.ubatch_size, n_threads=args.threads,
-                                        n_threads_batch=args.threads_batch,
-                                        swa_full=not args.no_swa_full))
-    except BaseException:
-        for s in sessions:
-            s.close()
-        model.close()
-        raise
+
+def default_max_rss(info):
+    """A worker's memory ceiling: its model file, its KV caches, and a margin for the
+    rest (compute buffers, the logits of a batch, Python): half the model, 1 GiB at least."""
+    return info["file_size"] + info["kv_bytes"] + max(1 << 30, info["file_size"] // 2)
+
+
+def start_entry(path, ids, args, chat_template=None, decode_lock=None):
+    """Start the worker of one model and wait for it to load; a ModelEntry."""
+    from .server.service import ModelEntry
+    from .server.workers import WorkerClient
+
+    if not os.path.isfile(path):
+        raise ModelLoadError("model file not found: %s" % path)
     name = ids[0] if ids else os.path.basename(path)
-    return ModelEntry(id=name, aliases=ids[1:], model=model, pool=ChatPool(sessions),
-                      n_ctx=sessions[0].n_ctx, n_batch=sessions[0].n_batch,
-                      path=os.path.abspath(path), chat_template=chat_template)
+    worker = WorkerClient(name, worker_args(path, args, chat_template, decode_lock),
+                          verbose=args.verbose)
+    worker.start()
+    if args.worker_max_rss is None:
+        worker.max_rss = default_max_rss(worker.info)
+    elif args.worker_max_rss > 0:
+        worker.max_rss = int(args.worker_max_rss * (1 << 20))
+    worker.watch()
+    return ModelEntry.started(worker, name, ids[1:])
 
 
 def main(argv=None):
@@ -165,18 +185,27 @@ def main(argv=None):
     if chat_template and os.path.isfile(chat_template):
         with open(chat_template, encoding="utf-8") as fh:
             chat_template = fh.read()
+    # Decodes take turns across the models' workers as they do across the
+    # sessions of one (see engine/session.py): the workers flock this file.
+    lock_fd, decode_lock = tempfile.mkstemp(prefix="offgrid-decode-", suffix=".lock")
+    os.close(lock_fd)
+    entries = []
     try:
-        text = load_entry(args.model, args.alias, args, args.lib, chat_template)
-        from .chat.select import template_for
-        template_for(text)      # a template that cannot be used stops startup here
-        fim = None
+        paths = [(args.model, args.alias, chat_template)]
         if args.fim_model and os.path.abspath(args.fim_model) != os.path.abspath(args.model):
-            fim = load_entry(args.fim_model, [], args, args.lib)
+            paths.append((args.fim_model, [], None))
+        for path, ids, template in paths:
+            entries.append(start_entry(path, ids, args, template, decode_lock))
     except (OffgridError, HTTPError) as e:
         print("offgrid: %s" % e, file=sys.stderr)
+        for entry in entries:
+            entry.worker.close()
+        os.unlink(decode_lock)
         httpd.shutdown()
         httpd.server_close()
         return 1
+    text = entries[0]
+    fim = entries[1] if len(entries) > 1 else None
     service = Service(text, fim, n_predict_default=args.n_predict,
                       shutdown_grace=args.shutdown_grace, cache_reuse=max(0, args.cache_reuse))
     httpd.RequestHandlerClass.service = service
@@ -202,13 +231,14 @@ def main(argv=None):
     # the service and get 503 from here on, while running ones finish.
     httpd.shutdown()
     service.shutdown()
-    # Let the handlers write their last bytes; only then are the models freed,
-    # since a handler may still be tokenizing.  One that does not finish in
-    # time (a client that stopped reading) keeps them: the process ends anyway.
-    drained = httpd.drain(5.0)
+    # Let the handlers write their last bytes (a client that stopped reading
+    # gets 5 seconds), then end the workers.
+    httpd.drain(5.0)
     httpd.server_close()
-    if drained:
-        service.close()
+    # A worker is a process: ending it frees everything it held, whether or
+    # not a handler still waits on it (that one gets "worker died").
+    service.close()
+    os.unlink(decode_lock)
     return 0
 
 

@@ -10,6 +10,7 @@ every layer may import this module.
     ├── ModelLoadError          a GGUF file that libllama refused
     ├── ContextError            a llama_context could not be created
     ├── DecodeError             llama_decode failed mid-request (a bug or out of memory)
+    ├── WorkerDied              a model's worker process ended while serving the request
     └── InvalidRequest          the caller asked for something impossible (4xx)
         ├── ContextFull         the prompt (plus generation) cannot fit the context
         ├── InvalidToken        a token id outside the vocabulary
@@ -39,6 +40,17 @@ class DecodeError(OffgridError):
     def __init__(self, message, status=None):
         super().__init__(message)
         self.status = status
+
+
+class WorkerDied(OffgridError):
+    """A model's worker process ended (a signal, an abort, out of memory) mid-request.
+
+    ``how`` says how, in words ("SIGABRT", "killed: out of memory ...").
+    """
+
+    def __init__(self, message, how=None):
+        super().__init__(message)
+        self.how = how
 
 
 class InvalidRequest(OffgridError):

@@ -8,6 +8,7 @@ front may use it.
     SamplingParams      how to pick each next token (llama-server's names and defaults)
     GenerationParams    limits, stops and sampling of one request
     InfillRequest       the text parts of a fill-in-the-middle request
+    Message, Tool, ToolCall   a chat request's messages and tools
     RequestCancel       a cancel switch, flipped from any thread
     Usage, Completion   token counts and times; the result
     FinishReason        why generation ended, in OpenAI's words
@@ -180,6 +181,9 @@ class Completion:
     stopping_word: str
     usage: Usage
     truncated: bool = False
+    # chat: the parsed reply ({"content", "reasoning_content", "tool_calls"}),
+    # set where the worker's chat layer read the text
+    reply: Optional[dict] = None
 
 
 @dataclass
@@ -190,3 +194,36 @@ class InfillRequest:
     input_extra: List[Tuple[str, str]] = field(default_factory=list)   # (filename, text)
     prompt: str = ""            # text appended after the prefix (tokenized with specials)
     spm_infill: bool = False
+
+
+# -- chat ---------------------------------------------------------------------------
+
+@dataclass
+class ToolCall:
+    """One call the assistant made: a function name and its arguments as JSON text."""
+    name: str
+    arguments: str = "{}"
+    id: str = ""
+
+
+@dataclass
+class Message:
+    """One chat message.  ``parts`` holds text parts when content came as an array."""
+    role: str
+    content: str = ""
+    parts: Optional[List[str]] = None
+    reasoning_content: str = ""
+    tool_calls: List[ToolCall] = field(default_factory=list)
+    tool_call_id: str = ""
+    name: str = ""
+
+    def text(self):
+        return self.content if self.parts is None else "\n".join(self.parts)
+
+
+@dataclass
+class Tool:
+    """A function the model may call; ``parameters`` is a JSON schema (a dict)."""
+    name: str
+    description: str = ""
+    parameters: dict = field(default_factory=dict)

@@ -21,15 +21,16 @@ import time
 import pytest
 
 from offgrid.server.http import make_server
-from offgrid.server.pool import ChatPool
-from offgrid.server.service import ModelEntry, Service
+from offgrid.server.service import Service
 from offgrid.engine.session import ChatSession
 
 try:
     from . import rawhttp
+    from .inprocworker import entry_over
     from .serverproc import ServerProcess
 except ImportError:
     import rawhttp
+    from inprocworker import entry_over
     from serverproc import ServerProcess
 
 
@@ -309,10 +310,10 @@ class Client(ServerProcess):
 
 @pytest.fixture
 def inproc(plain_model):
-    """A server in this process over one real session, so a test can reach into it."""
+    """A server whose worker runs in this process over one real session, so a test
+    can reach into the session."""
     session = ChatSession(plain_model, n_ctx=256, n_batch=64, n_threads=1)
-    entry = ModelEntry(id="tiny", model=plain_model, pool=ChatPool([session]), n_ctx=256,
-                       n_batch=64)
+    entry = entry_over(plain_model, [session])
     service = Service(entry)
     httpd = make_server("127.0.0.1", 0, service)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
@@ -323,6 +324,7 @@ def inproc(plain_model):
         httpd.shutdown()
         service.shutdown()
         httpd.server_close()
+        service.close()
         session.close()
 
 

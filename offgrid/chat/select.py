@@ -25,9 +25,6 @@ _ARCH_TEMPLATES = {"gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "gemm
                    "llama": "llama3", "qwen2": "chatml", "qwen3": "chatml", "phi3": "phi3",
                    "mistral": "mistral-v7"}
 
-REASONING_FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")
-
-
 # -- which template ------------------------------------------------------------------
 
 class BuiltinTemplate:

@@ -32,6 +32,7 @@ from typing import List, Optional
 
 from . import jinja
 from ..errors import InvalidRequest
+from ..request import Message, Tool, ToolCall  # noqa: F401  (the typed chat request)
 from .jsonschema import Grammar, json_literal, literal
 
 
@@ -42,37 +43,6 @@ class ChatTemplateError(InvalidRequest):
 # ---------------------------------------------------------------------------
 # Messages and tools, typed
 # ---------------------------------------------------------------------------
-
-@dataclass
-class ToolCall:
-    """One call the assistant made: a function name and its arguments as JSON text."""
-    name: str
-    arguments: str = "{}"
-    id: str = ""
-
-
-@dataclass
-class Message:
-    """One chat message.  ``parts`` holds text parts when content came as an array."""
-    role: str
-    content: str = ""
-    parts: Optional[List[str]] = None
-    reasoning_content: str = ""
-    tool_calls: List[ToolCall] = field(default_factory=list)
-    tool_call_id: str = ""
-    name: str = ""
-
-    def text(self):
-        return self.content if self.parts is None else "\n".join(self.parts)
-
-
-@dataclass
-class Tool:
-    """A function the model may call; ``parameters`` is a JSON schema (a dict)."""
-    name: str
-    description: str = ""
-    parameters: dict = field(default_factory=dict)
-
 
 def new_tool_call_id(length=32):
     """A random id for a tool call (llama-server's form; Mistral templates want 9 characters)."""

@@ -33,6 +33,13 @@ from .textstream import TextAssembler
 # each decode at full speed; sessions interleave per token.
 _DECODE_LOCK = threading.Lock()
 
+
+def take_turns_with(lock):
+    """Make decodes also take turns with other processes' (a context manager such as
+    the worker's flock on a file the front shares among a server's workers)."""
+    global _DECODE_LOCK
+    _DECODE_LOCK = lock
+
 # Because decodes take turns, every context can run them on the same
 # persistent ggml thread pool (one per thread count), rather than on threads
 # ggml starts and joins inside each llama_decode.  Measured with 2 sessions

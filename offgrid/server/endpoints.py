@@ -8,17 +8,12 @@ written here.
 
 from collections import namedtuple
 
-from .. import __version__
-from ..engine.infill import build_infill_prompt, InfillRequest
-from ..request import FinishReason
-from ..chat.select import template_for
+from .. import __version__, protocol
+from ..request import FinishReason, GenerationParams, InfillRequest
 from . import chat, formats
 from .errors import BadRequest, Unavailable
-from ..chat.jsonschema import schema_to_grammar
-from ..engine.sampling import check_grammar
 from .params import (Fields, include_usage_from, generation_from, id_slot_from, infill_from,
-                     output_schema_from, prompt_from, response_fields_from, tokens_of,
-                     MAX_N_CMPL)
+                     output_schema_from, prompt_from, response_fields_from, MAX_N_CMPL)
 
 Route = namedtuple("Route", "handler methods auth needs_service")
 
@@ -30,22 +25,36 @@ INFILL_GENERATION_RESERVE = 256
 # -- health, props, models, metrics -------------------------------------------------
 
 def health(h, _body):
-    if h.service is None:
+    svc = h.service
+    if svc is None:
         h.send_json(503, {"status": "loading",
                           "error": {"code": 503, "message": "Loading model",
                                     "type": "unavailable_error"}})
-    elif h.service.state != "ready":
+    elif svc.state != "ready":
         h.send_json(503, {"status": "shutting down",
                           "error": {"code": 503, "message": "server is shutting down",
                                     "type": "unavailable_error"}})
     else:
-        h.send_json(200, {"status": "ok"})
+        models = [{"id": e.id, "status": _status(e)} for e in svc.entries]
+        if all(m["status"] != "loaded" for m in models):
+            # nothing can be served right now (its worker is restarting)
+            h.send_json(503, {"status": "loading", "models": models,
+                              "error": {"code": 503, "message": "Loading model",
+                                        "type": "unavailable_error"}})
+        else:
+            h.send_json(200, {"status": "ok", "models": models})
+
+
+def _status(entry):
+    """A model's state in llama-server's router words."""
+    return {"ready": "loaded", "loading": "loading", "failed": "error",
+            "closed": "unloaded"}.get(entry.state, entry.state)
 
 
 def props(h, _body):
     svc = h.service
     e = svc.text
-    from ..request import GenerationParams
+    info = e.info
     defaults = GenerationParams(n_predict=svc.n_predict_default)
     settings = formats.generation_settings(defaults, e.n_ctx, e.id)
     h.send_json(200, {
@@ -58,25 +67,25 @@ def props(h, _body):
         "total_slots": len(e.pool.sessions),
         "model_alias": e.id,
         "model_path": e.path,
-        "chat_template": e.model.chat_template or "",
-        "chat_template_caps": template_for(e).caps.as_dict(),
+        "chat_template": info["chat_template"],
+        "chat_template_caps": info["caps"],
         "modalities": {"vision": False, "audio": False},
         "build_info": "offgrid-" + __version__,
         "is_sleeping": False,
-        "infill": svc.fim.model.has_fim,
+        "infill": svc.fim.has_fim,
     })
 
 
 def models(h, _body):
     data = []
     for e in h.service.entries:
-        m = e.model
+        m = e.info
         data.append({
             "id": e.id, "object": "model", "created": int(h.service.metrics.started),
-            "owned_by": "offgrid", "aliases": e.aliases,
-            "meta": {"n_vocab": m.n_vocab, "n_ctx_train": m.n_ctx_train, "n_embd": m.n_embd,
-                     "n_params": m.n_params, "size": m.size, "n_ctx": e.n_ctx,
-                     "fim": m.has_fim},
+            "owned_by": "offgrid", "aliases": e.aliases, "status": {"value": _status(e)},
+            "meta": {"n_vocab": m["n_vocab"], "n_ctx_train": m["n_ctx_train"],
+                     "n_embd": m["n_embd"], "n_params": m["n_params"], "size": m["size"],
+                     "n_ctx": e.n_ctx, "fim": m["has_fim"]},
         })
     h.send_json(200, {"object": "list", "data": data})
 
@@ -84,8 +93,8 @@ def models(h, _body):
 def slots(h, _body):
     out = []
     for e in h.service.entries:
-        for i, s in enumerate(e.pool.sessions):
-            out.append({"id": i, "model": e.id, "n_ctx": e.n_ctx,
+        for s in e.pool.sessions:
+            out.append({"id": s.index, "model": e.id, "n_ctx": e.n_ctx, "state": _status(e),
                         "is_processing": e.pool.is_busy(s), "n_cached": len(s.cached)})
     h.send_json(200, out)
 
@@ -123,40 +132,52 @@ def metrics(h, _body):
             "# TYPE offgrid_requests_total counter"]
     for endpoint, n in sorted(m.requests.items()):
         out.append('offgrid_requests_total{endpoint="%s"} %d' % (endpoint, n))
+    per_model = [
+        ("counter", "offgrid_worker_starts_total", "Worker processes started, per model.",
+         lambda w: w.starts),
+        ("counter", "offgrid_worker_deaths_total", "Worker processes that died, per model.",
+         lambda w: w.deaths),
+        ("gauge", "offgrid_worker_ready", "Whether the model's worker is serving (1) or "
+         "loading (0).", lambda w: int(w.state == "ready")),
+    ]
+    for kind, name, help_text, value in per_model:
+        out += ["# HELP %s %s" % (name, help_text), "# TYPE %s %s" % (name, kind)]
+        for e in svc.entries:
+            out.append('%s{model="%s"} %d' % (name, _label(e.id), value(e.worker)))
     h.send_text(200, "\n".join(out) + "\n")
+
+
+def _label(value):
+    """A Prometheus label value: backslash, quote and newline escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 # -- tokens -------------------------------------------------------------------------
 
 def tokenize(h, body):
     f = Fields(body)
-    model = h.service.entry_for(f.raw("model")).model
+    entry = h.service.entry_for(f.raw("model"))
     content = f.str("content")
     if content is None:
         raise BadRequest("'content' is required")
-    tokens = model.tokenize(content, add_special=f.bool("add_special", False),
-                            parse_special=f.bool("parse_special", True))
-    if f.bool("with_pieces", False):
-        out = []
-        for t in tokens:
-            piece = model.token_text(t)
-            try:
-                out.append({"id": t, "piece": piece.decode("utf-8")})
-            except UnicodeDecodeError:
-                out.append({"id": t, "piece": list(piece)})
-        h.send_json(200, {"tokens": out})
+    out = entry.call("tokenize", "POST /tokenize", text=content,
+                     add_special=f.bool("add_special", False),
+                     parse_special=f.bool("parse_special", True),
+                     with_pieces=f.bool("with_pieces", False))
+    if "body" in out:
+        # with pieces, the worker writes the body itself (one fragment per distinct token)
+        h.send_raw_json(200, out["body"].encode("utf-8", "replace"))
     else:
-        h.send_json(200, {"tokens": tokens})
+        h.send_json(200, {"tokens": out["tokens"]})
 
 
 def detokenize(h, body):
     f = Fields(body)
-    model = h.service.entry_for(f.raw("model")).model
+    entry = h.service.entry_for(f.raw("model"))
     tokens = f.raw("tokens", [])
     if not isinstance(tokens, list):
         raise BadRequest("'tokens' must be a list of token ids")
-    model.check_tokens(tokens)
-    h.send_json(200, {"content": model.detokenize(tokens, special=True)})
+    h.send_json(200, entry.call("detokenize", "POST /detokenize", tokens=tokens))
 
 
 # -- llama-server's native completions ---------------------------------------------
@@ -168,11 +189,13 @@ def completion(h, body):
     if not f.has("prompt"):
         raise BadRequest('"prompt" must be provided')
     prompt = prompt_from(f.raw("prompt"))
-    tokens = tokens_of(entry.model, prompt, add_special=True)
-    gen = generation_from(f, entry.model.n_vocab, svc.n_predict_default)
-    _constrain(f, entry.model, gen)
+    gen = generation_from(f, entry.n_vocab, svc.n_predict_default)
+    schema, grammar = output_schema_from(f)
+    out = entry.call("prepare_completion", "POST /completion", parts=prompt.parts,
+                     add_special=True, schema=schema, grammar=grammar)
+    gen.sampling.grammar = out["grammar"]
     prompt_text = prompt.parts[0] if prompt.is_text else ""
-    _run_native(h, f, entry, tokens, gen, prompt_text, "completion")
+    _run_native(h, f, entry, out["tokens"], gen, prompt_text, "completion")
 
 
 def infill(h, body):
@@ -180,23 +203,20 @@ def infill(h, body):
     svc = h.service
     entry = svc.entry_for(None, fim=True)
     req = infill_from(f)
-    gen = generation_from(f, entry.model.n_vocab, svc.n_predict_default)
-    _constrain(f, entry.model, gen)
+    gen = generation_from(f, entry.n_vocab, svc.n_predict_default)
     gen.cache_reuse = _cache_reuse(f, svc)
-    reserve = gen.n_predict if gen.n_predict > 0 else INFILL_GENERATION_RESERVE
-    tokens = build_infill_prompt(entry.model, req, entry.n_ctx, entry.n_batch, reserve)
+    tokens = _infill_tokens(f, entry, req, gen, "POST /infill")
     _run_native(h, f, entry, tokens, gen, "", "infill")
 
 
-def _constrain(f, model, gen):
-    """llama-server's ``grammar`` (GBNF) or ``json_schema`` on a completion:
-    only text they match is sampled.  A grammar libllama refuses is a 400."""
+def _infill_tokens(f, entry, req, gen, what):
+    """The FIM prompt of ``req`` (laid out by the worker), and its grammar set on ``gen``."""
+    reserve = gen.n_predict if gen.n_predict > 0 else INFILL_GENERATION_RESERVE
     schema, grammar = output_schema_from(f)
-    if schema is not None:
-        grammar = schema_to_grammar(schema)
-    if grammar is not None:
-        check_grammar(model.lib, model.handle.vocab, grammar)
-        gen.sampling.grammar = grammar
+    out = entry.call("prepare_infill", what, request=protocol.encode_infill(req),
+                     reserve=reserve, schema=schema, grammar=grammar)
+    gen.sampling.grammar = out["grammar"]
+    return out["tokens"]
 
 
 def _cache_reuse(f, svc):
@@ -227,7 +247,7 @@ def _run_native(h, f, entry, tokens, gen, prompt_text, endpoint):
                                                   len(tokens)))
 
         c = svc.generate(entry, tokens, gen, id_slot, on_piece if stream else None,
-                         sock=h.connection)
+                         sock=h.connection, what="POST /" + endpoint)
         obj = formats.native_final(c, entry.id, gen, entry.n_ctx, id_slot, prompt_text,
                                    index=index, stream=stream, return_tokens=return_tokens)
         if stream:
@@ -271,26 +291,28 @@ def v1_completions(h, body):
         if not prompt.is_text:
             raise BadRequest("with 'suffix', 'prompt' must be a string")
         entry = svc.entry_for(None, fim=True)
-        gen = generation_from(f, entry.model.n_vocab, svc.n_predict_default,
+        gen = generation_from(f, entry.n_vocab, svc.n_predict_default,
                               ("max_tokens", "n_predict"))
-        _constrain(f, entry.model, gen)
         gen.cache_reuse = _cache_reuse(f, svc)
-        reserve = gen.n_predict if gen.n_predict > 0 else INFILL_GENERATION_RESERVE
         req = InfillRequest(input_prefix=prompt.parts[0], input_suffix=suffix)
-        tokens = build_infill_prompt(entry.model, req, entry.n_ctx, entry.n_batch, reserve)
+        tokens = _infill_tokens(f, entry, req, gen, "POST /v1/completions")
     else:
         entry = svc.entry_for(f.raw("model"))
-        gen = generation_from(f, entry.model.n_vocab, svc.n_predict_default,
+        gen = generation_from(f, entry.n_vocab, svc.n_predict_default,
                               ("max_tokens", "n_predict"))
-        _constrain(f, entry.model, gen)
-        tokens = tokens_of(entry.model, prompt, add_special=True)
+        schema, grammar = output_schema_from(f)
+        out = entry.call("prepare_completion", "POST /v1/completions", parts=prompt.parts,
+                         add_special=True, schema=schema, grammar=grammar)
+        gen.sampling.grammar = out["grammar"]
+        tokens = out["tokens"]
     svc.metrics.request("v1/completions")
     stream = f.bool("stream", False)
     include_usage = include_usage_from(f)
     id_slot = id_slot_from(f)
     cid, created = formats.new_id("cmpl"), formats.now()
     if not stream:
-        c = svc.generate(entry, tokens, gen, id_slot, sock=h.connection)
+        c = svc.generate(entry, tokens, gen, id_slot, sock=h.connection,
+                         what="POST /v1/completions")
         h.send_json(200, formats.oai_completion(c, entry.id, cid, created))
         return
     es = h.event_stream()
@@ -298,7 +320,8 @@ def v1_completions(h, body):
     def on_piece(text):
         return es.send(formats.oai_completion_chunk(text, entry.id, cid, created))
 
-    c = svc.generate(entry, tokens, gen, id_slot, on_piece, sock=h.connection)
+    c = svc.generate(entry, tokens, gen, id_slot, on_piece, sock=h.connection,
+                     what="POST /v1/completions")
     es.send(formats.oai_completion_chunk("", entry.id, cid, created, formats.finish_reason(c)))
     if include_usage:
         es.send(formats.oai_usage_chunk(c, "text_completion", entry.id, cid, created))

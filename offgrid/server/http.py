@@ -351,6 +351,10 @@ class Handler(BaseHTTPRequestHandler):
     def send_json(self, status, obj, headers=None):
         self._send_body(status, dumps(obj), "application/json; charset=utf-8", headers)
 
+    def send_raw_json(self, status, body):
+        """A body that is JSON already (bytes), as a worker wrote it."""
+        self._send_body(status, body, "application/json; charset=utf-8")
+
     def send_text(self, status, text, content_type="text/plain; version=0.0.4"):
         self._send_body(status, text.encode("utf-8"), content_type)
 

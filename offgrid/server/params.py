@@ -282,7 +282,7 @@ def chat_messages_from(v):
     tool calls; content is a string, null, or an array of text parts.
     """
     import json
-    from ..chat.template import Message, ToolCall
+    from ..request import Message, ToolCall
     if not isinstance(v, list) or not v:
         raise BadRequest("'messages' must be a non-empty array")
     out = []
@@ -347,7 +347,7 @@ def chat_messages_from(v):
 
 def tools_from(v):
     """OpenAI ``tools`` (functions only) as chat.Tool; None or [] gives []."""
-    from ..chat.template import Tool
+    from ..request import Tool
     if v is None:
         return []
     if not isinstance(v, list):

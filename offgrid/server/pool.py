@@ -1,6 +1,9 @@
 """Sessions shared between requests: the pool, and the supersede table.
 
-ChatPool hands out a model's ``--parallel`` ChatSessions.  Requests wait in
+ChatPool hands out a model's ``--parallel`` sessions, each a SessionSlot:
+the front's record of one ChatSession in the model's worker (its index
+there, and the tokens its cache holds, as the worker reported after the
+last request).  Requests wait in
 arrival order; a freed session goes to the oldest waiter, and among free
 sessions a request gets the one whose cache shares the longest prefix with its
 prompt, so an editor keeps landing on its warm cache.
@@ -16,7 +19,21 @@ Lock order: a RequestCancel's lock may be taken before the pool's condition
 import collections
 import threading
 
+# pure Python, the one measure of a warm cache on both sides of the pipe
+from ..engine.cachereuse import common_prefix
 from .errors import Unavailable
+
+
+class SessionSlot:
+    """One of a worker's ChatSessions, as the front sees it."""
+
+    def __init__(self, index):
+        self.index = index
+        self.cached = []        # token ids in its KV cache (None: a hole left by a cancel)
+
+    def common_prefix(self, tokens):
+        """How many leading tokens of ``tokens`` the session has cached."""
+        return common_prefix(self.cached, tokens)
 
 
 class ChatPool:

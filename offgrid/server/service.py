@@ -4,12 +4,14 @@
         supersede.register(id_slot)          a newer request cancels this one
         watcher.watch(socket)                a closed connection cancels this one
         pool.acquire(prompt)                 wait for a session (FIFO, warm cache first)
-        session.complete(...)                evaluate + generate, pieces to on_piece
+        worker.generate(session, ...)        the model's worker process evaluates and
+                                             generates, pieces to on_piece
         pool.release, unregister, unwatch    always, in a finally
 
-Service also owns the models (ModelEntry), the counters behind /metrics and
-/slots, and the shutdown sequence.  It knows nothing of HTTP beyond raising
-the errors of ``server.errors``.
+Service also owns the models (ModelEntry: a worker and the pool of its
+sessions), the counters behind /metrics and /slots, and the shutdown
+sequence.  It knows nothing of HTTP beyond raising the errors of
+``server.errors``, and nothing of libllama: models live in their workers.
 """
 
 import os
@@ -21,25 +23,54 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from ..request import Completion, FinishReason, RequestCancel, Usage
+from .. import protocol
 from .errors import BadRequest, Unavailable
-from .pool import ChatPool, Supersede
+from .pool import ChatPool, SessionSlot, Supersede
 
 
 @dataclass
 class ModelEntry:
-    """One loaded model, the names it answers to, and its sessions."""
+    """One model: the names it answers to, its worker process and its sessions."""
     id: str
-    model: object               # offgrid.engine.model.Model
+    worker: object              # server.workers.WorkerClient
     pool: ChatPool
-    n_ctx: int
-    n_batch: int
     aliases: List[str] = field(default_factory=list)
     path: str = ""
-    chat_template: Optional[str] = None     # --chat-template: Jinja text or a built-in name
-    template: object = None     # the chat template in use, set by chat.select.template_for
 
     def answers_to(self, name):
         return name == self.id or name in self.aliases
+
+    @classmethod
+    def started(cls, worker, name=None, aliases=()):
+        """The entry of a worker that has loaded its model (WorkerClient.start)."""
+        info = worker.info
+        slots = [SessionSlot(i) for i in range(info["n_sessions"])]
+        return cls(id=name or info["name"], worker=worker, pool=ChatPool(slots),
+                   aliases=list(aliases), path=info["path"])
+
+    # what the front knows of the model, as its worker reported it at load
+    @property
+    def info(self):
+        return self.worker.info
+
+    @property
+    def n_ctx(self):
+        return self.worker.info["n_ctx"]
+
+    @property
+    def n_vocab(self):
+        return self.worker.info["n_vocab"]
+
+    @property
+    def has_fim(self):
+        return self.worker.info["has_fim"]
+
+    @property
+    def state(self):
+        return self.worker.state
+
+    def call(self, method, what="", **args):
+        return self.worker.call(method, what, **args)
 
 
 class Metrics:
@@ -203,11 +234,15 @@ class Service:
         return self.text
 
     # -- running a request --------------------------------------------------
-    def generate(self, entry, tokens, gen, id_slot=-1, on_piece=None, sock=None, cancel=None):
+    def generate(self, entry, tokens, gen, id_slot=-1, on_piece=None, sock=None, cancel=None,
+                 chat=None, what=""):
         """Run one generation request from start to finish; returns a Completion.
 
-        A request superseded or disconnected while waiting returns an empty
-        CANCELLED completion without ever touching a session.
+        ``on_piece`` gets each streamed piece of text, or with ``chat`` each
+        reply delta (a dict); returning False cancels.  With ``chat`` the
+        Completion's ``reply`` is the parsed reply.  A request superseded
+        or disconnected while waiting returns an empty CANCELLED completion
+        without ever touching a session.
         """
         if self.state != "ready":
             raise Unavailable("server is shutting down")
@@ -231,7 +266,7 @@ class Service:
                                Usage(prompt_tokens=len(tokens)))
             else:
                 try:
-                    c = session.complete(tokens, gen, on_piece, cancel)
+                    c = self._run(entry, session, tokens, gen, on_piece, cancel, chat, what)
                 finally:
                     entry.pool.release(session)
             self.metrics.completion(c)
@@ -243,6 +278,24 @@ class Service:
                 self.supersede.unregister(key, cancel)
             with self._lock:
                 self._running.discard(cancel)
+
+    def _run(self, entry, session, tokens, gen, on_piece, cancel, chat, what):
+        on_event = None
+        if on_piece is not None:
+            def on_event(frame):
+                return on_piece(frame["text"] if frame["op"] == "piece" else frame["delta"])
+        try:
+            out = entry.worker.generate(session.index, tokens, gen, cancel,
+                                        stream=on_piece is not None, chat=chat,
+                                        on_event=on_event, what=what)
+        except BaseException:
+            # the worker's cache is unknown now (reset, or a new worker)
+            session.cached = []
+            raise
+        session.cached = out["cached"]
+        c = protocol.decode_completion(out["completion"])
+        c.reply = out.get("reply")
+        return c
 
     # -- shutdown -----------------------------------------------------------
     def shutdown(self):
@@ -266,9 +319,6 @@ class Service:
         self.watcher.stop()
 
     def close(self):
-        """Free every session and model (after shutdown)."""
+        """End every model's worker (after shutdown)."""
         for e in self.entries:
-            for s in e.pool.sessions:
-                s.close()
-        for e in self.entries:
-            e.model.close()
+            e.worker.close()

@@ -1,0 +1,89 @@
+"""A chat request made ready to generate: prompt text, the grammar on the reply, how to read it.
+
+    Messages, Tools, tool_choice, output schema
+        --ChatTemplate.apply--> prompt text, ReplyFormat, tool-call grammar
+        --grammar_of-->         the one grammar the reply is held to (and its lazy triggers)
+        --preserved_tokens-->   control tokens whose text the reply must keep
+
+Output constraints become a GBNF grammar for libllama's grammar sampler:
+``tool_choice`` "required" or a named function (a call in the template's
+syntax, arguments per the tool's schema), ``response_format`` json_object /
+json_schema and llama.cpp's ``json_schema`` (``jsonschema.py``), or a
+``grammar`` given as is.  With ``tool_choice`` "auto" the call grammar is
+lazy, as llama-server's: text is free until the model writes the template's
+call opener (``<tool_call>``, ``[TOOL_CALLS]``, gpt-oss's ``to=functions.``),
+and from there only a well-formed call follows.
+
+Runs in the model's worker (``engine/worker.py``); ``model`` is the loaded
+Model, used to tokenize markers.
+"""
+
+from dataclasses import dataclass
+from typing import FrozenSet, Optional
+
+from .jsonschema import schema_to_grammar
+from .template import ChatTemplateError, ReplyFormat
+
+
+@dataclass
+class ChatPlan:
+    """A rendered chat prompt and what generating and reading its reply needs."""
+    text: str
+    reply_format: ReplyFormat
+    grammar: Optional[str]
+    grammar_triggers: tuple
+    preserved_tokens: FrozenSet[int]
+    id_length: int                  # tool-call ids: Mistral's templates want 9 characters
+
+
+def prepare_chat(model, template, messages, tools=(), tool_choice="auto", schema=None,
+                 grammar=None, add_generation_prompt=True, enable_thinking=None, kwargs=None,
+                 parallel_tool_calls=None, reasoning_format="auto"):
+    """Render ``messages`` with ``template`` and settle the reply's grammar; a ChatPlan."""
+    if tools and tool_choice != "none" and grammar:
+        raise ChatTemplateError("cannot use custom grammar constraints with tools")
+    prompt = template.apply(messages, tools, add_generation_prompt=add_generation_prompt,
+                            enable_thinking=enable_thinking, kwargs=kwargs or {},
+                            json_schema=schema, tool_choice=tool_choice,
+                            parallel_tool_calls=parallel_tool_calls,
+                            reasoning_format=reasoning_format)
+    g, triggers = grammar_of(prompt, schema, grammar)
+    fmt = prompt.reply_format
+    id_length = 9 if getattr(template, "tool_syntax", "") == "mistral" else 32
+    return ChatPlan(prompt.text, fmt, g, tuple(triggers), preserved_tokens(model, fmt), id_length)
+
+
+def grammar_of(prompt, schema, grammar):
+    """(GBNF or None, lazy triggers) constraining the reply.
+
+    A response format wins over tool_choice "auto"'s lazy call grammar (the
+    reply is then the format's JSON), but not over a required call.
+    """
+    required_call = prompt.grammar is not None and not prompt.grammar_triggers
+    if required_call and schema is not None:
+        raise ChatTemplateError("a required tool call and a response format cannot be combined")
+    if schema is not None:
+        return schema_to_grammar(schema), ()
+    if prompt.grammar is not None:
+        return prompt.grammar, prompt.grammar_triggers
+    return grammar, ()
+
+
+# Markers a reply is read by; where one is a control token, it renders as
+# nothing unless generation keeps its text.
+_CALL_MARKERS = ("<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]",
+                 "[CALL_ID]")
+_HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>")
+
+
+def preserved_tokens(model, fmt):
+    """Control tokens the reply must show as text for the markers to be read."""
+    markers = [m for pair in fmt.reasoning_markers for m in pair] + list(_CALL_MARKERS)
+    if fmt.tool_syntax == "harmony":
+        markers += _HARMONY_MARKERS
+    out = set()
+    for text in markers:
+        toks = model.tokenize(text, add_special=False, parse_special=True)
+        if len(toks) == 1 and not model.token_bytes(toks[0]):
+            out.add(toks[0])
+    return frozenset(out)

@@ -1,0 +1,382 @@
+"""A model's worker process: one loaded model, its sessions, and the front on a pipe.
+
+    python -m offgrid.engine.worker --model PATH [settings]    (started by server/workers.py)
+
+The front (``offgrid.server``) never loads libllama; each model runs here, so
+an abort, a segfault or a runaway allocation inside libllama costs this
+model's requests in flight, not the server.  Frames (``offgrid/protocol.py``)
+come in on stdin and go out on stdout; stderr is the front's terminal.
+
+Threads:
+  main      reads frames: "call" and "generate" each run on a thread of their
+            own; "cancel" flips the request's RequestCancel at once, which sets
+            libllama's abort flag, so a decode in progress stops within one
+            graph node
+  request   one per call or generation; answers with frames (under one lock,
+            so frames never interleave)
+When stdin ends the front is gone (or closed us): the process exits at once,
+whatever is running, so no worker outlives its front.  SIGINT and SIGTERM
+are ignored: a Ctrl-C or a service manager's SIGTERM to the whole process
+group reaches the front, whose shutdown lets running requests finish first.
+"""
+
+import argparse
+import dataclasses
+import fcntl
+import json
+import os
+import signal
+import sys
+import threading
+
+from .. import protocol
+from ..chat.prompt import prepare_chat
+from ..chat.reply import ReplyStream, parse_reply
+from ..chat.jsonschema import schema_to_grammar
+from ..chat.select import template_for
+from ..chat.template import ReplyFormat, new_tool_call_id
+from ..errors import InvalidRequest, OffgridError
+from ..request import RequestCancel
+from .infill import build_infill_prompt
+from .model import Model
+from .sampling import check_grammar
+from .session import ChatSession, take_turns_with
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="offgrid.engine.worker")
+    p.add_argument("--model", required=True)
+    p.add_argument("--ctx-size", type=int, default=4096)
+    p.add_argument("--batch-size", type=int, default=512)
+    p.add_argument("--ubatch-size", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads-batch", type=int, default=None)
+    p.add_argument("--parallel", type=int, default=1)
+    p.add_argument("--no-swa-full", action="store_true")
+    p.add_argument("--chat-template", default=None, help="Jinja text or a built-in name")
+    p.add_argument("--lib", default=None)
+    p.add_argument("--decode-lock", default=None,
+                   help="a file every worker of one server flocks around each decode")
+    p.add_argument("--verbose", action="store_true")
+    return p.parse_args(argv)
+
+
+class FileTurns:
+    """A lock shared with the other workers of this server: a thread lock, then flock.
+
+    ggml's threads spin at barriers: two models decoding at once on the same
+    cores starve each other (engine/session.py measures 50 to 100 times
+    slower), so decodes take turns across processes as within one.
+    """
+
+    def __init__(self, path):
+        self._fd = os.open(path, os.O_RDWR)     # our own open file: flock is per open file
+        self._thread_lock = threading.Lock()
+
+    def __enter__(self):
+        self._thread_lock.acquire()
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        self._thread_lock.release()
+
+
+class Loaded:
+    """The model, its sessions and its chat template (what chat.select keeps on it)."""
+
+    def __init__(self, model, sessions, chat_template=None):
+        self.model = model
+        self.sessions = sessions
+        self.chat_template = chat_template
+        self.template = None
+        template_for(self)      # a template that cannot be used fails the load
+
+    @classmethod
+    def load(cls, args):
+        model = Model.load(args.model, lib_path=args.lib, verbose=args.verbose)
+        sessions = []
+        try:
+            for _ in range(max(1, args.parallel)):
+                sessions.append(ChatSession(
+                    model, n_ctx=args.ctx_size, n_batch=args.batch_size,
+                    n_ubatch=args.ubatch_size, n_threads=args.threads,
+                    n_threads_batch=args.threads_batch, swa_full=not args.no_swa_full))
+            return cls(model, sessions, args.chat_template)
+        except BaseException:
+            for s in sessions:
+                s.close()
+            model.close()
+            raise
+
+    def close(self):
+        for s in self.sessions:
+            s.close()
+        self.model.close()
+
+    def info(self):
+        m, s = self.model, self.sessions[0]
+        t = self.template
+        return {
+            "path": os.path.abspath(m.path), "name": m.name, "n_vocab": m.n_vocab,
+            "n_ctx_train": m.n_ctx_train, "n_embd": m.n_embd, "n_params": m.n_params,
+            "size": m.size, "file_size": os.path.getsize(m.path), "desc": m.desc,
+            "n_ctx": s.n_ctx, "n_batch": s.n_batch, "n_sessions": len(self.sessions),
+            "has_fim": m.has_fim, "chat_template": m.chat_template or "",
+            "caps": t.caps.as_dict(), "tool_syntax": getattr(t, "tool_syntax", "generic"),
+            "meta": m.meta, "pid": os.getpid(), "kv_bytes": self.kv_bytes(),
+        }
+
+    def kv_bytes(self):
+        """The KV caches' size, from the model's shape (f16 keys and values)."""
+        meta, s = self.model.meta, self.sessions[0]
+        arch = meta.get("general.architecture", "")
+
+        def num(key, default=0):
+            try:
+                return int(meta.get("%s.%s" % (arch, key), default))
+            except (TypeError, ValueError):
+                return default
+        n_head = num("attention.head_count", 1) or 1
+        head = num("embedding_length", 0) // n_head
+        n_kv = num("attention.head_count_kv", n_head)
+        per_token = num("block_count") * n_kv * (num("attention.key_length", head)
+                                                 + num("attention.value_length", head)) * 2
+        return per_token * s.n_ctx * len(self.sessions)
+
+
+class Worker:
+    """Answers the front's frames for one Loaded model."""
+
+    def __init__(self, loaded, out):
+        self.loaded = loaded
+        self.model = loaded.model
+        self._out = out
+        self._out_lock = threading.Lock()
+        self._cancels = {}              # request id -> RequestCancel of a running generation
+        self._lock = threading.Lock()
+
+    # -- frames out ---------------------------------------------------------------
+    def send(self, obj):
+        data = protocol.encode(obj)
+        with self._out_lock:
+            self._out.write(data)
+            self._out.flush()
+
+    # -- frames in -----------------------------------------------------------------
+    def serve(self, inp):
+        """Read frames until the front goes away."""
+        while True:
+            try:
+                frame = protocol.read_frame(inp)
+            except protocol.ProtocolError:
+                frame = None
+            if frame is None:
+                return
+            op = frame.get("op")
+            if op == "cancel":
+                with self._lock:
+                    cancel = self._cancels.get(frame["id"])
+                if cancel is not None:
+                    cancel.cancel(frame.get("reason") or "cancelled")
+            elif op == "generate":
+                cancel = RequestCancel()
+                with self._lock:
+                    self._cancels[frame["id"]] = cancel
+                self._spawn(self._generate, frame, cancel)
+            elif op == "call":
+                self._spawn(self._call, frame)
+
+    def _spawn(self, fn, *args):
+        threading.Thread(target=fn, args=args, daemon=True,
+                         name="request-%s" % args[0].get("id")).start()
+
+    def _answer(self, rid, fn, *args):
+        try:
+            value = fn(*args)
+        except BaseException as e:  # the request's error, never the worker's end
+            self.send({"op": "error", "id": rid, "error": protocol.encode_error(e)})
+        else:
+            self.send({"op": "result", "id": rid, "value": value})
+
+    # -- calls ------------------------------------------------------------------------
+    def _call(self, frame):
+        method = getattr(self, "call_" + str(frame.get("method")), None)
+        if method is None:
+            err = OffgridError("no worker method %r" % frame.get("method"))
+            self.send({"op": "error", "id": frame["id"], "error": protocol.encode_error(err)})
+            return
+        args = frame.get("args", {})
+        self._answer(frame["id"], lambda: method(**args))
+
+    def call_tokenize(self, text, add_special=False, parse_special=True, with_pieces=False):
+        m = self.model
+        tokens = m.tokenize(text, add_special=add_special, parse_special=parse_special)
+        if not with_pieces:
+            return {"tokens": tokens}
+        # The body, built here from one cached fragment per distinct token:
+        # a list of dicts per token cost 1.4 GB for an 8 MiB body.
+        frags = {}
+        parts = []
+        for t in tokens:
+            frag = frags.get(t)
+            if frag is None:
+                piece = m.token_text(t)
+                try:
+                    p = json.dumps(piece.decode("utf-8"), ensure_ascii=False)
+                except UnicodeDecodeError:
+                    p = json.dumps(list(piece))
+                frag = frags[t] = '{"id":%d,"piece":%s}' % (t, p)
+            parts.append(frag)
+        return {"body": '{"tokens":[' + ",".join(parts) + "]}"}
+
+    def call_detokenize(self, tokens):
+        return {"content": self.model.detokenize(tokens, special=True)}
+
+    def call_prepare_completion(self, parts, add_special=True, schema=None, grammar=None):
+        """Token ids of a prompt given as text and token-id parts; BOS only before text."""
+        m = self.model
+        tokens = []
+        for i, part in enumerate(parts):
+            if isinstance(part, str):
+                tokens += m.tokenize(part, add_special=add_special and i == 0,
+                                     parse_special=True)
+            else:
+                m.check_tokens(part)
+                tokens += part
+        if not tokens:
+            raise InvalidRequest("the prompt is empty: send some text or token ids")
+        return {"tokens": tokens, "grammar": self._constraint(schema, grammar)}
+
+    def call_prepare_infill(self, request, reserve, schema=None, grammar=None):
+        s = self.loaded.sessions[0]
+        tokens = build_infill_prompt(self.model, protocol.decode_infill(request), s.n_ctx,
+                                     s.n_batch, reserve)
+        return {"tokens": tokens, "grammar": self._constraint(schema, grammar)}
+
+    def _constraint(self, schema, grammar):
+        """llama-server's ``json_schema`` or ``grammar``, as checked GBNF (or None)."""
+        if schema is not None:
+            grammar = schema_to_grammar(schema)
+        if grammar is not None:
+            check_grammar(self.model.lib, self.model.handle.vocab, grammar)
+        return grammar
+
+    def call_prepare_chat(self, messages, tools=(), tool_choice="auto", schema=None,
+                          grammar=None, add_generation_prompt=True, enable_thinking=None,
+                          kwargs=None, parallel_tool_calls=None, reasoning_format="auto",
+                          tokenize=True):
+        plan = prepare_chat(self.model, template_for(self.loaded),
+                            protocol.decode_messages(messages), protocol.decode_tools(tools),
+                            tool_choice, schema, grammar, add_generation_prompt,
+                            enable_thinking, kwargs, parallel_tool_calls, reasoning_format)
+        out = {"text": plan.text}
+        if tokenize:
+            if plan.grammar is not None:
+                check_grammar(self.model.lib, self.model.handle.vocab, plan.grammar,
+                              plan.grammar_triggers)
+            out.update(
+                tokens=self.model.tokenize(plan.text, add_special=True, parse_special=True),
+                grammar=plan.grammar, grammar_triggers=list(plan.grammar_triggers),
+                preserved_tokens=sorted(plan.preserved_tokens),
+                chat={"fmt": dataclasses.asdict(plan.reply_format),
+                      "id_length": plan.id_length})
+        return out
+
+    # -- generation -------------------------------------------------------------------
+    def _generate(self, frame, cancel):
+        rid = frame["id"]
+        try:
+            self._answer(rid, self._run, frame, cancel)
+        finally:
+            with self._lock:
+                self._cancels.pop(rid, None)
+
+    def _run(self, frame, cancel):
+        rid = frame["id"]
+        session = self.loaded.sessions[frame["session"]]
+        gen = protocol.decode_gen(frame["gen"])
+        chat = frame.get("chat")
+        stream = frame.get("stream", False)
+        on_piece = None
+        rs = None
+        if chat is not None:
+            fmt = _reply_format(chat["fmt"])
+            rs = ReplyStream(fmt, chat["id_length"])
+            if stream:
+                def on_piece(text):
+                    for d in rs.add(text):
+                        self.send({"op": "delta", "id": rid, "delta": _delta(d)})
+            else:
+                def on_piece(text):
+                    rs.text += text
+        elif stream:
+            def on_piece(text):
+                self.send({"op": "piece", "id": rid, "text": text})
+        try:
+            c = session.complete(frame["tokens"], gen, on_piece, cancel)
+        finally:
+            cached = list(session.cached) if not session.closed else []
+        out = {"completion": protocol.encode_completion(c), "cached": cached}
+        if rs is not None:
+            if stream:
+                deltas, reply = rs.finish()
+                if c.finish_reason.value != "cancelled":
+                    for d in deltas:
+                        self.send({"op": "delta", "id": rid, "delta": _delta(d)})
+            else:
+                reply = parse_reply(rs.text, rs.fmt)
+            for tc in reply.tool_calls:
+                if not tc.id:
+                    tc.id = new_tool_call_id(chat["id_length"])
+            out["reply"] = {"content": reply.content,
+                            "reasoning_content": reply.reasoning_content,
+                            "tool_calls": [_call(tc) for tc in reply.tool_calls]}
+        return out
+
+
+def _reply_format(d):
+    d = dict(d)
+    d["reasoning_markers"] = [tuple(p) for p in d["reasoning_markers"]]
+    return ReplyFormat(**d)
+
+
+def _call(tc):
+    return {"id": tc.id, "name": tc.name, "arguments": tc.arguments}
+
+
+def _delta(d):
+    if d.reasoning_content is not None:
+        return {"reasoning_content": d.reasoning_content}
+    if d.content is not None:
+        return {"content": d.content}
+    index, tc = d.tool_call
+    return {"tool_call": [index, _call(tc)]}
+
+
+def main(argv=None):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    args = parse_args(argv)
+    if args.decode_lock:
+        take_turns_with(FileTurns(args.decode_lock))
+    inp, out = sys.stdin.buffer, sys.stdout.buffer
+    # nothing else may write to the frame stream: print() goes to stderr
+    sys.stdout = sys.stderr
+    try:
+        loaded = Loaded.load(args)
+    except Exception as e:
+        out.write(protocol.encode({"op": "failed", "error": protocol.encode_error(e)}))
+        out.flush()
+        return 1
+    worker = Worker(loaded, out)
+    worker.send({"op": "ready", "info": loaded.info()})
+    worker.serve(inp)
+    # The front is gone.  Requests may still be running on other threads
+    # inside libllama: end the process rather than free what they use.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""The framed protocol between the front and a model's worker process.
+
+A frame is a 4-byte big-endian length, then that many bytes of UTF-8 JSON:
+one object.  Both ends are the same offgrid, started together; still,
+nothing is unpickled on either side (JSON only, with Infinity for the -inf
+of a banned token's logit bias).  The worker reads frames on its stdin and
+writes them on its stdout; its stderr is the front's.
+
+Front -> worker
+    {"op": "call", "id": N, "method": NAME, "args": {...}}
+        a short request, answered once (the methods: ``engine/worker.py``)
+    {"op": "generate", "id": N, "session": I, "tokens": [...], "gen": {...},
+     "stream": BOOL, "chat": {...} or null}
+        run a prompt on session I; with "stream", pieces (or chat deltas)
+        come back as they are final
+    {"op": "cancel", "id": N, "reason": TEXT}
+        stop request N; a running decode stops within one graph node
+Worker -> front
+    {"op": "ready", "info": {...}}      once, when the model and its sessions are loaded
+    {"op": "failed", "error": ERR}      instead of "ready": the model did not load
+    {"op": "piece", "id": N, "text": TEXT}
+    {"op": "delta", "id": N, "delta": {"content"|"reasoning_content"|"tool_call": ...}}
+    {"op": "result", "id": N, "value": VALUE}
+    {"op": "error", "id": N, "error": ERR}
+ERR is {"kind": NAME, "message": TEXT, "type": TEXT}: NAME is a class of
+``offgrid.errors``, so the front raises the same exception the engine did
+and maps it to HTTP in its one place (``server/errors.py``).
+
+Each request id belongs to the front; the worker forgets it with its
+"result" or "error".
+"""
+
+import dataclasses
+import json
+import struct
+
+from . import errors
+from .request import (Completion, FinishReason, GenerationParams, InfillRequest, Message,
+                      SamplingParams, Tool, ToolCall, Usage)
+
+_HEADER = struct.Struct(">I")
+# A frame this large is a bug on the other side, not data: an 8 MiB request
+# body tokenizes to frames of a few tens of MiB at most.
+MAX_FRAME = 1 << 30
+
+
+class ProtocolError(Exception):
+    """The other side sent something that is not a frame (or closed mid-frame)."""
+
+
+# -- frames ---------------------------------------------------------------------------
+
+def encode(obj):
+    """One frame's bytes."""
+    data = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8",
+                                                                            "surrogatepass")
+    return _HEADER.pack(len(data)) + data
+
+
+def read_frame(f):
+    """The next object from the binary stream ``f``; None at a clean end of stream."""
+    head = f.read(_HEADER.size)
+    if not head:
+        return None
+    if len(head) < _HEADER.size:
+        raise ProtocolError("stream ended inside a frame header")
+    (n,) = _HEADER.unpack(head)
+    if n > MAX_FRAME:
+        raise ProtocolError("frame of %d bytes" % n)
+    data = f.read(n)
+    if len(data) < n:
+        raise ProtocolError("stream ended inside a frame")
+    return json.loads(data.decode("utf-8", "surrogatepass"))
+
+
+# -- errors ---------------------------------------------------------------------------
+
+def encode_error(exc):
+    """ERR for an exception: its nearest class in offgrid.errors, its message."""
+    kind = "OffgridError"
+    for cls in type(exc).__mro__:
+        if getattr(errors, cls.__name__, None) is cls:
+            kind = cls.__name__
+            break
+    if not isinstance(exc, errors.OffgridError):
+        # a bug in the worker: the front answers 500 with what it was
+        kind, message = "OffgridError", "internal error: %s: %s" % (type(exc).__name__, exc)
+    else:
+        message = str(exc)
+    return {"kind": kind, "message": message, "type": getattr(exc, "http_type", None)}
+
+
+def decode_error(err):
+    """The exception ERR stands for."""
+    cls = getattr(errors, err.get("kind", ""), None)
+    if not (isinstance(cls, type) and issubclass(cls, errors.OffgridError)):
+        cls = errors.OffgridError
+    exc = cls(err.get("message", ""))
+    if err.get("type"):
+        exc.http_type = err["type"]
+    return exc
+
+
+# -- typed requests and results -------------------------------------------------------
+
+def encode_gen(gen):
+    d = dataclasses.asdict(gen)
+    d["preserved_tokens"] = sorted(gen.preserved_tokens)
+    return d
+
+
+def decode_gen(d):
+    d = dict(d)
+    s = dict(d.pop("sampling"))
+    s["samplers"] = tuple(s["samplers"])
+    s["logit_bias"] = [(int(t), float(b)) for t, b in s["logit_bias"]]
+    s["grammar_triggers"] = tuple(s["grammar_triggers"])
+    d["preserved_tokens"] = frozenset(d["preserved_tokens"])
+    return GenerationParams(sampling=SamplingParams(**s), **d)
+
+
+def encode_completion(c):
+    return {"text": c.text, "tokens": c.tokens, "finish_reason": c.finish_reason.value,
+            "stop_type": c.stop_type, "stopping_word": c.stopping_word,
+            "usage": dataclasses.asdict(c.usage), "truncated": c.truncated}
+
+
+def decode_completion(d):
+    return Completion(d["text"], d["tokens"], FinishReason(d["finish_reason"]), d["stop_type"],
+                      d["stopping_word"], Usage(**d["usage"]), d["truncated"])
+
+
+def encode_infill(req):
+    return dataclasses.asdict(req)
+
+
+def decode_infill(d):
+    d = dict(d)
+    d["input_extra"] = [(str(a), str(b)) for a, b in d["input_extra"]]
+    return InfillRequest(**d)
+
+
+def encode_messages(messages):
+    return [dataclasses.asdict(m) for m in messages]
+
+
+def decode_messages(items):
+    out = []
+    for d in items:
+        d = dict(d)
+        d["tool_calls"] = [ToolCall(**tc) for tc in d["tool_calls"]]
+        out.append(Message(**d))
+    return out
+
+
+def encode_tools(tools):
+    return [dataclasses.asdict(t) for t in tools]
+
+
+def decode_tools(items):
+    return [Tool(**d) for d in items]
