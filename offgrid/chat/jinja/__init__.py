@@ -14,7 +14,7 @@ template and messages give the same prompt byte for byte.
 Three stages, read top to bottom: ``lex()`` turns the source into tokens,
 ``Parser`` builds a tree of nodes, and each node's ``eval(ctx)`` computes a
 value.  Values, scopes and the builtins (filters, tests, methods, global
-functions) live in offgrid.jinja_values.
+functions) live in .values, .functions and .builtins.
 
 What is outside the subset -- ``{% include %}``, ``{% raw %}``, a filter a
 type does not have, ``*args`` -- raises ``Unsupported`` naming it; a syntax
@@ -35,10 +35,12 @@ text outside ASCII; nothing else is known to differ.
 
 import math
 
+from .builtins import builtin
+from .functions import GLOBALS, _test_in
 from .values import (  # noqa: F401  (the first line is re-exported)
     TemplateError, TemplateSyntaxError, Unsupported, TemplateRaised, Stats, TrackedStr,
-    Undefined, UNDEFINED, Func, Kwarg, Loop, Args, Context, GLOBALS, _SPACE, _line_col, _key,
-    _test_in, as_int, builtin, equal, hashable, is_undefined, kind, to_str, truthy, type_name)
+    Undefined, UNDEFINED, Func, Kwarg, Loop, Args, Context, _SPACE, _line_col, _key,
+    as_int, equal, hashable, is_undefined, kind, to_str, truthy, type_name)
 
 
 # ---------------------------------------------------------------------------
