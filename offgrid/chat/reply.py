@@ -382,6 +382,8 @@ class _Opener:
                                          if self.nested else [])
         for _ in range(3):          # "type" and "id" may come before the name
             k = self.key(keys)
+            if k is None:
+                return False
             self.ws()
             if k == "name":
                 if self.string(self.names or None) is None:
@@ -399,8 +401,6 @@ class _Opener:
                 return False
             if k == "id" and self.string() is None:
                 return False
-            if k is None:
-                return False
             self.ws()
             if not self.lit(","):
                 return False
@@ -408,7 +408,7 @@ class _Opener:
         return False
 
 
-_HOLD = "hold"
+_HOLD = "hold"      # _bare_calls: not decided yet, send nothing of it
 
 
 def _bare_calls(text, fmt, partial):
@@ -421,7 +421,7 @@ def _bare_calls(text, fmt, partial):
         if not scan.reply():
             return None
     except _More:
-        return _HOLD if partial and len(s) < OPENER_LIMIT else None
+        return _HOLD if partial and len(text.lstrip(_WS)) < OPENER_LIMIT else None
     obj, j = _json_at(s, scan.start)
     if j is None:
         return _HOLD if partial else None       # the call is still being written
