@@ -240,3 +240,10 @@ def test_gpt_oss_call_message_is_a_call(template):
     assert calls_of(reply) == [("get_weather", {"city": "Paris"})]
     assert reply.reasoning_content == "Need the weather."
     assert content_of(per_piece, last) == ""
+
+
+def test_a_tool_call_tag_around_no_call_is_released_before_the_end(template):
+    text = "<tool_call>\nI cannot call a tool for that, sorry. Paris is mild today."
+    per_piece, last, reply = replay(fmt_for(template, QWEN), text)
+    assert reply.tool_calls == [] and reply.content == text
+    assert first_content_piece(per_piece) <= 3
