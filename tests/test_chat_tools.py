@@ -77,7 +77,7 @@ FAMILIES = {
 }
 SYNTAX = {"hermes": "hermes", "qwen3-coder": "hermes", "llama3-tag": "llama3",
           "llama3-json": "llama3", "mistral-json": "mistral", "mistral-args": "mistral",
-          "generic": "generic", "generic-fenced": "hermes", "harmony": "harmony",
+          "generic": "generic", "generic-fenced": "generic", "harmony": "harmony",
           "harmony-role": "harmony"}
 
 

@@ -9,27 +9,33 @@
 the request.  Reasoning is a leading block between markers (``<think>`` ...
 ``</think>`` and the family's own), or everything up to the end marker when
 the prompt already opened the block (DeepSeek-R1, Qwen3 thinking templates).
-Tool calls are read in the template's syntax:
+Tool calls are read in the template's syntax, and only there:
 
     hermes    <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Hermes, Qwen,
-              and Qwen3-Coder's <tool_call><function=...><parameter=...> form)
-    llama3    <|python_tag|>{"name": ..., "parameters": {...}}, or that JSON alone
+              and Qwen3-Coder's <tool_call><function=...><parameter=...> form);
+              several blocks are parallel calls, JSON outside them is content
+    llama3    <|python_tag|>{"name": ..., "parameters": {...}}, or the whole reply
+              that JSON alone (one call)
     mistral   [TOOL_CALLS][{"name": ..., "arguments": {...}}] or [TOOL_CALLS]name[ARGS]{...}
-    generic   the whole reply one JSON object {"name", "arguments"} (or
-              {"tool_call": ...}, {"tool_calls": [...]}, or a list of calls)
+    generic   the whole reply one JSON call {"name", "arguments"} (or
+              {"tool_call": ...}, {"tool_calls": [...]}, or a list of calls),
+              optionally in a ```json fence
     harmony   gpt-oss: messages "<|channel|>analysis<|message|>...<|end|>" (reasoning),
               "<|start|>assistant<|channel|>final<|message|>..." (content), and
               "<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}"
-              (a call), the recipient also allowed in the role header
+              (a call), the recipient also allowed in the role header; or, with
+              the channels left out, the generic form
 
-and the generic form is tried for every syntax when the template's own finds
-nothing.  Text outside calls is content.
+as llama-server reads them.  Text outside calls is content.
 
 Streaming parses the whole text so far after each piece and sends what grew
 since the last parse.  To never take back what was sent, a partial parse
-holds back text that could still turn out to be a marker ("<thi", "<tool_")
-or the start of a JSON tool call, and sends each tool call once, whole,
-when its JSON is complete.
+holds back only what can still become a marker ("<thi", "<tool_") or a call
+in this template's form, and sends each tool call once, whole, when it is
+complete.  A bare JSON call (Llama 3, generic) is held only while the reply's
+start can still be its opener ({"name": <a given tool>, "arguments": ...),
+decided within OPENER_LIMIT characters; prose, code fences and JSON answers
+stream from their first pieces.
 """
 
 import json
@@ -166,9 +172,18 @@ def _xml_value(raw):
     return v
 
 
+def _starts_or_opens(text, i, word):
+    """Whether text[i:] starts with ``word`` or is (so far) its beginning."""
+    return text.startswith(word, i) or word.startswith(text[i:])
+
+
 def _hermes_call(text, i, partial):
-    """The call after ``<tool_call>`` at i: (ToolCall, end) or (None, None) when none/incomplete."""
+    """The call after ``<tool_call>`` at i: (ToolCall, end), (None, None) while
+    it may still come, or (None, -1) when what follows can never be one."""
     i = _skip_ws(text, i)
+    if text[i:i + 1] not in ("", "{", "<") or \
+            (text[i:i + 1] == "<" and not _starts_or_opens(text, i, "<function=")):
+        return None, -1
     if text.startswith("<function=", i):
         m = re.compile(r"<function=([^>\n]+)>").match(text, i)
         if not m:
@@ -184,9 +199,11 @@ def _hermes_call(text, i, partial):
             close + len("</function>")
     else:
         obj, j = _json_at(text, i)
-        call = _call_from_json(obj) if j is not None else None
-        if call is None:
+        if j is None:
             return None, None
+        call = _call_from_json(obj)
+        if call is None:
+            return None, -1         # whole JSON, but not a call
     k = _skip_ws(text, j)
     if text.startswith("</tool_call>", k):
         return call, k + len("</tool_call>")
@@ -207,7 +224,7 @@ def _tagged_calls(text, partial, marker, parse_one):
         parts.append(text[pos:k])
         call, end = parse_one(text, k + len(marker), partial)
         if call is None:
-            if partial:
+            if partial and end != -1:
                 return "".join(parts), calls, True
             parts.append(text[k:])
             return "".join(parts), calls, False
@@ -278,37 +295,171 @@ def _mistral(text, partial):
 _SYNTAXES = {"hermes": _hermes, "llama3": _llama3, "mistral": _mistral}
 
 
-def _generic(text):
-    """Calls when the whole text is JSON calls (optionally in a ``` fence), else None."""
+# ---------------------------------------------------------------------------
+# Bare JSON calls: a reply that is nothing but a call object
+# ---------------------------------------------------------------------------
+#
+# Llama 3.x writes a call as bare JSON, and so do models taught the generic
+# form; a reply to them that starts with "{" may be a call or may be an
+# answer in JSON.  llama-server reads such a call only in the shape its
+# grammar writes, {["type": "function",] "name": <a given tool>, "arguments"
+# (or "parameters"): ...}; so a streamed reply is held back only while its
+# start can still become that opener, and released as content the moment it
+# cannot ({"city": ..., a name no tool has, a ```python fence, prose).  The
+# opener is decided within OPENER_LIMIT characters or not at all, which
+# bounds what is held before a call is known; once it is known the call is
+# held whole, as every call is.  Hermes and Mistral templates mark their
+# calls, so bare JSON there is content, as in llama-server.
+
+# Every optional key of the longest generic opener (```json, a list, "type",
+# an "id"), plus a name at OpenAI's 64-character limit, fits well within this.
+OPENER_LIMIT = 200
+
+
+class _More(Exception):
+    """The text ended before the opener was decided."""
+
+
+class _Opener:
+    """A scan of the start of a reply for a bare call's opener.
+
+    ``nested`` allows the generic form's extras: a ```json fence, a list of
+    calls, {"tool_calls": [...]}, {"tool_call": {...}} and {"function": {...}}.
+    """
+
+    def __init__(self, text, names, nested):
+        self.s, self.i, self.names, self.nested = text, 0, names, nested
+        self.start = 0          # where the JSON value begins, after any fence
+
+    def ws(self):
+        self.i = _skip_ws(self.s, self.i)
+
+    def lit(self, word, optional=False):
+        got = self.s[self.i:self.i + len(word)]
+        if got == word:
+            self.i += len(word)
+            return True
+        if self.i + len(got) == len(self.s) and word.startswith(got):
+            raise _More()
+        return optional and None
+
+    def string(self, allowed=None):
+        """A JSON string's raw text, or None if there is none or it cannot be in ``allowed``."""
+        if not self.lit('"'):
+            return None
+        m = re.compile(r'(?:[^"\\]|\\.)*').match(self.s, self.i)
+        end = m.end()
+        if end == len(self.s) or self.s[end] == "\\":       # not closed yet
+            if allowed is not None and not any(a.startswith(m.group(0)) for a in allowed):
+                return None
+            raise _More()
+        self.i = end + 1
+        value = m.group(0)
+        return value if allowed is None or value in allowed else None
+
+    def key(self, allowed):
+        self.ws()
+        k = self.string(allowed)
+        if k is None:
+            return None
+        self.ws()
+        return k if self.lit(":") else None
+
+    def reply(self):
+        self.ws()
+        if self.nested and self.lit("```"):
+            self.lit("json", optional=True)
+            self.ws()
+        self.start = self.i
+        if self.nested and self.lit("[", optional=True):
+            self.ws()
+        return self.call()
+
+    def call(self):
+        if not self.lit("{"):
+            return False
+        keys = ["name", "type", "id"] + (["function", "tool_call", "tool_calls"]
+                                         if self.nested else [])
+        for _ in range(3):          # "type" and "id" may come before the name
+            k = self.key(keys)
+            if k is None:
+                return False
+            self.ws()
+            if k == "name":
+                if self.string(self.names or None) is None:
+                    return False
+                self.ws()
+                return bool(self.lit(",") and self.key(["arguments", "parameters"]))
+            if k in ("function", "tool_call"):
+                return self.call()
+            if k == "tool_calls":
+                if not self.lit("["):
+                    return False
+                self.ws()
+                return self.call()
+            if k == "type" and self.string(["function"]) is None:
+                return False
+            if k == "id" and self.string() is None:
+                return False
+            self.ws()
+            if not self.lit(","):
+                return False
+            keys = [x for x in keys if x != k]
+        return False
+
+
+_HOLD = "hold"      # _bare_calls: not decided yet, send nothing of it
+
+
+def _bare_calls(text, fmt, partial):
+    """The calls when the whole of ``text`` is a bare call in the template's
+    form; _HOLD while (partial) it may still become one; else None."""
+    nested = fmt.tool_syntax != "llama3"
     s = text.strip(_WS)
-    fence = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", s, re.S)
-    if fence:
-        s = fence.group(1)
-    obj, j = _json_at(s, 0)
-    if j is None or s[j:].strip(_WS):
-        return _json_calls(s, 0)
-    if isinstance(obj, dict):
-        if isinstance(obj.get("tool_calls"), list):
-            calls = [_call_from_json(o) for o in obj["tool_calls"]]
-            return calls if calls and None not in calls else None
-        if isinstance(obj.get("tool_call"), dict):
-            call = _call_from_json(obj["tool_call"])
-            return [call] if call else None
-    return _json_calls(s, 0)
+    scan = _Opener(s[:OPENER_LIMIT], fmt.tool_names, nested)
+    try:
+        if not scan.reply():
+            return None
+    except _More:
+        return _HOLD if partial and len(text.lstrip(_WS)) < OPENER_LIMIT else None
+    obj, j = _json_at(s, scan.start)
+    if j is None:
+        return _HOLD if partial else None       # the call is still being written
+    tail = s[j:].strip(_WS)
+    fenced = s.startswith("```")
+    if tail != ("```" if fenced else ""):
+        # only the closing fence may follow, and only while it is coming
+        return _HOLD if partial and fenced and "```".startswith(tail) else None
+    calls = _calls_of(obj, nested)
+    if not calls or (fmt.tool_names and any(c.name not in fmt.tool_names for c in calls)):
+        return None
+    return _HOLD if partial else calls      # sent at the end: nothing may follow a bare call
+
+
+def _calls_of(obj, nested):
+    """The calls a bare JSON value holds: one object, or (generic) a list or a wrapper."""
+    if nested and isinstance(obj, list):
+        found = [_call_from_json(o) for o in obj]
+    elif nested and isinstance(obj, dict) and isinstance(obj.get("tool_calls"), list):
+        found = [_call_from_json(o) for o in obj["tool_calls"]]
+    elif nested and isinstance(obj, dict) and isinstance(obj.get("tool_call"), dict):
+        found = [_call_from_json(obj["tool_call"])]
+    else:
+        found = [_call_from_json(obj)]
+    return found if found and None not in found else None
 
 
 def split_tool_calls(text, fmt, partial=False):
-    """(content, calls, pending): calls in the template's syntax, else the generic form."""
-    head = text.lstrip(_WS)
-    if partial and head[:1] in ("{", "[", "`"):
-        return "", [], True         # possibly one JSON call: wait for all of it
+    """(content, calls, pending): calls in the template's syntax (or, for Llama 3
+    and generic templates, the whole reply one bare call)."""
+    if fmt.tool_syntax in ("llama3", "generic"):
+        bare = _bare_calls(text, fmt, partial)
+        if bare == _HOLD:
+            return "", [], True
+        if bare:
+            return "", bare, False
     parse = _SYNTAXES.get(fmt.tool_syntax)
-    content, calls, pending = parse(text, partial) if parse else (text, [], False)
-    if not calls and not pending and not partial:
-        generic = _generic(text)
-        if generic:
-            return "", generic, False
-    return content, calls, pending
+    return parse(text, partial) if parse else (text, [], False)
 
 
 # ---------------------------------------------------------------------------
@@ -330,13 +481,12 @@ def _harmony_reply(text, fmt, partial):
     its JSON is complete and the message closed (or the reply ended: libllama
     ends generation on <|call|> and <|return|>, so they rarely reach the text).
     """
-    head = text.lstrip(_WS)
-    if fmt.parse_tools and "<|message|>" not in text and head[:1] in ("{", "[", "`"):
-        if partial:
-            return Reply()                  # maybe a bare JSON call (no channels): wait
-        calls = _generic(text)
-        if calls:
-            return Reply("", "", calls)
+    if fmt.parse_tools and "<|message|>" not in text:
+        bare = _bare_calls(text, fmt, partial)     # a call with the channels left out
+        if bare == _HOLD:
+            return Reply()
+        if bare:
+            return Reply("", "", bare)
     reasoning, content, calls = [], [], []
     chunks = text.split("<|start|>")
     for i, chunk in enumerate(chunks):

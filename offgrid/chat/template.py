@@ -364,6 +364,9 @@ class ReplyFormat:
     parse_tools: bool = False           # tools were given and tool_choice is not "none"
     extract_reasoning: bool = True      # reasoning_format other than "none"
     keep_reasoning_inline: bool = False  # reasoning_format "deepseek-legacy"
+    # the tools' names: a bare JSON call must name one (empty: any name, for
+    # formats made by hand); they also bound how long a reply is held back
+    tool_names: tuple = ()
 
 
 # What opens a call (ECMAScript regexes), for the syntaxes whose call grammar
@@ -535,7 +538,8 @@ class ChatTemplate:
                           tool_syntax=self.tool_syntax,
                           parse_tools=bool(tools) and tool_choice != "none",
                           extract_reasoning=reasoning_format != "none",
-                          keep_reasoning_inline=reasoning_format == "deepseek-legacy")
+                          keep_reasoning_inline=reasoning_format == "deepseek-legacy",
+                          tool_names=tuple(t.name for t in tools))
         for start, end in fmt.reasoning_markers:
             s = generation_prompt.rfind(start)
             if s >= 0 and s > generation_prompt.rfind(end):
