@@ -9,16 +9,17 @@ import time
 
 import pytest
 
-from offgrid.server import service
-from offgrid.server.service import DisconnectWatcher
+from offgrid.server import watcher as watcher_module
+from offgrid.server.watcher import DisconnectWatcher
 from offgrid.engine.session import RequestCancel
 
 
 @pytest.fixture(params=["rdhup", "interval"])
 def watcher(request, monkeypatch):
     if request.param == "interval":         # the fallback where poll has no POLLRDHUP
-        monkeypatch.setattr(service, "_POLLRDHUP", 0)
-        monkeypatch.setattr(service, "_GONE", service._GONE & ~service.select.POLLRDHUP)
+        monkeypatch.setattr(watcher_module, "_POLLRDHUP", 0)
+        monkeypatch.setattr(watcher_module, "_GONE",
+                            watcher_module._GONE & ~watcher_module.select.POLLRDHUP)
     w = DisconnectWatcher()
     yield w
     w.stop()
@@ -53,7 +54,7 @@ def test_unread_bytes_are_not_a_hang_up(watcher):
 
 
 def test_the_watcher_sleeps_while_requests_run():
-    if not service._POLLRDHUP:
+    if not watcher_module._POLLRDHUP:
         pytest.skip("this platform's poll has no POLLRDHUP: the watcher looks every 50 ms")
     w = DisconnectWatcher()
     try:
