@@ -4,6 +4,7 @@ Sockets here are a socketpair standing in for a client connection: the
 server holds one end, closing the other is the client going away.
 """
 
+import os
 import socket
 import time
 
@@ -72,3 +73,65 @@ def test_the_watcher_sleeps_while_requests_run():
         client_end.close()
     finally:
         w.stop()
+
+
+class _FlakyCancel(RequestCancel):
+    """A RequestCancel whose first look raises, as a bug anywhere in a look would."""
+
+    def __init__(self):
+        super().__init__()
+        self.looks = 0
+
+    @property
+    def cancelled(self):
+        self.looks += 1
+        if self.looks == 1:
+            raise RuntimeError("injected")
+        return super().cancelled
+
+
+def test_the_watcher_survives_an_exception_and_keeps_cancelling(watcher, caplog):
+    flaky_end, flaky_client = socket.socketpair()
+    watcher.watch(flaky_end, _FlakyCancel())       # its look raises RuntimeError
+    server_end, client_end = socket.socketpair()
+    cancel = RequestCancel()
+    watcher.watch(server_end, cancel)
+    client_end.close()
+    assert _wait(cancel), "the watcher stopped watching after an exception"
+    assert watcher._thread.is_alive()
+    assert any("injected" in (r.exc_text or "") or r.exc_info for r in caplog.records)
+    for s in (server_end, flaky_end, flaky_client):
+        watcher.unwatch(s)
+        s.close()
+
+
+def test_watch_and_unwatch_after_stop_raise_nothing_and_write_nowhere():
+    w = DisconnectWatcher()
+    w.stop()
+    w._thread.join(2)
+    assert not w._thread.is_alive()
+    # the closed pipe's numbers are free again: a new pipe probably gets them,
+    # and a stray write to the old write end would land in it
+    r, wr = os.pipe()
+    try:
+        os.set_blocking(r, False)
+        server_end, client_end = socket.socketpair()
+        w.watch(server_end, RequestCancel())
+        w.unwatch(server_end)
+        w.stop()
+        with pytest.raises(BlockingIOError):
+            os.read(r, 1)
+        server_end.close()
+        client_end.close()
+    finally:
+        os.close(r)
+        os.close(wr)
+
+
+def test_unwatch_finds_a_socket_its_handler_already_closed(watcher):
+    server_end, client_end = socket.socketpair()
+    watcher.watch(server_end, RequestCancel())
+    server_end.close()                      # fileno() is -1 from here on
+    watcher.unwatch(server_end)
+    assert not watcher._watched
+    client_end.close()

@@ -1,10 +1,20 @@
-"""DisconnectWatcher: cancels a running request when its client hangs up."""
+"""DisconnectWatcher: cancels a running request when its client hangs up.
 
+One daemon thread for the whole process; ``Service.generate`` calls
+``watch`` as a request starts and ``unwatch`` as it ends, from handler
+threads, and ``Service.shutdown`` calls ``stop`` once.  The thread must
+outlive anything one request can do to it: an exception in a look is logged
+and the next look runs, since a dead watcher would silently end
+cancel-on-disconnect for the life of the process.
+"""
+
+import logging
 import os
 import select
 import socket
 import threading
 
+log = logging.getLogger("offgrid.watcher")
 
 # Linux's "peer closed its end" poll event.  Elsewhere the watcher falls back
 # to looking every `interval` seconds for a readable socket with nothing in it.
@@ -24,14 +34,21 @@ class DisconnectWatcher:
     While a request runs its client has nothing more to send, so a hang-up
     is the only event; it cancels the request, which also aborts a prompt
     evaluation in progress.
+
+    The pipe is written and closed only under the lock, and closed once: after
+    ``stop`` a write would land on a closed descriptor, or on whatever file
+    the process opened next under the same number.
     """
 
     interval = 0.05     # seconds between looks where poll has no POLLRDHUP
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._watched = {}              # fileno -> (socket, RequestCancel)
+        # socket -> RequestCancel; keyed by the socket, not its fileno, so that
+        # unwatch finds the entry even after the handler closed the socket
+        self._watched = {}
         self._stop = threading.Event()
+        self._pipe_open = True          # under _lock: the wake-up pipe may be written
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._thread = threading.Thread(target=self._run, name="disconnect-watcher", daemon=True)
@@ -39,38 +56,56 @@ class DisconnectWatcher:
 
     def watch(self, sock, cancel):
         with self._lock:
-            self._watched[sock.fileno()] = (sock, cancel)
-        self._wake()
+            self._watched[sock] = cancel
+            self._wake()
 
     def unwatch(self, sock):
         with self._lock:
-            self._watched.pop(sock.fileno(), None)
-        self._wake()
+            self._watched.pop(sock, None)
+            self._wake()
 
     def stop(self):
-        self._stop.set()
-        self._wake()
+        """End the thread (idempotent); watch and unwatch do nothing harmful after it."""
+        with self._lock:
+            self._wake()            # the last wake-up: the thread sees _stop and closes the pipe
+            self._stop.set()
 
     def _wake(self):
+        """Make the thread look again (under _lock); a no-op once stopped."""
+        if self._stop.is_set() or not self._pipe_open:
+            return
         try:
             os.write(self._wake_w, b"\0")
-        except (BlockingIOError, OSError):
-            pass                        # the pipe is full: a wake-up is already pending
+        except OSError:
+            pass                    # the pipe is full: a wake-up is already pending
 
+    def _close_pipe(self):
+        with self._lock:
+            if self._pipe_open:
+                self._pipe_open = False
+                os.close(self._wake_r)
+                os.close(self._wake_w)
+
+    # -- the thread -----------------------------------------------------------
     def _run(self):
         try:
             while not self._stop.is_set():
-                self._look()
+                try:
+                    self._look()
+                except Exception:
+                    # a bug or a surprise in one look must not end the watching
+                    log.exception("disconnect watcher: a look failed; watching on")
+                    self._stop.wait(self.interval)     # no hot loop if it fails again
         finally:
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+            self._close_pipe()
 
     def _look(self):
         with self._lock:
             # a cancelled request's socket stays watched until its handler
             # unwatches it; polling it again would return at once, forever
-            items = [(fd, sock, cancel) for fd, (sock, cancel) in self._watched.items()
+            items = [(sock.fileno(), sock, cancel) for sock, cancel in self._watched.items()
                      if not cancel.cancelled]
+        items = [item for item in items if item[0] >= 0]        # -1: closed already
         # poll, not select: select cannot watch descriptors past 1023,
         # which a busy server's sockets reach
         poller = select.poll()
