@@ -1,9 +1,31 @@
-"""Metrics: the cumulative counters behind /metrics."""
+"""Metrics: the cumulative counters behind /metrics.
+
+Handler threads count into one Metrics while /metrics reads it from another;
+every read and write is under the one lock, and the reader takes a
+``snapshot`` rather than walking the live counters (a dict that another
+thread inserts into while it is iterated raises RuntimeError).
+"""
 
 import threading
 import time
+from dataclasses import dataclass, field
+from typing import Dict
 
 from ..request import FinishReason
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """The counters at one moment, consistent with each other; the reader's own copy."""
+    requests: Dict[str, int] = field(default_factory=dict)     # endpoint -> count
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    cached_tokens: int = 0
+    predicted_tokens: int = 0
+    predicted_seconds: float = 0.0
+    cancelled: int = 0
+    errors: int = 0
+    started: float = 0.0
 
 
 class Metrics:
@@ -39,3 +61,13 @@ class Metrics:
     def error(self):
         with self._lock:
             self.errors += 1
+
+    def snapshot(self):
+        """A MetricsSnapshot, read under the lock: what /metrics may iterate."""
+        with self._lock:
+            return MetricsSnapshot(
+                requests=dict(self.requests), prompt_tokens=self.prompt_tokens,
+                prompt_seconds=self.prompt_seconds, cached_tokens=self.cached_tokens,
+                predicted_tokens=self.predicted_tokens,
+                predicted_seconds=self.predicted_seconds, cancelled=self.cancelled,
+                errors=self.errors, started=self.started)
