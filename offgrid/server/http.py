@@ -168,6 +168,9 @@ class Handler(BaseHTTPRequestHandler):
                             % self.read_timeout)
         except reader.HeadersTooLarge:
             self.send_error(431, "the request headers exceed %d bytes" % self.max_header_bytes)
+        except reader.BadHeaders as exc:
+            self._body_pending = True       # whatever follows is not a request: drain, close
+            self.send_error(400, str(exc))
         except OSError:
             self.close_connection = True
         finally:
@@ -223,7 +226,8 @@ class Handler(BaseHTTPRequestHandler):
     # -- dispatch -----------------------------------------------------------------
     def _dispatch(self, method):
         self.rfile.head_left = None
-        self._body_pending = reader.has_body(self.headers)
+        if not self._check_framing():
+            return
         if not self.server.begin_request():
             self.close_connection = True
             self._send_exception(Unavailable("server is shutting down"))
@@ -243,6 +247,22 @@ class Handler(BaseHTTPRequestHandler):
             self._send_exception(exc)
         finally:
             self.server.end_request()
+
+    def _check_framing(self):
+        """Note whether a body follows; False after answering 400 to doubtful framing.
+
+        Where the body ends is in doubt, so is where a next request would
+        start: the connection closes after the answer (RFC 9112 §6.3).
+        """
+        try:
+            n = reader.framing(self.headers, self.request_version)
+        except HTTPError as exc:
+            self._body_pending = True       # unread bytes of unknown extent: drain, close
+            self.close_connection = True
+            self._send_exception(exc)
+            return False
+        self._body_pending = n not in (None, 0)
+        return True
 
     def _route(self, method):
         """The route for this request; NotFound or MethodNotAllowed (OPTIONS: route or None)."""
@@ -316,7 +336,8 @@ class Handler(BaseHTTPRequestHandler):
     # -- request bodies ----------------------------------------------------------
     def _read_json(self):
         try:
-            data = reader.read_body(self.rfile, self.headers, self.max_body, self.read_timeout)
+            data = reader.read_body(self.rfile, self.headers, self.max_body, self.read_timeout,
+                                    self.request_version)
             self._body_pending = False
             return reader.parse_json_object(data)
         except HTTPError:
@@ -328,14 +349,15 @@ class Handler(BaseHTTPRequestHandler):
     def handle_expect_100(self):
         """Say "100 Continue" only to a body that will be read: right path, key and size."""
         self.rfile.head_left = None
-        self._body_pending = reader.has_body(self.headers)
+        if not self._check_framing():
+            return False
         try:
             route = self._route(self.command)
             if route is not None and route.auth:
                 self._check_origin()
                 self._check_auth()
             if self.command == "POST":
-                reader.body_length(self.headers, self.max_body)
+                reader.body_length(self.headers, self.max_body, self.request_version)
         except HTTPError as exc:
             self._send_exception(exc)
             return False
