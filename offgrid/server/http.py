@@ -1,7 +1,8 @@
 """The HTTP adapter: routing, bodies, auth, JSON and SSE on http.server.
 
-Threading model: ``ThreadingHTTPServer`` gives each connection a thread; a
-connection is kept alive between requests (HTTP/1.1).  Generation requests
+Threading model: ``ThreadingHTTPServer`` gives each connection a thread once
+it has sent its first byte (until then it waits in ``lobby``, which has one
+thread for all of them); a connection is kept alive between requests (HTTP/1.1).  Generation requests
 block their thread inside ``Service.generate`` while they wait for and use a
 session; streams write each piece as one chunk of a chunked response.
 
@@ -14,14 +15,20 @@ Handler's class attributes, set by make_server from the command line; the
 reading itself is ``reader``'s):
 
 * idle: a kept-alive connection waits ``timeout`` seconds for its next
-  request; a new connection that sends nothing in that time gets 408;
+  request, then closes;
 * read: once a request's first byte arrives, its line, headers and body must
   all arrive within ``read_timeout`` seconds (408), however slowly they drip;
 * size: the request line 64 KiB (414), headers ``max_header_bytes`` (431),
   the body ``max_body`` (413, answered before the body is read);
 * write: a client that stops reading a response for ``timeout`` seconds is
   treated as gone, which cancels its request;
-* connections: at most ``Server.max_connections`` at once (503 beyond).
+* framing: a request whose end is in doubt (Content-Length with
+  Transfer-Encoding, folded or malformed header lines, ...) gets 400 and its
+  connection closes, so nothing after it is read as a request (``reader``);
+* connections: a new one waits without a thread in the ``lobby`` until it
+  speaks (``Server.first_byte_timeout``, 408 after); then at most
+  ``Server.max_connections`` at once, ``Server.peer_share`` of them for one
+  peer (503 beyond), with /health answered by the lobby when none is free.
 
 A request answered without reading its body (413, 401, 404 ...) closes its
 connection after a short, bounded drain ("lingering close"), so the client
