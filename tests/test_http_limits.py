@@ -15,9 +15,12 @@ loopback addresses (all of 127.0.0.0/8 reaches the server on 127.0.0.1).
 import json
 import resource
 import socket
+import threading
 import time
 
 import pytest
+
+from offgrid.server.http import make_server
 
 try:
     from . import rawhttp
@@ -202,3 +205,28 @@ def test_a_head_request_for_health_beyond_the_share_gets_no_body(srv):
     finally:
         for s in hog:
             s.close()
+
+
+def test_the_lobby_survives_an_exception_and_serves_on():
+    httpd = make_server("127.0.0.1", 0)
+    admit, calls = httpd.admit, []
+
+    def flaky_admit(addr):
+        calls.append(addr)
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        return admit(addr)
+
+    httpd.admit = flaky_admit
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        responses = rawhttp.exchange(httpd.server_address[1], rawhttp.request(
+            "GET", "/health", headers={"Connection": "close"}), timeout=5)
+        # no model in this server: /health says it is loading, which is an answer
+        assert [r[0] for r in responses] == [503]
+        assert json.loads(responses[0][2])["status"] == "loading"
+        assert len(calls) >= 2 and httpd.lobby._thread.is_alive()
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert not httpd.lobby._thread.is_alive()

@@ -584,7 +584,9 @@ class Server(ThreadingHTTPServer):
         return 503, {"error": {"code": 503, "type": "unavailable_error", "message": refusal}}, False
 
     def server_close(self):
-        self.lobby.stop()
+        lobby = getattr(self, "lobby", None)     # absent when binding failed in __init__
+        if lobby is not None:
+            lobby.stop()
         super().server_close()
 
     # -- requests -------------------------------------------------------------------

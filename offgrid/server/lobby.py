@@ -145,6 +145,7 @@ class Lobby:
                     time.sleep(0.05)        # no hot loop if it fails again
         finally:
             with self._lock:
+                self._stopping = True       # from here add() closes, and nothing writes the pipe
                 arrivals, self._arrivals = self._arrivals, []
             for sock, _ in arrivals:
                 _close(sock)
