@@ -230,3 +230,24 @@ def test_the_lobby_survives_an_exception_and_serves_on():
         httpd.shutdown()
         httpd.server_close()
     assert not httpd.lobby._thread.is_alive()
+
+
+def test_a_full_lobby_drops_its_oldest_so_a_newcomer_is_served():
+    httpd = make_server("127.0.0.1", 0)
+    httpd.lobby.max_waiting = 4
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    port = httpd.server_address[1]
+    silent = [rawhttp.connect(port) for _ in range(10)]
+    try:
+        responses = rawhttp.exchange(port, rawhttp.request(
+            "GET", "/health", headers={"Connection": "close"}), timeout=5)
+        assert json.loads(responses[0][2])["status"] == "loading"
+        # the first ones were dropped without a word, at once (not a 408 at 3 s)
+        t0 = time.monotonic()
+        assert rawhttp.read_until_closed(silent[0], timeout=2.5) == b""
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        for s in silent:
+            s.close()
+        httpd.shutdown()
+        httpd.server_close()

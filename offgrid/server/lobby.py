@@ -10,7 +10,7 @@ lobby, one thread that polls them all, and a connection gets a handler thread
     accept -> Lobby.add -- first byte --> Server.admit -- yes --> handler thread
                 |                              |
                 | silent past first_byte_timeout: 408
-                | lobby full: the oldest silent one is dropped
+                | lobby full: the oldest one is dropped
                 |                              no (cap, or the peer's share, reached)
                 |                              v
                 |                 the head read here, without blocking:
@@ -120,11 +120,6 @@ class Lobby:
         if threading.current_thread() is not self._thread:
             self._thread.join(5.0)
 
-    @property
-    def n_waiting(self):
-        """Connections in the lobby now (for tests and logs; not exact while it moves)."""
-        return len(self._silent) + len(self._refused)
-
     def _wake(self):
         try:
             os.write(self._wake_w, b"\0")
@@ -178,13 +173,11 @@ class Lobby:
 
     def _seat(self, sock, addr, now):
         if len(self._silent) + len(self._refused) >= self.max_waiting:
-            # full: the oldest silent guest goes, without a word (it said none);
-            # a real client speaks within milliseconds, so is rarely the oldest
-            if self._silent:
-                self._leave(next(iter(self._silent)))
-            else:
-                _close(sock)
-                return
+            # full: the oldest guest goes, without a word, a silent one first;
+            # a real client speaks, and a /health is answered, within
+            # milliseconds, so it is rarely the oldest (refusing the newcomer
+            # instead would let whoever fills the lobby keep everyone out)
+            self._leave(next(iter(self._silent or self._refused)))
         try:
             sock.setblocking(False)
             fd = sock.fileno()
