@@ -328,13 +328,18 @@ def test_a_client_that_drips_its_request_is_cut_off_at_the_read_timeout(open_srv
 def test_connections_beyond_the_cap_get_503_at_once():
     httpd = make_server("127.0.0.1", 0)
     httpd.max_connections = 2
+    httpd.peer_share = 1.0          # all three connections are from 127.0.0.1
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     port = httpd.server_address[1]
     try:
+        # a connection holds a slot once it has spoken (silent ones wait threadless)
         held = [rawhttp.connect(port), rawhttp.connect(port)]
+        for s in held:
+            s.sendall(b"GET /health HTTP/1.1\r\n")
         time.sleep(0.3)
         t0 = time.monotonic()
-        responses = rawhttp.exchange(port, rawhttp.request("GET", "/health"))
+        # (not /health: that one is answered even beyond the cap)
+        responses = rawhttp.exchange(port, rawhttp.request("GET", "/v1/models"))
         assert time.monotonic() - t0 < 2
         assert responses[0][0] == 503
         assert json.loads(responses[0][2])["error"]["message"] == "too many connections"
@@ -342,9 +347,9 @@ def test_connections_beyond_the_cap_get_503_at_once():
             s.close()
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:      # their threads end, the cap frees up
-            status = rawhttp.exchange(port, rawhttp.request("GET", "/health",
+            status = rawhttp.exchange(port, rawhttp.request("GET", "/v1/models",
                                                             headers={"Connection": "close"}))
-            if status and json.loads(status[0][2]).get("status") == "loading":
+            if status and json.loads(status[0][2])["error"]["message"] == "Loading model":
                 break
             time.sleep(0.1)
         else:

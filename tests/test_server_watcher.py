@@ -4,21 +4,23 @@ Sockets here are a socketpair standing in for a client connection: the
 server holds one end, closing the other is the client going away.
 """
 
+import os
 import socket
 import time
 
 import pytest
 
-from offgrid.server import service
-from offgrid.server.service import DisconnectWatcher
+from offgrid.server import watcher as watcher_module
+from offgrid.server.watcher import DisconnectWatcher
 from offgrid.engine.session import RequestCancel
 
 
 @pytest.fixture(params=["rdhup", "interval"])
 def watcher(request, monkeypatch):
     if request.param == "interval":         # the fallback where poll has no POLLRDHUP
-        monkeypatch.setattr(service, "_POLLRDHUP", 0)
-        monkeypatch.setattr(service, "_GONE", service._GONE & ~service.select.POLLRDHUP)
+        monkeypatch.setattr(watcher_module, "_POLLRDHUP", 0)
+        monkeypatch.setattr(watcher_module, "_GONE",
+                            watcher_module._GONE & ~watcher_module.select.POLLRDHUP)
     w = DisconnectWatcher()
     yield w
     w.stop()
@@ -53,7 +55,7 @@ def test_unread_bytes_are_not_a_hang_up(watcher):
 
 
 def test_the_watcher_sleeps_while_requests_run():
-    if not service._POLLRDHUP:
+    if not watcher_module._POLLRDHUP:
         pytest.skip("this platform's poll has no POLLRDHUP: the watcher looks every 50 ms")
     w = DisconnectWatcher()
     try:
@@ -71,3 +73,65 @@ def test_the_watcher_sleeps_while_requests_run():
         client_end.close()
     finally:
         w.stop()
+
+
+class _FlakyCancel(RequestCancel):
+    """A RequestCancel whose first look raises, as a bug anywhere in a look would."""
+
+    def __init__(self):
+        super().__init__()
+        self.looks = 0
+
+    @property
+    def cancelled(self):
+        self.looks += 1
+        if self.looks == 1:
+            raise RuntimeError("injected")
+        return super().cancelled
+
+
+def test_the_watcher_survives_an_exception_and_keeps_cancelling(watcher, caplog):
+    flaky_end, flaky_client = socket.socketpair()
+    watcher.watch(flaky_end, _FlakyCancel())       # its look raises RuntimeError
+    server_end, client_end = socket.socketpair()
+    cancel = RequestCancel()
+    watcher.watch(server_end, cancel)
+    client_end.close()
+    assert _wait(cancel), "the watcher stopped watching after an exception"
+    assert watcher._thread.is_alive()
+    assert any("injected" in (r.exc_text or "") or r.exc_info for r in caplog.records)
+    for s in (server_end, flaky_end, flaky_client):
+        watcher.unwatch(s)
+        s.close()
+
+
+def test_watch_and_unwatch_after_stop_raise_nothing_and_write_nowhere():
+    w = DisconnectWatcher()
+    w.stop()
+    w._thread.join(2)
+    assert not w._thread.is_alive()
+    # the closed pipe's numbers are free again: a new pipe probably gets them,
+    # and a stray write to the old write end would land in it
+    r, wr = os.pipe()
+    try:
+        os.set_blocking(r, False)
+        server_end, client_end = socket.socketpair()
+        w.watch(server_end, RequestCancel())
+        w.unwatch(server_end)
+        w.stop()
+        with pytest.raises(BlockingIOError):
+            os.read(r, 1)
+        server_end.close()
+        client_end.close()
+    finally:
+        os.close(r)
+        os.close(wr)
+
+
+def test_unwatch_finds_a_socket_its_handler_already_closed(watcher):
+    server_end, client_end = socket.socketpair()
+    watcher.watch(server_end, RequestCancel())
+    server_end.close()                      # fileno() is -1 from here on
+    watcher.unwatch(server_end)
+    assert not watcher._watched
+    client_end.close()

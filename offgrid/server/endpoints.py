@@ -101,7 +101,7 @@ def slots(h, _body):
 
 def metrics(h, _body):
     svc = h.service
-    m = svc.metrics
+    m = svc.metrics.snapshot()     # its own copy: other threads count on meanwhile
     busy = sum(e.pool.n_busy for e in svc.entries)
     idle = sum(e.pool.n_idle for e in svc.entries)
     waiting = sum(e.pool.n_waiting for e in svc.entries)

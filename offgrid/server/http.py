@@ -1,7 +1,8 @@
 """The HTTP adapter: routing, bodies, auth, JSON and SSE on http.server.
 
-Threading model: ``ThreadingHTTPServer`` gives each connection a thread; a
-connection is kept alive between requests (HTTP/1.1).  Generation requests
+Threading model: ``ThreadingHTTPServer`` gives each connection a thread once
+it has sent its first byte (until then it waits in ``lobby``, which has one
+thread for all of them); a connection is kept alive between requests (HTTP/1.1).  Generation requests
 block their thread inside ``Service.generate`` while they wait for and use a
 session; streams write each piece as one chunk of a chunked response.
 
@@ -14,14 +15,20 @@ Handler's class attributes, set by make_server from the command line; the
 reading itself is ``reader``'s):
 
 * idle: a kept-alive connection waits ``timeout`` seconds for its next
-  request; a new connection that sends nothing in that time gets 408;
+  request, then closes;
 * read: once a request's first byte arrives, its line, headers and body must
   all arrive within ``read_timeout`` seconds (408), however slowly they drip;
 * size: the request line 64 KiB (414), headers ``max_header_bytes`` (431),
   the body ``max_body`` (413, answered before the body is read);
 * write: a client that stops reading a response for ``timeout`` seconds is
   treated as gone, which cancels its request;
-* connections: at most ``Server.max_connections`` at once (503 beyond).
+* framing: a request whose end is in doubt (Content-Length with
+  Transfer-Encoding, folded or malformed header lines, ...) gets 400 and its
+  connection closes, so nothing after it is read as a request (``reader``);
+* connections: a new one waits without a thread in the ``lobby`` until it
+  speaks (``Server.first_byte_timeout``, 408 after); then at most
+  ``Server.max_connections`` at once, ``Server.peer_share`` of them for one
+  peer (503 beyond), with /health answered by the lobby when none is free.
 
 A request answered without reading its body (413, 401, 404 ...) closes its
 connection after a short, bounded drain ("lingering close"), so the client
@@ -31,20 +38,25 @@ Shutdown: ``Server.drain`` refuses new requests and waits for those being
 answered, so the models are freed only once no handler can touch them.
 """
 
+import collections
+import errno
 import hashlib
 import hmac
+import ipaddress
 import json
 import logging
 import re
 import socket
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 from .. import __version__
 from ..errors import OffgridError
 from . import endpoints, reader
+from .lobby import Lobby
 from .errors import (HTTPError, MethodNotAllowed, NotFound, Unauthorized, Unavailable,
                      to_http_error)
 
@@ -168,6 +180,9 @@ class Handler(BaseHTTPRequestHandler):
                             % self.read_timeout)
         except reader.HeadersTooLarge:
             self.send_error(431, "the request headers exceed %d bytes" % self.max_header_bytes)
+        except reader.BadHeaders as exc:
+            self._body_pending = True       # whatever follows is not a request: drain, close
+            self.send_error(400, str(exc))
         except OSError:
             self.close_connection = True
         finally:
@@ -223,7 +238,8 @@ class Handler(BaseHTTPRequestHandler):
     # -- dispatch -----------------------------------------------------------------
     def _dispatch(self, method):
         self.rfile.head_left = None
-        self._body_pending = reader.has_body(self.headers)
+        if not self._check_framing():
+            return
         if not self.server.begin_request():
             self.close_connection = True
             self._send_exception(Unavailable("server is shutting down"))
@@ -243,6 +259,22 @@ class Handler(BaseHTTPRequestHandler):
             self._send_exception(exc)
         finally:
             self.server.end_request()
+
+    def _check_framing(self):
+        """Note whether a body follows; False after answering 400 to doubtful framing.
+
+        Where the body ends is in doubt, so is where a next request would
+        start: the connection closes after the answer (RFC 9112 §6.3).
+        """
+        try:
+            n = reader.framing(self.headers, self.request_version)
+        except HTTPError as exc:
+            self._body_pending = True       # unread bytes of unknown extent: drain, close
+            self.close_connection = True
+            self._send_exception(exc)
+            return False
+        self._body_pending = n not in (None, 0)
+        return True
 
     def _route(self, method):
         """The route for this request; NotFound or MethodNotAllowed (OPTIONS: route or None)."""
@@ -316,7 +348,8 @@ class Handler(BaseHTTPRequestHandler):
     # -- request bodies ----------------------------------------------------------
     def _read_json(self):
         try:
-            data = reader.read_body(self.rfile, self.headers, self.max_body, self.read_timeout)
+            data = reader.read_body(self.rfile, self.headers, self.max_body, self.read_timeout,
+                                    self.request_version)
             self._body_pending = False
             return reader.parse_json_object(data)
         except HTTPError:
@@ -328,14 +361,15 @@ class Handler(BaseHTTPRequestHandler):
     def handle_expect_100(self):
         """Say "100 Continue" only to a body that will be read: right path, key and size."""
         self.rfile.head_left = None
-        self._body_pending = reader.has_body(self.headers)
+        if not self._check_framing():
+            return False
         try:
             route = self._route(self.command)
             if route is not None and route.auth:
                 self._check_origin()
                 self._check_auth()
             if self.command == "POST":
-                reader.body_length(self.headers, self.max_body)
+                reader.body_length(self.headers, self.max_body, self.request_version)
         except HTTPError as exc:
             self._send_exception(exc)
             return False
@@ -430,58 +464,136 @@ class Handler(BaseHTTPRequestHandler):
             sys.stderr.write("%s - %s\n" % (self.address_string(), fmt % args))
 
 
+class _HealthProbe:
+    """What ``endpoints.health`` needs of a handler, for the lobby to answer /health."""
+
+    def __init__(self, service):
+        self.service = service
+        self.reply = None
+
+    def send_json(self, status, obj, headers=None):
+        self.reply = (status, obj)
+
+
 class Server(ThreadingHTTPServer):
-    """ThreadingHTTPServer with our settings, a connection cap and a drain for shutdown."""
+    """ThreadingHTTPServer with our settings, a connection cap and a drain for shutdown.
+
+    A new connection waits in the ``lobby`` (one thread for all of them)
+    until its first byte arrives; only then does it get a handler thread and
+    count against the cap.  What a connection may hold, and why:
+
+    * connections that have spoken: ``max_connections`` threads in all, and
+      at most ``peer_share`` of them for one peer, beyond which the lobby
+      answers 503 "too many connections";
+    * connections that have not: a place in the lobby (``max_waiting``, the
+      oldest dropped when it is full) for ``first_byte_timeout`` seconds, 408
+      after;
+    * /health: answered by the lobby when there is no slot, so a full server
+      still says so to its monitor.
+    """
     # Handler threads must not keep the process alive past shutdown: the
     # shutdown sequence itself waits for the requests that matter (drain).
     daemon_threads = True
     # Restarting the server right after a stop must not fail on TIME_WAIT.
     allow_reuse_address = True
     request_queue_size = 128
-    # Connections served at once; one more gets 503 and is closed, so a flood
-    # of clients cannot run the process out of threads.
+    # Connections with a handler thread at once; one more gets 503 and is
+    # closed, so a flood of clients cannot run the process out of threads.
     max_connections = 512
+    # The fraction of max_connections one peer may hold (an IPv4 address, an
+    # IPv6 /64: what one host controls).  Half: one misbehaving client or host
+    # leaves at least the other half to everyone else.  Every local program is
+    # the one peer 127.0.0.1, so together they get 256 connections, far more
+    # than editors open (a few each, --parallel sessions serve them anyway).
+    peer_share = 0.5
+    # Seconds a new connection may stay silent.  Real clients send their
+    # request at once; this only bounds how long a silent one holds a socket
+    # (never a thread: it waits in the lobby).  --timeout, if shorter, wins.
+    first_byte_timeout = 3.0
+    # Silent connections held at once (one file descriptor each); past it the
+    # oldest is dropped, so a flood of them cannot keep real clients out.
+    max_waiting = 1024
 
     def __init__(self, *args, **kwargs):
         self._cond = threading.Condition()
         self._n_connections = 0
+        self._per_peer = collections.Counter()      # peer -> connections with a thread
         self._n_requests = 0            # requests between _dispatch's start and end
         self.closing = False
         super().__init__(*args, **kwargs)
+        self.lobby = Lobby(self, min(self.first_byte_timeout, self.RequestHandlerClass.timeout),
+                           self.max_waiting, Handler.server_version)
+
+    # -- connections ----------------------------------------------------------------
+    def get_request(self):
+        try:
+            return super().get_request()
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE):
+                # out of descriptors: the listening socket stays readable, and
+                # serve_forever would retry accept() in a hot loop
+                time.sleep(0.05)
+            raise
 
     def process_request(self, request, client_address):
+        self.lobby.add(request, client_address)
+
+    def admit(self, client_address):
+        """Give a connection that spoke a slot: None, or why not (the lobby's 503 message)."""
+        peer = _peer(client_address)
         with self._cond:
-            full = self._n_connections >= self.max_connections
-            if not full:
-                self._n_connections += 1
-        if full:
-            body = dumps({"error": {"code": 503, "type": "unavailable_error",
-                                    "message": "too many connections"}})
-            try:
-                request.settimeout(1.0)
-                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: "
-                                b"application/json\r\nContent-Length: %d\r\nConnection: close"
-                                b"\r\n\r\n%s" % (len(body), body))
-            except OSError:
-                pass
-            self.shutdown_request(request)
-            return
+            if self._n_connections >= self.max_connections:
+                return "too many connections"
+            if self._per_peer[peer] >= max(1, int(self.max_connections * self.peer_share)):
+                return "too many connections from this address"
+            self._n_connections += 1
+            self._per_peer[peer] += 1
+        return None
+
+    def start_handler(self, request, client_address):
+        """A handler thread for an admitted connection (the lobby's thread calls this)."""
         try:
-            super().process_request(request, client_address)
+            ThreadingHTTPServer.process_request(self, request, client_address)
         except BaseException:
-            self._connection_ended()
-            raise
+            log.exception("could not start a thread for a connection")
+            self._connection_ended(client_address)
+            self.shutdown_request(request)
 
     def process_request_thread(self, request, client_address):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._connection_ended()
+            self._connection_ended(client_address)
 
-    def _connection_ended(self):
+    def _connection_ended(self, client_address):
+        peer = _peer(client_address)
         with self._cond:
             self._n_connections -= 1
+            self._per_peer[peer] -= 1
+            if self._per_peer[peer] <= 0:
+                del self._per_peer[peer]
 
+    def reply_when_full(self, head, refusal):
+        """(status, body, head_only) for a request that got no slot: /health, or 503."""
+        line = head.split(b"\n", 1)[0].split()
+        if len(line) == 3 and line[0] in (b"GET", b"HEAD") \
+                and line[1].split(b"?", 1)[0] in (b"/health", b"/v1/health"):
+            probe = _HealthProbe(self.RequestHandlerClass.service)
+            try:
+                endpoints.health(probe, None)
+            except Exception:
+                log.exception("/health failed in the lobby")
+            if probe.reply is not None:
+                return probe.reply + (line[0] == b"HEAD",)
+        return 503, {"error": {"code": 503, "type": "unavailable_error", "message": refusal}}, False
+
+    def server_close(self):
+        lobby = getattr(self, "lobby", None)     # absent when binding failed in __init__
+        if lobby is not None:
+            lobby.stop()
+        super().server_close()
+
+    # -- requests -------------------------------------------------------------------
     def begin_request(self):
         """Count a request in; False once the server is draining."""
         with self._cond:
@@ -502,6 +614,32 @@ class Server(ThreadingHTTPServer):
             return self._cond.wait_for(lambda: self._n_requests == 0, timeout)
 
 
+def _peer(client_address):
+    """Who a connection is from, for the per-peer share: the IPv4 address or IPv6 /64."""
+    host = client_address[0] if isinstance(client_address, tuple) else ""
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if ip.version == 6:
+        if ip.ipv4_mapped is not None:     # an IPv4 client of a dual-stack socket
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network("%s/64" % ip, strict=False))
+    return str(ip)
+
+
+def _raise_fd_limit(need):
+    """Raise the soft descriptor limit towards ``need`` (each connection holds one)."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        if soft != resource.RLIM_INFINITY and soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ImportError, ValueError, OSError):
+        pass        # not POSIX, or not allowed: the limits below still bound threads
+
+
 def make_server(host, port, service=None, api_keys=(), cors_origins=(), max_body=None,
                 verbose=False, timeout=None, read_timeout=None):
     """A Server bound to host:port whose Handler class carries these settings."""
@@ -514,6 +652,8 @@ def make_server(host, port, service=None, api_keys=(), cors_origins=(), max_body
     if read_timeout is not None:
         attrs["read_timeout"] = read_timeout
     handler = type("OffgridHandler", (Handler,), attrs)
+    # descriptors for the cap, the lobby, and the models, pipes and logs beside them
+    _raise_fd_limit(Server.max_connections + Server.max_waiting + 256)
     server_class = Server
     if ":" in host:
         server_class = type("Server6", (Server,), {"address_family": socket.AF_INET6})

@@ -127,9 +127,10 @@ class Supersede:
         with self._lock:
             old = self._latest.get(key)
             self._latest[key] = cancel
+            if old is not None and old is not cancel and not old.cancelled:
+                self.superseded += 1    # under the lock: two registers must not lose a count
         if old is not None and old is not cancel:
-            if not old.cancelled:
-                self.superseded += 1
+            # outside the lock: cancel hooks take the pool's lock (see the lock order)
             old.cancel("superseded")
 
     def unregister(self, key, cancel):

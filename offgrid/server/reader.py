@@ -4,17 +4,30 @@ Everything a client sends passes through here before a handler sees it, so
 this is where what one client can hold is bounded:
 
     RequestReader       a connection's rfile: every read under the deadline of
-                        its phase (waiting for a request, or reading one), and
-                        header bytes counted
+                        its phase (waiting for a request, or reading one), header
+                        bytes counted, and every header line checked (BadHeaders)
+    framing             how a request's body is delimited, or 400 where that is
+                        not certain (request smuggling: see below)
     read_body           a body by Content-Length or chunked, never past max_body;
                         a body that is too large is refused before any of it is read
     parse_json_object   the body as a dict, stricter than json.loads
     linger              the bounded drain before closing a connection whose
                         client is still sending
 
-Errors are ``server.errors`` HTTPErrors, except the two a read deep inside
-http.server can raise (ReadTimeout, HeadersTooLarge), which the Handler turns
-into 408 and 431.
+Framing is strict because offgrid may sit behind a proxy: wherever the proxy
+and offgrid could disagree on where a request ends (RFC 9112 §6.3, §11.2), the
+bytes after it could be read as a second, "smuggled" request that the proxy
+never saw.  So header lines that http.server's parser would accept or
+silently drop are refused: obs-fold (a line starting with a space or tab),
+whitespace before the colon, a bare CR (which the email parser takes as a line
+end), NUL and other control bytes; and so are bodies whose length is in doubt:
+Transfer-Encoding with Content-Length, a coding other than exactly
+``chunked``, Transfer-Encoding in HTTP/1.0, several or malformed
+Content-Lengths.  Each is a 400, after which the Handler closes the connection.
+
+Errors are ``server.errors`` HTTPErrors, except the three a read deep inside
+http.server can raise (ReadTimeout, HeadersTooLarge, BadHeaders), which the
+Handler turns into 408, 431 and 400.
 """
 
 import io
@@ -30,6 +43,12 @@ from .errors import BadRequest, LengthRequired, PayloadTooLarge, RequestTimeout
 # surrogate hide in a body that decoded as UTF-8.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 _CHUNK_SIZE = re.compile(rb"[0-9a-fA-F]{1,8}")
+# A header line (RFC 9112 §5, RFC 9110 §5.5): a token, the colon at once, a
+# value of visible bytes, spaces and tabs (obs-text too), then CRLF or LF.
+_FIELD_LINE = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+:[\t\x20-\x7e\x80-\xff]*\r?\n")
+# Content-Length digits beyond which the length is "larger than any limit"
+# (int() refuses strings of more than 4300 digits on Python 3.11+)
+_MAX_LENGTH_DIGITS = 18
 # trailer lines accepted after a chunked body
 _MAX_TRAILERS = 100
 
@@ -40,6 +59,10 @@ class ReadTimeout(Exception):
 
 class HeadersTooLarge(Exception):
     """A request's headers exceed the limit."""
+
+
+class BadHeaders(Exception):
+    """A header line that is not one (obs-fold, space before the colon, bare CR, ...)."""
 
 
 # -- the connection's rfile -------------------------------------------------------------
@@ -88,7 +111,26 @@ class RequestReader(io.BufferedReader):
             self.head_left -= len(line)
             if self.head_left < 0:
                 raise HeadersTooLarge()
+            _check_field_line(line, size)
         return line
+
+
+def _check_field_line(line, size):
+    """BadHeaders unless ``line`` is a header line, the blank line after them, or EOF."""
+    if line in (b"\r\n", b"\n", b""):
+        return          # the end of the headers
+    if not line.endswith(b"\n") and 0 <= size <= len(line):
+        return          # cut at http.server's line limit: it answers that itself (431)
+    if _FIELD_LINE.fullmatch(line):
+        return
+    if line[:1] in (b" ", b"\t"):
+        raise BadHeaders("a header line starts with whitespace (obs-fold is not accepted)")
+    if not line.endswith(b"\n"):
+        raise BadHeaders("the connection ended inside the headers")
+    name = line.split(b":", 1)[0]
+    if b":" not in line or not name or name != name.strip():
+        raise BadHeaders("malformed header line: a field name, then a colon at once")
+    raise BadHeaders("a header has a control character (CR, NUL, ...) in its name or value")
 
 
 def unread_bytes(sock):
@@ -128,37 +170,57 @@ def linger(sock, seconds, max_bytes):
 
 # -- bodies -------------------------------------------------------------------------------
 
-def has_body(headers):
-    """Whether the request says a body follows."""
-    return (headers.get("Transfer-Encoding") is not None
-            or (headers.get("Content-Length") or "0").strip() != "0")
+def framing(headers, version="HTTP/1.1"):
+    """How the body is delimited: None (no body), -1 (chunked) or its length in bytes.
 
-
-def body_length(headers, max_body):
-    """The declared body length, -1 for chunked; 400, 411 or 413 before any of it is read."""
-    te = headers.get("Transfer-Encoding")
+    BadRequest where that is in doubt (RFC 9112 §6.1, §6.3); the connection
+    must then be closed, since where the next request would start is in doubt too.
+    A length too large for any limit comes back as 2**63.
+    """
+    te = headers.get_all("Transfer-Encoding")
+    lengths = headers.get_all("Content-Length")
     if te is not None:
-        if [c.strip().lower() for c in te.split(",")] != ["chunked"]:
+        if lengths is not None:
+            # RFC 9112 §6.1 lets a server read such a request by its chunks or
+            # refuse it; no client sends both, only a smuggler or a broken proxy
+            # does, so refusing costs nobody and runs nothing it framed its own way
+            raise BadRequest("the request has both Transfer-Encoding and Content-Length; "
+                             "send one of them")
+        if version == "HTTP/1.0":
+            raise BadRequest("Transfer-Encoding is not allowed in an HTTP/1.0 request")
+        codings = [c.strip().lower() for c in ",".join(te).split(",")]
+        if codings != ["chunked"]:
             raise BadRequest("unsupported Transfer-Encoding %r; send the body plain or chunked"
-                             % te[:100])
+                             % ", ".join(te)[:100])
         return -1
-    lengths = headers.get_all("Content-Length") or []
-    if not lengths:
+    if lengths is None:
+        return None
+    if len(lengths) > 1:
+        raise BadRequest("more than one Content-Length header")
+    length = lengths[0].strip()
+    if not (length.isascii() and length.isdigit()):
+        raise BadRequest("invalid Content-Length header")
+    if len(length.lstrip("0")) > _MAX_LENGTH_DIGITS:
+        return 2 ** 63
+    return int(length)
+
+
+def body_length(headers, max_body, version="HTTP/1.1"):
+    """The declared body length, -1 for chunked; 400, 411 or 413 before any of it is read."""
+    n = framing(headers, version)
+    if n is None:
         raise LengthRequired("the request needs a body: send a Content-Length header or a "
                              "chunked body")
-    length = lengths[0].strip()
-    if not (length.isascii() and length.isdigit()) or len(set(lengths)) > 1:
-        raise BadRequest("invalid Content-Length header")
-    n = int(length)
     if n > max_body:
         raise PayloadTooLarge("request body of %d bytes exceeds the limit of %d bytes"
-                              % (n, max_body))
+                              % (n, max_body) if n < 2 ** 63 else
+                              "request body exceeds the limit of %d bytes" % max_body)
     return n
 
 
-def read_body(rfile, headers, max_body, read_timeout):
+def read_body(rfile, headers, max_body, read_timeout, version="HTTP/1.1"):
     """The request body's bytes, within ``max_body`` and the read deadline."""
-    n = body_length(headers, max_body)
+    n = body_length(headers, max_body, version)
     try:
         return _read_chunked(rfile, max_body) if n < 0 else _read_exact(rfile, n)
     except ReadTimeout:

@@ -14,18 +14,17 @@ sequence.  It knows nothing of HTTP beyond raising the errors of
 ``server.errors``, and nothing of libllama: models live in their workers.
 """
 
-import os
-import select
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List
 
 from ..request import Completion, FinishReason, RequestCancel, Usage
 from .. import protocol
 from .errors import BadRequest, Unavailable
+from .metrics import Metrics
 from .pool import ChatPool, SessionSlot, Supersede
+from .watcher import DisconnectWatcher
 
 
 @dataclass
@@ -71,135 +70,6 @@ class ModelEntry:
 
     def call(self, method, what="", **args):
         return self.worker.call(method, what, **args)
-
-
-class Metrics:
-    """Cumulative counters, updated under one lock."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self.requests = {}              # endpoint -> count
-        self.prompt_tokens = 0
-        self.prompt_seconds = 0.0
-        self.cached_tokens = 0
-        self.predicted_tokens = 0
-        self.predicted_seconds = 0.0
-        self.cancelled = 0
-        self.errors = 0
-        self.started = time.time()
-
-    def request(self, endpoint):
-        with self._lock:
-            self.requests[endpoint] = self.requests.get(endpoint, 0) + 1
-
-    def completion(self, c):
-        with self._lock:
-            u = c.usage
-            self.prompt_tokens += u.evaluated_tokens
-            self.cached_tokens += u.cached_tokens
-            self.prompt_seconds += u.prompt_ms / 1000.0
-            self.predicted_tokens += u.completion_tokens
-            self.predicted_seconds += u.generation_ms / 1000.0
-            if c.finish_reason is FinishReason.CANCELLED:
-                self.cancelled += 1
-
-    def error(self):
-        with self._lock:
-            self.errors += 1
-
-
-# Linux's "peer closed its end" poll event.  Elsewhere the watcher falls back
-# to looking every `interval` seconds for a readable socket with nothing in it.
-_POLLRDHUP = getattr(select, "POLLRDHUP", 0)
-_GONE = select.POLLHUP | select.POLLERR | select.POLLNVAL | _POLLRDHUP
-
-
-class DisconnectWatcher:
-    """Cancels requests whose client closed its connection.
-
-    One thread waits in poll() on the sockets of running requests and on a
-    pipe that watch() and unwatch() write to, so it wakes only when a client
-    hangs up or the set changes.  (It used to wake 20 times a second: on 2
-    cores each wake-up takes a core from one of ggml's spinning threads, and
-    the other waits at the next barrier; measured in one process, a 20 Hz
-    poller took 2 to 4% off prompt speed.)
-    While a request runs its client has nothing more to send, so a hang-up
-    is the only event; it cancels the request, which also aborts a prompt
-    evaluation in progress.
-    """
-
-    interval = 0.05     # seconds between looks where poll has no POLLRDHUP
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._watched = {}              # fileno -> (socket, RequestCancel)
-        self._stop = threading.Event()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_w, False)
-        self._thread = threading.Thread(target=self._run, name="disconnect-watcher", daemon=True)
-        self._thread.start()
-
-    def watch(self, sock, cancel):
-        with self._lock:
-            self._watched[sock.fileno()] = (sock, cancel)
-        self._wake()
-
-    def unwatch(self, sock):
-        with self._lock:
-            self._watched.pop(sock.fileno(), None)
-        self._wake()
-
-    def stop(self):
-        self._stop.set()
-        self._wake()
-
-    def _wake(self):
-        try:
-            os.write(self._wake_w, b"\0")
-        except (BlockingIOError, OSError):
-            pass                        # the pipe is full: a wake-up is already pending
-
-    def _run(self):
-        try:
-            while not self._stop.is_set():
-                self._look()
-        finally:
-            os.close(self._wake_r)
-            os.close(self._wake_w)
-
-    def _look(self):
-        with self._lock:
-            # a cancelled request's socket stays watched until its handler
-            # unwatches it; polling it again would return at once, forever
-            items = [(fd, sock, cancel) for fd, (sock, cancel) in self._watched.items()
-                     if not cancel.cancelled]
-        # poll, not select: select cannot watch descriptors past 1023,
-        # which a busy server's sockets reach
-        poller = select.poll()
-        poller.register(self._wake_r, select.POLLIN)
-        for fd, _, _ in items:
-            poller.register(fd, _POLLRDHUP or select.POLLIN | select.POLLPRI)
-        try:
-            ready = dict(poller.poll(None if _POLLRDHUP else self.interval * 1000))
-        except OSError:
-            return
-        if ready.pop(self._wake_r, 0):
-            os.read(self._wake_r, 4096)
-        for fd, sock, cancel in items:
-            events = ready.get(fd, 0)
-            if events & _GONE or (events and self._closed(sock)):
-                cancel.cancel("client disconnected")
-        if ready and not _POLLRDHUP:
-            self._stop.wait(self.interval)      # a socket with unread bytes stays readable
-
-    @staticmethod
-    def _closed(sock):
-        try:
-            return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-        except BlockingIOError:
-            return False
-        except OSError:
-            return True
 
 
 class Service:

@@ -1,0 +1,73 @@
+"""Metrics: the cumulative counters behind /metrics.
+
+Handler threads count into one Metrics while /metrics reads it from another;
+every read and write is under the one lock, and the reader takes a
+``snapshot`` rather than walking the live counters (a dict that another
+thread inserts into while it is iterated raises RuntimeError).
+"""
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Dict
+
+from ..request import FinishReason
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """The counters at one moment, consistent with each other; the reader's own copy."""
+    requests: Dict[str, int] = field(default_factory=dict)     # endpoint -> count
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    cached_tokens: int = 0
+    predicted_tokens: int = 0
+    predicted_seconds: float = 0.0
+    cancelled: int = 0
+    errors: int = 0
+    started: float = 0.0
+
+
+class Metrics:
+    """Cumulative counters, updated under one lock."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.requests = {}              # endpoint -> count
+        self.prompt_tokens = 0
+        self.prompt_seconds = 0.0
+        self.cached_tokens = 0
+        self.predicted_tokens = 0
+        self.predicted_seconds = 0.0
+        self.cancelled = 0
+        self.errors = 0
+        self.started = time.time()
+
+    def request(self, endpoint):
+        with self._lock:
+            self.requests[endpoint] = self.requests.get(endpoint, 0) + 1
+
+    def completion(self, c):
+        with self._lock:
+            u = c.usage
+            self.prompt_tokens += u.evaluated_tokens
+            self.cached_tokens += u.cached_tokens
+            self.prompt_seconds += u.prompt_ms / 1000.0
+            self.predicted_tokens += u.completion_tokens
+            self.predicted_seconds += u.generation_ms / 1000.0
+            if c.finish_reason is FinishReason.CANCELLED:
+                self.cancelled += 1
+
+    def error(self):
+        with self._lock:
+            self.errors += 1
+
+    def snapshot(self):
+        """A MetricsSnapshot, read under the lock: what /metrics may iterate."""
+        with self._lock:
+            return MetricsSnapshot(
+                requests=dict(self.requests), prompt_tokens=self.prompt_tokens,
+                prompt_seconds=self.prompt_seconds, cached_tokens=self.cached_tokens,
+                predicted_tokens=self.predicted_tokens,
+                predicted_seconds=self.predicted_seconds, cancelled=self.cancelled,
+                errors=self.errors, started=self.started)
