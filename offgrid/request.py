@@ -181,6 +181,9 @@ class Completion:
     stopping_word: str
     usage: Usage
     truncated: bool = False
+    # tokens in the session's cache after the request (prompt and generated):
+    # llama-server's tokens_cached; set by the front from the worker's answer
+    n_cached: int = 0
     # chat: the parsed reply ({"content", "reasoning_content", "tool_calls"}),
     # set where the worker's chat layer read the text
     reply: Optional[dict] = None

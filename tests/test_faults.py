@@ -344,7 +344,7 @@ def test_out_of_kv_space_is_400_for_that_request_and_the_session_is_reset(inproc
         session.n_ctx = guard
     status, _, body = srv.post("/completion", {"prompt": "hello there", "n_predict": 4})
     assert status == 200 and body["tokens_predicted"] == 4
-    assert body["tokens_cached"] == 0, "the failed session's cache was kept"
+    assert body["timings"]["cache_n"] == 0, "the failed session's cache was kept"
     m = srv.metrics()
     assert m["offgrid_errors_total"] == 0 and m["offgrid_sessions_idle"] == 1
 
@@ -372,7 +372,7 @@ def test_decode_failure_is_500_for_that_request_and_the_session_is_reused(inproc
     assert "the session was reset" in body["error"]["message"]
     first = srv.post("/completion", {"prompt": "hello there", "n_predict": 4})[2]
     again = srv.post("/completion", {"prompt": "hello there", "n_predict": 4})[2]
-    assert first["tokens_predicted"] == 4 and first["tokens_cached"] == 0
-    assert again["tokens_cached"] > 0, "the session is not caching again"
+    assert first["tokens_predicted"] == 4 and first["timings"]["cache_n"] == 0
+    assert again["timings"]["cache_n"] > 0, "the session is not caching again"
     m = srv.metrics()
     assert m["offgrid_errors_total"] == 1 and m["offgrid_sessions_idle"] == 1

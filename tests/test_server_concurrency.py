@@ -95,6 +95,48 @@ def test_newer_request_with_same_id_slot_cancels_the_running_one(one):
     one.wait_idle()
 
 
+def test_a_warm_up_waits_for_the_running_completion_instead_of_cancelling_it(one):
+    # llama.vim: a suggestion is being generated on id_slot 0 when its ring
+    # buffer sends a fire-and-forget warm-up (n_predict 0) on the same slot
+    a = Call(one, "/completion", dict(LONG, n_predict=60, prompt="def main():", id_slot=0))
+    a.start()
+    wait_generating(one, n_cached=4)
+    warm = Call(one, "/completion", {"prompt": "import os\nimport sys\n", "n_predict": 0,
+                                     "id_slot": 0})
+    warm.start()
+    a.join(60)
+    warm.join(60)
+    status, body = a.result
+    assert status == 200 and body["tokens_predicted"] == 60 and body["stop_type"] == "limit"
+    assert body["content"], "the suggestion came back empty"
+    assert warm.result[0] == 200 and warm.result[1]["tokens_predicted"] == 0
+    assert warm.done_at >= a.done_at, "the warm-up ran before the completion it waited for"
+    one.wait_idle()
+
+
+def test_a_newer_warm_up_replaces_a_waiting_one_but_a_completion_replaces_both(one):
+    a = Call(one, "/completion", dict(LONG, n_predict=80, prompt="Busy", id_slot=5))
+    a.start()
+    wait_generating(one, n_cached=2)
+    w1 = Call(one, "/completion", {"prompt": "first warm", "n_predict": 0, "id_slot": 5})
+    w1.start()
+    wait_busy(one, queued=1)
+    w2 = Call(one, "/completion", {"prompt": "second warm", "n_predict": 0, "id_slot": 5})
+    w2.start()
+    w1.join(10)
+    assert w1.result is not None and w1.result[0] == 200, "the older warm-up was not answered"
+    assert a.done_at is None, "a warm-up cancelled the completion"
+    b = Call(one, "/completion", {"prompt": "Newest", "n_predict": 4, "id_slot": 5,
+                                  "temperature": 0})
+    b.start()
+    for c in (a, w2, b):
+        c.join(60)
+    assert a.result[1]["stop_type"] == "none", "the newer completion did not supersede it"
+    assert w2.result[0] == 200
+    assert b.result[0] == 200 and b.result[1]["tokens_predicted"] == 4
+    one.wait_idle()
+
+
 def test_newer_request_answers_a_waiting_one_empty_at_once(one):
     a = Call(one, "/completion", dict(LONG, prompt="The story begins", id_slot=1))
     a.start()

@@ -4,6 +4,9 @@ gemma-3-270m serves text and chat; the tiny FIM model serves ``suffix``
 requests through --fim-model, which also checks the routing between the two.
 """
 
+import threading
+import time
+
 import openai
 import pytest
 
@@ -110,3 +113,35 @@ def test_bad_request_surfaces_as_openai_error(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="gemma", prompt="x", max_tokens=4, n=2)
     assert "'n' must be 1" in e.value.message
+
+
+def test_an_empty_prompt_without_a_suffix_is_refused(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="gemma", prompt="", max_tokens=4)
+    assert "prompt must not be empty" in e.value.message.replace("'", "")
+
+
+def test_a_superseded_completion_finishes_with_an_openai_reason(srv):
+    key = {"Authorization": "Bearer sk-test-1"}
+    result = {}
+
+    def first():
+        result["r"] = srv.post("/v1/completions", {"model": "gemma", "prompt": "Once upon",
+                                                   "max_tokens": 400, "id_slot": 0,
+                                                   "ignore_eos": True}, headers=key)
+    t = threading.Thread(target=first, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if any(s["is_processing"] and s["n_cached"] > 3 for s in srv.get("/slots",
+                                                                         headers=key)[2]):
+            break
+        time.sleep(0.02)
+    srv.post("/v1/completions", {"model": "gemma", "prompt": "Hi", "max_tokens": 1,
+                                 "id_slot": 0}, headers=key)
+    t.join(30)
+    status, _, body = result["r"]
+    assert status == 200
+    assert body["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls",
+                                                   "content_filter")
+    assert body["usage"]["completion_tokens"] < 400, "it was not superseded"

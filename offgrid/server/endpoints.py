@@ -297,6 +297,9 @@ def v1_completions(h, body):
         req = InfillRequest(input_prefix=prompt.parts[0], input_suffix=suffix)
         tokens = _infill_tokens(f, entry, req, gen, "POST /v1/completions")
     else:
+        if prompt.is_text and not prompt.parts[0]:
+            # nothing to continue (with a suffix, an empty prefix is a fine FIM request)
+            raise BadRequest("'prompt' must not be empty")
         entry = svc.entry_for(f.raw("model"))
         gen = generation_from(f, entry.n_vocab, svc.n_predict_default,
                               ("max_tokens", "n_predict"))

@@ -14,6 +14,8 @@ Functions here are pure: typed results in, dicts out.
 import time
 import uuid
 
+from ..request import FinishReason
+
 
 
 def timings(usage):
@@ -94,7 +96,9 @@ def native_final(c, model_name, gen, n_ctx, id_slot, prompt_text, index=0, strea
         "truncated": c.truncated,
         "stop_type": c.stop_type,
         "stopping_word": c.stopping_word,
-        "tokens_cached": c.usage.cached_tokens,
+        # what the session's cache holds now, prompt and output (llama-server's n_past);
+        # how much of the prompt came from it is timings.cache_n
+        "tokens_cached": c.n_cached,
         "timings": timings(c.usage),
     }
 
@@ -138,6 +142,10 @@ def new_id(prefix):
 
 
 def finish_reason(c):
+    """OpenAI's finish_reason: a cancelled request (superseded, its client gone, the
+    server stopping) ended before a limit, as a stop does; OpenAI has no other word."""
+    if c.finish_reason is FinishReason.CANCELLED:
+        return FinishReason.STOP.value
     return c.finish_reason.value
 
 

@@ -126,7 +126,7 @@ class Service:
         with self._lock:
             self._running.add(cancel)
         if key is not None:
-            self.supersede.register(key, cancel)
+            self.supersede.register(key, cancel, warmup=gen.n_predict == 0)
         if sock is not None:
             self.watcher.watch(sock, cancel)
         try:
@@ -165,6 +165,7 @@ class Service:
         session.cached = out["cached"]
         c = protocol.decode_completion(out["completion"])
         c.reply = out.get("reply")
+        c.n_cached = len(out["cached"])
         return c
 
     # -- shutdown -----------------------------------------------------------
