@@ -32,6 +32,27 @@ HOST = "127.0.0.1"
 
 
 @dataclass
+def _vmhwm_kb(pid):
+    with open("/proc/%d/status" % pid) as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    raise RuntimeError("no VmHWM in /proc/%d/status" % pid)
+
+
+def _children(pid):
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open("/proc/%s/stat" % name) as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(name))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
 class Config:
     """What both servers are started with."""
     model: str
@@ -105,12 +126,10 @@ class Server:
         return "\n".join(self.log_text().splitlines()[-n:])
 
     def peak_rss_mb(self):
-        """VmHWM of the server process (its peak resident set), in MiB."""
-        with open("/proc/%d/status" % self.proc.pid) as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024.0
-        raise RuntimeError("no VmHWM in /proc/%d/status" % self.proc.pid)
+        """VmHWM (peak resident set) of the server process plus its children's, in MiB:
+        offgrid's models run in worker processes.  A sum of peaks, so never below the
+        peak of the sum."""
+        return sum(_vmhwm_kb(pid) for pid in [self.proc.pid] + _children(self.proc.pid)) / 1024.0
 
     def stop(self):
         if self.proc is None or self.proc.poll() is not None:

@@ -72,14 +72,34 @@ class BundledServer(ServerProcess):
         return self.command + self.args, self.cwd, None
 
 
-def assert_serves(server):
-    """/health is ok, one completion generates, and SIGTERM ends it cleanly."""
+def worker_of(server):
+    """(executable, argv) of the server's one model worker."""
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open("/proc/%s/stat" % name) as fh:
+                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+                if ppid == server.proc.pid:
+                    with open("/proc/%s/cmdline" % name, "rb") as fh:
+                        argv = fh.read().decode().split("\0")
+                    return os.readlink("/proc/%s/exe" % name), argv
+            except OSError:
+                continue
+    raise AssertionError("the server has no worker process")
+
+
+def assert_serves(server, package_root):
+    """/health is ok, one completion generates, the model's worker runs on the server's
+    own interpreter and its own offgrid package, and SIGTERM ends it cleanly."""
     status, _, body = server.get("/health")
-    assert (status, body) == (200, {"status": "ok"})
+    assert status == 200 and body["status"] == "ok"
     status, _, body = server.post("/completion", {"prompt": "Hello", "n_predict": 8})
     assert status == 200, body
     assert body["tokens_predicted"] == 8
     assert isinstance(body["content"], str) and body["content"]
+    exe, argv = worker_of(server)
+    assert exe == os.readlink("/proc/%d/exe" % server.proc.pid)
+    assert "sys.path.insert(0, %r)" % str(package_root) in " ".join(argv), argv
     assert server.stop() == 0, "".join(server.output)
 
 
@@ -157,7 +177,7 @@ def test_serves_from_inside_the_folder_with_an_empty_environment(unpacked, plain
                                                                  python):
     # tar xf offgrid-*.tar.gz && cd offgrid-* && python3 -m offgrid -m model.gguf
     with BundledServer([python, "-m", "offgrid"], unpacked, plain_model_path.name) as server:
-        assert_serves(server)
+        assert_serves(server, unpacked)
 
 
 @pytest.mark.parametrize("python", [exe for _, exe in PYTHONS], ids=PYTHON_IDS)
@@ -165,7 +185,7 @@ def test_serves_in_isolated_mode_from_another_folder(unpacked, plain_model_path,
                                                      tmp_path):
     model = unpacked / plain_model_path.name
     with BundledServer([python, "-I", unpacked], tmp_path, model) as server:
-        assert_serves(server)
+        assert_serves(server, unpacked)
 
 
 @pytest.mark.parametrize("python", [exe for _, exe in PYTHONS], ids=PYTHON_IDS)
@@ -189,5 +209,8 @@ def test_wheel_installs_offline_and_finds_the_library_through_OFFGRID_LIB(unpack
     subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-index",
                     "--no-deps", str(wheel)], check=True)
     command = ["OFFGRID_LIB=%s" % (unpacked / "lib"), venv / "bin" / "offgrid"]
+    site = subprocess.run([str(venv / "bin" / "python"), "-c", "import offgrid, os; print("
+                           "os.path.dirname(os.path.dirname(os.path.abspath(offgrid.__file__))))"],
+                          capture_output=True, text=True, check=True, cwd=str(tmp_path)).stdout
     with BundledServer(command, tmp_path, unpacked / plain_model_path.name) as server:
-        assert_serves(server)
+        assert_serves(server, site.strip())

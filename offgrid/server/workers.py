@@ -214,7 +214,7 @@ class WorkerClient:
     def _open(self, what):
         """A new request id and its queue, failed at once if no worker is there."""
         rid = next(self._ids)
-        p = _Pending(what)
+        p = _Pending("%s (request %d)" % (what, rid))
         with self._cond:
             if self.state != "ready":
                 raise Unavailable("model %s is %s" % (self.name, self.state))
