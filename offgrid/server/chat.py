@@ -173,8 +173,7 @@ def chat_completions(h, body):
                           ("max_completion_tokens", "max_tokens", "n_predict"))
     gen.sampling.grammar, gen.sampling.grammar_triggers = _grammar_of(prompt, schema, grammar)
     if gen.sampling.grammar is not None:
-        check_grammar(model.lib, model.handle.vocab, gen.sampling.grammar,
-                      gen.sampling.grammar_triggers)
+        check_grammar(model, gen.sampling.grammar, gen.sampling.grammar_triggers)
     fmt = prompt.reply_format
     gen.preserved_tokens = _preserved_tokens(model, fmt)
     id_length = 9 if getattr(template_for(entry), "tool_syntax", "") == "mistral" else 32

@@ -195,7 +195,7 @@ def _constrain(f, model, gen):
     if schema is not None:
         grammar = schema_to_grammar(schema)
     if grammar is not None:
-        check_grammar(model.lib, model.handle.vocab, grammar)
+        check_grammar(model, grammar)
         gen.sampling.grammar = grammar
 
 
