@@ -71,12 +71,15 @@ class Limits:
     # 22 levels of ``r_i ::= r_i+1 | r_i+1`` (4M visits) take 0.23 s.
     max_leading_visits = 1000000
     # Sampling cost: for every candidate token libllama walks every parse
-    # stack alive at that point, so one sample costs about stacks x n_vocab.
-    # Measured on gemma-3-270m (262,144 tokens) on the 2-core build machine
-    # (under load): an enum of 250 values 1.3 s for the first sample, 1,000
-    # values 10 s, 2,000 values 25 s; a binary tree of 256 literals 2.6 s; one
-    # literal of 100,000 characters 0.2 s.  2**25 stack x token checks is
-    # 128 stacks on a 262k vocabulary (about 1 s) and 1,024 on a 32k one.
+    # stack alive at that point, so one sample costs about stacks x n_vocab,
+    # and every token sampled while that many are alive pays it again.
+    # Measured on gemma-3-270m (262,144 tokens), CPU time of one sample on
+    # the 2-core build machine: an enum of 64 values 0.29 s, 128 values
+    # 0.88 s, 256 values 1.8 s, 512 values 3.3 s (wall time under load: 1,000
+    # values 10 s, 2,000 values 25 s); a rule tree of 128 literals 0.43 s; one
+    # literal of 100,000 characters 0.07 s.  Building the sampler takes under
+    # 2 ms for all of these: the cost is in sampling.  2**25 stack x token
+    # checks is 128 stacks on a 262k vocabulary (about 1 s) and 1,024 on 32k.
     max_frontier_work = 2 ** 25
 
 
@@ -561,7 +564,7 @@ def _analyse(r, facts, limits):
 
     # The frontier: parse stacks alive at one point, bounded by the terminals
     # that can come first from any position of any sequence.
-    frontier = 1
+    frontier = max([1] + list(first.values()))     # a rule's alternatives, all at once
     for alts in rules.values():
         for seq in alts:
             suffix = 0
