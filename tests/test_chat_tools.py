@@ -220,10 +220,14 @@ CLOCK = Tool("get_time", "Time in a zone", {
 @pytest.mark.parametrize("syntax", ["hermes", "llama3", "mistral", "mistral-args",
                                     "mistral-callid", "harmony", "generic"])
 def test_forced_call_grammar_is_valid_gbnf(gemma, syntax):
+    from offgrid import libllama
     from offgrid.engine.sampling import check_grammar
     for choice, parallel in (("required", False), ("required", True), ("get_time", False)):
-        check_grammar(gemma.lib, gemma.handle.vocab,
-                      tool_call_grammar([WEATHER, CLOCK], syntax, choice, parallel))
+        grammar = tool_call_grammar([WEATHER, CLOCK], syntax, choice, parallel)
+        check_grammar(gemma, grammar)
+        ptr = libllama.init_grammar_sampler(gemma.lib, gemma.handle.vocab, grammar)
+        assert ptr, "libllama refused a grammar the Python check passed"
+        gemma.lib.llama_sampler_free(ptr)
 
 
 def test_tool_results_round_trip_through_the_template(llama_src):

@@ -15,6 +15,7 @@ import json
 import openai
 import pytest
 
+from offgrid import libllama
 from offgrid.chat.jsonschema import SchemaError, schema_to_grammar
 from offgrid.engine.sampling import check_grammar
 
@@ -112,7 +113,11 @@ GRAMMAR_SCHEMAS = [
 
 @pytest.mark.parametrize("schema", GRAMMAR_SCHEMAS, ids=lambda s: json.dumps(s)[:40])
 def test_schema_grammar_is_valid_gbnf(gemma, schema):
-    check_grammar(gemma.lib, gemma.handle.vocab, schema_to_grammar(schema))
+    grammar = schema_to_grammar(schema)
+    check_grammar(gemma, grammar)
+    ptr = libllama.init_grammar_sampler(gemma.lib, gemma.handle.vocab, grammar)
+    assert ptr, "libllama refused a grammar the Python check passed"
+    gemma.lib.llama_sampler_free(ptr)
 
 
 @pytest.mark.parametrize("schema, word", [

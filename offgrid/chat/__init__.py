@@ -7,5 +7,6 @@ never imports libllama (a model is passed in where tokens are needed).
     select.py       which template a model uses (its own, --chat-template, a built-in)
     reply.py        model text back to content, reasoning and tool calls (streamed too)
     jsonschema.py   JSON schema to GBNF
+    gbnf.py         the GBNF check every grammar passes before libllama sees it
     jinja/          the Jinja subset chat templates are written in
 """

@@ -22,9 +22,11 @@ properties come out in the schema's order, required ones first.
 """
 
 import json
+import math
 import re
 
 from ..errors import InvalidRequest
+from .gbnf import Limits
 
 
 class SchemaError(InvalidRequest):
@@ -62,6 +64,15 @@ _DEPS = {
     "date-string": ("date",), "time-string": ("time",), "date-time-string": ("date-time",),
 }
 
+# Bounds on what a schema may ask for.  Nesting is Python recursion here
+# (about four frames per level); a repetition count is libllama's own
+# MAX_REPETITION_THRESHOLD; numbers in the grammar have at most 16 digits, so
+# a bound needing more cannot be met; the output is held to what the GBNF
+# check accepts anyway, so that the failure names the schema.
+MAX_SCHEMA_DEPTH = 64
+MAX_COUNT = Limits.max_repetition
+MAX_GRAMMAR_CHARS = Limits.max_chars
+
 # Keywords that only annotate; they never narrow what validates.
 _ANNOTATIONS = {"title", "description", "$schema", "$id", "$comment", "examples", "default",
                 "deprecated", "readOnly", "writeOnly", "$defs", "definitions", "strict",
@@ -95,7 +106,45 @@ def literal(text):
 
 def json_literal(value):
     """A GBNF rule body matching the JSON text of ``value`` (compact, as json.dumps)."""
-    return literal(json.dumps(value, ensure_ascii=False))
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (ValueError, TypeError, RecursionError) as e:
+        raise SchemaError("a value in the schema cannot be written as JSON: %s" % e)
+    return literal(text)
+
+
+def _count(schema, key, default=None):
+    """A non-negative integer keyword (minLength, maxItems, ...), or ``default``."""
+    v = schema.get(key, default)
+    if v is default:
+        return v
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise SchemaError("'%s' must be a non-negative integer, got %s" % (key, _short(v)))
+    return v
+
+
+def _number(schema, key):
+    """A numeric keyword (minimum, ...), or None; booleans and strings are refused."""
+    v = schema.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or \
+            (isinstance(v, float) and not math.isfinite(v)):
+        raise SchemaError("'%s' must be a number, got %s" % (key, _short(v)))
+    return v
+
+
+def _short(v):
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _strings(value, key):
+    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+        raise SchemaError("'%s' must be an array of strings" % key)
+    return value
 
 
 class Grammar:
@@ -105,15 +154,32 @@ class Grammar:
         self.rules = {"space": SPACE}
         self.root_schema = root_schema if isinstance(root_schema, dict) else {}
         self._refs = {}
+        self._depth = 0
+        self._size = len(SPACE)
+        self._keys = {}         # (name, body) -> the key add() gave them
+        self._next = {}         # name -> the last number add() appended to it
 
     # -- rules ----------------------------------------------------------------
     def add(self, name, body):
-        """Add a rule; a different rule of the same name gets a numbered name."""
-        name = re.sub(r"[^a-zA-Z0-9-]+", "-", name) or "r"
-        key, i = name, 0
-        while key in self.rules and self.rules[key] != body:
+        """Add a rule; a different rule of the same name gets a numbered name.
+
+        Names are held to 64 characters and numbered from a counter, so a
+        schema with thousands of similar names stays linear.
+        """
+        name = (re.sub(r"[^a-zA-Z0-9-]+", "-", name) or "r")[:64]
+        for key in (name, self._keys.get((name, body))):
+            if key is not None and self.rules.get(key) == body:
+                return key
+        key, i = name, self._next.get(name, 0)
+        while key in self.rules:
             i += 1
             key = "%s%d" % (name, i)
+        self._next[name] = i
+        self._size += len(key) + len(body) + 6
+        if self._size > MAX_GRAMMAR_CHARS:
+            raise SchemaError("the schema's grammar would exceed %d characters"
+                              % MAX_GRAMMAR_CHARS)
+        self._keys[(name, body)] = key
         self.rules[key] = body
         return key
 
@@ -131,6 +197,15 @@ class Grammar:
     # -- schemas ----------------------------------------------------------------
     def schema(self, schema, name):
         """The name of a rule matching JSON valid against ``schema`` (plus trailing space)."""
+        self._depth += 1
+        try:
+            if self._depth > MAX_SCHEMA_DEPTH:
+                raise SchemaError("the schema nests more than %d levels deep" % MAX_SCHEMA_DEPTH)
+            return self._schema(schema, name)
+        finally:
+            self._depth -= 1
+
+    def _schema(self, schema, name):
         if schema is True or schema == {} or schema is None:
             return self.primitive("value")
         if schema is False:
@@ -147,10 +222,13 @@ class Grammar:
             return self.add(name, json_literal(schema["const"]) + " space")
         if "enum" in schema:
             values = schema["enum"]
+            if isinstance(values, list) and len(values) > MAX_GRAMMAR_CHARS // 4:
+                raise SchemaError("'enum' has %d values; the limit is %d"
+                                  % (len(values), MAX_GRAMMAR_CHARS // 4))
             if not isinstance(values, list) or not values:
                 raise SchemaError("'enum' must be a non-empty array")
-            body = " | ".join(json_literal(v) for v in values)
-            return self.add(name, "(" + body + ") space")
+            texts = [json_literal(v)[1:-1] for v in values]     # escaped, unquoted
+            return self.add(name, "(%s) space" % self._choice(texts, name + "-enum"))
         for key in ("anyOf", "oneOf"):
             if key in schema:
                 alts = schema[key]
@@ -162,9 +240,13 @@ class Grammar:
             return self.schema(self._merge_all_of(schema), name)
 
         types = schema.get("type")
+        if types is not None and not isinstance(types, str):
+            if not isinstance(types, list) or not types or \
+                    not all(isinstance(t, str) for t in types):
+                raise SchemaError("'type' must be a string or a non-empty array of strings")
+        if not isinstance(schema.get("nullable", False), bool):
+            raise SchemaError("'nullable' must be true or false")
         if isinstance(types, list):
-            if not types:
-                raise SchemaError("'type' must not be an empty list")
             rules = [self.schema(dict(schema, type=t), "%s-%s" % (name, t)) for t in types]
             return self.add(name, " | ".join(rules))
         if schema.get("nullable") is True and types is not None:
@@ -204,6 +286,9 @@ class Grammar:
         target = self.root_schema
         for part in ref[2:].split("/"):
             part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(target, list) and part.isdigit() and int(part) < len(target):
+                target = target[int(part)]
+                continue
             if not isinstance(target, dict) or part not in target:
                 raise SchemaError("unresolved $ref %r" % ref)
             target = target[part]
@@ -216,20 +301,31 @@ class Grammar:
     @staticmethod
     def _merge_all_of(schema):
         merged = {"type": "object", "properties": {}, "required": []}
-        for part in schema["allOf"]:
+        parts = schema["allOf"]
+        if not isinstance(parts, list) or not parts:
+            raise SchemaError("'allOf' must be a non-empty array")
+        for part in parts:
             if not isinstance(part, dict) or part.get("type", "object") != "object":
                 raise SchemaError("'allOf' is supported only for object schemas")
-            merged["properties"].update(part.get("properties", {}))
-            merged["required"] += [r for r in part.get("required", [])
+            props = part.get("properties", {})
+            if not isinstance(props, dict):
+                raise SchemaError("'properties' must be an object")
+            merged["properties"].update(props)
+            merged["required"] += [r for r in _strings(part.get("required", []), "required")
                                    if r not in merged["required"]]
         return merged
 
     def _object(self, schema, name):
-        props = schema.get("properties") or {}
-        required = schema.get("required") or []
+        props = schema.get("properties")
+        props = {} if props is None else props
+        required = schema.get("required")
+        required = [] if required is None else required
         additional = schema.get("additionalProperties")
-        if not isinstance(props, dict) or not isinstance(required, list):
-            raise SchemaError("'properties' must be an object and 'required' an array")
+        if not isinstance(props, dict):
+            raise SchemaError("'properties' must be an object")
+        _strings(required, "required")
+        if not isinstance(additional, (bool, dict)) and additional is not None:
+            raise SchemaError("'additionalProperties' must be a boolean or a schema")
         if not props and additional is None:
             return self.primitive("object")         # any object
         kv = {}
@@ -280,8 +376,49 @@ class Grammar:
             alts.append((first + " " + tails[i + 1]).strip())
         return "( " + self.add(name + "-first", " | ".join(alts)) + " )?"
 
+    def _choice(self, texts, name):
+        """GBNF for exactly one of ``texts`` (GBNF-escaped literal bodies), as a
+        radix tree: one rule per branch point, so libllama keeps one parse stack
+        per distinct next character, not one per value.  A flat ``"a" | "b" |
+        ...`` of 2,000 values costs it 25 s a token; this, well under one.
+        """
+        trie = {}
+        for t in texts:
+            node = trie
+            for c in _escaped_chars(t):
+                node = node.setdefault(c, {})
+            node[""] = {}
+        nodes, edges = [trie], []
+        for node in nodes:
+            out = []
+            for c in sorted(k for k in node if k):
+                label, child = c, node[c]
+                while len(child) == 1 and "" not in child:     # a chain: one literal
+                    (k, child), = child.items()
+                    label += k
+                if any(child):
+                    nodes.append(child)
+                out.append((label, child, len(nodes) - 1 if any(child) else None))
+            edges.append(out)
+        names = {}
+        for k in range(len(nodes) - 1, -1, -1):
+            alts = []
+            for label, child, cid in edges[k]:
+                alt = '"%s"' % label
+                if cid is not None:
+                    alt += " %s%s" % (names[cid], "?" if "" in child else "")
+                alts.append(alt)
+            body = " | ".join(alts)
+            if k == 0:
+                return body
+            names[k] = self.add("%s-%d" % (name, k), body)
+
     def _not_strings(self, words, name):
-        """A JSON string that is none of ``words`` (keys of additional properties)."""
+        """A JSON string that is none of ``words`` (keys of additional properties).
+
+        The words form a trie; each node is its own rule (``name-N``), so a
+        long key makes many small rules, never deep nesting or deep recursion.
+        """
         char = self.primitive("char")
         trie = {}
         for w in words:
@@ -289,36 +426,42 @@ class Grammar:
             for c in w:
                 node = node.setdefault(c, {})
             node[""] = {}
-
-        def visit(node):
+        # number the nodes breadth-first, then write them deepest first
+        nodes, ids = [trie], {id(trie): 0}
+        for node in nodes:
+            for c, child in node.items():
+                if c != "":
+                    ids[id(child)] = len(nodes)
+                    nodes.append(child)
+        names = {}
+        for k in range(len(nodes) - 1, -1, -1):
+            node = nodes[k]
             alts, rejects = [], ""
             for c, child in sorted(node.items()):
                 if c == "":
                     continue
                 rejects += c
                 cls = _class_char(c)
-                if any(k != "" for k in child):
-                    inner = visit(child)
-                    if "" in child:
-                        alts.append("[%s] (%s)?" % (cls, inner))
-                    else:
-                        alts.append("[%s] (%s)" % (cls, inner))
+                if any(x != "" for x in child):
+                    inner = names[ids[id(child)]]
+                    alts.append("[%s] %s%s" % (cls, inner, "?" if "" in child else ""))
                 else:
                     alts.append("[%s] %s+" % (cls, char))
             neg = "".join(_class_char(c) for c in rejects)
             alts.append('[^"%s] %s*' % (neg, char))
-            return " | ".join(alts)
-
-        body = '"\\"" ( %s )%s "\\"" space' % (visit(trie), "" if "" in trie else "?")
+            if k:
+                names[k] = self.add("%s-%d" % (name, k), " | ".join(alts))
+            else:
+                top = " | ".join(alts)
+        body = '"\\"" ( %s )%s "\\"" space' % (top, "" if "" in trie else "?")
         return self.add(name, body)
 
     def _array(self, schema, name):
-        lo = schema.get("minItems", 0)
-        hi = schema.get("maxItems")
-        if not isinstance(lo, int) or (hi is not None and not isinstance(hi, int)):
-            raise SchemaError("'minItems' and 'maxItems' must be integers")
+        lo, hi = self._counts(schema, "minItems", "maxItems")
         items = schema.get("items")
         prefix = schema.get("prefixItems")
+        if prefix is not None and not isinstance(prefix, list):
+            raise SchemaError("'prefixItems' must be an array of schemas")
         if isinstance(items, list):
             prefix, items = items, None
         if prefix is not None:
@@ -327,8 +470,6 @@ class Grammar:
             return self.add(name, body)
         item = self.schema(items, name + "-item") if items not in (None, True, {}) \
             else self.primitive("value")
-        if hi is not None and hi < lo:
-            raise SchemaError("'maxItems' is below 'minItems'")
         if hi == 0:
             return self.add(name, '"[" space "]" space')
         more = _repeat('"," space %s' % item, max(lo - 1, 0), None if hi is None else hi - 1)
@@ -338,39 +479,73 @@ class Grammar:
 
     def _string(self, schema, name):
         fmt = schema.get("format")
+        if fmt is not None and not isinstance(fmt, str):
+            raise SchemaError("'format' must be a string")
         if fmt in ("date", "time", "date-time"):
             return self.primitive(fmt + "-string")
         if fmt == "uuid":
             return self.primitive("uuid")
         if "pattern" in schema:
             raise SchemaError("JSON schema 'pattern' is not supported")
-        lo = schema.get("minLength", 0)
-        hi = schema.get("maxLength")
+        lo, hi = self._counts(schema, "minLength", "maxLength")
         if lo == 0 and hi is None:
             return self.primitive("string")
         char = self.primitive("char")
         return self.add(name, '"\\"" %s "\\"" space' % _repeat(char, lo, hi))
 
+    @staticmethod
+    def _counts(schema, low_key, high_key):
+        """(min, max or None) of a minLength/maxLength-style pair, checked.
+
+        A maximum above libllama's repetition limit is held to it (every
+        output still validates); a minimum above it cannot be met.
+        """
+        lo = _count(schema, low_key, 0)
+        hi = _count(schema, high_key)
+        if hi is not None and hi < lo:
+            raise SchemaError("'%s' is below '%s'" % (high_key, low_key))
+        if lo > MAX_COUNT:
+            raise SchemaError("'%s' above %d is not supported" % (low_key, MAX_COUNT))
+        if hi is not None:
+            hi = min(hi, MAX_COUNT)
+        return lo, hi
+
     def _integer(self, schema, name):
-        lo = schema.get("minimum")
-        hi = schema.get("maximum")
         xlo, xhi = schema.get("exclusiveMinimum"), schema.get("exclusiveMaximum")
         if isinstance(xlo, bool) or isinstance(xhi, bool):
             raise SchemaError("boolean exclusiveMinimum/exclusiveMaximum (draft 4) is not supported")
+        lo, hi = _number(schema, "minimum"), _number(schema, "maximum")
+        xlo, xhi = _number(schema, "exclusiveMinimum"), _number(schema, "exclusiveMaximum")
+        for v in (lo, hi, xlo, xhi):
+            if v is not None and abs(v) >= _LIMIT:
+                raise SchemaError("integer bounds beyond %d digits are not supported"
+                                  % _MAX_DIGITS)
+        # an exclusive bound on a fraction: the nearest whole number inside it
+        if xlo is not None:
+            xlo = math.floor(xlo)
+        if xhi is not None:
+            xhi = math.ceil(xhi)
         if xlo is not None:
             lo = max(lo, xlo + 1) if lo is not None else xlo + 1
         if xhi is not None:
             hi = min(hi, xhi - 1) if hi is not None else xhi - 1
         if lo is None and hi is None:
             return self.primitive("integer")
-        for v in (lo, hi):
-            if v is not None and (not isinstance(v, (int, float)) or v != int(v)):
-                raise SchemaError("integer bounds must be whole numbers")
-        lo = None if lo is None else int(lo)
-        hi = None if hi is None else int(hi)
+        lo = None if lo is None else math.ceil(lo)
+        hi = None if hi is None else math.floor(hi)
         if lo is not None and hi is not None and lo > hi:
             raise SchemaError("'minimum' is above 'maximum'")
         return self.add(name, "(%s) space" % _int_range(lo, hi))
+
+
+def _escaped_chars(body):
+    """The characters of a GBNF literal body, each escape kept whole."""
+    out, i = [], 0
+    while i < len(body):
+        j = i + (4 if body.startswith("\\x", i) else 2 if body[i] == "\\" else 1)
+        out.append(body[i:j])
+        i = j
+    return out
 
 
 def _class_char(c):
@@ -393,6 +568,7 @@ def _repeat(item, lo, hi):
 # -- integer ranges as digit patterns -------------------------------------------
 
 _MAX_DIGITS = 16
+_LIMIT = 10 ** _MAX_DIGITS
 
 
 def _int_range(lo, hi):

@@ -10,6 +10,7 @@ then the random pick), or a greedy pick when temperature <= 0.
 import math
 
 from .. import libllama
+from ..chat import gbnf
 from ..errors import InvalidRequest
 from ..request import DEFAULT_SAMPLERS, SAMPLER_ALIASES, SamplingParams  # noqa: F401
 
@@ -81,6 +82,15 @@ def _grammar(lib, vocab, grammar, triggers=()):
     return ptr
 
 
-def check_grammar(lib, vocab, grammar, triggers=()):
-    """Raise InvalidRequest unless libllama accepts ``grammar``; nothing is kept."""
-    lib.llama_sampler_free(_grammar(lib, vocab, grammar, triggers))
+def check_grammar(model, grammar, triggers=()):
+    """Raise GrammarError (a 400) unless ``grammar`` is safe to give libllama.
+
+    Every grammar goes through here before build_sampler, whichever way it came
+    (``grammar``, ``json_schema``, ``response_format``, tool grammars): the
+    checks are Python's (``chat.gbnf``) with the model's vocabulary facts, and
+    no libllama sampler is made until the request is running.
+    """
+    gbnf.check(grammar, model.grammar_facts)
+    for t in triggers:
+        if not isinstance(t, str) or "\x00" in t:
+            raise gbnf.GrammarError("a grammar trigger must be a string without NUL")

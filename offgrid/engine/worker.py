@@ -260,7 +260,7 @@ class Worker:
         if schema is not None:
             grammar = schema_to_grammar(schema)
         if grammar is not None:
-            check_grammar(self.model.lib, self.model.handle.vocab, grammar)
+            check_grammar(self.model, grammar)
         return grammar
 
     def call_prepare_chat(self, messages, tools=(), tool_choice="auto", schema=None,
@@ -274,7 +274,7 @@ class Worker:
         out = {"text": plan.text}
         if tokenize:
             if plan.grammar is not None:
-                check_grammar(self.model.lib, self.model.handle.vocab, plan.grammar,
+                check_grammar(self.model, plan.grammar,
                               plan.grammar_triggers)
             out.update(
                 tokens=self.model.tokenize(plan.text, add_special=True, parse_special=True),
