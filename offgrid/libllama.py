@@ -9,7 +9,15 @@ llama-cpp-python 0.3.36, whose ``llama_version()`` is ``0.5.0-dev``.  Each
 binding has its C prototype above it, so comparing this file with ``llama.h``
 is a reading exercise; ``tests/test_layout.py`` compiles a C file against the
 pinned header and checks every struct's size and field offsets against the
-classes here.
+classes here, and ``tests/test_prototypes.py`` compiles every prototype (as
+a function pointer, from its ctypes types) against the declaration.
+
+Below the prototypes come the handle classes, the only way the engine reaches
+libllama: ModelHandle (a model, its metadata and vocabulary), ContextHandle
+(a context, its batch, abort flag and ``memory``, a Memory), SamplerHandle
+(one sampler or chain, a constructor per kind), Candidates (a reusable
+candidates array) and ThreadPool.  Each C handle has one owner, whose
+close() frees it once.
 
 Functions are bound on first use: a library that lacks one symbol still loads,
 and the error names the symbol when (and only when) offgrid needs it.
@@ -928,7 +936,7 @@ class ContextHandle:
         """Make the running (or next) llama_decode stop after its current graph node."""
         global _aborts_set
         with _aborts_lock:
-            if self._abort_flag[0] == b"\x00":
+            if self.ptr and self._abort_flag[0] == b"\x00":
                 self._abort_flag[0] = b"\x01"
                 _aborts_set += 1
 
