@@ -9,7 +9,15 @@ llama-cpp-python 0.3.36, whose ``llama_version()`` is ``0.5.0-dev``.  Each
 binding has its C prototype above it, so comparing this file with ``llama.h``
 is a reading exercise; ``tests/test_layout.py`` compiles a C file against the
 pinned header and checks every struct's size and field offsets against the
-classes here.
+classes here, and ``tests/test_prototypes.py`` compiles every prototype (as
+a function pointer, from its ctypes types) against the declaration.
+
+Below the prototypes come the handle classes, the only way the engine reaches
+libllama: ModelHandle (a model, its metadata and vocabulary), ContextHandle
+(a context, its batch, abort flag and ``memory``, a Memory), SamplerHandle
+(one sampler or chain, a constructor per kind), Candidates (a reusable
+candidates array) and ThreadPool.  Each C handle has one owner, whose
+close() frees it once.
 
 Functions are bound on first use: a library that lacks one symbol still loads,
 and the error names the symbol when (and only when) offgrid needs it.
@@ -19,8 +27,10 @@ Finding the library: an explicit path (``--lib``) or ``$OFFGRID_LIB``, then
 (a wheel that bundles it), then the system's search path.
 """
 
+import array
 import ctypes
 import ctypes.util
+import math
 import os
 import sys
 import threading
@@ -43,20 +53,46 @@ ALLOW_ANY_ENV = "OFFGRID_ALLOW_ANY_LIBLLAMA"
 llama_token = c_int32
 llama_pos = c_int32
 llama_seq_id = c_int32
-llama_model_p = c_void_p      # struct llama_model *
-llama_context_p = c_void_p    # struct llama_context *
-llama_vocab_p = c_void_p      # const struct llama_vocab *
-llama_memory_t = c_void_p     # typedef struct llama_memory_i * llama_memory_t
-llama_sampler_p = c_void_p    # struct llama_sampler *
+
+
+def _spelled(base, c_type):
+    """``base`` as ctypes passes it, remembering the C type ``c_type`` it stands for.
+
+    ctypes has one c_void_p for every struct pointer and no const, so the
+    prototypes below use these to say which pointer each one is; binding
+    strips them back to ``base`` (calls still take and return plain ints,
+    bytes and None), and tests/test_prototypes.py compiles the spellings
+    against llama.h.
+    """
+    return type(c_type.replace(" ", "_").replace("*", "p"), (base,),
+                {"_c_": c_type, "_abi_": base})
+
+
+def _abi(ctype):
+    """The plain ctypes type a _spelled type passes as (others are returned unchanged)."""
+    return vars(ctype).get("_abi_", ctype) if isinstance(ctype, type) else ctype
+
+
+llama_model_p = _spelled(c_void_p, "struct llama_model *")
+const_llama_model_p = _spelled(c_void_p, "const struct llama_model *")
+const_llama_vocab_p = _spelled(c_void_p, "const struct llama_vocab *")
+llama_context_p = _spelled(c_void_p, "struct llama_context *")
+const_llama_context_p = _spelled(c_void_p, "const struct llama_context *")
+llama_memory_t = _spelled(c_void_p, "llama_memory_t")
+llama_sampler_p = _spelled(c_void_p, "struct llama_sampler *")
+char_buf = _spelled(c_char_p, "char *")             # an output buffer; c_char_p is const char *
+float_p = _spelled(c_void_p, "float *")             # read with from_address, not a POINTER
+llama_token_p = POINTER(llama_token)
+const_llama_token_p = _spelled(POINTER(llama_token), "const llama_token *")
+const_char_pp = _spelled(POINTER(c_char_p), "const char **")
+ggml_abort_callback_p = _spelled(c_void_p, "ggml_abort_callback")
+ggml_threadpool_t = _spelled(c_void_p, "ggml_threadpool_t")
+ggml_backend_dev_t = _spelled(c_void_p, "ggml_backend_dev_t")
+ggml_backend_reg_t = _spelled(c_void_p, "ggml_backend_reg_t")
+enum_ggml_log_level = _spelled(c_int, "enum ggml_log_level")
+enum_ggml_backend_dev_type = _spelled(c_int, "enum ggml_backend_dev_type")
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF
-LLAMA_TOKEN_NULL = -1
-
-# enum llama_token_attr (bit flags)
-LLAMA_TOKEN_ATTR_CONTROL = 1 << 3
-
-# enum llama_flash_attn_type
-LLAMA_FLASH_ATTN_TYPE_AUTO = -1
 
 # enum ggml_backend_dev_type (ggml-backend.h)
 GGML_BACKEND_DEVICE_TYPE_CPU = 0
@@ -65,16 +101,22 @@ GGML_BACKEND_DEVICE_TYPE_CPU = 0
 GGML_MAX_N_THREADS = 512
 
 # enum ggml_log_level
-GGML_LOG_LEVEL_DEBUG = 1
-GGML_LOG_LEVEL_INFO = 2
-GGML_LOG_LEVEL_WARN = 3
 GGML_LOG_LEVEL_ERROR = 4
 GGML_LOG_LEVEL_CONT = 5
 
+
+def _callback(c_name, restype, argtypes):
+    """A CFUNCTYPE for the C typedef ``c_name``, with the spelled signature kept for the test."""
+    cls = CFUNCTYPE(_abi(restype), *[_abi(t) for t in argtypes])
+    cls._c_ = c_name
+    cls._c_signature_ = (restype, argtypes)
+    return cls
+
+
 # typedef bool (*llama_progress_callback)(float progress, void * user_data);
-llama_progress_callback = CFUNCTYPE(c_bool, c_float, c_void_p)
+llama_progress_callback = _callback("llama_progress_callback", c_bool, [c_float, c_void_p])
 # typedef void (*ggml_log_callback)(enum ggml_log_level level, const char * text, void * user_data);
-ggml_log_callback = CFUNCTYPE(None, c_int, c_char_p, c_void_p)
+ggml_log_callback = _callback("ggml_log_callback", None, [enum_ggml_log_level, c_char_p, c_void_p])
 
 # ---------------------------------------------------------------------------
 # Structs, every field in C order and C type
@@ -226,8 +268,6 @@ STRUCTS = (llama_model_params, llama_context_params, llama_batch, llama_token_da
 _PROTOTYPES = {
     # const char * llama_version(void);
     "llama_version": (c_char_p, []),
-    # const char * llama_print_system_info(void);
-    "llama_print_system_info": (c_char_p, []),
     # void llama_backend_init(void);
     "llama_backend_init": (None, []),
     # void llama_log_set(ggml_log_callback log_callback, void * user_data);
@@ -245,74 +285,63 @@ _PROTOTYPES = {
     # void llama_model_free(struct llama_model * model);
     "llama_model_free": (None, [llama_model_p]),
     # const struct llama_vocab * llama_model_get_vocab(const struct llama_model * model);
-    "llama_model_get_vocab": (llama_vocab_p, [llama_model_p]),
+    "llama_model_get_vocab": (const_llama_vocab_p, [const_llama_model_p]),
     # int32_t llama_model_n_ctx_train(const struct llama_model * model);
-    "llama_model_n_ctx_train": (c_int32, [llama_model_p]),
+    "llama_model_n_ctx_train": (c_int32, [const_llama_model_p]),
     # int32_t llama_model_n_embd(const struct llama_model * model);
-    "llama_model_n_embd": (c_int32, [llama_model_p]),
-    # int32_t llama_model_n_layer(const struct llama_model * model);
-    "llama_model_n_layer": (c_int32, [llama_model_p]),
+    "llama_model_n_embd": (c_int32, [const_llama_model_p]),
     # int32_t llama_model_n_swa(const struct llama_model * model);
-    "llama_model_n_swa": (c_int32, [llama_model_p]),
+    "llama_model_n_swa": (c_int32, [const_llama_model_p]),
     # uint64_t llama_model_n_params(const struct llama_model * model);
-    "llama_model_n_params": (c_uint64, [llama_model_p]),
+    "llama_model_n_params": (c_uint64, [const_llama_model_p]),
     # uint64_t llama_model_size(const struct llama_model * model);
-    "llama_model_size": (c_uint64, [llama_model_p]),
+    "llama_model_size": (c_uint64, [const_llama_model_p]),
     # int32_t llama_model_desc(const struct llama_model * model, char * buf, size_t buf_size);
-    "llama_model_desc": (c_int32, [llama_model_p, c_char_p, c_size_t]),
-    # bool llama_model_has_encoder(const struct llama_model * model);
-    "llama_model_has_encoder": (c_bool, [llama_model_p]),
+    "llama_model_desc": (c_int32, [const_llama_model_p, char_buf, c_size_t]),
     # int32_t llama_model_meta_count(const struct llama_model * model);
-    "llama_model_meta_count": (c_int32, [llama_model_p]),
+    "llama_model_meta_count": (c_int32, [const_llama_model_p]),
     # int32_t llama_model_meta_key_by_index(const struct llama_model * model, int32_t i, char * buf, size_t buf_size);
-    "llama_model_meta_key_by_index": (c_int32, [llama_model_p, c_int32, c_char_p, c_size_t]),
+    "llama_model_meta_key_by_index": (c_int32, [const_llama_model_p, c_int32, char_buf, c_size_t]),
     # int32_t llama_model_meta_val_str_by_index(const struct llama_model * model, int32_t i, char * buf, size_t buf_size);
-    "llama_model_meta_val_str_by_index": (c_int32, [llama_model_p, c_int32, c_char_p, c_size_t]),
+    "llama_model_meta_val_str_by_index": (c_int32, [const_llama_model_p, c_int32, char_buf,
+                                                    c_size_t]),
     # const char * llama_model_chat_template(const struct llama_model * model, const char * name);
-    "llama_model_chat_template": (c_char_p, [llama_model_p, c_char_p]),
+    "llama_model_chat_template": (c_char_p, [const_llama_model_p, c_char_p]),
 
     # --- vocab ---------------------------------------------------------------
     # int32_t llama_vocab_n_tokens(const struct llama_vocab * vocab);
-    "llama_vocab_n_tokens": (c_int32, [llama_vocab_p]),
-    # enum llama_vocab_type llama_vocab_type(const struct llama_vocab * vocab);
-    "llama_vocab_type": (c_int, [llama_vocab_p]),
-    # const char * llama_vocab_get_text(const struct llama_vocab * vocab, llama_token token);
-    "llama_vocab_get_text": (c_char_p, [llama_vocab_p, llama_token]),
-    # enum llama_token_attr llama_vocab_get_attr(const struct llama_vocab * vocab, llama_token token);
-    "llama_vocab_get_attr": (c_int, [llama_vocab_p, llama_token]),
+    "llama_vocab_n_tokens": (c_int32, [const_llama_vocab_p]),
     # bool llama_vocab_is_eog(const struct llama_vocab * vocab, llama_token token);
-    "llama_vocab_is_eog": (c_bool, [llama_vocab_p, llama_token]),
-    # llama_token llama_vocab_bos(const struct llama_vocab * vocab); (and eos, eot, nl, pad)
-    "llama_vocab_bos": (llama_token, [llama_vocab_p]),
-    "llama_vocab_eos": (llama_token, [llama_vocab_p]),
-    "llama_vocab_eot": (llama_token, [llama_vocab_p]),
-    "llama_vocab_sep": (llama_token, [llama_vocab_p]),
-    "llama_vocab_nl": (llama_token, [llama_vocab_p]),
-    "llama_vocab_pad": (llama_token, [llama_vocab_p]),
+    "llama_vocab_is_eog": (c_bool, [const_llama_vocab_p, llama_token]),
+    # llama_token llama_vocab_bos(const struct llama_vocab * vocab); (and eos, eot, nl)
+    "llama_vocab_bos": (llama_token, [const_llama_vocab_p]),
+    "llama_vocab_eos": (llama_token, [const_llama_vocab_p]),
+    "llama_vocab_eot": (llama_token, [const_llama_vocab_p]),
+    "llama_vocab_nl": (llama_token, [const_llama_vocab_p]),
     # bool llama_vocab_get_add_bos(const struct llama_vocab * vocab); (and add_eos)
-    "llama_vocab_get_add_bos": (c_bool, [llama_vocab_p]),
-    "llama_vocab_get_add_eos": (c_bool, [llama_vocab_p]),
+    "llama_vocab_get_add_bos": (c_bool, [const_llama_vocab_p]),
+    "llama_vocab_get_add_eos": (c_bool, [const_llama_vocab_p]),
     # llama_token llama_vocab_fim_pre(const struct llama_vocab * vocab); (and suf, mid, pad, rep, sep)
-    "llama_vocab_fim_pre": (llama_token, [llama_vocab_p]),
-    "llama_vocab_fim_suf": (llama_token, [llama_vocab_p]),
-    "llama_vocab_fim_mid": (llama_token, [llama_vocab_p]),
-    "llama_vocab_fim_pad": (llama_token, [llama_vocab_p]),
-    "llama_vocab_fim_rep": (llama_token, [llama_vocab_p]),
-    "llama_vocab_fim_sep": (llama_token, [llama_vocab_p]),
+    "llama_vocab_fim_pre": (llama_token, [const_llama_vocab_p]),
+    "llama_vocab_fim_suf": (llama_token, [const_llama_vocab_p]),
+    "llama_vocab_fim_mid": (llama_token, [const_llama_vocab_p]),
+    "llama_vocab_fim_pad": (llama_token, [const_llama_vocab_p]),
+    "llama_vocab_fim_rep": (llama_token, [const_llama_vocab_p]),
+    "llama_vocab_fim_sep": (llama_token, [const_llama_vocab_p]),
 
     # --- tokenization ----------------------------------------------------------
     # int32_t llama_tokenize(const struct llama_vocab * vocab, const char * text, int32_t text_len,
     #                        llama_token * tokens, int32_t n_tokens_max, bool add_special, bool parse_special);
-    "llama_tokenize": (c_int32, [llama_vocab_p, c_char_p, c_int32, POINTER(llama_token), c_int32,
+    "llama_tokenize": (c_int32, [const_llama_vocab_p, c_char_p, c_int32, llama_token_p, c_int32,
                                  c_bool, c_bool]),
     # int32_t llama_token_to_piece(const struct llama_vocab * vocab, llama_token token, char * buf,
     #                              int32_t length, int32_t lstrip, bool special);
-    "llama_token_to_piece": (c_int32, [llama_vocab_p, llama_token, c_char_p, c_int32, c_int32,
+    "llama_token_to_piece": (c_int32, [const_llama_vocab_p, llama_token, char_buf, c_int32, c_int32,
                                        c_bool]),
     # int32_t llama_detokenize(const struct llama_vocab * vocab, const llama_token * tokens, int32_t n_tokens,
     #                          char * text, int32_t text_len_max, bool remove_special, bool unparse_special);
-    "llama_detokenize": (c_int32, [llama_vocab_p, POINTER(llama_token), c_int32, c_char_p, c_int32,
-                                   c_bool, c_bool]),
+    "llama_detokenize": (c_int32, [const_llama_vocab_p, const_llama_token_p, c_int32, char_buf,
+                                   c_int32, c_bool, c_bool]),
 
     # --- context ---------------------------------------------------------------
     # struct llama_context * llama_init_from_model(struct llama_model * model, struct llama_context_params params);
@@ -320,20 +349,18 @@ _PROTOTYPES = {
     # void llama_free(struct llama_context * ctx);
     "llama_free": (None, [llama_context_p]),
     # uint32_t llama_n_ctx(const struct llama_context * ctx);
-    "llama_n_ctx": (c_uint32, [llama_context_p]),
+    "llama_n_ctx": (c_uint32, [const_llama_context_p]),
     # uint32_t llama_n_batch(const struct llama_context * ctx);
-    "llama_n_batch": (c_uint32, [llama_context_p]),
+    "llama_n_batch": (c_uint32, [const_llama_context_p]),
     # uint32_t llama_n_ubatch(const struct llama_context * ctx);
-    "llama_n_ubatch": (c_uint32, [llama_context_p]),
-    # uint32_t llama_n_ubatch(const struct llama_context * ctx);
-    "llama_n_ubatch": (c_uint32, [llama_context_p]),
+    "llama_n_ubatch": (c_uint32, [const_llama_context_p]),
     # llama_memory_t llama_get_memory(const struct llama_context * ctx);
-    "llama_get_memory": (llama_memory_t, [llama_context_p]),
+    "llama_get_memory": (llama_memory_t, [const_llama_context_p]),
     # void llama_set_abort_callback(struct llama_context * ctx, ggml_abort_callback abort_callback, void * abort_callback_data);
-    "llama_set_abort_callback": (None, [llama_context_p, c_void_p, c_void_p]),
+    "llama_set_abort_callback": (None, [llama_context_p, ggml_abort_callback_p, c_void_p]),
     # void llama_attach_threadpool(struct llama_context * ctx, ggml_threadpool_t threadpool,
     #                              ggml_threadpool_t threadpool_batch);
-    "llama_attach_threadpool": (None, [llama_context_p, c_void_p, c_void_p]),
+    "llama_attach_threadpool": (None, [llama_context_p, ggml_threadpool_t, ggml_threadpool_t]),
     # struct llama_batch llama_batch_init(int32_t n_tokens, int32_t embd, int32_t n_seq_max);
     "llama_batch_init": (llama_batch, [c_int32, c_int32, c_int32]),
     # void llama_batch_free(struct llama_batch batch);
@@ -341,7 +368,7 @@ _PROTOTYPES = {
     # int32_t llama_decode(struct llama_context * ctx, struct llama_batch batch);
     "llama_decode": (c_int32, [llama_context_p, llama_batch]),
     # float * llama_get_logits_ith(struct llama_context * ctx, int32_t i);
-    "llama_get_logits_ith": (POINTER(c_float), [llama_context_p, c_int32]),
+    "llama_get_logits_ith": (float_p, [llama_context_p, c_int32]),
 
     # --- memory (KV cache) -----------------------------------------------------
     # void llama_memory_clear(llama_memory_t mem, bool data);
@@ -369,6 +396,8 @@ _PROTOTYPES = {
     "llama_sampler_free": (None, [llama_sampler_p]),
     # void llama_sampler_accept(struct llama_sampler * smpl, llama_token token);
     "llama_sampler_accept": (None, [llama_sampler_p, llama_token]),
+    # void llama_sampler_apply(struct llama_sampler * smpl, llama_token_data_array * cur_p);
+    "llama_sampler_apply": (None, [llama_sampler_p, POINTER(llama_token_data_array)]),
     # llama_token llama_sampler_sample(struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx);
     "llama_sampler_sample": (llama_token, [llama_sampler_p, llama_context_p, c_int32]),
     # struct llama_sampler * llama_sampler_init_greedy(void);
@@ -390,27 +419,29 @@ _PROTOTYPES = {
     "llama_sampler_init_penalties": (llama_sampler_p, [c_int32, c_int32, c_float, c_float, c_float]),
     # struct llama_sampler * llama_sampler_init_logit_bias(int32_t n_vocab, int32_t n_logit_bias,
     #                                                      const llama_logit_bias * logit_bias);
-    "llama_sampler_init_logit_bias": (llama_sampler_p, [c_int32, c_int32, POINTER(llama_logit_bias)]),
+    "llama_sampler_init_logit_bias": (llama_sampler_p, [
+        c_int32, c_int32, _spelled(POINTER(llama_logit_bias), "const llama_logit_bias *")]),
     # struct llama_sampler * llama_sampler_init_infill(const struct llama_vocab * vocab);
-    "llama_sampler_init_infill": (llama_sampler_p, [llama_vocab_p]),
+    "llama_sampler_init_infill": (llama_sampler_p, [const_llama_vocab_p]),
     # struct llama_sampler * llama_sampler_init_grammar(const struct llama_vocab * vocab,
     #                                                   const char * grammar_str, const char * grammar_root);
-    "llama_sampler_init_grammar": (llama_sampler_p, [llama_vocab_p, c_char_p, c_char_p]),
+    "llama_sampler_init_grammar": (llama_sampler_p, [const_llama_vocab_p, c_char_p, c_char_p]),
     # struct llama_sampler * llama_sampler_init_grammar_lazy_patterns(
     #         const struct llama_vocab * vocab, const char * grammar_str, const char * grammar_root,
     #         const char ** trigger_patterns, size_t num_trigger_patterns,
     #         const llama_token * trigger_tokens, size_t num_trigger_tokens);
     "llama_sampler_init_grammar_lazy_patterns": (
-        llama_sampler_p, [llama_vocab_p, c_char_p, c_char_p, POINTER(c_char_p), c_size_t,
-                          POINTER(llama_token), c_size_t]),
+        llama_sampler_p, [const_llama_vocab_p, c_char_p, c_char_p, const_char_pp, c_size_t,
+                          const_llama_token_p, c_size_t]),
 
     # --- chat templates --------------------------------------------------------
     # int32_t llama_chat_apply_template(const char * tmpl, const struct llama_chat_message * chat, size_t n_msg,
     #                                   bool add_ass, char * buf, int32_t length);
-    "llama_chat_apply_template": (c_int32, [c_char_p, POINTER(llama_chat_message), c_size_t, c_bool,
-                                            c_char_p, c_int32]),
+    "llama_chat_apply_template": (c_int32, [
+        c_char_p, _spelled(POINTER(llama_chat_message), "const struct llama_chat_message *"),
+        c_size_t, c_bool, char_buf, c_int32]),
     # int32_t llama_chat_builtin_templates(const char ** output, size_t len);
-    "llama_chat_builtin_templates": (c_int32, [POINTER(c_char_p), c_size_t]),
+    "llama_chat_builtin_templates": (c_int32, [const_char_pp, c_size_t]),
 }
 
 # From libggml and the libggml-base it links (a portable build loads its CPU
@@ -420,20 +451,33 @@ _GGML_PROTOTYPES = {
     # void ggml_backend_load_all_from_path(const char * dir_path);
     "ggml_backend_load_all_from_path": (None, [c_char_p]),
     # ggml_backend_dev_t ggml_backend_dev_by_type(enum ggml_backend_dev_type type);
-    "ggml_backend_dev_by_type": (c_void_p, [c_int]),
+    "ggml_backend_dev_by_type": (ggml_backend_dev_t, [enum_ggml_backend_dev_type]),
     # ggml_backend_reg_t ggml_backend_dev_backend_reg(ggml_backend_dev_t device);
-    "ggml_backend_dev_backend_reg": (c_void_p, [c_void_p]),
+    "ggml_backend_dev_backend_reg": (ggml_backend_reg_t, [ggml_backend_dev_t]),
     # void * ggml_backend_reg_get_proc_address(ggml_backend_reg_t reg, const char * name);
-    "ggml_backend_reg_get_proc_address": (c_void_p, [c_void_p, c_char_p]),
+    "ggml_backend_reg_get_proc_address": (c_void_p, [ggml_backend_reg_t, c_char_p]),
     # void ggml_threadpool_params_init(struct ggml_threadpool_params * p, int n_threads);
     "ggml_threadpool_params_init": (None, [POINTER(ggml_threadpool_params), c_int]),
 }
 
-# Found through the CPU backend's registry entry (ggml-cpu.h):
-# struct ggml_threadpool * ggml_threadpool_new(struct ggml_threadpool_params * params);
-_ggml_threadpool_new = CFUNCTYPE(c_void_p, POINTER(ggml_threadpool_params))
-# void ggml_threadpool_free(struct ggml_threadpool * threadpool);
-_ggml_threadpool_free = CFUNCTYPE(None, c_void_p)
+# Found through the CPU backend's registry entry (ggml-cpu.h), so called
+# through these function types rather than bound by name:
+_PROC_PROTOTYPES = {
+    # struct ggml_threadpool * ggml_threadpool_new(struct ggml_threadpool_params * params);
+    "ggml_threadpool_new": (_spelled(c_void_p, "struct ggml_threadpool *"),
+                            [POINTER(ggml_threadpool_params)]),
+    # void ggml_threadpool_free(struct ggml_threadpool * threadpool);
+    "ggml_threadpool_free": (None, [_spelled(c_void_p, "struct ggml_threadpool *")]),
+}
+
+
+def _proc_type(name):
+    restype, argtypes = _PROC_PROTOTYPES[name]
+    return CFUNCTYPE(_abi(restype), *[_abi(t) for t in argtypes])
+
+
+_ggml_threadpool_new = _proc_type("ggml_threadpool_new")
+_ggml_threadpool_free = _proc_type("ggml_threadpool_free")
 
 
 class Library:
@@ -459,7 +503,8 @@ class Library:
         except AttributeError:
             raise LibraryError("libllama at %s lacks the symbol %s; rebuild it with `make lib`"
                                % (self.path, name)) from None
-        fn.restype, fn.argtypes = table[name]
+        restype, argtypes = table[name]
+        fn.restype, fn.argtypes = _abi(restype), [_abi(t) for t in argtypes]
         setattr(self, name, fn)     # next lookups skip __getattr__
         return fn
 
@@ -559,12 +604,15 @@ def loaded():
 
 # What libllama logs, as errors, when a decode stops because offgrid aborted
 # it: a cancelled request, which an editor makes on nearly every keystroke.
-# (GGML_STATUS_ABORTED is 1; llama_decode returns 2.)
+# (GGML_STATUS_ABORTED is 1; llama_decode returns 2.)  They are dropped only
+# while some context's abort flag is set, i.e. while the abort is ours.
 _ABORT_LINES = frozenset((
     b"graph_compute: ggml_backend_sched_graph_compute_async failed with error 1\n",
     b"process_ubatch: failed to compute graph, compute status: 1\n",
     b"llama_decode: failed to decode, ret = 2\n",
 ))
+_aborts_lock = threading.Lock()
+_aborts_set = 0         # contexts whose abort flag is set (ContextHandle.request_abort)
 
 
 def _install_log_callback(lib):
@@ -575,8 +623,8 @@ def _install_log_callback(lib):
     def on_log(level, text, _user_data):
         # CONT continues the previous line at the previous line's level.
         if level != GGML_LOG_LEVEL_CONT:
-            state["keep"] = _verbose or (level >= GGML_LOG_LEVEL_ERROR
-                                         and text not in _ABORT_LINES)
+            state["keep"] = _verbose or (level >= GGML_LOG_LEVEL_ERROR and not (
+                _aborts_set and text in _ABORT_LINES))
         if state["keep"] and text:
             sys.stderr.write(text.decode("utf-8", "replace"))
 
@@ -602,41 +650,6 @@ def read_string(fn, *args, size=256):
         if n < size:
             return buf.raw[:n].decode("utf-8", "replace")
         size = n + 1
-
-
-def tokenize(lib, vocab, data, add_special, parse_special):
-    """Tokenize UTF-8 bytes; returns a list of token ids."""
-    capacity = len(data) + 8
-    while True:
-        out = (llama_token * capacity)()
-        n = lib.llama_tokenize(vocab, data, len(data), out, capacity, add_special, parse_special)
-        if n >= 0:
-            return out[:n]
-        if n == -(2 ** 31):
-            raise ValueError("text too long to tokenize")
-        capacity = -n
-
-
-def token_to_piece(lib, vocab, token, special):
-    """The bytes of one token (not necessarily a whole UTF-8 character)."""
-    buf = ctypes.create_string_buffer(64)
-    n = lib.llama_token_to_piece(vocab, token, buf, 64, 0, special)
-    if n < 0:
-        buf = ctypes.create_string_buffer(-n)
-        n = lib.llama_token_to_piece(vocab, token, buf, -n, 0, special)
-    return buf.raw[:n]
-
-
-def detokenize(lib, vocab, tokens, remove_special, unparse_special):
-    """Bytes of a token list; the caller guarantees every id is in range."""
-    arr = (llama_token * len(tokens))(*tokens)
-    size = max(16, len(tokens) * 8)
-    while True:
-        buf = ctypes.create_string_buffer(size)
-        n = lib.llama_detokenize(vocab, arr, len(tokens), buf, size, remove_special, unparse_special)
-        if n >= 0:
-            return buf.raw[:n]
-        size = -n
 
 
 def init_grammar_sampler(lib, vocab, grammar, trigger_patterns=()):
@@ -690,7 +703,13 @@ def builtin_chat_templates(lib):
 
 
 class ModelHandle:
-    """Owns one ``struct llama_model *``; close() frees it exactly once."""
+    """Owns one ``struct llama_model *``; close() frees it exactly once.
+
+    Its vocabulary (``const struct llama_vocab *``) belongs to the model and
+    lives as long as it; ``vocab`` is that pointer, opaque, for the sampler
+    constructors that take it.  Every query the engine makes of the model or
+    its vocabulary is a method here.
+    """
 
     def __init__(self, lib, path, progress=None, vocab_only=False):
         """Load ``path``; ``progress(fraction)`` is called while loading.
@@ -716,8 +735,102 @@ class ModelHandle:
 
     def close(self):
         ptr, self.ptr = self.ptr, None
+        self.vocab = None
         if ptr:
             self.lib.llama_model_free(ptr)
+
+    # -- the model -----------------------------------------------------------
+    def n_ctx_train(self):
+        return self.lib.llama_model_n_ctx_train(self.ptr)
+
+    def n_embd(self):
+        return self.lib.llama_model_n_embd(self.ptr)
+
+    def n_swa(self):
+        """The sliding attention window, 0 where the model has none."""
+        return self.lib.llama_model_n_swa(self.ptr)
+
+    def n_params(self):
+        return self.lib.llama_model_n_params(self.ptr)
+
+    def size(self):
+        """Bytes of the weights."""
+        return self.lib.llama_model_size(self.ptr)
+
+    def desc(self):
+        return read_string(self.lib.llama_model_desc, self.ptr)
+
+    def meta(self):
+        """The GGUF metadata, key -> value rendered as a string."""
+        lib, out = self.lib, {}
+        for i in range(lib.llama_model_meta_count(self.ptr)):
+            key = read_string(lib.llama_model_meta_key_by_index, self.ptr, i)
+            val = read_string(lib.llama_model_meta_val_str_by_index, self.ptr, i, size=1024)
+            if key is not None:
+                out[key] = val
+        return out
+
+    def chat_template(self, name=None):
+        """The model's (default or named) chat template text, or None."""
+        tmpl = self.lib.llama_model_chat_template(self.ptr, name.encode() if name else None)
+        return tmpl.decode("utf-8", "replace") if tmpl else None
+
+    # -- the vocabulary ------------------------------------------------------
+    def n_vocab(self):
+        return self.lib.llama_vocab_n_tokens(self.vocab)
+
+    # the special tokens special_tokens() reads, by the suffix of their getter
+    SPECIAL_TOKENS = ("bos", "eos", "eot", "nl", "fim_pre", "fim_suf", "fim_mid", "fim_pad",
+                      "fim_rep", "fim_sep")
+
+    def special_tokens(self):
+        """{name: id} for SPECIAL_TOKENS, as libllama reports them (-1 where absent)."""
+        lib = self.lib
+        return {name: getattr(lib, "llama_vocab_" + name)(self.vocab)
+                for name in self.SPECIAL_TOKENS}
+
+    def add_bos(self):
+        return bool(self.lib.llama_vocab_get_add_bos(self.vocab))
+
+    def add_eos(self):
+        return bool(self.lib.llama_vocab_get_add_eos(self.vocab))
+
+    def is_eog(self, token):
+        return bool(self.lib.llama_vocab_is_eog(self.vocab, token))
+
+    def tokenize(self, data, add_special, parse_special):
+        """Tokenize UTF-8 bytes; returns a list of token ids."""
+        capacity = len(data) + 8
+        while True:
+            out = (llama_token * capacity)()
+            n = self.lib.llama_tokenize(self.vocab, data, len(data), out, capacity, add_special,
+                                        parse_special)
+            if n >= 0:
+                return out[:n]
+            if n == -(2 ** 31):
+                raise ValueError("text too long to tokenize")
+            capacity = -n
+
+    def token_to_piece(self, token, special):
+        """The bytes of one token (not necessarily a whole UTF-8 character)."""
+        buf = ctypes.create_string_buffer(64)
+        n = self.lib.llama_token_to_piece(self.vocab, token, buf, 64, 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = self.lib.llama_token_to_piece(self.vocab, token, buf, -n, 0, special)
+        return buf.raw[:n]
+
+    def detokenize(self, tokens, remove_special, unparse_special):
+        """Bytes of a token list; the caller guarantees every id is in range."""
+        arr = (llama_token * len(tokens))(*tokens)
+        size = max(16, len(tokens) * 8)
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = self.lib.llama_detokenize(self.vocab, arr, len(tokens), buf, size, remove_special,
+                                          unparse_special)
+            if n >= 0:
+                return buf.raw[:n]
+            size = -n
 
 
 class ThreadPool:
@@ -796,7 +909,7 @@ class ContextHandle:
         self.batch = None
         if not self.ptr:
             return
-        self.memory = lib.llama_get_memory(self.ptr)
+        self.memory = Memory(self)
         self.n_ctx = lib.llama_n_ctx(self.ptr)
         self.n_batch = lib.llama_n_batch(self.ptr)
         self.n_ubatch = lib.llama_n_ubatch(self.ptr)
@@ -821,10 +934,18 @@ class ContextHandle:
     # -- abort flag --------------------------------------------------------
     def request_abort(self):
         """Make the running (or next) llama_decode stop after its current graph node."""
-        self._abort_flag[0] = b"\x01"
+        global _aborts_set
+        with _aborts_lock:
+            if self.ptr and self._abort_flag[0] == b"\x00":
+                self._abort_flag[0] = b"\x01"
+                _aborts_set += 1
 
     def clear_abort(self):
-        self._abort_flag[0] = b"\x00"
+        global _aborts_set
+        with _aborts_lock:
+            if self._abort_flag[0] != b"\x00":
+                self._abort_flag[0] = b"\x00"
+                _aborts_set -= 1
 
     def set_abortable(self, abortable):
         """Install or remove the abort callback for the decodes that follow.
@@ -888,7 +1009,16 @@ class ContextHandle:
         self.batch.n_tokens = 1
         return self.lib.llama_decode(self.ptr, self.batch)
 
+    def logits(self, idx=-1):
+        """Address of the (n_vocab,) float32 logits of output ``idx`` of the last decode."""
+        addr = self.lib.llama_get_logits_ith(self.ptr, idx)
+        if not addr:
+            raise ValueError("the last decode has no logits for output %d" % idx)
+        return addr
+
     def close(self):
+        if self.ptr:
+            self.clear_abort()
         ptr, self.ptr = self.ptr, None
         batch, self.batch = self.batch, None
         if batch is not None:
@@ -897,27 +1027,199 @@ class ContextHandle:
             self.lib.llama_free(ptr)
 
 
-class SamplerHandle:
-    """Owns one sampler chain; close() frees it (and the samplers in it) once."""
+class Memory:
+    """The KV cache of one ContextHandle (``llama_memory_t``), owned by the context.
 
-    def __init__(self, lib):
+    Positions are half-open ranges [p0, p1); p1 < 0 means "to the end" and a
+    sequence id < 0 means every sequence, as in llama.h.  Calls after the
+    context is closed raise ValueError rather than reach freed memory.
+    """
+
+    def __init__(self, ctx):
+        self._ctx = ctx
+        self._lib = ctx.lib
+        self._ptr = ctx.lib.llama_get_memory(ctx.ptr)
+
+    def _mem(self):
+        if not self._ctx.ptr:
+            raise ValueError("the context is closed")
+        return self._ptr
+
+    def clear(self, data):
+        """Drop every cell; ``data`` also zeroes the buffers (slow, rarely needed)."""
+        self._lib.llama_memory_clear(self._mem(), data)
+
+    def seq_rm(self, seq, p0, p1):
+        """Remove ``seq``'s cells in [p0, p1); False where the memory cannot cut there."""
+        return bool(self._lib.llama_memory_seq_rm(self._mem(), seq, p0, p1))
+
+    def seq_cp(self, src, dst, p0, p1):
+        """Add the cells of ``src`` in [p0, p1) to ``dst`` too (shared, not copied)."""
+        self._lib.llama_memory_seq_cp(self._mem(), src, dst, p0, p1)
+
+    def seq_add(self, seq, p0, p1, delta):
+        """Move ``seq``'s cells in [p0, p1) by ``delta`` positions (keys re-rotated at the next decode)."""
+        self._lib.llama_memory_seq_add(self._mem(), seq, p0, p1, delta)
+
+    def seq_pos_min(self, seq):
+        """The smallest position ``seq`` holds, -1 if none."""
+        return self._lib.llama_memory_seq_pos_min(self._mem(), seq)
+
+    def seq_pos_max(self, seq):
+        """The largest position ``seq`` holds, -1 if none."""
+        return self._lib.llama_memory_seq_pos_max(self._mem(), seq)
+
+    def can_shift(self):
+        """Whether seq_add works here (not, for one, on recurrent state)."""
+        return bool(self._lib.llama_memory_can_shift(self._mem()))
+
+
+class Candidates:
+    """A reusable ``llama_token_data_array`` over the whole vocabulary.
+
+    ``_data`` is (n_vocab, 3) 32-bit words: {id int32, logit float, p float}
+    per token, which the samplers sort and cut in place.  load() puts it
+    back to vocabulary order and copies in one output's logits: one memmove
+    of a prepared (id, 0, 0) image, then one strided copy of the logits (an
+    array slice assignment, in C); no Python loop over the vocabulary.
+    """
+
+    def __init__(self, lib, n_vocab):
         self.lib = lib
-        self.ptr = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+        self.n_vocab = n_vocab
+        ids = array.array("i", range(n_vocab)).tobytes()
+        image = bytearray(12 * n_vocab)
+        image[0::12], image[1::12], image[2::12], image[3::12] = (
+            ids[0::4], ids[1::4], ids[2::4], ids[3::4])
+        self._image = bytes(image)                          # (n_vocab,) of {id, 0.0, 0.0}
+        self._data = array.array("f", self._image)          # (n_vocab * 3,) float32 words
+        self._logits = array.array("f", bytes(4 * n_vocab))  # (n_vocab,) float32 staging
+        self._data_addr = self._data.buffer_info()[0]
+        self._logits_addr = self._logits.buffer_info()[0]
+        self.array = llama_token_data_array(
+            ctypes.cast(self._data_addr, POINTER(llama_token_data)), n_vocab, -1, False)
+        self.ref = ctypes.byref(self.array)
 
-    def add(self, sampler_ptr):
-        """Append a sampler made by a ``llama_sampler_init_*`` call; the chain owns it."""
-        if not sampler_ptr:
-            raise ValueError("libllama could not create a sampler")
-        self.lib.llama_sampler_chain_add(self.ptr, sampler_ptr)
+    def load(self, ctx, idx=-1):
+        """Fill from the logits of output ``idx`` of ``ctx``'s last decode."""
+        ctypes.memmove(self._data_addr, self._image, len(self._image))
+        ctypes.memmove(self._logits_addr, ctx.logits(idx), 4 * self.n_vocab)
+        self._data[1::3] = self._logits
+        a = self.array
+        a.size, a.selected, a.sorted = self.n_vocab, -1, False
 
-    def logit_bias(self, n_vocab, biases):
-        """A logit-bias sampler from (token, bias) pairs."""
+    def selected(self):
+        """(token, logit) the samplers picked, or None if none was."""
+        a = self.array
+        if not 0 <= a.selected < a.size:
+            return None
+        entry = a.data[a.selected]
+        return entry.id, entry.logit
+
+
+class SamplerHandle:
+    """Owns one ``struct llama_sampler *``; close() frees it once.
+
+    Made by one constructor per sampler kind (``SamplerHandle.chain(lib)``,
+    ``.top_k(lib, k)``, ...).  ``chain.add(s)`` hands ``s``'s sampler to the
+    chain, which frees it with itself: ``s`` is empty afterwards, and its
+    close() does nothing.
+    """
+
+    def __init__(self, lib, ptr, kind):
+        if not ptr:
+            raise ValueError("libllama could not create a %s sampler" % kind)
+        self.lib = lib
+        self.ptr = ptr
+        self.kind = kind
+        self._one = None
+
+    # -- constructors, one per llama_sampler_init_* ---------------------------
+    @classmethod
+    def chain(cls, lib):
+        return cls(lib, lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params()),
+                   "chain")
+
+    @classmethod
+    def greedy(cls, lib):
+        return cls(lib, lib.llama_sampler_init_greedy(), "greedy")
+
+    @classmethod
+    def dist(cls, lib, seed):
+        """The random pick; ``seed`` LLAMA_DEFAULT_SEED means a random seed."""
+        return cls(lib, lib.llama_sampler_init_dist(seed & 0xFFFFFFFF), "dist")
+
+    @classmethod
+    def top_k(cls, lib, k):
+        return cls(lib, lib.llama_sampler_init_top_k(k), "top_k")
+
+    @classmethod
+    def top_p(cls, lib, p, min_keep=1):
+        return cls(lib, lib.llama_sampler_init_top_p(p, min_keep), "top_p")
+
+    @classmethod
+    def min_p(cls, lib, p, min_keep=1):
+        return cls(lib, lib.llama_sampler_init_min_p(p, min_keep), "min_p")
+
+    @classmethod
+    def typical(cls, lib, p, min_keep=1):
+        return cls(lib, lib.llama_sampler_init_typical(p, min_keep), "typical")
+
+    @classmethod
+    def temp_ext(cls, lib, t, delta, exponent):
+        return cls(lib, lib.llama_sampler_init_temp_ext(t, delta, exponent), "temp_ext")
+
+    @classmethod
+    def penalties(cls, lib, n_vocab, last_n, repeat, freq, present):
+        return cls(lib, lib.llama_sampler_init_penalties(n_vocab, last_n, repeat, freq, present),
+                   "penalties")
+
+    @classmethod
+    def logit_bias(cls, lib, n_vocab, biases):
+        """From (token, bias) pairs; libllama copies them."""
         arr = (llama_logit_bias * len(biases))(*[llama_logit_bias(t, b) for t, b in biases])
-        return self.lib.llama_sampler_init_logit_bias(n_vocab, len(biases), arr)
+        return cls(lib, lib.llama_sampler_init_logit_bias(n_vocab, len(biases), arr),
+                   "logit_bias")
+
+    @classmethod
+    def infill(cls, lib, vocab):
+        """llama.h's FIM sampler for a vocabulary (ModelHandle.vocab)."""
+        return cls(lib, lib.llama_sampler_init_infill(vocab), "infill")
+
+    @classmethod
+    def adopt(cls, lib, ptr, kind):
+        """Own a sampler made elsewhere in this module (init_grammar_sampler)."""
+        return cls(lib, ptr, kind)
+
+    # -- use ------------------------------------------------------------------
+    def add(self, sampler):
+        """Append ``sampler`` (a SamplerHandle) to this chain, which takes it over."""
+        ptr, sampler.ptr = sampler.ptr, None
+        self.lib.llama_sampler_chain_add(self.ptr, ptr)
 
     def sample(self, ctx, idx=-1):
-        """Sample and accept a token from output ``idx`` of the last decode."""
+        """Sample and accept a token from output ``idx`` of ``ctx``'s last decode.
+
+        libllama throws or aborts inside this when a grammar in the chain
+        rejects every candidate: only for chains without one.
+        """
         return self.lib.llama_sampler_sample(self.ptr, ctx.ptr, idx)
+
+    def apply(self, candidates):
+        """Run the sampler over a Candidates (in place; a chain's last pick sets selected)."""
+        self.lib.llama_sampler_apply(self.ptr, candidates.ref)
+
+    def allows(self, token):
+        """Whether this sampler leaves ``token`` a finite logit (a grammar: whether it may come next)."""
+        if self._one is None:
+            self._one = (llama_token_data(), llama_token_data_array())
+            self._one[1].data = ctypes.pointer(self._one[0])
+            self._one_ref = ctypes.byref(self._one[1])
+        entry, arr = self._one
+        entry.id, entry.logit, entry.p = token, 1.0, 0.0
+        arr.size, arr.selected, arr.sorted = 1, -1, False
+        self.lib.llama_sampler_apply(self.ptr, self._one_ref)
+        return entry.logit != -math.inf
 
     def accept(self, token):
         self.lib.llama_sampler_accept(self.ptr, token)

@@ -72,21 +72,48 @@ class SamplingParams:
                 (self.repeat_penalty != 1.0 or self.presence_penalty != 0.0
                  or self.frequency_penalty != 0.0))
 
+    @property
+    def effective_samplers(self):
+        """The samplers that run, in order: ``samplers`` without ``infill`` when a
+        grammar is set (infill picks EOT when nothing passes its threshold, and
+        accepting EOT in an unfinished grammar aborts libllama)."""
+        if self.grammar is None:
+            return tuple(self.samplers)
+        return tuple(s for s in self.samplers if s != "infill")
+
     def validate(self):
-        """Raise InvalidRequest for values libllama must never see (NaN, inf, nonsense)."""
+        """Raise InvalidRequest for values libllama must never see.
+
+        From llama.h's llama_sampler_init_* (and what their code does): every
+        float becomes a C float, so it must be finite there (a larger number
+        turns into inf); penalty_repeat "must be > 0.0" (it divides logits);
+        penalty_freq and penalty_present "must be finite"; k and
+        penalty_last_n are int32_t; a logit bias of +inf or NaN poisons the
+        softmax (-inf bans a token and is allowed).  top_k <= 0, top_p >= 1,
+        min_p <= 0 and typical_p >= 1 turn a sampler off, as documented.
+        """
         for name in ("temperature", "dynatemp_range", "dynatemp_exponent", "top_p", "min_p",
                      "typical_p", "repeat_penalty", "presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            if not math.isfinite(v):
+            if not (math.isfinite(v) and abs(v) <= _FLT_MAX):
                 raise InvalidRequest("%s must be a finite number" % name)
-        if self.repeat_penalty < 0:
-            raise InvalidRequest("repeat_penalty must not be negative")
+        if self.repeat_penalty <= 0:
+            raise InvalidRequest("repeat_penalty must be greater than 0 (1.0 disables it)")
+        for name in ("top_k", "repeat_last_n"):
+            if not _INT32_MIN <= getattr(self, name) <= _INT32_MAX:
+                raise InvalidRequest("%s is out of range" % name)
         if self.repeat_last_n < -1:
             raise InvalidRequest("repeat_last_n must be -1 (the whole context) or more")
         for token, bias in self.logit_bias:
-            if not math.isfinite(bias) and bias != -math.inf:
+            if not _INT32_MIN <= token <= _INT32_MAX:
+                raise InvalidRequest("logit_bias token %r is out of range" % (token,))
+            if not (math.isfinite(bias) and abs(bias) <= _FLT_MAX) and bias != -math.inf:
                 raise InvalidRequest("logit_bias values must be numbers or -inf")
 
+
+# The ranges of C's float and int32_t, which sampling values are passed as.
+_FLT_MAX = 3.4028234663852886e38
+_INT32_MIN, _INT32_MAX = -2 ** 31, 2 ** 31 - 1
 
 
 class FinishReason(str, enum.Enum):

@@ -221,7 +221,7 @@ CLOCK = Tool("get_time", "Time in a zone", {
                                     "mistral-callid", "harmony", "generic"])
 def test_forced_call_grammar_is_valid_gbnf(gemma, syntax):
     from offgrid import libllama
-    from offgrid.engine.sampling import check_grammar
+    from offgrid.chat.gbnf import check_grammar
     for choice, parallel in (("required", False), ("required", True), ("get_time", False)):
         grammar = tool_call_grammar([WEATHER, CLOCK], syntax, choice, parallel)
         check_grammar(gemma, grammar)

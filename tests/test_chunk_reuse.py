@@ -29,8 +29,8 @@ def layout(model, middle):
 
 
 def positions(session):
-    lib, mem = session.model.lib, session._ctx.memory
-    return lib.llama_memory_seq_pos_min(mem, 0), lib.llama_memory_seq_pos_max(mem, 0)
+    mem = session._ctx.memory
+    return mem.seq_pos_min(0), mem.seq_pos_max(0)
 
 
 def test_typed_line_before_the_suffix_reuses_the_suffix(session, fim_model):

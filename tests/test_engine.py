@@ -246,7 +246,9 @@ def test_an_empty_prompt_is_refused_as_a_bad_request(gemma, new_session):
 
 
 @pytest.mark.parametrize("field, value", [("temperature", float("nan")),
-                                          ("top_p", float("inf")), ("repeat_penalty", -1.0)])
+                                          ("top_p", float("inf")), ("repeat_penalty", -1.0),
+                                          ("repeat_penalty", 0.0), ("min_p", 1e39),
+                                          ("top_k", 2 ** 31), ("logit_bias", [(5, float("inf"))])])
 def test_sampling_values_libllama_cannot_take_are_refused(gemma, new_session, field, value):
     params = GenerationParams(n_predict=4, sampling=SamplingParams(**{field: value}))
     with pytest.raises(InvalidRequest):

@@ -360,7 +360,7 @@ def test_decode_failure_is_500_for_that_request_and_the_session_is_reused(inproc
         # batch (positions no longer follow on), as it would after a real fault
         calls.append(pos)
         if len(calls) == 5:
-            plain_model.lib.llama_memory_seq_rm(ctx.memory, 0, pos - 3, -1)
+            ctx.memory.seq_rm(0, pos - 3, -1)
         return real(token, pos)
 
     ctx.decode_one = decode_one

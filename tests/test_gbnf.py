@@ -15,7 +15,7 @@ from offgrid import libllama
 from offgrid.chat.gbnf import GrammarError, Limits, VocabFacts, check
 from offgrid.chat.jsonschema import SchemaError, schema_to_grammar
 from offgrid.chat.template import Tool, tool_call_grammar
-from offgrid.engine.sampling import check_grammar
+from offgrid.chat.gbnf import check_grammar
 from offgrid.errors import InvalidRequest
 
 

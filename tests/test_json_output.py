@@ -17,7 +17,7 @@ import pytest
 
 from offgrid import libllama
 from offgrid.chat.jsonschema import SchemaError, schema_to_grammar
-from offgrid.engine.sampling import check_grammar
+from offgrid.chat.gbnf import check_grammar
 
 try:
     from .serverproc import ServerProcess

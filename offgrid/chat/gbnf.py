@@ -28,6 +28,8 @@ attributes of ``Limits``, each with the measurement behind it.
 """
 
 import bisect
+import threading
+import weakref
 
 from ..errors import InvalidRequest
 
@@ -728,3 +730,28 @@ def _meets(spans, ranges, negated):
 
 def _show(cp):
     return chr(cp) if 0x20 <= cp < 0x7F else "U+%04X" % cp
+
+
+# -- the check every grammar goes through ----------------------------------------------
+
+_facts = weakref.WeakKeyDictionary()        # model -> its VocabFacts
+_facts_lock = threading.Lock()
+
+
+def check_grammar(model, grammar, triggers=()):
+    """Raise GrammarError (a 400) unless ``grammar`` is safe to give libllama.
+
+    Every grammar goes through here before the engine builds a sampler from
+    it, whichever way it came (``grammar``, ``json_schema``,
+    ``response_format``, tool grammars): the checks are Python's, against
+    the model's vocabulary (``model.grammar_facts``), and no libllama sampler
+    is made until the request is running.
+    """
+    with _facts_lock:
+        facts = _facts.get(model)
+        if facts is None:
+            facts = _facts[model] = VocabFacts(*model.grammar_facts)
+    check(grammar, facts)
+    for t in triggers:
+        if not isinstance(t, str) or "\x00" in t:
+            raise GrammarError("a grammar trigger must be a string without NUL")

@@ -10,7 +10,6 @@ import sys
 import threading
 
 from .. import libllama
-from ..chat.gbnf import VocabFacts
 from ..errors import InvalidToken, ModelLoadError
 
 
@@ -54,46 +53,27 @@ class Model:
         self.path = str(path)
         self.name = os.path.basename(self.path)
         self.vocab_only = handle.vocab_only
-        lib, vocab = self.lib, handle.vocab
-        self._vocab = vocab
-        self.n_vocab = lib.llama_vocab_n_tokens(vocab)
-        self.n_ctx_train = lib.llama_model_n_ctx_train(handle.ptr)
-        self.n_embd = lib.llama_model_n_embd(handle.ptr)
-        self.n_params = lib.llama_model_n_params(handle.ptr)
-        self.size = lib.llama_model_size(handle.ptr)
-        self.n_swa = lib.llama_model_n_swa(handle.ptr)
-        self.desc = libllama.read_string(lib.llama_model_desc, handle.ptr)
+        self.n_vocab = handle.n_vocab()
+        self.n_ctx_train = handle.n_ctx_train()
+        self.n_embd = handle.n_embd()
+        self.n_params = handle.n_params()
+        self.size = handle.size()
+        self.n_swa = handle.n_swa()
+        self.desc = handle.desc()
 
-        def tok(fn):
-            t = fn(vocab)
-            return t if 0 <= t < self.n_vocab else None
-        self.bos = tok(lib.llama_vocab_bos)
-        self.eos = tok(lib.llama_vocab_eos)
-        self.eot = tok(lib.llama_vocab_eot)
-        self.nl = tok(lib.llama_vocab_nl)
-        self.fim_pre = tok(lib.llama_vocab_fim_pre)
-        self.fim_suf = tok(lib.llama_vocab_fim_suf)
-        self.fim_mid = tok(lib.llama_vocab_fim_mid)
-        self.fim_pad = tok(lib.llama_vocab_fim_pad)
-        self.fim_rep = tok(lib.llama_vocab_fim_rep)
-        self.fim_sep = tok(lib.llama_vocab_fim_sep)
-        self.add_bos = bool(lib.llama_vocab_get_add_bos(vocab))
-        self.add_eos = bool(lib.llama_vocab_get_add_eos(vocab))
+        for name, t in handle.special_tokens().items():
+            setattr(self, name, t if 0 <= t < self.n_vocab else None)
+        self.add_bos = handle.add_bos()
+        self.add_eos = handle.add_eos()
 
-        self.meta = {}
-        for i in range(lib.llama_model_meta_count(handle.ptr)):
-            key = libllama.read_string(lib.llama_model_meta_key_by_index, handle.ptr, i)
-            val = libllama.read_string(lib.llama_model_meta_val_str_by_index, handle.ptr, i,
-                                       size=1024)
-            if key is not None:
-                self.meta[key] = val
-        tmpl = lib.llama_model_chat_template(handle.ptr, None)
-        self.chat_template = tmpl.decode("utf-8", "replace") if tmpl else None
+        self.meta = handle.meta()
+        self.chat_template = handle.chat_template()
 
         # Per-token caches, filled lazily: generation asks for the same few
         # thousand tokens over and over, and a dict lookup beats a C call.
         self._pieces = {}
         self._eog = {}
+        self._eog_all = None
         self._lock = threading.Lock()
         self._grammar_facts = None
 
@@ -146,8 +126,8 @@ class Model:
         ``parse_special`` lets text such as ``<fim_prefix>`` become the special
         token rather than its letters, so only trusted prompt text should use it.
         """
-        return libllama.tokenize(self.lib, self._vocab, text.encode("utf-8", "surrogatepass"),
-                                 add_special, parse_special)
+        return self._handle.tokenize(text.encode("utf-8", "surrogatepass"), add_special,
+                                     parse_special)
 
     def check_tokens(self, tokens):
         """Raise InvalidToken unless every id is a valid token of this model.
@@ -165,25 +145,27 @@ class Model:
         piece = self._pieces.get(token)
         if piece is None:
             self.check_tokens((token,))     # libllama throws through C for a bad id: abort
-            piece = libllama.token_to_piece(self.lib, self._vocab, token, False)
+            piece = self._handle.token_to_piece(token, False)
             self._pieces[token] = piece
         return piece
 
     def token_text(self, token, special=True):
         """A token's text for display (``/tokenize`` with_pieces), special tokens rendered."""
         self.check_tokens((token,))
-        return libllama.token_to_piece(self.lib, self._vocab, token, special)
+        return self._handle.token_to_piece(token, special)
 
     def is_eog(self, token):
         """Whether generating ``token`` ends generation (EOS, EOT, ...)."""
         r = self._eog.get(token)
         if r is None:
-            r = self._eog[token] = bool(self.lib.llama_vocab_is_eog(self._vocab, token))
+            r = self._eog[token] = self._handle.is_eog(token)
         return r
 
     @property
     def grammar_facts(self):
-        """The vocabulary facts ``chat.gbnf.check`` needs, computed on first use.
+        """(n_vocab, end-of-generation ids, first bytes of the other tokens, and
+        ``token_id(text)``: the one token a text is, or None): what ``chat.gbnf``
+        checks grammars against, computed on first use.
 
         One pass over the vocabulary (262k tokens of gemma-3: 1.1 s of CPU),
         straight to libllama rather than through the token caches, which would
@@ -195,27 +177,33 @@ class Model:
             return self._grammar_facts
 
     def _vocab_facts(self):
-        lib, vocab = self.lib, self._vocab
-        eog, first = set(), set()
+        eog = set(self.eog_tokens())
+        first = set()
         for t in range(self.n_vocab):
-            if lib.llama_vocab_is_eog(vocab, t):
-                eog.add(t)
+            if t in eog:
                 continue
-            piece = libllama.token_to_piece(lib, vocab, t, False)
+            piece = self._handle.token_to_piece(t, False)
             if piece and piece[0]:      # libllama's sampler skips empty and NUL-led pieces
                 first.add(piece[0])
 
         def token_id(text):
             ids = self.tokenize(text, add_special=False, parse_special=True)
             return ids[0] if len(ids) == 1 else None
-        return VocabFacts(self.n_vocab, eog, first, token_id)
+        return self.n_vocab, eog, first, token_id
+
+    def eog_tokens(self):
+        """Every token that ends generation (EOS, EOT, and the others a vocabulary
+        marks so, e.g. FIM pad/sep); computed once, a C call per vocabulary entry."""
+        if self._eog_all is None:
+            self._eog_all = tuple(t for t in range(self.n_vocab) if self._handle.is_eog(t))
+        return self._eog_all
 
     def detokenize(self, tokens, special=False):
         """Text of a token list; ids are checked first."""
         self.check_tokens(tokens)
         if not tokens:
             return ""
-        data = libllama.detokenize(self.lib, self._vocab, list(tokens), False, special)
+        data = self._handle.detokenize(list(tokens), False, special)
         return data.decode("utf-8", "replace")
 
     def builtin_template(self, name, messages, add_assistant=True):

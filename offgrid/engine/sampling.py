@@ -1,77 +1,163 @@
-"""Sampling settings and the libllama sampler chain built from them.
+"""Sampling settings and the libllama samplers built from them.
 
 SamplingParams (``offgrid.request``) is the typed form of the sampling fields
 of a request; the defaults are llama-server's, so a client that sends nothing
-gets the same behaviour from both.  build_sampler() turns it into a libllama chain in
-llama-server's order (penalties, top_k, typical_p, top_p, min_p, temperature,
-then the random pick), or a greedy pick when temperature <= 0.
+gets the same behaviour from both.  build_sampler() turns it into a
+TokenSampler: a libllama chain in llama-server's order (penalties, top_k,
+typical_p, top_p, min_p, temperature, then the random pick), or a greedy pick
+when temperature <= 0, and the grammar apart from the chain.
+
+Why the grammar is kept apart.  libllama's grammar sampler throws from
+``llama_sampler_accept`` when the token picked is one it does not allow (a
+logit_bias that bans the grammar's only token), and GGML_ABORTs when an
+end-of-generation token is accepted before the grammar is complete (a
+finished grammar with every EOG banned, or the infill sampler, which picks
+EOT when nothing else passes).  Both happen inside ``llama_sampler_sample``
+and both end the process.  So with a grammar, TokenSampler.sample() does what
+llama.cpp's common_sampler_sample does, in steps it can check:
+
+  1. fill a reusable candidates array from the logits (libllama.Candidates),
+     run the chain, and ask the grammar about the one token picked;
+  2. if the grammar refuses it (or it is -inf), fill again, run the grammar
+     over every candidate, then the chain;
+  3. if what is picked now is still not a finite candidate the grammar
+     allows, nothing can be generated: sample() returns None and the
+     request ends as if at end-of-generation (STOP, the text so far);
+  4. otherwise accept the token on the grammar and on the chain.
+
+Step 1 is llama-server's rejection sampling: the grammar, the costly part,
+runs over the whole vocabulary only when the chain's pick breaks it.
+Without a grammar the chain runs inside ``llama_sampler_sample``, in C.
+The ``infill`` sampler is never combined with a grammar (see
+SamplingParams.effective_samplers).
 """
 
 import math
 
 from .. import libllama
-from ..chat import gbnf
 from ..errors import InvalidRequest
 from ..request import DEFAULT_SAMPLERS, SAMPLER_ALIASES, SamplingParams  # noqa: F401
 
+Sampler = libllama.SamplerHandle
 
-def build_sampler(lib, params, n_vocab, n_ctx, eog_tokens=(), vocab=None):
-    """A SamplerHandle for one request.  ``eog_tokens`` are banned (ignore_eos).
 
-    A grammar needs the model's ``vocab`` and goes first in the chain, so the
-    samplers after it only ever see tokens the grammar allows.
+class TokenSampler:
+    """The samplers of one request; owns its chain and grammar, close() frees both once.
+
+    Made by build_sampler(); used by one thread, one token at a time.
     """
-    chain = libllama.SamplerHandle(lib)
+
+    def __init__(self, chain, grammar=None, candidates=None):
+        self._chain = chain
+        self._grammar = grammar
+        self._candidates = candidates
+        if grammar is not None and candidates is None:
+            raise ValueError("a grammar needs a Candidates array")
+
+    def sample(self, ctx, idx=-1):
+        """The next token from output ``idx`` of ``ctx``'s last decode, accepted;
+        None when the grammar allows no candidate the chain would pick."""
+        grammar = self._grammar
+        if grammar is None:
+            return self._chain.sample(ctx, idx)
+        cands, chain = self._candidates, self._chain
+        cands.load(ctx, idx)
+        chain.apply(cands)
+        picked = cands.selected()
+        if not self._allowed(picked):
+            cands.load(ctx, idx)
+            grammar.apply(cands)
+            chain.apply(cands)
+            picked = cands.selected()
+            if not self._allowed(picked):
+                return None
+        token = picked[0]
+        grammar.accept(token)
+        chain.accept(token)
+        return token
+
+    def _allowed(self, picked):
+        return (picked is not None and math.isfinite(picked[1])
+                and self._grammar.allows(picked[0]))
+
+    def accept(self, token, grammar=True):
+        """Record a token that is part of the text (``grammar``) or only of the
+        prompt (penalties count it; the grammar constrains only the output)."""
+        if grammar and self._grammar is not None:
+            self._grammar.accept(token)
+        self._chain.accept(token)
+
+    def close(self):
+        self._chain.close()
+        if self._grammar is not None:
+            self._grammar.close()
+
+
+def build_sampler(lib, params, n_vocab, n_ctx, eog_tokens=(), vocab=None, candidates=None):
+    """A TokenSampler for one request.  ``eog_tokens`` are banned (ignore_eos).
+
+    A grammar and the infill sampler need the model's ``vocab``
+    (ModelHandle.vocab).  ``candidates`` (a
+    libllama.Candidates of n_vocab) may be passed to reuse one array across
+    requests; one is made when a grammar needs it.
+    """
+    grammar = chain = None
     try:
         if params.grammar is not None:
             if vocab is None:
                 raise ValueError("build_sampler needs the model's vocab for a grammar")
-            chain.add(_grammar(lib, vocab, params.grammar, params.grammar_triggers))
+            grammar = Sampler.adopt(lib, _grammar(lib, vocab, params.grammar,
+                                                  params.grammar_triggers), "grammar")
+            if candidates is None:
+                candidates = libllama.Candidates(lib, n_vocab)
+        chain = Sampler.chain(lib)
         biases = list(params.logit_bias) + [(t, -math.inf) for t in eog_tokens]
         if biases:
-            chain.add(chain.logit_bias(n_vocab, biases))
+            chain.add(Sampler.logit_bias(lib, n_vocab, biases))
         if params.greedy:
             if params.has_penalties:
                 chain.add(_penalties(lib, params, n_vocab, n_ctx))
-            chain.add(lib.llama_sampler_init_greedy())
-            return chain
-        for name in params.samplers:
+            chain.add(Sampler.greedy(lib))
+            return TokenSampler(chain, grammar, candidates)
+        for name in params.effective_samplers:
             if name == "penalties":
                 if params.has_penalties:
                     chain.add(_penalties(lib, params, n_vocab, n_ctx))
             elif name == "top_k":
                 if params.top_k > 0:
-                    chain.add(lib.llama_sampler_init_top_k(params.top_k))
+                    chain.add(Sampler.top_k(lib, params.top_k))
             elif name == "typ_p":
                 if params.typical_p < 1.0:
-                    chain.add(lib.llama_sampler_init_typical(params.typical_p, 1))
+                    chain.add(Sampler.typical(lib, params.typical_p, 1))
             elif name == "top_p":
                 if params.top_p < 1.0:
-                    chain.add(lib.llama_sampler_init_top_p(params.top_p, 1))
+                    chain.add(Sampler.top_p(lib, params.top_p, 1))
             elif name == "min_p":
                 if params.min_p > 0.0:
-                    chain.add(lib.llama_sampler_init_min_p(params.min_p, 1))
+                    chain.add(Sampler.min_p(lib, params.min_p, 1))
             elif name == "infill":
                 if vocab is not None:
-                    chain.add(lib.llama_sampler_init_infill(vocab))
+                    chain.add(Sampler.infill(lib, vocab))
             elif name == "temperature":
-                chain.add(lib.llama_sampler_init_temp_ext(
-                    params.temperature, params.dynatemp_range, params.dynatemp_exponent))
+                chain.add(Sampler.temp_ext(lib, params.temperature, params.dynatemp_range,
+                                           params.dynatemp_exponent))
         seed = params.seed
         if seed is None or seed < 0:
             seed = libllama.LLAMA_DEFAULT_SEED
-        chain.add(lib.llama_sampler_init_dist(seed & 0xFFFFFFFF))
-        return chain
+        chain.add(Sampler.dist(lib, seed))
+        return TokenSampler(chain, grammar, candidates)
     except BaseException:
-        chain.close()
+        for s in (chain, grammar):
+            if s is not None:
+                s.close()
         raise
 
 
 def _penalties(lib, params, n_vocab, n_ctx):
     # never wider than the context: libllama sizes a ring buffer by it
     last_n = n_ctx if params.repeat_last_n == -1 else min(params.repeat_last_n, n_ctx)
-    return lib.llama_sampler_init_penalties(n_vocab, last_n, params.repeat_penalty,
-                                            params.frequency_penalty, params.presence_penalty)
+    return Sampler.penalties(lib, n_vocab, last_n, params.repeat_penalty,
+                             params.frequency_penalty, params.presence_penalty)
 
 
 def _grammar(lib, vocab, grammar, triggers=()):
@@ -80,17 +166,3 @@ def _grammar(lib, vocab, grammar, triggers=()):
         raise InvalidRequest("the grammar is not valid GBNF with a 'root' rule "
                              "(the server log says where)")
     return ptr
-
-
-def check_grammar(model, grammar, triggers=()):
-    """Raise GrammarError (a 400) unless ``grammar`` is safe to give libllama.
-
-    Every grammar goes through here before build_sampler, whichever way it came
-    (``grammar``, ``json_schema``, ``response_format``, tool grammars): the
-    checks are Python's (``chat.gbnf``) with the model's vocabulary facts, and
-    no libllama sampler is made until the request is running.
-    """
-    gbnf.check(grammar, model.grammar_facts)
-    for t in triggers:
-        if not isinstance(t, str) or "\x00" in t:
-            raise gbnf.GrammarError("a grammar trigger must be a string without NUL")

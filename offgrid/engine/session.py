@@ -7,7 +7,8 @@ decoded in ``n_batch`` chunks.  Editors send a request per keystroke with a
 prompt that mostly repeats the last one, so this is where their latency goes.
 
 The generation loop is plain Python around three C calls per token
-(llama_decode, llama_sampler_sample, a cached token->bytes lookup).
+(llama_decode, llama_sampler_sample, a cached token->bytes lookup); with a
+grammar, sampling takes a few more (see sampling.py).
 
 Threading: a session is used by one thread at a time (the server's pool
 hands it out); ``RequestCancel.cancel()`` may be called from any thread.
@@ -111,7 +112,8 @@ class ChatSession:
         self.n_batch = self._ctx.n_batch
         # chunk reuse moves cached keys to new positions: only where the
         # memory can re-rotate them (not recurrent state, for one)
-        self._can_shift = bool(model.lib.llama_memory_can_shift(self._ctx.memory))
+        self._can_shift = self._ctx.memory.can_shift()
+        self._candidates = None     # libllama.Candidates for grammar sampling, made on first use
         self.cached = []        # tokens whose KV is in the cache, at positions 0..len-1
         self._shift_pending = False     # keys moved, rotation not yet applied by a decode
         self.closed = False
@@ -138,7 +140,7 @@ class ChatSession:
         """Forget the KV cache (after a failure, the cache may be inconsistent)."""
         self._check_open()
         self._shift_pending = False
-        self.model.lib.llama_memory_clear(self._ctx.memory, True)
+        self._ctx.memory.clear(True)
         self.cached = []
 
     def common_prefix(self, tokens):
@@ -152,7 +154,7 @@ class ChatSession:
         0..keep-1 and each reused run at its new position; every other cell
         is gone.  Any step libllama refuses falls back to an empty cache.
         """
-        lib, mem = self.model.lib, self._ctx.memory
+        mem = self._ctx.memory
         if not cache_prompt or not self.cached:
             return self._clear_plan()
         if min_run > 0 and not self._can_shift:
@@ -164,10 +166,10 @@ class ChatSession:
         # (sequence -1: every sequence, i.e. SEQ_PROMPT and SEQ_PIN alike)
         cursor = plan.keep
         for _, old, n in plan.runs:
-            if old > cursor and not lib.llama_memory_seq_rm(mem, -1, cursor, old):
+            if old > cursor and not mem.seq_rm(-1, cursor, old):
                 return self._clear_plan()
             cursor = old + n
-        if not lib.llama_memory_seq_rm(mem, -1, cursor, -1):
+        if not mem.seq_rm(-1, cursor, -1):
             return self._clear_plan()   # this memory cannot be cut in the middle
         # Move the runs (SEQ_PIN shares the cells, so it moves with them).
         # Runs keep their order, so a run moving left never lands on one not
@@ -176,7 +178,7 @@ class ChatSession:
         left = [r for r in plan.runs if r[0] < r[1]]
         right = [r for r in plan.runs if r[0] > r[1]]
         for new, old, n in left + right[::-1]:
-            lib.llama_memory_seq_add(mem, 0, old, old + n, new - old)
+            mem.seq_add(0, old, old + n, new - old)
             self._shift_pending = True
         if not self._window_intact(plan, len(tokens)):
             return self._clear_plan()
@@ -197,7 +199,7 @@ class ChatSession:
         if not gaps or plan.reused == 0:
             return True         # nothing to evaluate, or nothing reused
         n_swa = self.model.n_swa
-        pos_min = self.model.lib.llama_memory_seq_pos_min(self._ctx.memory, SEQ_PROMPT)
+        pos_min = self._ctx.memory.seq_pos_min(SEQ_PROMPT)
         limit = max(0, gaps[0][0] - n_swa + 1) if n_swa > 0 else 0
         return 0 <= pos_min <= limit
 
@@ -205,7 +207,7 @@ class ChatSession:
         self._shift_pending = False
         # cells only, as llama-server's seq_rm: an empty cell is masked out,
         # and zeroing 72 MiB of gemma's cache took ~1 ms per cold request
-        self.model.lib.llama_memory_clear(self._ctx.memory, False)
+        self._ctx.memory.clear(False)
         self.cached = []
         return cachereuse.ReusePlan(0)
 
@@ -261,7 +263,7 @@ class ChatSession:
 
     def _evaluate_tail(self, tokens, start, cancel):
         """Decode tokens[start:] in sequence 0; False if cancelled part way."""
-        lib, mem = self.model.lib, self._ctx.memory
+        mem = self._ctx.memory
         pos = start
         while pos < len(tokens):
             if cancel is not None and cancel.cancelled:
@@ -272,9 +274,9 @@ class ChatSession:
             if status == 2:     # aborted: keep what libllama did get into the cache
                 # libllama drops the aborted ubatch's positions from the
                 # token's first sequence only, whichever it takes that to be
-                kept = min(lib.llama_memory_seq_pos_max(mem, s) for s in self._prompt_seqs) + 1
+                kept = min(mem.seq_pos_max(s) for s in self._prompt_seqs) + 1
                 kept = max(pos, min(kept, pos + len(chunk)))
-                lib.llama_memory_seq_rm(mem, -1, kept, -1)
+                mem.seq_rm(-1, kept, -1)
                 self.cached = list(tokens[:kept])
                 return False
             if status != 0:
@@ -295,8 +297,8 @@ class ChatSession:
         The gap's cells are pinned after each ubatch (see SEQ_PIN): a gap
         longer than the attention window would otherwise lose its start.
         """
-        lib, mem = self.model.lib, self._ctx.memory
-        lib.llama_memory_seq_cp(mem, SEQ_PROMPT, SEQ_GAP, 0, start)
+        mem = self._ctx.memory
+        mem.seq_cp(SEQ_PROMPT, SEQ_GAP, 0, start)
         step = min(self.n_batch, self._ctx.n_ubatch)
         pos, status = start, 0
         try:
@@ -309,14 +311,14 @@ class ChatSession:
                 if status != 0:
                     break
                 if SEQ_PIN in self._prompt_seqs:
-                    lib.llama_memory_seq_cp(mem, SEQ_GAP, SEQ_PIN, pos, pos + len(chunk))
+                    mem.seq_cp(SEQ_GAP, SEQ_PIN, pos, pos + len(chunk))
                 pos += len(chunk)
             if status == 0:
-                lib.llama_memory_seq_cp(mem, SEQ_GAP, SEQ_PROMPT, start, end)
+                mem.seq_cp(SEQ_GAP, SEQ_PROMPT, start, end)
             else:
-                lib.llama_memory_seq_rm(mem, SEQ_PIN, start, end)
+                mem.seq_rm(SEQ_PIN, start, end)
         finally:
-            lib.llama_memory_seq_rm(mem, SEQ_GAP, -1, -1)
+            mem.seq_rm(SEQ_GAP, -1, -1)
         if status == 0:
             return True
         if status != 2:
@@ -357,14 +359,16 @@ class ChatSession:
 
             model = self.model
             eog_ban = self._eog_tokens() if params.ignore_eos else ()
+            if params.sampling.grammar is not None and self._candidates is None:
+                self._candidates = libllama.Candidates(model.lib, model.n_vocab)
             sampler = build_sampler(model.lib, params.sampling, model.n_vocab, self.n_ctx, eog_ban,
-                                    vocab=model.handle.vocab)
+                                    vocab=model.handle.vocab, candidates=self._candidates)
             # Penalties count the prompt's last tokens too, as llama-server's
-            # do; a grammar must not see them (it constrains only the output).
-            if params.sampling.has_penalties and params.sampling.grammar is None:
+            # do; the grammar does not see them (it constrains only the output).
+            if params.sampling.has_penalties:
                 for t in tokens[-max(params.sampling.repeat_last_n, 0):] if \
                         params.sampling.repeat_last_n >= 0 else tokens:
-                    sampler.accept(t)
+                    sampler.accept(t, grammar=False)
             return self._generate(tokens, params, sampler, on_piece, cancel, usage)
         finally:
             cancel.detach(ctx.request_abort)
@@ -388,6 +392,11 @@ class ChatSession:
                 finish, stop_type = FinishReason.CANCELLED, "none"
                 break
             token = sampler.sample(ctx)
+            if token is None:
+                # the grammar allows nothing the samplers would pick: the
+                # end of what can be generated (libllama would have aborted)
+                finish, stop_type = FinishReason.STOP, "eos"
+                break
             if model.is_eog(token) and not params.ignore_eos:
                 # counted as generated (llama-server's tokens_predicted and
                 # OpenAI's completion_tokens include it) but never shown
@@ -434,8 +443,9 @@ class ChatSession:
                           usage, truncated)
 
     def _eog_tokens(self):
-        m = self.model
-        return [t for t in {m.eos, m.eot} if t is not None]
+        # all of them, as llama-server bans for ignore_eos: an EOG token left
+        # open would end a grammar's text, or be "generated" as nothing
+        return self.model.eog_tokens()
 
     def _fail(self, status):
         """A libllama decode failure: reset the cache so the session stays usable."""

@@ -30,6 +30,7 @@ import sys
 import threading
 
 from .. import protocol
+from ..chat.gbnf import check_grammar
 from ..chat.prompt import prepare_chat
 from ..chat.reply import ReplyStream, parse_reply
 from ..chat.jsonschema import schema_to_grammar
@@ -39,7 +40,6 @@ from ..errors import InvalidRequest, OffgridError
 from ..request import RequestCancel
 from .infill import build_infill_prompt
 from .model import Model
-from .sampling import check_grammar
 from .session import ChatSession, take_turns_with
 
 
@@ -372,6 +372,10 @@ def main(argv=None):
         return 1
     worker = Worker(loaded, out)
     worker.send({"op": "ready", "info": loaded.info()})
+    # The vocabulary scans grammar checks and ignore_eos need (about 2 s on
+    # a 262k vocabulary) run now, off the first request's path.
+    threading.Thread(target=lambda: loaded.model.grammar_facts, daemon=True,
+                     name="vocab-scan").start()
     worker.serve(inp)
     # The front is gone.  Requests may still be running on other threads
     # inside libllama: end the process rather than free what they use.

@@ -67,7 +67,7 @@ def generation_settings(gen, n_ctx, model_name, stream=False):
         "stream": stream,
         "n_probs": 0,
         "min_keep": 0,
-        "samplers": list(s.samplers),
+        "samplers": list(s.effective_samplers),     # infill is dropped under a grammar
         "stop": list(gen.stop),
         "n_indent": gen.n_indent,
         "t_max_predict_ms": gen.t_max_predict_ms,
