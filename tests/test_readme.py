@@ -165,6 +165,8 @@ def server(lib, qwen_path):
 def test_readme_example_answers_as_promised(server, command):
     check = check_for(command)
     command = command.replace(ADDRESS, "127.0.0.1:%d" % server.port)
+    # --fail-with-body: an HTTP error status is curl's exit 22, with the error body
+    # kept for the message (the examples are single curl commands, so it goes last)
     run = subprocess.run(["bash", "-c", command + " --fail-with-body"], capture_output=True,
                          text=True, timeout=120)
     assert run.returncode == 0, "%s\nexit %d: %s%s" % (command, run.returncode, run.stdout,
