@@ -31,7 +31,12 @@ try:
 except ImportError:  # tests/ is on sys.path rather than a package
     import tinymodels
 
+# What `make model` fetches (scripts/fetch_model.py).  Qwen2.5-Coder is the
+# default `make run` serves: tests of what a user sees use it; gemma and the
+# tiny models serve tests that need speed rather than sense.
 GEMMA = ROOT / "models" / "gemma-3-270m-q4_k_m.gguf"
+QWEN = ROOT / "models" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+SMOLLM = ROOT / "models" / "smollm2-135m-instruct-q4_1.gguf"
 
 
 def cache_dir():
@@ -85,10 +90,26 @@ def plain_model_path(tiny_dir):
     return tinymodels.plain_model(tiny_dir)
 
 
+def _fetched(path):
+    assert path.is_file(), "the model is missing at %s; run `make model`" % path
+    return path
+
+
 @pytest.fixture(scope="session")
 def gemma_path():
-    assert GEMMA.is_file(), "the default model is missing at %s; run `make model`" % GEMMA
-    return GEMMA
+    return _fetched(GEMMA)
+
+
+@pytest.fixture(scope="session")
+def qwen_path():
+    """Qwen2.5-Coder-0.5B-Instruct Q4_K_M: the default model (chat, tools, FIM)."""
+    return _fetched(QWEN)
+
+
+@pytest.fixture(scope="session")
+def smollm_path():
+    """SmolLM2-135M-Instruct Q4_1: a small ChatML model."""
+    return _fetched(SMOLLM)
 
 
 # --------------------------------------------------------------------------
@@ -106,6 +127,16 @@ def _loaded(path):
 @pytest.fixture(scope="session")
 def gemma(lib, gemma_path):
     yield from _loaded(gemma_path)
+
+
+@pytest.fixture(scope="session")
+def qwen(lib, qwen_path):
+    yield from _loaded(qwen_path)
+
+
+@pytest.fixture(scope="session")
+def smollm(lib, smollm_path):
+    yield from _loaded(smollm_path)
 
 
 @pytest.fixture(scope="session")

@@ -54,6 +54,10 @@ def find_pythons():
     return [(v, found[v]) for v in sorted(set(ends))]
 
 
+# minutes: a whole `make bundle`, and 16 more to build the portable libllama when
+# it is not cached
+pytestmark = pytest.mark.slow
+
 PYTHONS = find_pythons()
 PYTHON_IDS = ["python%d.%d" % v for v, _ in PYTHONS]
 

@@ -79,6 +79,7 @@ def two(plain_model_path):
         yield s
 
 
+@pytest.mark.slow          # about a minute: 50 clients, each with a long prompt
 def test_fifty_streaming_clients_that_disconnect_leave_nothing_behind(two):
     rng = random.Random(5)
     pid = two.proc.pid
@@ -169,6 +170,7 @@ def read_result(sock, stream):
     return final["stop_type"], final["tokens_predicted"]
 
 
+@pytest.mark.slow          # half a minute: 200 requests
 def test_supersede_storm_only_the_last_request_generates_to_the_end(one):
     n, n_predict = 200, 2000
     pid = one.proc.pid

@@ -74,6 +74,7 @@ def test_patch_applies_to_the_pinned_source(patch, llama_src):
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+@pytest.mark.slow          # gemma under gdb: 20 s or more
 @pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed")
 @pytest.mark.skipif(_ARG2 is None, reason="no register name for %s" % platform.machine())
 def test_kernels_get_a_cache_line_aligned_work_buffer(lib, tmp_path):
