@@ -174,10 +174,15 @@ class Usage:
     completion_tokens: int = 0
     prompt_ms: float = 0.0
     generation_ms: float = 0.0
+    # prompt tokens decoded when a cancel stopped the prompt part way (None:
+    # the whole prompt past the cached part was)
+    evaluated: Optional[int] = None
 
     @property
     def evaluated_tokens(self):
         """Prompt tokens actually decoded this request."""
+        if self.evaluated is not None:
+            return self.evaluated
         return self.prompt_tokens - self.cached_tokens
 
 

@@ -203,6 +203,22 @@ def test_client_that_disconnects_during_the_prompt_frees_the_session(one):
     assert freed * 1000 < full_ms / 2, (freed, full_ms)
 
 
+def test_a_request_cancelled_in_its_prompt_reports_only_the_prompt_work_it_did(one):
+    prompt = long_prompt(1000)      # about 2900 tokens
+    a = Call(one, "/completion", {"prompt": prompt, "n_predict": 4, "cache_prompt": False,
+                                  "id_slot": 7})
+    a.start()
+    wait_busy(one)
+    time.sleep(0.3)
+    one.post("/completion", {"prompt": "x", "n_predict": 1, "id_slot": 7})
+    a.join(30)
+    status, body = a.result
+    assert status == 200 and body["stop_type"] == "none"
+    # superseded part way through its prompt: timings say what was decoded, not the prompt
+    assert body["timings"]["prompt_n"] < body["tokens_evaluated"], body["timings"]
+    one.wait_idle()
+
+
 def test_four_clients_on_two_sessions_all_complete(two):
     calls = [Call(two, "/completion", {"prompt": "Client %d says" % i, "n_predict": 16,
                                        "ignore_eos": True}) for i in range(4)]

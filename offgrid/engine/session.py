@@ -352,6 +352,11 @@ class ChatSession:
                                                 need_logits=params.n_predict != 0)
             usage.prompt_ms = (time.perf_counter() - t0) * 1000.0
             if cancel.cancelled or len(self.cached) < len(tokens):
+                # report only the prompt work done: what the cache holds now
+                # less what it kept (a cancelled gap leaves holes: None)
+                held = sum(1 for t in self.cached if t is not None)
+                usage.evaluated = max(0, min(held - usage.cached_tokens,
+                                             usage.prompt_tokens - usage.cached_tokens))
                 return Completion("", [], FinishReason.CANCELLED, "none", "", usage)
             if params.n_predict == 0:
                 # warm-up: the prompt is now cached; nothing to generate
