@@ -12,10 +12,9 @@ import time
 import pytest
 
 from offgrid import libllama
-from offgrid.chat.gbnf import GrammarError, Limits, VocabFacts, check
+from offgrid.chat.gbnf import GrammarError, Limits, VocabFacts, check, check_grammar, facts_of
 from offgrid.chat.jsonschema import SchemaError, schema_to_grammar
 from offgrid.chat.template import Tool, tool_call_grammar
-from offgrid.chat.gbnf import check_grammar
 from offgrid.errors import InvalidRequest
 
 
@@ -59,7 +58,7 @@ def test_llama_cpp_example_grammars_pass(gemma, llama_src):
     assert len(files) >= 8
     for path in files:
         text = path.read_text()
-        check(text, gemma.grammar_facts)
+        check(text, facts_of(gemma))
         assert libllama_accepts(gemma, text), path.name
 
 
@@ -88,7 +87,7 @@ def test_tool_call_grammars_pass_and_libllama_builds_them(gemma, syntax):
     'root ::= "" "a"\nunused ::= "b"\n',
 ])
 def test_valid_syntax_passes_and_libllama_agrees(gemma, text):
-    check(text, gemma.grammar_facts)
+    check(text, facts_of(gemma))
     assert libllama_accepts(gemma, text)
 
 
@@ -181,7 +180,7 @@ def test_a_flat_alternation_of_2000_literals_is_refused_for_its_cost(gemma):
 
 def test_an_enum_of_20000_values_is_a_tree_cheap_to_sample(gemma):
     grammar = schema_to_grammar({"enum": ["value%d" % i for i in range(20000)]})
-    stats = check(grammar, gemma.grammar_facts)
+    stats = check(grammar, facts_of(gemma))
     assert stats.frontier <= 16                 # one stack per next character, not per value
     assert libllama_accepts(gemma, grammar)
 
@@ -202,8 +201,8 @@ def test_cost_limit_scales_with_the_vocabulary():
 
 
 def test_model_facts_exclude_end_tokens_and_nul(gemma):
-    facts = gemma.grammar_facts
-    assert facts is gemma.grammar_facts          # computed once
+    facts = facts_of(gemma)
+    assert facts is facts_of(gemma)          # computed once
     assert facts.n_vocab == gemma.n_vocab
     assert gemma.eos in facts.eog
     assert 0 not in facts.first_bytes

@@ -150,7 +150,7 @@ def test_a_missing_or_wrong_key_is_401_in_openai_shape(locked, headers):
 def test_health_stays_open(locked):
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         status, _, body = locked.get("/health", headers=headers)
-        assert (status, body) == (200, {"status": "ok"})
+        assert status == 200 and body["status"] == "ok"
 
 
 def test_keys_never_appear_in_the_log(plain_model_path):

@@ -738,6 +738,15 @@ _facts = weakref.WeakKeyDictionary()        # model -> its VocabFacts
 _facts_lock = threading.Lock()
 
 
+def facts_of(model):
+    """The VocabFacts of a loaded model, made once from ``model.grammar_facts``."""
+    with _facts_lock:
+        facts = _facts.get(model)
+        if facts is None:
+            facts = _facts[model] = VocabFacts(*model.grammar_facts)
+        return facts
+
+
 def check_grammar(model, grammar, triggers=()):
     """Raise GrammarError (a 400) unless ``grammar`` is safe to give libllama.
 
@@ -747,11 +756,7 @@ def check_grammar(model, grammar, triggers=()):
     the model's vocabulary (``model.grammar_facts``), and no libllama sampler
     is made until the request is running.
     """
-    with _facts_lock:
-        facts = _facts.get(model)
-        if facts is None:
-            facts = _facts[model] = VocabFacts(*model.grammar_facts)
-    check(grammar, facts)
+    check(grammar, facts_of(model))
     for t in triggers:
         if not isinstance(t, str) or "\x00" in t:
             raise GrammarError("a grammar trigger must be a string without NUL")

@@ -231,6 +231,10 @@ class Worker:
             parts.append(frag)
         return {"body": '{"tokens":[' + ",".join(parts) + "]}"}
 
+    def call_slots(self):
+        """How many tokens each session's cache holds now (a request may be running)."""
+        return [len(s.cached) for s in self.loaded.sessions]
+
     def call_detokenize(self, tokens):
         return {"content": self.model.detokenize(tokens, special=True)}
 

@@ -9,6 +9,7 @@ written here.
 from collections import namedtuple
 
 from .. import __version__, protocol
+from ..errors import OffgridError
 from ..request import FinishReason, GenerationParams, InfillRequest
 from . import chat, formats
 from .errors import BadRequest, Unavailable
@@ -93,9 +94,17 @@ def models(h, _body):
 def slots(h, _body):
     out = []
     for e in h.service.entries:
-        for s in e.pool.sessions:
+        # live from the worker (a running request's cache grows); the front's
+        # record from the last request while the worker is not there
+        n_cached = [len(s.cached) for s in e.pool.sessions]
+        if e.state == "ready":
+            try:
+                n_cached = e.call("slots", "GET /slots")
+            except (OffgridError, Unavailable):
+                pass        # it died just now: the front's record will do
+        for s, n in zip(e.pool.sessions, n_cached):
             out.append({"id": s.index, "model": e.id, "n_ctx": e.n_ctx, "state": _status(e),
-                        "is_processing": e.pool.is_busy(s), "n_cached": len(s.cached)})
+                        "is_processing": e.pool.is_busy(s), "n_cached": n})
     h.send_json(200, out)
 
 
