@@ -262,3 +262,25 @@ def test_the_client_raises_response_error_with_the_status(client):
 def test_openai_routes_keep_their_error_shape(srv):
     status, _, r = srv.post("/v1/chat/completions", {"messages": "hi"})
     assert status == 400 and r["error"]["code"] == 400 and r["error"]["message"]
+
+
+# -- LangChain ----------------------------------------------------------------------
+
+def test_langchain_chat_ollama_invokes_and_streams(srv):
+    from langchain_ollama import ChatOllama
+    llm = ChatOllama(model=NAME, base_url=srv.base, temperature=0, num_predict=8,
+                     validate_model_on_init=True)       # checks the name with /api/tags
+    reply = llm.invoke("Say hello.")
+    assert reply.content.strip()
+    assert reply.usage_metadata["output_tokens"] == 8
+    assert "".join(chunk.content for chunk in llm.stream("Say hello.")).strip()
+
+
+def test_the_readme_example_answers_as_the_readme_says(srv):
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("### Ollama"):]
+    body = json.loads(re.search(r"curl http://127\.0\.0\.1:8080/api/generate -d '(.*)'",
+                                section).group(1))
+    status, _, r = srv.post("/api/generate", body)
+    assert status == 200 and r["response"].startswith("a + b")
+    assert r["done"] and r["done_reason"] == "length" and r["eval_count"] == 8
