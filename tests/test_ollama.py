@@ -8,6 +8,8 @@ Continue's Ollama provider (core/llm/llms/Ollama.ts): it reads /api/show's
 """
 
 import hashlib
+import os
+import signal
 import json
 import re
 from pathlib import Path
@@ -284,3 +286,40 @@ def test_the_readme_example_answers_as_the_readme_says(srv):
     status, _, r = srv.post("/api/generate", body)
     assert status == 200 and r["response"].startswith("a + b")
     assert r["done"] and r["done_reason"] == "length" and r["eval_count"] == 8
+
+
+# -- streams that end early ---------------------------------------------------------
+
+def _open_stream(srv, path, body):
+    """POST a stream and read its first line; returns (connection, response)."""
+    c = srv.conn()
+    c.request("POST", path, body=json.dumps(body).encode(),
+              headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    assert r.status == 200
+    assert json.loads(r.readline())["done"] is False
+    return c, r
+
+
+def test_a_client_that_hangs_up_cancels_its_generation(srv):
+    before = srv.metrics()["offgrid_requests_cancelled_total"]
+    c, _ = _open_stream(srv, "/api/generate", {
+        "model": NAME, "prompt": "Count from 1 to 1000.", "raw": True,
+        "options": {"temperature": 0, "num_predict": 1000}})
+    c.close()
+    srv.wait_idle(timeout=20)       # far sooner than 1000 tokens on one thread
+    assert srv.metrics()["offgrid_requests_cancelled_total"] == before + 1
+
+
+def test_an_error_after_the_first_line_is_the_streams_last_line(srv):
+    # the worker dies mid-stream: headers are out, so the 500 becomes an NDJSON line
+    c, r = _open_stream(srv, "/api/chat", {
+        "model": NAME, "messages": [{"role": "user", "content": "Count from 1 to 1000."}],
+        "options": {"temperature": 0, "num_predict": 1000}})
+    children = Path("/proc/%d/task/%d/children" % (srv.proc.pid, srv.proc.pid)).read_text()
+    for pid in children.split():
+        os.kill(int(pid), signal.SIGKILL)
+    rest = r.read().decode()
+    c.close()
+    last = json.loads(rest.strip().splitlines()[-1])
+    assert list(last) == ["error"] and "SIGKILL" in last["error"]
