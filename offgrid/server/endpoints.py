@@ -10,7 +10,7 @@ from collections import namedtuple
 
 from .. import __version__
 from ..request import FinishReason, GenerationParams, InfillRequest
-from . import chat, formats, ollama
+from . import chat, formats, ollama, ollama_models
 from .errors import BadRequest, Unavailable
 from .prompts import infill_tokens
 from .params import (Fields, include_usage_from, generation_from, id_slot_from, infill_from,
@@ -348,10 +348,10 @@ ROUTES = {
     "/chat/completions": Route(chat.chat_completions, _POST, True, True),
     # Ollama's API (server/ollama.py); "/" answers its clients' heartbeat
     "/": Route(root, _GET, False, False),
-    "/api/version": Route(ollama.version, _GET, False, False, "ollama"),
-    "/api/tags": Route(ollama.tags, _GET, True, True, "ollama"),
-    "/api/ps": Route(ollama.ps, _GET, True, True, "ollama"),
-    "/api/show": Route(ollama.show, _POST, True, True, "ollama"),
+    "/api/version": Route(ollama_models.version, _GET, False, False, "ollama"),
+    "/api/tags": Route(ollama_models.tags, _GET, True, True, "ollama"),
+    "/api/ps": Route(ollama_models.ps, _GET, True, True, "ollama"),
+    "/api/show": Route(ollama_models.show, _POST, True, True, "ollama"),
     "/api/generate": Route(ollama.generate, _POST, True, True, "ollama"),
     "/api/chat": Route(ollama.chat_, _POST, True, True, "ollama"),
     "/api/embed": Route(ollama.embed, _POST, True, True, "ollama"),
