@@ -254,6 +254,11 @@ def test_wrong_method_gets_an_error_in_ollamas_shape(srv):
     assert status == 501 and "deletes" in r["error"]
 
 
+def test_a_body_that_is_not_json_gets_an_error_in_ollamas_shape(srv):
+    status, _, r = srv.request("POST", "/api/chat", raw=b"{not json")
+    assert status == 400 and isinstance(r["error"], str)
+
+
 def test_the_client_raises_response_error_with_the_status(client):
     with pytest.raises(ollama.ResponseError) as e:
         client.chat(model=NAME, messages=[{"role": "user", "content": "hi",
@@ -309,6 +314,19 @@ def test_a_client_that_hangs_up_cancels_its_generation(srv):
     c.close()
     srv.wait_idle(timeout=20)       # far sooner than 1000 tokens on one thread
     assert srv.metrics()["offgrid_requests_cancelled_total"] == before + 1
+
+
+def test_a_newer_request_with_the_same_id_slot_supersedes_the_stream(srv):
+    c, r = _open_stream(srv, "/api/generate", {
+        "model": NAME, "prompt": "Count from 1 to 1000.", "raw": True, "id_slot": 0,
+        "options": {"temperature": 0, "num_predict": 1000}})
+    status, _, newer = srv.post("/api/generate", {
+        "model": NAME, "prompt": "Say hello.", "raw": True, "id_slot": 0, "stream": False,
+        "options": {"temperature": 0, "num_predict": 2}})
+    last = json.loads(r.read().decode().strip().splitlines()[-1])
+    c.close()
+    assert status == 200 and newer["eval_count"] == 2
+    assert last["done"] and last["done_reason"] == "cancelled" and last["eval_count"] < 1000
 
 
 def test_an_error_after_the_first_line_is_the_streams_last_line(srv):

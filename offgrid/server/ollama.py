@@ -35,6 +35,8 @@ What differs from Ollama, on purpose:
   * /api/chat also takes ``tool_choice`` ("auto", "none", "required" or a
     function's name, as on /v1/chat/completions): Ollama has no way to make
     a model call a tool, and small models need one;
+  * both also take ``id_slot`` (as on /completion): a newer request with the
+    same one cancels the older, as editors need while typing;
   * ``keep_alive`` is accepted and ignored: models stay loaded while offgrid runs;
   * ``template`` (a Go template), ``context`` (deprecated token memory) and
     ``images`` are refused with 400 rather than silently dropped.
