@@ -41,11 +41,13 @@ models/%.gguf:
 run: lib/libllama.so $(MODEL)
 	$(PYTHON) -m offgrid -m $(MODEL) --host $(HOST) --port $(PORT) $(ARGS)
 
-# Test-only tools (pytest, the openai client) live in a local virtualenv;
-# offgrid itself imports nothing outside the standard library.
+# Test-only tools (pytest; the openai, ollama and langchain-ollama clients)
+# live in a local virtualenv; offgrid itself imports nothing outside the
+# standard library.
 $(VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check "pytest>=7" "openai>=1.0"
+	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check "pytest>=7" "openai>=1.0" \
+		"ollama>=0.5" "langchain-ollama>=1.0"
 	touch $@
 
 venv: $(VENV)/.ready

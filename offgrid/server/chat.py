@@ -50,7 +50,7 @@ def _template_kwargs(f):
 
 
 def _prepare(f, entry, for_generation=True):
-    """The worker's "prepare_chat" answer for a chat request: text, tokens, grammar, format."""
+    """The worker's "prepare_chat" answer for an OpenAI chat request's fields."""
     messages = chat_messages_from(f.raw("messages"))
     tools = tools_from(f.raw("tools"))
     tool_choice = tool_choice_from(f.raw("tool_choice"), tools)
@@ -61,13 +61,36 @@ def _prepare(f, entry, for_generation=True):
     if tools and tool_choice != "none" and f.has("grammar"):
         raise BadRequest("cannot use custom grammar constraints with tools")
     kwargs, enable_thinking = _template_kwargs(f)
-    return entry.call("prepare_chat", "POST /v1/chat/completions",
+    return prepare(entry, "POST /v1/chat/completions", messages, tools, tool_choice, schema,
+                   grammar, add_generation_prompt=f.bool("add_generation_prompt", True),
+                   enable_thinking=enable_thinking, kwargs=kwargs,
+                   parallel_tool_calls=f.raw("parallel_tool_calls"),
+                   reasoning_format=reasoning_format, tokenize=for_generation)
+
+
+def prepare(entry, what, messages, tools=(), tool_choice="auto", schema=None, grammar=None,
+            add_generation_prompt=True, enable_thinking=None, kwargs=None,
+            parallel_tool_calls=None, reasoning_format="auto", tokenize=True):
+    """The worker's "prepare_chat" answer for parsed Messages and Tools (any dialect).
+
+    With ``tokenize``: ``tokens``, ``grammar``, ``grammar_triggers``,
+    ``preserved_tokens`` and ``chat`` (how the worker reads the reply, for
+    ``Service.generate(chat=...)``); always ``text``, the rendered prompt.
+    """
+    return entry.call("prepare_chat", what,
                       messages=encode_messages(messages), tools=encode_tools(tools),
                       tool_choice=tool_choice, schema=schema, grammar=grammar,
-                      add_generation_prompt=f.bool("add_generation_prompt", True),
-                      enable_thinking=enable_thinking, kwargs=kwargs,
-                      parallel_tool_calls=f.raw("parallel_tool_calls"),
-                      reasoning_format=reasoning_format, tokenize=for_generation)
+                      add_generation_prompt=add_generation_prompt,
+                      enable_thinking=enable_thinking, kwargs=kwargs or {},
+                      parallel_tool_calls=parallel_tool_calls,
+                      reasoning_format=reasoning_format, tokenize=tokenize)
+
+
+def apply_plan(gen, plan):
+    """Set a prepared chat's grammar, its triggers and preserved tokens on GenerationParams."""
+    gen.sampling.grammar = plan["grammar"]
+    gen.sampling.grammar_triggers = tuple(plan["grammar_triggers"])
+    gen.preserved_tokens = frozenset(plan["preserved_tokens"])
 
 
 def apply_template(h, body):
@@ -119,9 +142,7 @@ def chat_completions(h, body):
     tokens = plan["tokens"]
     gen = generation_from(f, entry.n_vocab, svc.n_predict_default,
                           ("max_completion_tokens", "max_tokens", "n_predict"))
-    gen.sampling.grammar = plan["grammar"]
-    gen.sampling.grammar_triggers = tuple(plan["grammar_triggers"])
-    gen.preserved_tokens = frozenset(plan["preserved_tokens"])
+    apply_plan(gen, plan)
     chat = plan["chat"]
     svc.metrics.request("v1/chat/completions")
     stream = f.bool("stream", False)

@@ -8,19 +8,17 @@ written here.
 
 from collections import namedtuple
 
-from .. import __version__, protocol
+from .. import __version__
 from ..errors import OffgridError
 from ..request import FinishReason, GenerationParams, InfillRequest
-from . import chat, formats
+from . import chat, formats, ollama, ollama_models
 from .errors import BadRequest, Unavailable
+from .prompts import infill_tokens
 from .params import (Fields, include_usage_from, generation_from, id_slot_from, infill_from,
                      output_schema_from, prompt_from, response_fields_from, MAX_N_CMPL)
 
-Route = namedtuple("Route", "handler methods auth needs_service")
-
-# Room kept free for generation when /infill fits extra context into the
-# window and the request sets no n_predict.
-INFILL_GENERATION_RESERVE = 256
+# dialect: the shape of the route's error bodies (errors.error_body)
+Route = namedtuple("Route", "handler methods auth needs_service dialect", defaults=("openai",))
 
 
 # -- health, props, models, metrics -------------------------------------------------
@@ -161,6 +159,11 @@ def _label(value):
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+def root(h, _body):
+    """GET /: a liveness answer (Ollama's clients ping it before anything else)."""
+    h.send_text(200, "offgrid is running\n", "text/plain; charset=utf-8")
+
+
 # -- tokens -------------------------------------------------------------------------
 
 def tokenize(h, body):
@@ -214,18 +217,8 @@ def infill(h, body):
     req = infill_from(f)
     gen = generation_from(f, entry.n_vocab, svc.n_predict_default)
     gen.cache_reuse = _cache_reuse(f, svc)
-    tokens = _infill_tokens(f, entry, req, gen, "POST /infill")
+    tokens = infill_tokens(f, entry, req, gen, "POST /infill")
     _run_native(h, f, entry, tokens, gen, "", "infill")
-
-
-def _infill_tokens(f, entry, req, gen, what):
-    """The FIM prompt of ``req`` (laid out by the worker), and its grammar set on ``gen``."""
-    reserve = gen.n_predict if gen.n_predict > 0 else INFILL_GENERATION_RESERVE
-    schema, grammar = output_schema_from(f)
-    out = entry.call("prepare_infill", what, request=protocol.encode_infill(req),
-                     reserve=reserve, schema=schema, grammar=grammar)
-    gen.sampling.grammar = out["grammar"]
-    return out["tokens"]
 
 
 def _cache_reuse(f, svc):
@@ -304,7 +297,7 @@ def v1_completions(h, body):
                               ("max_tokens", "n_predict"))
         gen.cache_reuse = _cache_reuse(f, svc)
         req = InfillRequest(input_prefix=prompt.parts[0], input_suffix=suffix)
-        tokens = _infill_tokens(f, entry, req, gen, "POST /v1/completions")
+        tokens = infill_tokens(f, entry, req, gen, "POST /v1/completions")
     else:
         if prompt.is_text and not prompt.parts[0]:
             # nothing to continue (with a suffix, an empty prefix is a fine FIM request)
@@ -362,6 +355,30 @@ ROUTES = {
     "/v1/completions": Route(v1_completions, _POST, True, True),
     "/v1/chat/completions": Route(chat.chat_completions, _POST, True, True),
     "/chat/completions": Route(chat.chat_completions, _POST, True, True),
+    # Ollama's API (server/ollama.py); "/" answers its clients' heartbeat
+    "/": Route(root, _GET, False, False),
+    "/api/version": Route(ollama_models.version, _GET, False, False, "ollama"),
+    "/api/tags": Route(ollama_models.tags, _GET, True, True, "ollama"),
+    "/api/ps": Route(ollama_models.ps, _GET, True, True, "ollama"),
+    "/api/show": Route(ollama_models.show, _POST, True, True, "ollama"),
+    "/api/generate": Route(ollama.generate, _POST, True, True, "ollama"),
+    "/api/chat": Route(ollama.chat_, _POST, True, True, "ollama"),
+    "/api/embed": Route(ollama.embed, _POST, True, True, "ollama"),
+    "/api/embeddings": Route(ollama.embed, _POST, True, True, "ollama"),
+    "/api/pull": Route(ollama.manage, _POST, True, False, "ollama"),
+    "/api/push": Route(ollama.manage, _POST, True, False, "ollama"),
+    "/api/create": Route(ollama.manage, _POST, True, False, "ollama"),
+    "/api/copy": Route(ollama.manage, _POST, True, False, "ollama"),
+    "/api/delete": Route(ollama.manage, ("DELETE",), True, False, "ollama"),
 }
 
-__all__ = ["ROUTES", "Unavailable"]
+
+def dialect_of(path):
+    """The error shape for a path: its route's dialect; Ollama's for any other /api/ path."""
+    route = ROUTES.get(path)
+    if route is not None:
+        return route.dialect
+    return "ollama" if path.startswith("/api/") else "openai"
+
+
+__all__ = ["ROUTES", "Unavailable", "dialect_of"]

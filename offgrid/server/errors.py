@@ -27,6 +27,17 @@ class HTTPError(Exception):
         return {"error": {"code": self.status, "message": self.message, "type": self.type}}
 
 
+# The error shapes of the dialects, by the name a Route carries.
+DIALECTS = ("openai", "ollama")
+
+
+def error_body(err, dialect="openai"):
+    """The JSON body of an HTTPError in ``dialect``'s shape (see the module docstring)."""
+    if dialect == "ollama":
+        return {"error": err.message}
+    return err.body()
+
+
 class BadRequest(HTTPError):
     status, type = 400, "invalid_request_error"
 

@@ -1,4 +1,4 @@
-"""The HTTP adapter: routing, bodies, auth, JSON and SSE on http.server.
+"""The HTTP adapter: routing, bodies, auth, JSON, SSE and NDJSON on http.server.
 
 Threading model: ``ThreadingHTTPServer`` gives each connection a thread once
 it has sent its first byte (until then it waits in ``lobby``, which has one
@@ -8,7 +8,9 @@ session; streams write each piece as one chunk of a chunked response.
 
 Errors: handlers raise ``HTTPError`` (or let engine errors through);
 ``_dispatch`` turns every exception into one JSON error response via
-``errors.to_http_error``.  Nothing else writes error bodies.
+``errors.to_http_error``, its body in the shape of the route's dialect
+(``errors.error_body``: OpenAI's object, Ollama's string).  Nothing else
+writes error bodies.
 
 Limits, so that no client can hold a thread or memory for long (the knobs are
 Handler's class attributes, set by make_server from the command line; the
@@ -58,7 +60,7 @@ from ..errors import OffgridError
 from . import endpoints, reader
 from .lobby import Lobby
 from .errors import (HTTPError, MethodNotAllowed, NotFound, Unauthorized, Unavailable,
-                     to_http_error)
+                     error_body, to_http_error)
 
 log = logging.getLogger("offgrid.http")
 
@@ -73,13 +75,15 @@ def dumps(obj):
 
 # -- responses -------------------------------------------------------------------------
 
-class EventStream:
-    """A ``text/event-stream`` response, written as HTTP/1.1 chunks.
+class _ChunkedStream:
+    """A streamed 200 response, written as HTTP/1.1 chunks, one message per chunk.
 
-    ``send`` returns False once the client is gone, which the generation loop
-    takes as a cancel.  An HTTP/1.0 client gets the events unchunked, ended
-    by closing the connection.
+    Headers go out with the first message, so a request refused before its
+    first piece still gets its real status.  ``send`` returns False once the
+    client is gone, which the generation loop takes as a cancel.  An HTTP/1.0
+    client gets the messages unchunked, ended by closing the connection.
     """
+    content_type = "application/octet-stream"
 
     def __init__(self, handler):
         self.handler = handler
@@ -90,7 +94,7 @@ class EventStream:
     def start(self):
         h = self.handler
         h.send_response(200)
-        h.send_header("Content-Type", "text/event-stream")
+        h.send_header("Content-Type", self.content_type)
         h.send_header("Cache-Control", "no-cache")
         if self.chunked:
             h.send_header("Transfer-Encoding", "chunked")
@@ -101,8 +105,12 @@ class EventStream:
         h.end_headers()
         self.started = True
 
+    def frame(self, obj):
+        """One message's bytes on the wire."""
+        raise NotImplementedError
+
     def send(self, obj):
-        data = b"data: " + (obj if isinstance(obj, bytes) else dumps(obj)) + b"\n\n"
+        data = self.frame(obj)
         if self.chunked:
             data = b"%x\r\n%s\r\n" % (len(data), data)
         return self._write(data)
@@ -123,6 +131,22 @@ class EventStream:
             self.broken = True
             self.handler.close_connection = True
             return False
+
+
+class EventStream(_ChunkedStream):
+    """A ``text/event-stream`` response (llama-server's and OpenAI's streams)."""
+    content_type = "text/event-stream"
+
+    def frame(self, obj):
+        return b"data: " + (obj if isinstance(obj, bytes) else dumps(obj)) + b"\n\n"
+
+
+class NDJSONStream(_ChunkedStream):
+    """An ``application/x-ndjson`` response: one JSON object a line (Ollama's streams)."""
+    content_type = "application/x-ndjson"
+
+    def frame(self, obj):
+        return dumps(obj) + b"\n"
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -298,13 +322,14 @@ class Handler(BaseHTTPRequestHandler):
             self.service.metrics.error()
         if self._body_pending:
             self.close_connection = True    # the unread body must not be read as a request
+        body = error_body(err, endpoints.dialect_of(self.path.split("?", 1)[0]))
         stream = getattr(self, "_stream", None)
         if stream is not None and stream.started:
-            # headers are gone: the error becomes the stream's last event
-            stream.send(err.body())
+            # headers are gone: the error becomes the stream's last event (or line)
+            stream.send(body)
             stream.end()
             return
-        self.send_json(err.status, err.body(), err.headers)
+        self.send_json(err.status, body, err.headers)
 
     # -- who may ask -------------------------------------------------------------
     def _check_auth(self):
@@ -410,6 +435,10 @@ class Handler(BaseHTTPRequestHandler):
 
     def event_stream(self):
         self._stream = EventStream(self)
+        return self._stream
+
+    def ndjson_stream(self):
+        self._stream = NDJSONStream(self)
         return self._stream
 
     def send_cors_headers(self):

@@ -1,0 +1,171 @@
+"""Ollama's /api/tags, /api/ps, /api/show and /api/version: what offgrid serves.
+
+The models are those of the command line (-m, --fim-model), all loaded; their
+details come from the GGUF metadata their workers reported at load
+(``entry.info["meta"]``, ``n_params``, ``caps``), and their digest from
+reading the file once (``DIGESTS``).  Shapes as Ollama's docs/api.md; see
+``ollama`` for the dialect as a whole.
+"""
+
+import hashlib
+import math
+import os
+import threading
+
+from .. import __version__
+from .ollama import entry_named, model_name, rfc3339
+from .params import Fields
+
+# The Ollama version offgrid's /api/* follows (docs/api.md of that release);
+# clients gate features such as ``think`` on it.
+OLLAMA_VERSION = "0.12.0"
+
+# llama.h's llama_ftype (GGUF general.file_type) -> Ollama's quantization_level.
+_FILE_TYPES = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
+    11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
+    17: "Q5_K_M", 18: "Q6_K", 19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS",
+    23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S",
+    29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0", 37: "TQ2_0", 38: "MXFP4",
+}
+
+
+# -- the models ------------------------------------------------------------------------
+
+class _Digests:
+    """sha256 of each model file, read once on first use (a file of GBs takes seconds)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._done = {}         # (path, size, mtime) -> hex digest
+
+    def of(self, path):
+        st = os.stat(path)
+        key = (path, st.st_size, st.st_mtime)
+        with self._lock:        # one reader per file; others wait for its answer
+            if key not in self._done:
+                h = hashlib.sha256()
+                with open(path, "rb") as fh:
+                    for block in iter(lambda: fh.read(1 << 20), b""):
+                        h.update(block)
+                self._done[key] = h.hexdigest()
+            return self._done[key]
+
+
+DIGESTS = _Digests()
+
+
+def _meta_value(v):
+    """A GGUF metadata value (the worker reports strings) as the JSON number it is, if it is."""
+    for kind in (int, float):
+        try:
+            n = kind(v)
+        except (TypeError, ValueError):
+            continue
+        return n if math.isfinite(n) else v     # JSON has no NaN or inf
+    return v
+
+
+def _parameter_size(n):
+    """Ollama's parameter_size: "7.6B", "494.03M"."""
+    for unit, scale, fmt in (("B", 1e9, "%.1f"), ("M", 1e6, "%.2f"), ("K", 1e3, "%.2f")):
+        if n >= scale:
+            return (fmt % (n / scale)) + unit
+    return str(n)
+
+
+def _details(entry):
+    meta = entry.info.get("meta") or {}
+    family = meta.get("general.architecture", "")
+    ftype = _meta_value(meta.get("general.file_type"))
+    return {"parent_model": "", "format": "gguf", "family": family,
+            "families": [family] if family else [],
+            "parameter_size": _parameter_size(entry.info["n_params"]),
+            "quantization_level": _FILE_TYPES.get(ftype, "unknown")}
+
+
+def _model(entry):
+    info = entry.info
+    return {"name": entry.id, "model": entry.id,
+            "modified_at": rfc3339(os.path.getmtime(entry.path)),
+            "size": info.get("file_size", info["size"]),
+            "digest": DIGESTS.of(entry.path), "details": _details(entry)}
+
+
+def version(h, _body):
+    h.send_json(200, {"version": OLLAMA_VERSION, "offgrid": __version__})
+
+
+def tags(h, _body):
+    """GET /api/tags: the models offgrid serves (all are loaded: none is on disk only)."""
+    h.send_json(200, {"models": [_model(e) for e in h.service.entries]})
+
+
+def ps(h, _body):
+    """GET /api/ps: the models whose worker is serving now."""
+    out = []
+    for e in h.service.entries:
+        if e.state != "ready":
+            continue
+        m = _model(e)
+        m.update(size=m["size"] + e.info.get("kv_bytes", 0), size_vram=0,
+                 # never unloaded while offgrid runs; Ollama's "forever" is as far away
+                 expires_at="2318-01-01T00:00:00Z", context_length=e.n_ctx)
+        out.append(m)
+    h.send_json(200, {"models": out})
+
+
+def _template(entry):
+    """The chat template in Ollama's Go-template terms, as far as clients read it.
+
+    offgrid renders the model's own Jinja template (GET /props has it); this
+    outline carries what clients test for: ``.Suffix`` exactly when the model
+    does fill-in-the-middle (Continue), ``.Tools`` when its template takes
+    tools (Ollama's own "tools" capability test).
+    """
+    caps = entry.info.get("caps") or {}
+    out = ["{{- /* offgrid renders this model's own chat template; an outline */ -}}\n"]
+    if entry.has_fim:
+        out.append("{{- if .Suffix }}<fim_prefix>{{ .Prompt }}<fim_suffix>{{ .Suffix }}"
+                   "<fim_middle>\n{{- else if .Messages }}")
+    else:
+        out.append("{{- if .Messages }}")
+    if caps.get("supports_tools"):
+        out.append("{{- if .Tools }}{{ .System }}{{ range .Tools }}{{ . }}{{ end }}{{ end }}")
+    out.append("{{- range .Messages }}{{ .Role }}: {{ .Content }}\n{{ end }}"
+               "{{- else }}{{ if .System }}{{ .System }}\n{{ end }}{{ .Prompt }}{{ end }}"
+               "{{ .Response }}")
+    return "".join(out)
+
+
+def _capabilities(entry):
+    caps = ["completion"]
+    if (entry.info.get("caps") or {}).get("supports_tools"):
+        caps.append("tools")
+    if entry.has_fim:
+        caps.append("insert")
+    return caps
+
+
+def show(h, body):
+    """POST /api/show: one model's template outline, capabilities, metadata and parameters."""
+    f = Fields(body)
+    name = model_name(f)
+    entry = entry_named(h.service, name)
+    info = entry.info
+    # the template is /api/show's own field (as in Ollama), not repeated here
+    model_info = {k: _meta_value(v) for k, v in sorted((info.get("meta") or {}).items())
+                  if k != "tokenizer.chat_template"}
+    model_info.setdefault("general.parameter_count", info["n_params"])
+    # one "name value" a line: Continue reads num_ctx from here and fails on any other form
+    parameters = "num_ctx %d" % entry.n_ctx
+    h.send_json(200, {
+        "modelfile": "# Served by offgrid %s\nFROM %s\nPARAMETER %s\n"
+                     % (__version__, entry.path, parameters),
+        "parameters": parameters,
+        "template": _template(entry),
+        "details": _details(entry),
+        "model_info": model_info,
+        "capabilities": _capabilities(entry),
+        "modified_at": rfc3339(os.path.getmtime(entry.path)),
+    })

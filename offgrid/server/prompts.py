@@ -1,0 +1,28 @@
+"""Prompts made ready by the model's worker, shared by the dialects' endpoints.
+
+A fill-in-the-middle request is laid out by the worker (``prepare_infill``:
+the model's FIM tokens, extra context fitted into the window); /infill,
+/v1/completions with ``suffix`` and Ollama's /api/generate with ``suffix``
+all come here, so they get the same prompt for the same text.
+"""
+
+from .. import protocol
+from .params import output_schema_from
+
+# Room kept free for generation when a FIM request fits extra context into
+# the window and sets no n_predict.
+INFILL_GENERATION_RESERVE = 256
+
+
+def infill_tokens(f, entry, req, gen, what):
+    """The FIM prompt of ``req`` (laid out by the worker), and its grammar set on ``gen``.
+
+    ``f`` holds the request's output-format fields (``json_schema``, ``grammar``,
+    ``response_format``) as ``params.output_schema_from`` reads them.
+    """
+    reserve = gen.n_predict if gen.n_predict > 0 else INFILL_GENERATION_RESERVE
+    schema, grammar = output_schema_from(f)
+    out = entry.call("prepare_infill", what, request=protocol.encode_infill(req),
+                     reserve=reserve, schema=schema, grammar=grammar)
+    gen.sampling.grammar = out["grammar"]
+    return out["tokens"]
