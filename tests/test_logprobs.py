@@ -7,7 +7,6 @@ likely one, after the sampler chain it had probability 1, and the tokens'
 text joins to the content.
 """
 
-import json
 import math
 
 import openai
@@ -215,6 +214,19 @@ def test_infill_n_probs(srv):
     assert status == 200
     probs = out["completion_probabilities"]
     assert len(probs) == 4 and all(len(p["top_logprobs"]) == 2 for p in probs)
+
+
+def test_streamed_infill_bytes_join_to_the_content(srv):
+    # the tiny model's output is random bytes: characters split across tokens
+    status, events = srv.stream("/infill", {"input_prefix": "x = ", "input_suffix": "\n",
+                                            "n_predict": 40, "n_probs": 1, "stream": True,
+                                            "temperature": 0})
+    assert status == 200
+    pieces = events[:-1]
+    data = b"".join(bytes(p["bytes"]) for e in pieces for p in e["completion_probabilities"])
+    assert data.decode("utf-8", "replace") == "".join(e["content"] for e in pieces)
+    assert all(e["completion_probabilities"] for e in pieces if e["content"])
+    assert sum(len(e["completion_probabilities"]) for e in pieces) == 40
 
 
 @pytest.mark.parametrize("body", [{"n_probs": "3"}, {"n_probs": True}, {"n_probs": 5000},
