@@ -1094,6 +1094,7 @@ class Candidates:
         self._image = bytes(image)                          # (n_vocab,) of {id, 0.0, 0.0}
         self._data = array.array("f", self._image)          # (n_vocab * 3,) float32 words
         self._logits = array.array("f", bytes(4 * n_vocab))  # (n_vocab,) float32 staging
+        self._ids = memoryview(self._data).cast("B").cast("i")   # the same words as int32
         self._data_addr = self._data.buffer_info()[0]
         self._logits_addr = self._logits.buffer_info()[0]
         self.array = llama_token_data_array(
@@ -1107,6 +1108,15 @@ class Candidates:
         self._data[1::3] = self._logits
         a = self.array
         a.size, a.selected, a.sorted = self.n_vocab, -1, False
+
+    def p_at(self, i):
+        """The ``p`` of entry ``i`` (after load(), entry i is token i until a sampler sorts)."""
+        return self._data[3 * i + 2]
+
+    def head(self, n):
+        """[(token, p), ...] of the first ``n`` entries still in the array."""
+        ids, data = self._ids, self._data
+        return [(ids[3 * i], data[3 * i + 2]) for i in range(min(n, self.array.size))]
 
     def selected(self):
         """(token, logit) the samplers picked, or None if none was."""

@@ -18,10 +18,14 @@ Front -> worker
 Worker -> front
     {"op": "ready", "info": {...}}      once, when the model and its sessions are loaded
     {"op": "failed", "error": ERR}      instead of "ready": the model did not load
-    {"op": "piece", "id": N, "text": TEXT}
-    {"op": "delta", "id": N, "delta": {"content"|"reasoning_content"|"tool_call": ...}}
+    {"op": "piece", "id": N, "text": TEXT[, "probs": PROBS]}
+    {"op": "delta", "id": N, "delta": {"content"|"reasoning_content"|"tool_call": ...}
+                                     [, "probs": PROBS]}
     {"op": "result", "id": N, "value": VALUE}
     {"op": "error", "id": N, "error": ERR}
+PROBS (only when the request asked for token probabilities) is
+encode_probs() of the TokenProbs of the tokens whose text that frame
+completes.
 ERR is {"kind": NAME, "message": TEXT, "type": TEXT}: NAME is a class of
 ``offgrid.errors``, so the front raises the same exception the engine did
 and maps it to HTTP in its one place (``server/errors.py``).
@@ -36,7 +40,7 @@ import struct
 
 from . import errors
 from .request import (Completion, FinishReason, GenerationParams, InfillRequest, Message,
-                      SamplingParams, Tool, ToolCall, Usage)
+                      SamplingParams, TokenProb, Tool, ToolCall, Usage)
 
 _HEADER = struct.Struct(">I")
 # A frame this large is a bug on the other side, not data: an 8 MiB request
@@ -120,14 +124,33 @@ def decode_gen(d):
 
 
 def encode_completion(c):
-    return {"text": c.text, "tokens": c.tokens, "finish_reason": c.finish_reason.value,
-            "stop_type": c.stop_type, "stopping_word": c.stopping_word,
-            "usage": dataclasses.asdict(c.usage), "truncated": c.truncated}
+    d = {"text": c.text, "tokens": c.tokens, "finish_reason": c.finish_reason.value,
+         "stop_type": c.stop_type, "stopping_word": c.stopping_word,
+         "usage": dataclasses.asdict(c.usage), "truncated": c.truncated}
+    if c.probs is not None:
+        d["probs"] = encode_probs(c.probs)
+    return d
 
 
 def decode_completion(d):
-    return Completion(d["text"], d["tokens"], FinishReason(d["finish_reason"]), d["stop_type"],
-                      d["stopping_word"], Usage(**d["usage"]), d["truncated"])
+    c = Completion(d["text"], d["tokens"], FinishReason(d["finish_reason"]), d["stop_type"],
+                   d["stopping_word"], Usage(**d["usage"]), d["truncated"])
+    if d.get("probs") is not None:
+        c.probs = decode_probs(d["probs"])
+    return c
+
+
+def encode_probs(probs):
+    """TokenProbs as [id, bytes, prob, [[id, bytes, prob], ...]]; bytes as a
+    latin-1 string (one character per byte: compact, exact)."""
+    return [[p.id, p.bytes.decode("latin-1"), p.prob,
+             [[t.id, t.bytes.decode("latin-1"), t.prob] for t in p.top]] for p in probs]
+
+
+def decode_probs(items):
+    return [TokenProb(i, b.encode("latin-1"), p,
+                      [TokenProb(ti, tb.encode("latin-1"), tp) for ti, tb, tp in top])
+            for i, b, p, top in items]
 
 
 def encode_infill(req):

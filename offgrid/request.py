@@ -11,6 +11,7 @@ front may use it.
     Message, Tool, ToolCall   a chat request's messages and tools
     RequestCancel       a cancel switch, flipped from any thread
     Usage, Completion   token counts and times; the result
+    TokenProb           one generated token's probability and its top alternatives
     FinishReason        why generation ended, in OpenAI's words
 """
 
@@ -201,6 +202,13 @@ class GenerationParams:
     cache_reuse: int = 0                # reuse cached runs of at least this many tokens
                                         # after the common prefix (0: prefix only)
     n_indent: int = 0                   # FIM: stop at a line indented less than this
+    # token probabilities (llama-server's n_probs): with_probs reports each
+    # generated token's probability and its n_probs most likely alternatives
+    # (OpenAI's logprobs with top_logprobs 0 wants the first without the second);
+    # post_sampling_probs: after the sampler chain, else softmax of the raw logits
+    with_probs: bool = False
+    n_probs: int = 0
+    post_sampling_probs: bool = False
 
 
 @dataclass
@@ -219,6 +227,21 @@ class Completion:
     # chat: the parsed reply ({"content", "reasoning_content", "tool_calls"}),
     # set where the worker's chat layer read the text
     reply: Optional[dict] = None
+    # with GenerationParams.with_probs: a TokenProb per generated token whose
+    # text is in ``text`` (tokens wholly inside a stop string are left out)
+    probs: Optional[List["TokenProb"]] = None
+
+
+@dataclass
+class TokenProb:
+    """A generated token: its id, its bytes, its probability, and (``top``) the
+    most likely tokens at that step, most likely first, each a TokenProb
+    without ``top``.  ``prob`` is a probability (0..1), as libllama computes
+    it in float32; the dialects show its log (llama-server's logarithm())."""
+    id: int
+    bytes: bytes
+    prob: float
+    top: List["TokenProb"] = field(default_factory=list)
 
 
 @dataclass

@@ -39,7 +39,7 @@ def assert_error(resp, status, kind=None):
     ("POST", "/v1/completions", {"prompt": "x", "suffix": "y"}, 501, "not_supported_error"),
     ("POST", "/v1/completions", {"prompt": "x", "best_of": 3}, 400, None),
     ("POST", "/v1/completions", {"prompt": "x", "echo": True}, 400, None),
-    ("POST", "/v1/completions", {"prompt": "x", "logprobs": 2}, 400, None),
+    ("POST", "/v1/completions", {"prompt": "x", "logprobs": -1}, 400, None),
     ("POST", "/v1/chat/completions", {"messages": []}, 400, None),
     ("POST", "/completion", {"prompt": "x " * 3000}, 400, "exceed_context_size_error"),
 ])

@@ -47,11 +47,14 @@ class TokenSampler:
     Made by build_sampler(); used by one thread, one token at a time.
     """
 
-    def __init__(self, chain, grammar=None, candidates=None):
+    def __init__(self, chain, grammar=None, candidates=None, keep_candidates=False):
         self._chain = chain
         self._grammar = grammar
         self._candidates = candidates
-        if grammar is not None and candidates is None:
+        # sample in steps over ``candidates`` even without a grammar, so the
+        # chain's result stays there to be read (post_sampling_probs)
+        self._keep = keep_candidates
+        if (grammar is not None or keep_candidates) and candidates is None:
             raise ValueError("a grammar needs a Candidates array")
 
     def sample(self, ctx, idx=-1):
@@ -59,7 +62,17 @@ class TokenSampler:
         None when the grammar allows no candidate the chain would pick."""
         grammar = self._grammar
         if grammar is None:
-            return self._chain.sample(ctx, idx)
+            if not self._keep:
+                return self._chain.sample(ctx, idx)
+            # what llama_sampler_sample does, with the candidates ours
+            cands = self._candidates
+            cands.load(ctx, idx)
+            self._chain.apply(cands)
+            picked = cands.selected()
+            if picked is None:
+                return None
+            self._chain.accept(picked[0])
+            return picked[0]
         cands, chain = self._candidates, self._chain
         cands.load(ctx, idx)
         chain.apply(cands)
@@ -93,23 +106,25 @@ class TokenSampler:
             self._grammar.close()
 
 
-def build_sampler(lib, params, n_vocab, n_ctx, eog_tokens=(), vocab=None, candidates=None):
+def build_sampler(lib, params, n_vocab, n_ctx, eog_tokens=(), vocab=None, candidates=None,
+                  keep_candidates=False):
     """A TokenSampler for one request.  ``eog_tokens`` are banned (ignore_eos).
 
     A grammar and the infill sampler need the model's ``vocab``
     (ModelHandle.vocab).  ``candidates`` (a
     libllama.Candidates of n_vocab) may be passed to reuse one array across
-    requests; one is made when a grammar needs it.
+    requests; one is made when a grammar needs it.  ``keep_candidates``
+    leaves each step's chain result in ``candidates`` (for ProbsReader).
     """
     grammar = chain = None
     try:
+        if candidates is None and (params.grammar is not None or keep_candidates):
+            candidates = libllama.Candidates(lib, n_vocab)
         if params.grammar is not None:
             if vocab is None:
                 raise ValueError("build_sampler needs the model's vocab for a grammar")
             grammar = Sampler.adopt(lib, _grammar(lib, vocab, params.grammar,
                                                   params.grammar_triggers), "grammar")
-            if candidates is None:
-                candidates = libllama.Candidates(lib, n_vocab)
         chain = Sampler.chain(lib)
         biases = list(params.logit_bias) + [(t, -math.inf) for t in eog_tokens]
         if biases:
@@ -118,7 +133,7 @@ def build_sampler(lib, params, n_vocab, n_ctx, eog_tokens=(), vocab=None, candid
             if params.has_penalties:
                 chain.add(_penalties(lib, params, n_vocab, n_ctx))
             chain.add(Sampler.greedy(lib))
-            return TokenSampler(chain, grammar, candidates)
+            return TokenSampler(chain, grammar, candidates, keep_candidates)
         for name in params.effective_samplers:
             if name == "penalties":
                 if params.has_penalties:
@@ -145,12 +160,81 @@ def build_sampler(lib, params, n_vocab, n_ctx, eog_tokens=(), vocab=None, candid
         if seed is None or seed < 0:
             seed = libllama.LLAMA_DEFAULT_SEED
         chain.add(Sampler.dist(lib, seed))
-        return TokenSampler(chain, grammar, candidates)
+        return TokenSampler(chain, grammar, candidates, keep_candidates)
     except BaseException:
         for s in (chain, grammar):
             if s is not None:
                 s.close()
         raise
+
+
+class ProbsReader:
+    """The probabilities llama-server's ``n_probs`` reports for each sampled token.
+
+    Read with libllama's own samplers over a Candidates array, in C: no
+    Python loop over the vocabulary (262k entries for gemma-3).
+
+    Before sampling (the default, llama-server's get_token_probabilities):
+    the softmax of the raw logits.  load() copies them in vocabulary order; a
+    dist sampler's apply computes every ``p`` (in float32, as llama-server)
+    without reordering, so the sampled token's ``p`` is entry ``token``
+    (dist's own pick is unused); then a top_k(n) sorts the n most likely to
+    the front.
+
+    After sampling (``post_sampling_probs``): the ``p`` the chain's last
+    sampler (dist) left on the candidates it kept, which a TokenSampler made
+    with keep_candidates leaves in the array; top_k(n) sorts those, and
+    entries of p 0 are cut as llama-server cuts them.  A greedy chain
+    computes no ``p``: the token picked had probability 1, the only one
+    (what llama-server's temperature-0 chain gives).
+
+    Made per request with the session's Candidates; close() frees its samplers.
+    """
+
+    def __init__(self, lib, candidates, n_probs, post_sampling=False, greedy=False):
+        self._cands = candidates
+        self._n = max(0, n_probs)
+        self._post = post_sampling
+        self._greedy = greedy
+        self._softmax = self._top = None
+        try:
+            if not post_sampling:
+                self._softmax = Sampler.dist(lib, 0)
+            if self._n > 0:
+                self._top = Sampler.top_k(lib, self._n)
+        except BaseException:
+            self.close()
+            raise
+
+    def read(self, ctx, token, idx=-1):
+        """(p of ``token``, [(token, p), ...] the n most likely) at output ``idx``.
+
+        Call right after sampling ``token``, before the next decode.
+        """
+        cands = self._cands
+        if self._post:
+            if self._greedy:
+                return 1.0, [(token, 1.0)] if self._n else []
+            p = cands.p_at(cands.array.selected)
+        else:
+            cands.load(ctx, idx)
+            self._softmax.apply(cands)
+            p = cands.p_at(token)
+        if self._top is None:
+            return p, []
+        self._top.apply(cands)
+        top = cands.head(self._n)
+        if self._post:
+            for i, (_, q) in enumerate(top):
+                if q == 0.0:
+                    del top[i:]
+                    break
+        return p, top
+
+    def close(self):
+        for s in (self._softmax, self._top):
+            if s is not None:
+                s.close()
 
 
 def _penalties(lib, params, n_vocab, n_ctx):

@@ -22,9 +22,9 @@ from .. import libllama
 from . import cachereuse
 from ..errors import ContextError, ContextFull, DecodeError, InvalidRequest
 from ..request import (Completion, FinishReason, GenerationParams, RequestCancel,  # noqa: F401
-                       SamplingParams, Usage)
-from .sampling import build_sampler
-from .textstream import TextAssembler
+                       SamplingParams, TokenProb, Usage)
+from .sampling import ProbsReader, build_sampler
+from .textstream import TextAssembler, TokenLedger
 
 
 # One decode at a time in the whole process.  ggml's worker threads spin
@@ -113,7 +113,8 @@ class ChatSession:
         # chunk reuse moves cached keys to new positions: only where the
         # memory can re-rotate them (not recurrent state, for one)
         self._can_shift = self._ctx.memory.can_shift()
-        self._candidates = None     # libllama.Candidates for grammar sampling, made on first use
+        # libllama.Candidates for grammar sampling and token probabilities, made on first use
+        self._candidates = None
         self.cached = []        # tokens whose KV is in the cache, at positions 0..len-1
         self._shift_pending = False     # keys moved, rotation not yet applied by a decode
         self.closed = False
@@ -334,7 +335,10 @@ class ChatSession:
 
         ``on_piece(text)`` is called with each piece of text that is final (no
         half characters, no part of a stop string); returning False stops
-        generation as cancelled.  Returns a Completion.
+        generation as cancelled.  With ``params.with_probs`` it is called as
+        ``on_piece(text, probs)``, ``probs`` the TokenProbs of the tokens whose
+        text the piece completes (text may then be "" for a token of no text),
+        and the Completion's ``probs`` holds them all.  Returns a Completion.
         """
         params = params or GenerationParams()
         params.sampling.validate()
@@ -344,7 +348,7 @@ class ChatSession:
 
         ctx.clear_abort()
         cancel.attach(ctx.request_abort)
-        sampler = None
+        sampler = reader = None
         try:
             t0 = time.perf_counter()
             usage.cached_tokens = self.evaluate(tokens, cancel, params.cache_prompt,
@@ -364,26 +368,36 @@ class ChatSession:
 
             model = self.model
             eog_ban = self._eog_tokens() if params.ignore_eos else ()
-            if params.sampling.grammar is not None and self._candidates is None:
+            probs = params.with_probs
+            post = probs and params.post_sampling_probs and not params.sampling.greedy
+            if (params.sampling.grammar is not None or probs) and self._candidates is None:
                 self._candidates = libllama.Candidates(model.lib, model.n_vocab)
             sampler = build_sampler(model.lib, params.sampling, model.n_vocab, self.n_ctx, eog_ban,
-                                    vocab=model.handle.vocab, candidates=self._candidates)
+                                    vocab=model.handle.vocab, candidates=self._candidates,
+                                    keep_candidates=post)
+            if probs:
+                reader = ProbsReader(model.lib, self._candidates, params.n_probs,
+                                     params.post_sampling_probs, params.sampling.greedy)
             # Penalties count the prompt's last tokens too, as llama-server's
             # do; the grammar does not see them (it constrains only the output).
             if params.sampling.has_penalties:
                 for t in tokens[-max(params.sampling.repeat_last_n, 0):] if \
                         params.sampling.repeat_last_n >= 0 else tokens:
                     sampler.accept(t, grammar=False)
-            return self._generate(tokens, params, sampler, on_piece, cancel, usage)
+            return self._generate(tokens, params, sampler, on_piece, cancel, usage, reader)
         finally:
             cancel.detach(ctx.request_abort)
             ctx.clear_abort()
             if sampler is not None:
                 sampler.close()
+            if reader is not None:
+                reader.close()
 
-    def _generate(self, prompt, params, sampler, on_piece, cancel, usage):
+    def _generate(self, prompt, params, sampler, on_piece, cancel, usage, reader=None):
         model, ctx = self.model, self._ctx
         text = TextAssembler(params.stop, params.n_indent)
+        # token probabilities: only with a reader; the plain path does no more work
+        ledger = TokenLedger() if reader is not None else None
         out_tokens = []
         n_past = len(prompt)
         finish, stop_type, truncated = FinishReason.LENGTH, "limit", False
@@ -412,10 +426,19 @@ class ChatSession:
             piece = (model.token_text(token) if token in params.preserved_tokens
                      else model.token_bytes(token))
             released, stopped = text.add(piece)
-            if released and on_piece is not None and on_piece(released) is False:
-                finish, stop_type = FinishReason.CANCELLED, "none"
-                cancel.cancel("client")
-                break
+            if ledger is None:
+                if released and on_piece is not None and on_piece(released) is False:
+                    finish, stop_type = FinishReason.CANCELLED, "none"
+                    cancel.cancel("client")
+                    break
+            else:
+                ledger.add(piece, self._token_prob(reader, token, piece))
+                got = ledger.release(text.sent, len(text.text) if stopped else None)
+                if (released or got) and on_piece is not None \
+                        and on_piece(released, got) is False:
+                    finish, stop_type = FinishReason.CANCELLED, "none"
+                    cancel.cancel("client")
+                    break
             if stopped:
                 if text.stop_word is not None:
                     finish, stop_type = FinishReason.STOP, "word"
@@ -440,12 +463,26 @@ class ChatSession:
             self.cached.append(token)
 
         tail = text.finish()
-        if tail and on_piece is not None and finish is not FinishReason.CANCELLED:
-            on_piece(tail)
+        if ledger is None:
+            if tail and on_piece is not None and finish is not FinishReason.CANCELLED:
+                on_piece(tail)
+        else:
+            got = ledger.finish() if text.stop_word is None and not text.indent_stop else []
+            if (tail or got) and on_piece is not None and finish is not FinishReason.CANCELLED:
+                on_piece(tail, got)
         usage.completion_tokens = len(out_tokens) + n_eog
         usage.generation_ms = (time.perf_counter() - t_start) * 1000.0
-        return Completion(text.text, out_tokens, finish, stop_type, text.stop_word or "",
-                          usage, truncated)
+        c = Completion(text.text, out_tokens, finish, stop_type, text.stop_word or "",
+                       usage, truncated)
+        if ledger is not None:
+            c.probs = ledger.released
+        return c
+
+    def _token_prob(self, reader, token, piece):
+        """The TokenProb of ``token``, just sampled (before the next decode)."""
+        p, top = reader.read(self._ctx, token)
+        token_bytes = self.model.token_bytes
+        return TokenProb(token, piece, p, [TokenProb(t, token_bytes(t), q) for t, q in top])
 
     def _eog_tokens(self):
         # all of them, as llama-server bans for ignore_eos: an EOG token left

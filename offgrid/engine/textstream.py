@@ -107,3 +107,68 @@ class TextAssembler:
             if nl < 0:
                 return False
             self._line_start = nl + 1
+
+
+class TokenLedger:
+    """Which generated tokens each released piece of text belongs to.
+
+    For token probabilities: a piece carries the tokens whose text it
+    completes, so a streamed event holds exactly the tokens of its content.
+    ``add(data, item)`` records a token's bytes (the same bytes, in the same
+    order, as TextAssembler.add) with what to report for it; ``release``
+    hands back the items whose text the assembler has released.
+
+    A token goes with the first piece that shows any of its text.
+    Positions are characters of the text before any stop-string cut (this
+    decodes the bytes again, as TextAssembler does).  A token that is only
+    the first bytes of a UTF-8 character begins with that character, so it
+    goes out with the piece that shows it, as llama-server holds a token
+    back while its text is incomplete UTF-8; a token held as the possible
+    start of a stop string goes with the piece that releases it.  When a
+    stop string (or the n_indent rule) cuts the text, the tokens wholly
+    inside the stop string are dropped (llama-server's non-streamed result
+    drops the stop string's tokens too); one that straddles the cut stays.
+    """
+
+    def __init__(self):
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._pos = 0
+        self._held = []         # [start, end or None while its character is unfinished, item]
+        self.released = []      # every item released, in order
+
+    def add(self, data, item):
+        start = self._pos
+        self._pos += len(self._decoder.decode(data))
+        done = not self._decoder.getstate()[0]
+        if self._pos > start or done:
+            # characters ended here: so did the text of tokens waiting on them
+            for h in reversed(self._held):
+                if h[1] is not None:
+                    break
+                h[1] = self._pos
+        self._held.append([start, self._pos if done else None, item])
+
+    def release(self, sent, cut=None):
+        """Items whose text begins in the first ``sent`` characters released (or
+        that have no text and end there); with ``cut`` (the text ended there)
+        the rest, wholly after it, is dropped."""
+        held = self._held
+        end = sent if cut is None else cut
+        i = 0
+        while i < len(held) and (held[i][0] < end
+                                 or (held[i][1] is not None and held[i][1] <= end)):
+            i += 1
+        out = [h[2] for h in held[:i]]
+        if cut is None:
+            del held[:i]
+        else:
+            held.clear()
+        self.released += out
+        return out
+
+    def finish(self):
+        """Every item still held (generation ended with all its text released)."""
+        out = [h[2] for h in self._held]
+        self._held.clear()
+        self.released += out
+        return out

@@ -32,7 +32,7 @@ import threading
 from .. import protocol
 from ..chat.gbnf import check_grammar
 from ..chat.prompt import prepare_chat
-from ..chat.reply import ReplyStream, parse_reply
+from ..chat.reply import Delta as ReplyDelta, ReplyStream, parse_reply
 from ..chat.jsonschema import schema_to_grammar
 from ..chat.select import template_for
 from ..chat.template import ReplyFormat, new_tool_call_id
@@ -305,19 +305,27 @@ class Worker:
         stream = frame.get("stream", False)
         on_piece = None
         rs = None
+        held = []       # chat: token probabilities not yet sent with a delta
         if chat is not None:
             fmt = _reply_format(chat["fmt"])
             rs = ReplyStream(fmt, chat["id_length"])
             if stream:
-                def on_piece(text):
-                    for d in rs.add(text):
-                        self.send({"op": "delta", "id": rid, "delta": _delta(d)})
+                def on_piece(text, probs=None):
+                    if probs:
+                        held.extend(probs)
+                    deltas = rs.add(text)
+                    for i, d in enumerate(deltas):
+                        self.send(self._delta_frame(rid, d, held if i == len(deltas) - 1
+                                                    else None))
             else:
-                def on_piece(text):
+                def on_piece(text, probs=None):
                     rs.text += text
         elif stream:
-            def on_piece(text):
-                self.send({"op": "piece", "id": rid, "text": text})
+            def on_piece(text, probs=None):
+                frame = {"op": "piece", "id": rid, "text": text}
+                if probs is not None:
+                    frame["probs"] = protocol.encode_probs(probs)
+                self.send(frame)
         try:
             c = session.complete(frame["tokens"], gen, on_piece, cancel)
         finally:
@@ -327,8 +335,12 @@ class Worker:
             if stream:
                 deltas, reply = rs.finish()
                 if c.finish_reason.value != "cancelled":
-                    for d in deltas:
-                        self.send({"op": "delta", "id": rid, "delta": _delta(d)})
+                    if held and not deltas:
+                        # tokens whose text made no delta (a marker, held text)
+                        deltas = [ReplyDelta(content="")]
+                    for i, d in enumerate(deltas):
+                        self.send(self._delta_frame(rid, d, held if i == len(deltas) - 1
+                                                    else None))
             else:
                 reply = parse_reply(rs.text, rs.fmt)
             for tc in reply.tool_calls:
@@ -338,6 +350,16 @@ class Worker:
                             "reasoning_content": reply.reasoning_content,
                             "tool_calls": [_call(tc) for tc in reply.tool_calls]}
         return out
+
+
+    def _delta_frame(self, rid, d, held):
+        """A delta frame; ``held`` (token probabilities so far unsent) goes with it
+        and is emptied, as llama-server puts a step's probabilities on its last delta."""
+        frame = {"op": "delta", "id": rid, "delta": _delta(d)}
+        if held:
+            frame["probs"] = protocol.encode_probs(held)
+            del held[:]
+        return frame
 
 
 def _reply_format(d):

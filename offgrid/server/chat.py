@@ -13,8 +13,9 @@ from ..protocol import encode_messages, encode_tools
 from ..request import FinishReason
 from . import formats
 from .errors import BadRequest
-from .params import (Fields, include_usage_from, chat_messages_from, generation_from, id_slot_from,
-                     output_schema_from, tool_choice_from, tools_from)
+from .params import (Fields, include_usage_from, chat_messages_from, chat_probs_from,
+                     generation_from, id_slot_from, output_schema_from, tool_choice_from,
+                     tools_from)
 
 REASONING_FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")
 
@@ -25,9 +26,6 @@ def _openai_checks(f):
         raise BadRequest("'n' must be 1: offgrid returns one choice per request")
     if f.int("best_of", 1) != 1:
         raise BadRequest("'best_of' must be 1: offgrid does not rank several completions")
-    lp = f.raw("logprobs")
-    if lp not in (None, False, 0):
-        raise BadRequest("'logprobs' is not supported by offgrid yet")
 
 
 def _template_kwargs(f):
@@ -143,6 +141,8 @@ def chat_completions(h, body):
     gen = generation_from(f, entry.n_vocab, svc.n_predict_default,
                           ("max_completion_tokens", "max_tokens", "n_predict"))
     apply_plan(gen, plan)
+    chat_probs_from(f, gen)
+    post = gen.post_sampling_probs
     chat = plan["chat"]
     svc.metrics.request("v1/chat/completions")
     stream = f.bool("stream", False)
@@ -152,8 +152,8 @@ def chat_completions(h, body):
 
     if not stream:
         c = svc.generate(entry, tokens, gen, id_slot, sock=h.connection, chat=chat, what=what)
-        h.send_json(200, formats.oai_chat(c, entry.id, cid, created,
-                                          message=_message(c.reply), finish=_finish(c)))
+        h.send_json(200, formats.oai_chat(c, entry.id, cid, created, message=_message(c.reply),
+                                          finish=_finish(c), post=post))
         return
 
     include_usage = include_usage_from(f)
@@ -169,9 +169,10 @@ def chat_completions(h, body):
             es.send(formats.oai_chat_chunk({"role": "assistant", "content": None}, entry.id,
                                            cid, created))
 
-    def on_delta(d):
+    def on_delta(d, probs=None):
         open_stream()
-        return es.send(formats.oai_chat_chunk(_delta_json(d), entry.id, cid, created))
+        return es.send(formats.oai_chat_chunk(_delta_json(d), entry.id, cid, created,
+                                              probs=probs, post=post))
 
     c = svc.generate(entry, tokens, gen, id_slot, on_delta, sock=h.connection, chat=chat,
                      what=what)

@@ -14,8 +14,9 @@ from ..request import FinishReason, GenerationParams, InfillRequest
 from . import chat, formats, ollama, ollama_models
 from .errors import BadRequest, Unavailable
 from .prompts import infill_tokens
-from .params import (Fields, include_usage_from, generation_from, id_slot_from, infill_from,
-                     output_schema_from, prompt_from, response_fields_from, MAX_N_CMPL)
+from .params import (Fields, completion_probs_from, include_usage_from, generation_from,
+                     id_slot_from, infill_from, native_probs_from, output_schema_from,
+                     prompt_from, response_fields_from, MAX_N_CMPL)
 
 # dialect: the shape of the route's error bodies (errors.error_body)
 Route = namedtuple("Route", "handler methods auth needs_service dialect", defaults=("openai",))
@@ -202,6 +203,7 @@ def completion(h, body):
         raise BadRequest('"prompt" must be provided')
     prompt = prompt_from(f.raw("prompt"))
     gen = generation_from(f, entry.n_vocab, svc.n_predict_default)
+    native_probs_from(f, gen, entry.n_vocab)
     schema, grammar = output_schema_from(f)
     out = entry.call("prepare_completion", "POST /completion", parts=prompt.parts,
                      add_special=True, schema=schema, grammar=grammar)
@@ -216,6 +218,7 @@ def infill(h, body):
     entry = svc.entry_for(None, fim=True)
     req = infill_from(f)
     gen = generation_from(f, entry.n_vocab, svc.n_predict_default)
+    native_probs_from(f, gen, entry.n_vocab)
     gen.cache_reuse = _cache_reuse(f, svc)
     tokens = infill_tokens(f, entry, req, gen, "POST /infill")
     _run_native(h, f, entry, tokens, gen, "", "infill")
@@ -243,10 +246,10 @@ def _run_native(h, f, entry, tokens, gen, prompt_text, endpoint):
             gen.sampling.seed = base_seed + index
         counter = {"n": 0}
 
-        def on_piece(text, index=index, counter=counter):
-            counter["n"] += 1
+        def on_piece(text, probs=None, index=index, counter=counter):
+            counter["n"] += len(probs) if probs else 1
             return es.send(formats.native_partial(text, index, id_slot, counter["n"],
-                                                  len(tokens)))
+                                                  len(tokens), probs, gen.post_sampling_probs))
 
         c = svc.generate(entry, tokens, gen, id_slot, on_piece if stream else None,
                          sock=h.connection, what="POST /" + endpoint)
@@ -276,9 +279,6 @@ def _openai_checks(f):
         raise BadRequest("'best_of' must be 1: offgrid does not rank several completions")
     if f.bool("echo", False):
         raise BadRequest("'echo' is not supported: the response never repeats the prompt")
-    lp = f.raw("logprobs")
-    if lp not in (None, False, 0):
-        raise BadRequest("'logprobs' is not supported by offgrid yet")
 
 
 def v1_completions(h, body):
@@ -295,6 +295,7 @@ def v1_completions(h, body):
         entry = svc.entry_for(None, fim=True)
         gen = generation_from(f, entry.n_vocab, svc.n_predict_default,
                               ("max_tokens", "n_predict"))
+        completion_probs_from(f, gen, entry.n_vocab)
         gen.cache_reuse = _cache_reuse(f, svc)
         req = InfillRequest(input_prefix=prompt.parts[0], input_suffix=suffix)
         tokens = infill_tokens(f, entry, req, gen, "POST /v1/completions")
@@ -305,6 +306,7 @@ def v1_completions(h, body):
         entry = svc.entry_for(f.raw("model"))
         gen = generation_from(f, entry.n_vocab, svc.n_predict_default,
                               ("max_tokens", "n_predict"))
+        completion_probs_from(f, gen, entry.n_vocab)
         schema, grammar = output_schema_from(f)
         out = entry.call("prepare_completion", "POST /v1/completions", parts=prompt.parts,
                          add_special=True, schema=schema, grammar=grammar)
@@ -321,9 +323,13 @@ def v1_completions(h, body):
         h.send_json(200, formats.oai_completion(c, entry.id, cid, created))
         return
     es = h.event_stream()
+    offset = [0]        # where the next token starts in the completion's text
 
-    def on_piece(text):
-        return es.send(formats.oai_completion_chunk(text, entry.id, cid, created))
+    def on_piece(text, probs=None):
+        lp = None
+        if probs is not None:
+            lp, offset[0] = formats.oai_completion_logprobs(probs, offset[0])
+        return es.send(formats.oai_completion_chunk(text, entry.id, cid, created, logprobs=lp))
 
     c = svc.generate(entry, tokens, gen, id_slot, on_piece, sock=h.connection,
                      what="POST /v1/completions")

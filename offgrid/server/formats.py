@@ -11,6 +11,8 @@ Two families:
 Functions here are pure: typed results in, dicts out.
 """
 
+import codecs
+import math
 import time
 import uuid
 
@@ -65,7 +67,8 @@ def generation_settings(gen, n_ctx, model_name, stream=False):
         "n_discard": 0,
         "ignore_eos": gen.ignore_eos,
         "stream": stream,
-        "n_probs": 0,
+        "n_probs": gen.n_probs if gen.with_probs else 0,
+        "post_sampling_probs": gen.post_sampling_probs,
         "min_keep": 0,
         "samplers": list(s.effective_samplers),     # infill is dropped under a grammar
         "stop": list(gen.stop),
@@ -81,7 +84,7 @@ def generation_settings(gen, n_ctx, model_name, stream=False):
 def native_final(c, model_name, gen, n_ctx, id_slot, prompt_text, index=0, stream=False,
                  return_tokens=False):
     """The final object of /completion and /infill."""
-    return {
+    out = {
         "index": index,
         "content": c.text,
         "tokens": list(c.tokens) if return_tokens else [],
@@ -101,11 +104,14 @@ def native_final(c, model_name, gen, n_ctx, id_slot, prompt_text, index=0, strea
         "tokens_cached": c.n_cached,
         "timings": timings(c.usage),
     }
+    if not stream and c.probs:
+        out["completion_probabilities"] = probs_json(c.probs, gen.post_sampling_probs)
+    return out
 
 
-def native_partial(piece, index, id_slot, n_predicted, n_evaluated):
-    """One streamed piece of /completion and /infill."""
-    return {
+def native_partial(piece, index, id_slot, n_predicted, n_evaluated, probs=None, post=False):
+    """One streamed piece of /completion and /infill (``probs``: its tokens' TokenProbs)."""
+    out = {
         "index": index,
         "content": piece,
         "tokens": [],
@@ -114,6 +120,61 @@ def native_partial(piece, index, id_slot, n_predicted, n_evaluated):
         "tokens_predicted": n_predicted,
         "tokens_evaluated": n_evaluated,
     }
+    if probs:
+        out["completion_probabilities"] = probs_json(probs, post)
+    return out
+
+
+# -- token probabilities ----------------------------------------------------------
+
+# llama-server's logarithm(): log(0) is -inf, which JSON cannot carry, so the
+# lowest float stands for it
+_LOG_ZERO = -3.4028234663852886e38
+
+
+def logprob(p):
+    return math.log(p) if p > 0.0 else _LOG_ZERO
+
+
+def token_str(data):
+    """A token's bytes as text: an unfinished UTF-8 character at the end is cut
+    (llama-server's validate_utf8), other bad bytes become U+FFFD."""
+    return codecs.getincrementaldecoder("utf-8")("replace").decode(data)
+
+
+def probs_json(probs, post=False):
+    """llama-server's probs_vector_to_json: per token ``id``, ``token``, ``bytes``
+    and ``logprob`` with ``top_logprobs`` (or, after the sampler chain,
+    ``prob`` with ``top_probs``)."""
+    key, top_key = ("prob", "top_probs") if post else ("logprob", "top_logprobs")
+    value = (lambda p: p) if post else logprob
+    return [{"id": p.id, "token": token_str(p.bytes), "bytes": list(p.bytes), key: value(p.prob),
+             top_key: [{"id": t.id, "token": token_str(t.bytes), "bytes": list(t.bytes),
+                        key: value(t.prob)} for t in p.top]}
+            for p in probs]
+
+
+def oai_completion_logprobs(probs, offset=0):
+    """OpenAI's legacy ``logprobs`` of /v1/completions, and the text offset after it.
+
+    ``tokens``, ``token_logprobs``, ``top_logprobs`` (a {token: logprob} per
+    token) and ``text_offset`` (where each token starts in the completion's
+    text, from ``offset``); plus llama-server's own ``content`` (the chat
+    shape, which is what llama-server sends here).
+    """
+    tokens, offsets = [], []
+    for p in probs:
+        offsets.append(offset)
+        t = token_str(p.bytes)
+        tokens.append(t)
+        offset += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [logprob(p.prob) for p in probs],
+        "top_logprobs": [{token_str(t.bytes): logprob(t.prob) for t in p.top} for p in probs],
+        "text_offset": offsets,
+        "content": probs_json(probs),
+    }, offset
 
 
 def select_fields(obj, paths):
@@ -166,30 +227,38 @@ def _envelope(obj, model_name, cid, created, choices):
 
 
 def oai_completion(c, model_name, cid, created):
+    lp = oai_completion_logprobs(c.probs)[0] if c.probs is not None else None
     out = _envelope("text_completion", model_name, cid, created,
-                    [{"text": c.text, "index": 0, "logprobs": None,
+                    [{"text": c.text, "index": 0, "logprobs": lp,
                       "finish_reason": finish_reason(c)}])
     out.update(usage=usage(c), timings=timings(c.usage))
     return out
 
 
-def oai_completion_chunk(text, model_name, cid, created, finish=None):
+def oai_completion_chunk(text, model_name, cid, created, finish=None, logprobs=None):
+    """A /v1/completions chunk; ``logprobs`` from oai_completion_logprobs."""
     return _envelope("text_completion", model_name, cid, created,
-                     [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}])
+                     [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}])
 
 
-def oai_chat(c, model_name, cid, created, message=None, finish=None):
+def oai_chat_logprobs(probs, post=False):
+    """A chat choice's ``logprobs``: {"content": [per token]} (None without probabilities)."""
+    return None if probs is None else {"content": probs_json(probs, post)}
+
+
+def oai_chat(c, model_name, cid, created, message=None, finish=None, post=False):
     msg = message or {"role": "assistant", "content": c.text}
     out = _envelope("chat.completion", model_name, cid, created,
-                    [{"index": 0, "message": msg, "logprobs": None,
+                    [{"index": 0, "message": msg, "logprobs": oai_chat_logprobs(c.probs, post),
                       "finish_reason": finish or finish_reason(c)}])
     out.update(usage=usage(c), timings=timings(c.usage))
     return out
 
 
-def oai_chat_chunk(delta, model_name, cid, created, finish=None):
+def oai_chat_chunk(delta, model_name, cid, created, finish=None, probs=None, post=False):
     return _envelope("chat.completion.chunk", model_name, cid, created,
-                     [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}])
+                     [{"index": 0, "delta": delta, "logprobs": oai_chat_logprobs(probs, post),
+                       "finish_reason": finish}])
 
 
 def oai_usage_chunk(c, obj, model_name, cid, created):

@@ -22,6 +22,12 @@ MAX_N_PREDICT = 2 ** 31 - 1
 # libllama allocates a buffer of repeat_last_n tokens per request; a window
 # wider than any context would only waste memory (2**31 would be 8 GiB).
 MAX_REPEAT_LAST_N = 1 << 20
+# Token probabilities: llama-server sets no upper bound on n_probs (it clips
+# to the vocabulary), but each generated token then carries n_probs entries
+# in the response: a bound keeps one request from asking for megabytes per
+# token.  OpenAI's own bounds are top_logprobs <= 20, logprobs <= 5.
+MAX_N_PROBS = 1024
+MAX_TOP_LOGPROBS = 20
 
 
 class Fields:
@@ -432,3 +438,44 @@ def include_usage_from(f):
     if not isinstance(so, dict):
         raise BadRequest("'stream_options' must be an object")
     return Fields(so, "stream_options").bool("include_usage", False)
+
+
+# -- token probabilities ------------------------------------------------------------
+
+def native_probs_from(f, gen, n_vocab):
+    """/completion and /infill: ``n_probs`` (alias ``logprobs``) and
+    ``post_sampling_probs``, set on ``gen``.  As llama-server: 0 or less is off,
+    more than the vocabulary is the vocabulary."""
+    name = "n_probs" if f.has("n_probs") else "logprobs"
+    n = f.int(name, 0, hi=MAX_N_PROBS)
+    post = f.bool("post_sampling_probs", False)
+    if n > 0:
+        gen.with_probs, gen.n_probs = True, min(n, n_vocab)
+        gen.post_sampling_probs = post
+
+
+def chat_probs_from(f, gen):
+    """/v1/chat/completions: ``logprobs`` (a boolean) and ``top_logprobs`` (0..20).
+
+    OpenAI's meaning: ``logprobs: true`` reports each token's logprob, with
+    ``top_logprobs`` alternatives (default 0).  llama-server refuses
+    top_logprobs without logprobs, and so does this.
+    """
+    on = f.bool("logprobs", False)
+    top = f.int("top_logprobs", 0, lo=0, hi=MAX_TOP_LOGPROBS)
+    if f.has("top_logprobs") and not on:
+        raise BadRequest("top_logprobs requires logprobs to be set to true")
+    if on:
+        gen.with_probs, gen.n_probs = True, top
+        gen.post_sampling_probs = f.bool("post_sampling_probs", False)
+
+
+def completion_probs_from(f, gen, n_vocab):
+    """/v1/completions: ``logprobs``, the number of alternatives (OpenAI allows
+    0..5; like llama-server this allows more, up to MAX_N_PROBS)."""
+    if not f.has("logprobs"):
+        return
+    if f.raw("logprobs") is False:      # some clients send false for "none"
+        return
+    n = f.int("logprobs", 0, lo=0, hi=MAX_N_PROBS)
+    gen.with_probs, gen.n_probs = True, min(n, n_vocab)

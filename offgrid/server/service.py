@@ -109,7 +109,9 @@ class Service:
         """Run one generation request from start to finish; returns a Completion.
 
         ``on_piece`` gets each streamed piece of text, or with ``chat`` each
-        reply delta (a dict); returning False cancels.  With ``chat`` the
+        reply delta (a dict); returning False cancels.  With
+        ``gen.with_probs`` it is called as ``on_piece(piece, probs)`` where the
+        worker sent probabilities (a list of TokenProb).  With ``chat`` the
         Completion's ``reply`` is the parsed reply.  A request superseded
         or disconnected while waiting returns an empty CANCELLED completion
         without ever touching a session.
@@ -153,7 +155,10 @@ class Service:
         on_event = None
         if on_piece is not None:
             def on_event(frame):
-                return on_piece(frame["text"] if frame["op"] == "piece" else frame["delta"])
+                payload = frame["text"] if frame["op"] == "piece" else frame["delta"]
+                if "probs" in frame:    # only requests that asked for them get them
+                    return on_piece(payload, protocol.decode_probs(frame["probs"]))
+                return on_piece(payload)
         try:
             out = entry.worker.generate(session.index, tokens, gen, cancel,
                                         stream=on_piece is not None, chat=chat,
