@@ -61,13 +61,36 @@ def _prepare(f, entry, for_generation=True):
     if tools and tool_choice != "none" and f.has("grammar"):
         raise BadRequest("cannot use custom grammar constraints with tools")
     kwargs, enable_thinking = _template_kwargs(f)
-    return entry.call("prepare_chat", "POST /v1/chat/completions",
-                      messages=encode_messages(messages), tools=encode_tools(tools),
+    return prepare(entry, messages, tools, tool_choice, schema=schema, grammar=grammar,
+                   add_generation_prompt=f.bool("add_generation_prompt", True),
+                   enable_thinking=enable_thinking, kwargs=kwargs,
+                   parallel_tool_calls=f.raw("parallel_tool_calls"),
+                   reasoning_format=reasoning_format, tokenize=for_generation)
+
+
+def prepare(entry, messages, tools=(), tool_choice="auto", schema=None, grammar=None,
+            add_generation_prompt=True, enable_thinking=None, kwargs=None,
+            parallel_tool_calls=None, reasoning_format="auto", tokenize=True,
+            what="POST /v1/chat/completions"):
+    """"prepare_chat" for already-typed Messages and Tools: what every chat dialect shares.
+
+    Returns the worker's plan: ``tokens``, ``grammar``, ``grammar_triggers``,
+    ``preserved_tokens``, ``chat`` (how to read the reply) and ``text``.
+    """
+    return entry.call("prepare_chat", what,
+                      messages=encode_messages(messages), tools=encode_tools(list(tools)),
                       tool_choice=tool_choice, schema=schema, grammar=grammar,
-                      add_generation_prompt=f.bool("add_generation_prompt", True),
-                      enable_thinking=enable_thinking, kwargs=kwargs,
-                      parallel_tool_calls=f.raw("parallel_tool_calls"),
-                      reasoning_format=reasoning_format, tokenize=for_generation)
+                      add_generation_prompt=add_generation_prompt,
+                      enable_thinking=enable_thinking, kwargs=kwargs or {},
+                      parallel_tool_calls=parallel_tool_calls,
+                      reasoning_format=reasoning_format, tokenize=tokenize)
+
+
+def apply_plan(gen, plan):
+    """Set a prepared chat's grammar, its triggers and preserved tokens on ``gen``."""
+    gen.sampling.grammar = plan["grammar"]
+    gen.sampling.grammar_triggers = tuple(plan["grammar_triggers"])
+    gen.preserved_tokens = frozenset(plan["preserved_tokens"])
 
 
 def apply_template(h, body):
@@ -119,9 +142,7 @@ def chat_completions(h, body):
     tokens = plan["tokens"]
     gen = generation_from(f, entry.n_vocab, svc.n_predict_default,
                           ("max_completion_tokens", "max_tokens", "n_predict"))
-    gen.sampling.grammar = plan["grammar"]
-    gen.sampling.grammar_triggers = tuple(plan["grammar_triggers"])
-    gen.preserved_tokens = frozenset(plan["preserved_tokens"])
+    apply_plan(gen, plan)
     chat = plan["chat"]
     svc.metrics.request("v1/chat/completions")
     stream = f.bool("stream", False)

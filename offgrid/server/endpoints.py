@@ -10,12 +10,13 @@ from collections import namedtuple
 
 from .. import __version__, protocol
 from ..request import FinishReason, GenerationParams, InfillRequest
-from . import chat, formats
+from . import anthropic, chat, formats, responses
 from .errors import BadRequest, Unavailable
 from .params import (Fields, include_usage_from, generation_from, id_slot_from, infill_from,
                      output_schema_from, prompt_from, response_fields_from, MAX_N_CMPL)
 
-Route = namedtuple("Route", "handler methods auth needs_service")
+# dialect: the shape of its error bodies (errors.DIALECTS)
+Route = namedtuple("Route", "handler methods auth needs_service dialect", defaults=("openai",))
 
 # Room kept free for generation when /infill fits extra context into the
 # window and the request sets no n_predict.
@@ -353,6 +354,9 @@ ROUTES = {
     "/v1/completions": Route(v1_completions, _POST, True, True),
     "/v1/chat/completions": Route(chat.chat_completions, _POST, True, True),
     "/chat/completions": Route(chat.chat_completions, _POST, True, True),
+    "/v1/messages": Route(anthropic.messages, _POST, True, True, "anthropic"),
+    "/v1/messages/count_tokens": Route(anthropic.count_tokens, _POST, True, True, "anthropic"),
+    "/v1/responses": Route(responses.responses, _POST, True, True),
 }
 
 __all__ = ["ROUTES", "Unavailable"]

@@ -2,8 +2,10 @@
 
 Handlers raise HTTPError (or one of its subclasses) instead of writing error
 responses by hand; engine code raises offgrid.errors exceptions.  Both end in
-``to_http_error`` and are sent by ``Handler._send_exception`` in OpenAI's
-shape: ``{"error": {"code": 400, "message": "...", "type": "invalid_request_error"}}``.
+``to_http_error`` and are sent by ``Handler._send_exception`` in the shape of
+the route's dialect (``error_body``): OpenAI's
+``{"error": {"code": 400, "message": "...", "type": "invalid_request_error"}}``
+by default, Anthropic's ``{"type": "error", "error": {"type": ..., "message": ...}}``.
 """
 
 from .. import errors
@@ -82,3 +84,33 @@ def to_http_error(exc):
     if isinstance(exc, errors.OffgridError):
         return HTTPError(str(exc))
     return HTTPError("internal error: %s: %s" % (type(exc).__name__, exc))
+
+
+# -- dialects ---------------------------------------------------------------------------
+
+# Anthropic's error types, by status (its API reference's "Errors" table).
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error",
+                    413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error"}
+
+
+def _anthropic_body(err):
+    kind = _ANTHROPIC_TYPES.get(err.status)
+    if kind is None:
+        kind = "invalid_request_error" if err.status < 500 else "api_error"
+    return {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
+# dialect -> (the error body of an HTTPError, the SSE event name of an error
+# inside a stream that already started, or None for a bare "data:" event)
+DIALECTS = {
+    "openai": (HTTPError.body, None),
+    "anthropic": (_anthropic_body, "error"),
+}
+
+
+def error_body(err, dialect="openai"):
+    """(body, stream event name) of ``err`` in a route's dialect."""
+    body, event = DIALECTS[dialect]
+    return body(err), event

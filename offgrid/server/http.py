@@ -58,7 +58,7 @@ from ..errors import OffgridError
 from . import endpoints, reader
 from .lobby import Lobby
 from .errors import (HTTPError, MethodNotAllowed, NotFound, Unauthorized, Unavailable,
-                     to_http_error)
+                     error_body, to_http_error)
 
 log = logging.getLogger("offgrid.http")
 
@@ -101,8 +101,11 @@ class EventStream:
         h.end_headers()
         self.started = True
 
-    def send(self, obj):
+    def send(self, obj, event=None):
+        """One event: ``data:`` with ``obj`` as JSON, after an ``event:`` line if named."""
         data = b"data: " + (obj if isinstance(obj, bytes) else dumps(obj)) + b"\n\n"
+        if event is not None:
+            data = b"event: " + event.encode("ascii") + b"\n" + data
         if self.chunked:
             data = b"%x\r\n%s\r\n" % (len(data), data)
         return self._write(data)
@@ -167,6 +170,7 @@ class Handler(BaseHTTPRequestHandler):
     def handle_one_request(self):
         self._stream = None
         self._body_pending = False
+        self._dialect = "openai"        # the error shape; the route's, once it is known
         # what send_error needs if the request line never arrives whole
         self.command, self.path, self.request_version = "", "", "HTTP/1.1"
         try:
@@ -246,6 +250,8 @@ class Handler(BaseHTTPRequestHandler):
             return
         try:
             route = self._route(method)
+            if route is not None:
+                self._dialect = route.dialect
             if method == "OPTIONS":
                 return self._preflight(route)
             if route.auth:
@@ -298,13 +304,14 @@ class Handler(BaseHTTPRequestHandler):
             self.service.metrics.error()
         if self._body_pending:
             self.close_connection = True    # the unread body must not be read as a request
+        body, event = error_body(err, getattr(self, "_dialect", "openai"))
         stream = getattr(self, "_stream", None)
         if stream is not None and stream.started:
             # headers are gone: the error becomes the stream's last event
-            stream.send(err.body())
+            stream.send(body, event)
             stream.end()
             return
-        self.send_json(err.status, err.body(), err.headers)
+        self.send_json(err.status, body, err.headers)
 
     # -- who may ask -------------------------------------------------------------
     def _check_auth(self):
