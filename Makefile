@@ -38,7 +38,7 @@ run: lib/libllama.so $(MODEL)
 # offgrid itself imports nothing outside the standard library.
 $(VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check "pytest>=7" "openai>=1.0"
+	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check "pytest>=7" "openai>=1.66" "anthropic>=0.50"
 	touch $@
 
 venv: $(VENV)/.ready
