@@ -169,11 +169,22 @@ def test_missing_max_tokens_is_a_400_in_anthropic_shape(srv):
     {"max_tokens": 8, "messages": HI, "tools": TOOLS, "tool_choice": {"type": "tool",
                                                                       "name": "nope"}},
     {"max_tokens": 8, "messages": HI, "system": 42},
+    {"max_tokens": 8, "messages": HI, "thinking": "yes"},
+    {"max_tokens": 8, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": 7, "content": "x"}]}]},
 ])
 def test_wrong_types_are_400s_in_anthropic_shape(srv, bad):
     status, _, body = srv.post("/v1/messages", dict(bad, model="q"),
                                headers={"x-api-key": KEY})
     assert status == 400 and _is_anthropic_error(body)
+
+
+def test_prompt_longer_than_the_context_is_a_400_in_anthropic_shape(srv):
+    long = [{"role": "user", "content": "word " * 3000}]
+    status, _, body = srv.post("/v1/messages", {"max_tokens": 8, "messages": long},
+                               headers={"x-api-key": KEY})
+    assert status == 400 and _is_anthropic_error(body)
+    assert "context" in body["error"]["message"]
 
 
 def test_sdk_raises_bad_request_with_the_body(client):

@@ -8,7 +8,9 @@ session; streams write each piece as one chunk of a chunked response.
 
 Errors: handlers raise ``HTTPError`` (or let engine errors through);
 ``_dispatch`` turns every exception into one JSON error response via
-``errors.to_http_error``.  Nothing else writes error bodies.
+``errors.to_http_error``, in the shape of the route's dialect
+(``errors.error_body``: OpenAI's, or Anthropic's on /v1/messages).  Nothing
+else writes error bodies.
 
 Limits, so that no client can hold a thread or memory for long (the knobs are
 Handler's class attributes, set by make_server from the command line; the
@@ -250,8 +252,6 @@ class Handler(BaseHTTPRequestHandler):
             return
         try:
             route = self._route(method)
-            if route is not None:
-                self._dialect = route.dialect
             if method == "OPTIONS":
                 return self._preflight(route)
             if route.auth:
@@ -286,6 +286,8 @@ class Handler(BaseHTTPRequestHandler):
         """The route for this request; NotFound or MethodNotAllowed (OPTIONS: route or None)."""
         path = self.path.split("?", 1)[0]
         route = endpoints.ROUTES.get(path)
+        if route is not None:
+            self._dialect = route.dialect       # its errors, from here on, in its shape
         if method == "OPTIONS":
             return route
         if route is None:
