@@ -71,6 +71,7 @@ def test_max_output_tokens_makes_it_incomplete(client):
                                 max_output_tokens=3, temperature=0)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.usage.output_tokens == 3 and r.output_text
+    assert r.output[-1].status == "incomplete"
 
 
 def test_stream_runs_through_the_sdk_parser(client):

@@ -208,12 +208,18 @@ def _call_item(item_id, tc, status="completed", arguments=None):
             "arguments": tc["arguments"] if arguments is None else arguments}
 
 
-def output_items(ids, reply):
+def _item_status(c):
+    """A finished reply's status: cut at max_output_tokens, its text item is "incomplete"."""
+    return "incomplete" if c.finish_reason is FinishReason.LENGTH else "completed"
+
+
+def output_items(ids, reply, status="completed"):
     out = []
     if reply["reasoning_content"]:
-        out.append(_reasoning_item(ids.item("rs", len(out)), reply["reasoning_content"]))
+        out.append(_reasoning_item(ids.item("rs", len(out)), reply["reasoning_content"],
+                                   status if not reply["content"] else "completed"))
     if reply["content"] or not reply["tool_calls"]:
-        out.append(_message_item(ids.item("msg", len(out)), reply["content"]))
+        out.append(_message_item(ids.item("msg", len(out)), reply["content"], status))
     for tc in reply["tool_calls"]:
         out.append(_call_item(ids.item("fc", len(out)), tc))
     return out
@@ -294,7 +300,7 @@ def responses(h, body):
     if not f.bool("stream", False):
         c = svc.generate(entry, plan["tokens"], gen, id_slot_from(f), sock=h.connection,
                          chat=plan["chat"], what=what)
-        h.send_json(200, response_object(ids, entry.id, req, created, output_items(ids, c.reply),
+        h.send_json(200, response_object(ids, entry.id, req, created, output_items(ids, c.reply, _item_status(c)),
                                          c))
         return
     st = _Stream(h.event_stream(), ids, entry.id, req, created)
@@ -353,15 +359,15 @@ class _Stream:
         self._send("response.output_item.added", output_index=len(self.output), item=item)
         self._send("response.content_part.added", part=part, **self._where())
 
-    def _close(self):
+    def _close(self, status="completed"):
         if self.kind is None:
             return
         w = self._where()
         if self.kind == "reasoning":
-            item = _reasoning_item(self.item_id, self.text)
+            item = _reasoning_item(self.item_id, self.text, status)
             self._send("response.reasoning_text.done", text=self.text, **w)
         else:
-            item = _message_item(self.item_id, self.text)
+            item = _message_item(self.item_id, self.text, status)
             self._send("response.output_text.done", text=self.text, logprobs=[], **w)
         self._send("response.content_part.done", part=item["content"][0], **w)
         self._send("response.output_item.done", output_index=w["output_index"], item=item)
@@ -401,7 +407,7 @@ class _Stream:
         self._start()
         if not self.output and self.kind is None:
             self._open("message")       # a response always has its message
-        self._close()
+        self._close(_item_status(c))
         done = self._response(c)
         self._send("response.completed" if done["status"] == "completed"
                    else "response.incomplete", response=done)
