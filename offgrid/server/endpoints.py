@@ -15,7 +15,7 @@ from .errors import BadRequest, Unavailable
 from .params import (Fields, include_usage_from, generation_from, id_slot_from, infill_from,
                      output_schema_from, prompt_from, response_fields_from, MAX_N_CMPL)
 
-# dialect: the shape of its error bodies (errors.DIALECTS)
+# dialect: the shape of the route's error bodies (errors.error_body)
 Route = namedtuple("Route", "handler methods auth needs_service dialect", defaults=("openai",))
 
 # Room kept free for generation when /infill fits extra context into the

@@ -102,15 +102,20 @@ def _anthropic_body(err):
     return {"type": "error", "error": {"type": kind, "message": err.message}}
 
 
-# dialect -> (the error body of an HTTPError, the SSE event name of an error
-# inside a stream that already started, or None for a bare "data:" event)
-DIALECTS = {
-    "openai": (HTTPError.body, None),
-    "anthropic": (_anthropic_body, "error"),
-}
+# The error shapes of the dialects, by the name a Route carries.
+DIALECTS = ("openai", "anthropic")
 
 
 def error_body(err, dialect="openai"):
-    """(body, stream event name) of ``err`` in a route's dialect."""
-    body, event = DIALECTS[dialect]
-    return body(err), event
+    """The JSON body of an HTTPError in ``dialect``'s shape (see the module docstring)."""
+    if dialect == "anthropic":
+        return _anthropic_body(err)
+    return err.body()
+
+
+def error_event(dialect="openai"):
+    """The SSE event name of an error inside a stream already under way, or None.
+
+    Anthropic's clients read only named events, and raise on one named "error".
+    """
+    return "error" if dialect == "anthropic" else None

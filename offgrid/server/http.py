@@ -60,7 +60,7 @@ from ..errors import OffgridError
 from . import endpoints, reader
 from .lobby import Lobby
 from .errors import (HTTPError, MethodNotAllowed, NotFound, Unauthorized, Unavailable,
-                     error_body, to_http_error)
+                     error_body, error_event, to_http_error)
 
 log = logging.getLogger("offgrid.http")
 
@@ -306,11 +306,12 @@ class Handler(BaseHTTPRequestHandler):
             self.service.metrics.error()
         if self._body_pending:
             self.close_connection = True    # the unread body must not be read as a request
-        body, event = error_body(err, getattr(self, "_dialect", "openai"))
+        dialect = getattr(self, "_dialect", "openai")
+        body = error_body(err, dialect)
         stream = getattr(self, "_stream", None)
         if stream is not None and stream.started:
             # headers are gone: the error becomes the stream's last event
-            stream.send(body, event)
+            stream.send(body, error_event(dialect))
             stream.end()
             return
         self.send_json(err.status, body, err.headers)
