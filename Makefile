@@ -46,8 +46,8 @@ run: lib/libllama.so $(MODEL)
 # standard library.
 $(VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check "pytest>=7" "openai>=1.0" \
-		"ollama>=0.5" "langchain-ollama>=1.0"
+	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check "pytest>=7" "openai>=1.66" \
+		"anthropic>=0.50" "ollama>=0.5" "langchain-ollama>=1.0"
 	touch $@
 
 venv: $(VENV)/.ready

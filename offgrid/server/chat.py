@@ -59,24 +59,24 @@ def _prepare(f, entry, for_generation=True):
     if tools and tool_choice != "none" and f.has("grammar"):
         raise BadRequest("cannot use custom grammar constraints with tools")
     kwargs, enable_thinking = _template_kwargs(f)
-    return prepare(entry, "POST /v1/chat/completions", messages, tools, tool_choice, schema,
-                   grammar, add_generation_prompt=f.bool("add_generation_prompt", True),
+    return prepare(entry, messages, tools, tool_choice, schema=schema, grammar=grammar,
+                   add_generation_prompt=f.bool("add_generation_prompt", True),
                    enable_thinking=enable_thinking, kwargs=kwargs,
                    parallel_tool_calls=f.raw("parallel_tool_calls"),
                    reasoning_format=reasoning_format, tokenize=for_generation)
 
 
-def prepare(entry, what, messages, tools=(), tool_choice="auto", schema=None, grammar=None,
+def prepare(entry, messages, tools=(), tool_choice="auto", schema=None, grammar=None,
             add_generation_prompt=True, enable_thinking=None, kwargs=None,
-            parallel_tool_calls=None, reasoning_format="auto", tokenize=True):
-    """The worker's "prepare_chat" answer for parsed Messages and Tools (any dialect).
+            parallel_tool_calls=None, reasoning_format="auto", tokenize=True,
+            what="POST /v1/chat/completions"):
+    """"prepare_chat" for already-typed Messages and Tools: what every chat dialect shares.
 
-    With ``tokenize``: ``tokens``, ``grammar``, ``grammar_triggers``,
-    ``preserved_tokens`` and ``chat`` (how the worker reads the reply, for
-    ``Service.generate(chat=...)``); always ``text``, the rendered prompt.
+    Returns the worker's plan: ``tokens``, ``grammar``, ``grammar_triggers``,
+    ``preserved_tokens``, ``chat`` (how to read the reply) and ``text``.
     """
     return entry.call("prepare_chat", what,
-                      messages=encode_messages(messages), tools=encode_tools(tools),
+                      messages=encode_messages(messages), tools=encode_tools(list(tools)),
                       tool_choice=tool_choice, schema=schema, grammar=grammar,
                       add_generation_prompt=add_generation_prompt,
                       enable_thinking=enable_thinking, kwargs=kwargs or {},

@@ -11,7 +11,7 @@ from collections import namedtuple
 from .. import __version__
 from ..errors import OffgridError
 from ..request import FinishReason, GenerationParams, InfillRequest
-from . import chat, formats, ollama, ollama_models
+from . import anthropic, chat, formats, ollama, ollama_models, responses
 from .errors import BadRequest, Unavailable
 from .prompts import infill_tokens
 from .params import (Fields, completion_probs_from, include_usage_from, generation_from,
@@ -376,6 +376,9 @@ ROUTES = {
     "/api/create": Route(ollama.manage, _POST, True, False, "ollama"),
     "/api/copy": Route(ollama.manage, _POST, True, False, "ollama"),
     "/api/delete": Route(ollama.manage, ("DELETE",), True, False, "ollama"),
+    "/v1/messages": Route(anthropic.messages, _POST, True, True, "anthropic"),
+    "/v1/messages/count_tokens": Route(anthropic.count_tokens, _POST, True, True, "anthropic"),
+    "/v1/responses": Route(responses.responses, _POST, True, True),
 }
 
 

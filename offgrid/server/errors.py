@@ -2,8 +2,11 @@
 
 Handlers raise HTTPError (or one of its subclasses) instead of writing error
 responses by hand; engine code raises offgrid.errors exceptions.  Both end in
-``to_http_error`` and are sent by ``Handler._send_exception`` in OpenAI's
-shape: ``{"error": {"code": 400, "message": "...", "type": "invalid_request_error"}}``.
+``to_http_error`` and are sent by ``Handler._send_exception`` in the shape of
+the route's dialect (``error_body``): OpenAI's
+``{"error": {"code": 400, "message": "...", "type": "invalid_request_error"}}``
+by default, Ollama's ``{"error": "..."}``, Anthropic's
+``{"type": "error", "error": {"type": ..., "message": ...}}``.
 """
 
 from .. import errors
@@ -25,17 +28,6 @@ class HTTPError(Exception):
 
     def body(self):
         return {"error": {"code": self.status, "message": self.message, "type": self.type}}
-
-
-# The error shapes of the dialects, by the name a Route carries.
-DIALECTS = ("openai", "ollama")
-
-
-def error_body(err, dialect="openai"):
-    """The JSON body of an HTTPError in ``dialect``'s shape (see the module docstring)."""
-    if dialect == "ollama":
-        return {"error": err.message}
-    return err.body()
 
 
 class BadRequest(HTTPError):
@@ -93,3 +85,40 @@ def to_http_error(exc):
     if isinstance(exc, errors.OffgridError):
         return HTTPError(str(exc))
     return HTTPError("internal error: %s: %s" % (type(exc).__name__, exc))
+
+
+# -- dialects ---------------------------------------------------------------------------
+
+# Anthropic's error types, by status (its API reference's "Errors" table).
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error",
+                    413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error"}
+
+
+def _anthropic_body(err):
+    kind = _ANTHROPIC_TYPES.get(err.status)
+    if kind is None:
+        kind = "invalid_request_error" if err.status < 500 else "api_error"
+    return {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
+# The error shapes of the dialects, by the name a Route carries.
+DIALECTS = ("openai", "ollama", "anthropic")
+
+
+def error_body(err, dialect="openai"):
+    """The JSON body of an HTTPError in ``dialect``'s shape (see the module docstring)."""
+    if dialect == "ollama":
+        return {"error": err.message}
+    if dialect == "anthropic":
+        return _anthropic_body(err)
+    return err.body()
+
+
+def error_event(dialect="openai"):
+    """The SSE event name of an error inside a stream already under way, or None.
+
+    Anthropic's clients read only named events, and raise on one named "error".
+    """
+    return "error" if dialect == "anthropic" else None

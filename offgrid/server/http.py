@@ -9,8 +9,8 @@ session; streams write each piece as one chunk of a chunked response.
 Errors: handlers raise ``HTTPError`` (or let engine errors through);
 ``_dispatch`` turns every exception into one JSON error response via
 ``errors.to_http_error``, its body in the shape of the route's dialect
-(``errors.error_body``: OpenAI's object, Ollama's string).  Nothing else
-writes error bodies.
+(``errors.error_body``: OpenAI's object, Ollama's string, Anthropic's
+envelope).  Nothing else writes error bodies.
 
 Limits, so that no client can hold a thread or memory for long (the knobs are
 Handler's class attributes, set by make_server from the command line; the
@@ -60,7 +60,7 @@ from ..errors import OffgridError
 from . import endpoints, reader
 from .lobby import Lobby
 from .errors import (HTTPError, MethodNotAllowed, NotFound, Unauthorized, Unavailable,
-                     error_body, to_http_error)
+                     error_body, error_event, to_http_error)
 
 log = logging.getLogger("offgrid.http")
 
@@ -105,12 +105,12 @@ class _ChunkedStream:
         h.end_headers()
         self.started = True
 
-    def frame(self, obj):
+    def frame(self, obj, event=None):
         """One message's bytes on the wire."""
         raise NotImplementedError
 
-    def send(self, obj):
-        data = self.frame(obj)
+    def send(self, obj, event=None):
+        data = self.frame(obj, event)
         if self.chunked:
             data = b"%x\r\n%s\r\n" % (len(data), data)
         return self._write(data)
@@ -137,15 +137,18 @@ class EventStream(_ChunkedStream):
     """A ``text/event-stream`` response (llama-server's and OpenAI's streams)."""
     content_type = "text/event-stream"
 
-    def frame(self, obj):
-        return b"data: " + (obj if isinstance(obj, bytes) else dumps(obj)) + b"\n\n"
+    def frame(self, obj, event=None):
+        data = b"data: " + (obj if isinstance(obj, bytes) else dumps(obj)) + b"\n\n"
+        if event is not None:       # Anthropic's clients read named events only
+            data = b"event: " + event.encode("ascii") + b"\n" + data
+        return data
 
 
 class NDJSONStream(_ChunkedStream):
     """An ``application/x-ndjson`` response: one JSON object a line (Ollama's streams)."""
     content_type = "application/x-ndjson"
 
-    def frame(self, obj):
+    def frame(self, obj, event=None):
         return dumps(obj) + b"\n"
 
 
@@ -304,6 +307,7 @@ class Handler(BaseHTTPRequestHandler):
         """The route for this request; NotFound or MethodNotAllowed (OPTIONS: route or None)."""
         path = self.path.split("?", 1)[0]
         route = endpoints.ROUTES.get(path)
+        if route is not None:
         if method == "OPTIONS":
             return route
         if route is None:
@@ -322,11 +326,12 @@ class Handler(BaseHTTPRequestHandler):
             self.service.metrics.error()
         if self._body_pending:
             self.close_connection = True    # the unread body must not be read as a request
-        body = error_body(err, endpoints.dialect_of(self.path.split("?", 1)[0]))
+        dialect = endpoints.dialect_of(self.path.split("?", 1)[0])
+        body = error_body(err, dialect)
         stream = getattr(self, "_stream", None)
         if stream is not None and stream.started:
             # headers are gone: the error becomes the stream's last event (or line)
-            stream.send(body)
+            stream.send(body, error_event(dialect))
             stream.end()
             return
         self.send_json(err.status, body, err.headers)
