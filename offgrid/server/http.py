@@ -307,7 +307,6 @@ class Handler(BaseHTTPRequestHandler):
         """The route for this request; NotFound or MethodNotAllowed (OPTIONS: route or None)."""
         path = self.path.split("?", 1)[0]
         route = endpoints.ROUTES.get(path)
-        if route is not None:
         if method == "OPTIONS":
             return route
         if route is None:
