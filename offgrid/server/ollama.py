@@ -230,8 +230,8 @@ def generate(h, body):
     else:
         # as Ollama: the prompt is one user message (after the system one) in the template
         messages = ([Message("system", system)] if system else []) + [Message("user", prompt)]
-        plan = chat.prepare(entry, what, messages, schema=schema, grammar=grammar,
-                            enable_thinking=enable_thinking, kwargs=kwargs)
+        plan = chat.prepare(entry, messages, schema=schema, grammar=grammar,
+                            enable_thinking=enable_thinking, kwargs=kwargs, what=what)
         gen = _generation(f, entry, svc)
         chat.apply_plan(gen, plan)
         tokens = plan["tokens"]
@@ -352,8 +352,8 @@ def chat_(h, body):
     # not Ollama's (it has no way to force a call): offgrid's extension, OpenAI's values
     tool_choice = tool_choice_from(f.raw("tool_choice"), tools)
     what = "POST /api/chat"
-    plan = chat.prepare(entry, what, messages, tools, tool_choice, schema, grammar,
-                        enable_thinking=enable_thinking, kwargs=kwargs)
+    plan = chat.prepare(entry, messages, tools, tool_choice, schema=schema, grammar=grammar,
+                        enable_thinking=enable_thinking, kwargs=kwargs, what=what)
     gen = _generation(f, entry, svc)
     chat.apply_plan(gen, plan)
     svc.metrics.request("api/chat")
