@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 
 export PORTABLE
 
-.PHONY: all lib model run test venv bench soak bundle clean
+.PHONY: all lib model run test venv bench soak bundle conformance clean
 
 all: lib model
 
@@ -65,6 +65,14 @@ bench: lib/libllama.so $(MODEL)
 # SOAK_ARGS passes flags, e.g. SOAK_ARGS="--minutes 1".
 soak: lib/libllama.so $(MODEL)
 	$(PYTHON) scripts/soak.py --model $(MODEL) $(SOAK_ARGS)
+
+# llama.cpp's own server tests (tools/server/tests of the pinned source, copied
+# and patched to use our models) against llama-server and against offgrid; a
+# table per file in tests/conformance/results/.  Installs the suite's test-only
+# packages into $(VENV).  Not part of `make test`.  CONFORMANCE_ARGS passes
+# flags, e.g. CONFORMANCE_ARGS="--only infill --target offgrid" or "--all".
+conformance: lib/libllama.so $(VENV)/.ready
+	$(VENV)/bin/python tests/conformance/run.py $(CONFORMANCE_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache
