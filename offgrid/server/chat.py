@@ -118,7 +118,8 @@ def chat_completions(h, body):
     plan = _prepare(f, entry)
     tokens = plan["tokens"]
     gen = generation_from(f, entry.n_vocab, svc.n_predict_default,
-                          ("max_completion_tokens", "max_tokens", "n_predict"))
+                          ("max_completion_tokens", "max_tokens", "n_predict"),
+                          svc.sampling_default)
     gen.sampling.grammar = plan["grammar"]
     gen.sampling.grammar_triggers = tuple(plan["grammar_triggers"])
     gen.preserved_tokens = frozenset(plan["preserved_tokens"])

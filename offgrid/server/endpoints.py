@@ -55,7 +55,7 @@ def props(h, _body):
     svc = h.service
     e = svc.text
     info = e.info
-    defaults = GenerationParams(n_predict=svc.n_predict_default)
+    defaults = GenerationParams(n_predict=svc.n_predict_default, sampling=svc.sampling_default)
     settings = formats.generation_settings(defaults, e.n_ctx, e.id)
     h.send_json(200, {
         "default_generation_settings": {
@@ -189,7 +189,8 @@ def completion(h, body):
     if not f.has("prompt"):
         raise BadRequest('"prompt" must be provided')
     prompt = prompt_from(f.raw("prompt"))
-    gen = generation_from(f, entry.n_vocab, svc.n_predict_default)
+    gen = generation_from(f, entry.n_vocab, svc.n_predict_default,
+                          sampling_default=svc.sampling_default)
     schema, grammar = output_schema_from(f)
     out = entry.call("prepare_completion", "POST /completion", parts=prompt.parts,
                      add_special=True, schema=schema, grammar=grammar)
@@ -203,7 +204,8 @@ def infill(h, body):
     svc = h.service
     entry = svc.entry_for(None, fim=True)
     req = infill_from(f)
-    gen = generation_from(f, entry.n_vocab, svc.n_predict_default)
+    gen = generation_from(f, entry.n_vocab, svc.n_predict_default,
+                          sampling_default=svc.sampling_default)
     gen.cache_reuse = _cache_reuse(f, svc)
     tokens = _infill_tokens(f, entry, req, gen, "POST /infill")
     _run_native(h, f, entry, tokens, gen, "", "infill")
@@ -292,7 +294,7 @@ def v1_completions(h, body):
             raise BadRequest("with 'suffix', 'prompt' must be a string")
         entry = svc.entry_for(None, fim=True)
         gen = generation_from(f, entry.n_vocab, svc.n_predict_default,
-                              ("max_tokens", "n_predict"))
+                              ("max_tokens", "n_predict"), svc.sampling_default)
         gen.cache_reuse = _cache_reuse(f, svc)
         req = InfillRequest(input_prefix=prompt.parts[0], input_suffix=suffix)
         tokens = _infill_tokens(f, entry, req, gen, "POST /v1/completions")
@@ -302,7 +304,7 @@ def v1_completions(h, body):
             raise BadRequest("'prompt' must not be empty")
         entry = svc.entry_for(f.raw("model"))
         gen = generation_from(f, entry.n_vocab, svc.n_predict_default,
-                              ("max_tokens", "n_predict"))
+                              ("max_tokens", "n_predict"), svc.sampling_default)
         schema, grammar = output_schema_from(f)
         out = entry.call("prepare_completion", "POST /v1/completions", parts=prompt.parts,
                          add_special=True, schema=schema, grammar=grammar)
