@@ -41,9 +41,15 @@ $(VENV)/.ready: pyproject.toml
 	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check "pytest>=7" "openai>=1.0"
 	touch $@
 
+# llama-server's test suite needs a few more (requests, wget, aiohttp, ...):
+# tests/test_conformance_subset.py runs part of it.
+$(VENV)/.conformance-ready: $(VENV)/.ready tests/conformance/run.py
+	$(VENV)/bin/python tests/conformance/run.py --install
+	touch $@
+
 venv: $(VENV)/.ready
 
-test: lib/libllama.so $(MODEL) $(VENV)/.ready
+test: lib/libllama.so $(MODEL) $(VENV)/.ready $(VENV)/.conformance-ready
 	$(VENV)/bin/python -m pytest -q -ra $(PYTEST_ARGS) tests
 
 # Air-gapped tarball dist/offgrid-<version>-linux-<arch>.tar.gz: offgrid, a
@@ -71,7 +77,7 @@ soak: lib/libllama.so $(MODEL)
 # table per file in tests/conformance/results/.  Installs the suite's test-only
 # packages into $(VENV).  Not part of `make test`.  CONFORMANCE_ARGS passes
 # flags, e.g. CONFORMANCE_ARGS="--only infill --target offgrid" or "--all".
-conformance: lib/libllama.so $(VENV)/.ready
+conformance: lib/libllama.so $(VENV)/.conformance-ready
 	$(VENV)/bin/python tests/conformance/run.py $(CONFORMANCE_ARGS)
 
 clean:

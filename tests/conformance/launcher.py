@@ -86,7 +86,18 @@ def offgrid_flags(argv):
             as_default.append(flag)
         else:
             dropped.append(flag)
+    per_session_ctx(out, kv_unified="--kv-unified" in argv)
     return out, dropped, as_default
+
+
+def per_session_ctx(flags, kv_unified):
+    """llama-server's --ctx-size is the whole KV cache, split among --parallel slots
+    (unless --kv-unified); offgrid's -c is each session's.  Rewrite -c in place."""
+    if "-c" not in flags or "--parallel" not in flags or kv_unified:
+        return
+    at, n_par = flags.index("-c") + 1, int(flags[flags.index("--parallel") + 1])
+    if n_par > 1 and int(flags[at]) > 0:
+        flags[at] = str(int(flags[at]) // n_par)
 
 
 def offgrid_help():
