@@ -50,6 +50,10 @@ def parse_args(argv=None):
     p.add_argument("-s", "--seed", type=int, default=-1,
                    help="sampling seed of requests that set none (default -1: random "
                    "each request)")
+    p.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve /metrics (default on; llama-server's default is off)")
+    p.add_argument("--slots", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve /slots (default on, as llama-server's)")
     p.add_argument("--api-key", action="append", default=[],
                    help="API key (repeatable; also $OFFGRID_API_KEY)")
     p.add_argument("--api-key-file", help="file with one API key per line")
@@ -216,7 +220,9 @@ def main(argv=None):
                               seed=None if args.seed < 0 or args.seed == 0xFFFFFFFF else args.seed)
     service = Service(text, fim, n_predict_default=args.n_predict,
                       shutdown_grace=args.shutdown_grace, cache_reuse=max(0, args.cache_reuse),
-                      sampling_default=sampling)
+                      sampling_default=sampling, endpoints_off=[
+                          name for name, on in (("metrics", args.metrics),
+                                                ("slots", args.slots)) if not on])
     httpd.RequestHandlerClass.service = service
 
     stop = threading.Event()

@@ -11,7 +11,7 @@ from collections import namedtuple
 from .. import __version__, protocol
 from ..request import FinishReason, GenerationParams, InfillRequest
 from . import chat, formats
-from .errors import BadRequest, Unavailable
+from .errors import BadRequest, HTTPError, Unavailable
 from .params import (Fields, include_usage_from, generation_from, id_slot_from, infill_from,
                      output_schema_from, prompt_from, response_fields_from, MAX_N_CMPL)
 
@@ -90,7 +90,15 @@ def models(h, _body):
     h.send_json(200, {"object": "list", "data": data})
 
 
+def _switched_off(svc, name):
+    """llama-server's 501 for an endpoint the command line turned off."""
+    if name in svc.endpoints_off:
+        raise HTTPError("This server does not support %s endpoint. Start it with `--%s`"
+                        % (name, name), status=501, type="not_supported_error")
+
+
 def slots(h, _body):
+    _switched_off(h.service, "slots")
     out = []
     for e in h.service.entries:
         for s in e.pool.sessions:
@@ -101,6 +109,7 @@ def slots(h, _body):
 
 def metrics(h, _body):
     svc = h.service
+    _switched_off(svc, "metrics")
     m = svc.metrics.snapshot()     # its own copy: other threads count on meanwhile
     busy = sum(e.pool.n_busy for e in svc.entries)
     idle = sum(e.pool.n_idle for e in svc.entries)
@@ -144,7 +153,9 @@ def metrics(h, _body):
         out += ["# HELP %s %s" % (name, help_text), "# TYPE %s %s" % (name, kind)]
         for e in svc.entries:
             out.append('%s{model="%s"} %d' % (name, _label(e.id), value(e.worker)))
-    h.send_text(200, "\n".join(out) + "\n")
+    # llama-server's header: when the counters started, for rates across restarts
+    h.send_text(200, "\n".join(out) + "\n",
+                headers={"Process-Start-Time-Unix": str(int(m.started))})
 
 
 def _label(value):

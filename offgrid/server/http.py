@@ -389,8 +389,8 @@ class Handler(BaseHTTPRequestHandler):
         """A body that is JSON already (bytes), as a worker wrote it."""
         self._send_body(status, body, "application/json; charset=utf-8")
 
-    def send_text(self, status, text, content_type="text/plain; version=0.0.4"):
-        self._send_body(status, text.encode("utf-8"), content_type)
+    def send_text(self, status, text, content_type="text/plain; version=0.0.4", headers=None):
+        self._send_body(status, text.encode("utf-8"), content_type, headers)
 
     def _send_body(self, status, body, content_type, headers=None):
         try:

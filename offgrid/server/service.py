@@ -76,13 +76,15 @@ class Service:
     """Models, pools, supersede table, counters, and the lifecycle of requests."""
 
     def __init__(self, text, fim=None, n_predict_default=-1, shutdown_grace=10.0,
-                 cache_reuse=64, sampling_default=None):
+                 cache_reuse=64, sampling_default=None, endpoints_off=()):
         self.text = text                # ModelEntry for text and chat requests
         self.fim = fim or text          # ModelEntry for /infill and suffix requests
         self.entries = [text] + ([fim] if fim is not None and fim is not text else [])
         self.n_predict_default = n_predict_default
         # what a request's sampling fields default to (--temp, --seed)
         self.sampling_default = sampling_default or SamplingParams()
+        # optional endpoints switched off (--no-metrics, --no-slots): they answer 501
+        self.endpoints_off = frozenset(endpoints_off)
         # minimum run of cached tokens that FIM requests move rather than
         # recompute (0: prefix reuse only); see engine/cachereuse.py
         self.cache_reuse = cache_reuse

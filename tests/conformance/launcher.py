@@ -48,7 +48,8 @@ SAME_VALUE = {
     "--api-key-file": "--api-key-file", "--chat-template": "--chat-template",
     "--chat-template-file": "--chat-template", "--seed": "--seed", "--temp": "--temp",
 }
-SAME_SWITCH = {"--verbose": "-v", "-v": "-v", "--metrics": "--metrics"}
+SAME_SWITCH = {"--verbose": "-v", "-v": "-v", "--metrics": "--metrics",
+               "--no-slots": "--no-slots", "--slots": "--slots"}
 
 # Switches that ask for what offgrid always does; accepted, and logged as such.
 #   --offline        offgrid never downloads anything
@@ -57,8 +58,7 @@ SAME_SWITCH = {"--verbose": "-v", "-v": "-v", "--metrics": "--metrics"}
 #   --cont-batching  -np sessions run requests at once (in turns per decode, not one batch)
 #   --slots          /slots is always served
 #   --no-ui          offgrid has no web UI
-AS_DEFAULT = {"--offline", "--jinja", "--swa-full", "--cont-batching", "-cb", "--slots",
-              "--no-ui"}
+AS_DEFAULT = {"--offline", "--jinja", "--swa-full", "--cont-batching", "-cb", "--no-ui"}
 
 
 def offgrid_flags(argv):
@@ -87,6 +87,8 @@ def offgrid_flags(argv):
         else:
             dropped.append(flag)
     per_session_ctx(out, kv_unified="--kv-unified" in argv)
+    if "--metrics" not in argv:
+        out.append("--no-metrics")      # llama-server's /metrics is off unless asked for
     return out, dropped, as_default
 
 
@@ -135,11 +137,12 @@ def main(argv):
     flags, dropped, as_default = offgrid_flags(argv)
     # flags offgrid may not have yet: kept only where this checkout has them
     known = re.findall(r"--[a-z][a-z-]*", offgrid_help())
-    for flag in ("--seed", "--temp", "--metrics"):
+    for flag in ("--seed", "--temp", "--metrics", "--no-metrics", "--slots", "--no-slots"):
         if flag in flags and flag not in known:
             at = flags.index(flag)
-            del flags[at:at + (1 if flag == "--metrics" else 2)]
-            dropped.append(flag)
+            del flags[at:at + (2 if flag in ("--seed", "--temp") else 1)]
+            if flag != "--no-metrics":
+                dropped.append(flag)
     if "-m" not in flags:
         log(target, {"argv": argv, "dropped": dropped, "as_default": as_default,
                      "error": "no --model (router mode)"})
