@@ -72,6 +72,21 @@ class ModelEntry:
         return self.worker.call(method, what, **args)
 
 
+class ContextExceeded(BadRequest):
+    """llama-server's exceed_context_size_error, with the two sizes its body reports."""
+    type = "exceed_context_size_error"
+
+    def __init__(self, n_prompt_tokens, n_ctx):
+        super().__init__("the request exceeds the available context size: the prompt has "
+                         "%d tokens and the context holds %d" % (n_prompt_tokens, n_ctx))
+        self.n_prompt_tokens, self.n_ctx = n_prompt_tokens, n_ctx
+
+    def body(self):
+        out = super().body()
+        out["error"].update(n_prompt_tokens=self.n_prompt_tokens, n_ctx=self.n_ctx)
+        return out
+
+
 class Service:
     """Models, pools, supersede table, counters, and the lifecycle of requests."""
 
@@ -122,9 +137,7 @@ class Service:
             raise Unavailable("server is shutting down")
         if len(tokens) >= entry.n_ctx:
             # refuse before queueing: waiting for a session only to fail wastes the wait
-            raise BadRequest("the request exceeds the available context size: the prompt has "
-                             "%d tokens and the context holds %d" % (len(tokens), entry.n_ctx),
-                             type="exceed_context_size_error")
+            raise ContextExceeded(len(tokens), entry.n_ctx)
         cancel = cancel or RequestCancel()
         key = (entry.id, id_slot) if id_slot >= 0 else None
         with self._lock:

@@ -40,8 +40,8 @@ VALUE_FLAGS = {
 
 # llama-server flag -> offgrid flag, value passed as it is
 SAME_VALUE = {
-    "--port": "--port", "--host": "--host", "-m": "-m", "--model": "-m", "-a": "-a",
-    "--alias": "-a", "-c": "-c", "--ctx-size": "-c", "-b": "-b", "--batch-size": "-b",
+    "--port": "--port", "--host": "--host", "-m": "-m", "--model": "-m",
+    "-c": "-c", "--ctx-size": "-c", "-b": "-b", "--batch-size": "-b",
     "-ub": "-ub", "--ubatch-size": "-ub", "-t": "-t", "--threads": "-t", "-tb": "-tb",
     "--threads-batch": "-tb", "-np": "--parallel", "--parallel": "--parallel",
     "-n": "-n", "--n-predict": "-n", "--api-key": "--api-key",
@@ -76,10 +76,12 @@ def offgrid_flags(argv):
         i += 1
         if flag in SAME_VALUE and value is not None:
             out += [SAME_VALUE[flag], value]
-        elif flag == "--cors-origins" and value is not None:
-            for origin in value.split(","):
-                if origin.strip():
-                    out += ["--cors-origin", origin.strip()]
+        elif flag in ("--cors-origins", "-a", "--alias") and value is not None:
+            # comma lists in llama-server, a repeated flag in offgrid
+            to = "--cors-origin" if flag == "--cors-origins" else "-a"
+            for item in value.split(","):
+                if item.strip():
+                    out += [to, item.strip()]
         elif flag in SAME_SWITCH:
             out.append(SAME_SWITCH[flag])
         elif flag in AS_DEFAULT:
