@@ -132,8 +132,12 @@ def chat_completions(h, body):
 
     if not stream:
         c = svc.generate(entry, tokens, gen, id_slot, sock=h.connection, chat=chat, what=what)
-        h.send_json(200, formats.oai_chat(c, entry.id, cid, created,
-                                          message=_message(c.reply), finish=_finish(c)))
+        out = formats.oai_chat(c, entry.id, cid, created, message=_message(c.reply),
+                               finish=_finish(c))
+        if h.verbose:   # llama-server --verbose: the native result too, with the prompt text
+            out["__verbose"] = formats.native_final(c, entry.id, gen, entry.n_ctx, id_slot,
+                                                    plan["text"])
+        h.send_json(200, out)
         return
 
     include_usage = include_usage_from(f)
