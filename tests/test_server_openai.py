@@ -158,7 +158,9 @@ def test_verbose_chat_answers_carry_the_prompt_as_llama_servers_do(gemma_path):
     assert verbose["content"] == body["choices"][0]["message"]["content"]
 
 
-def test_chat_answers_leave_verbose_out_by_default(client):
-    r = client.chat.completions.with_raw_response.create(
-        model="gemma", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
-    assert "__verbose" not in r.http_response.json()
+def test_chat_answers_leave_verbose_out_by_default(srv):
+    body = {"model": "gemma", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    key = {"Authorization": "Bearer sk-test-1"}
+    assert "__verbose" not in srv.post("/v1/chat/completions", body, headers=key)[2]
+    verbose = srv.post("/v1/chat/completions", dict(body, verbose=True), headers=key)[2]
+    assert "hi" in verbose["__verbose"]["prompt"]

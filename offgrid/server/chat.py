@@ -134,7 +134,8 @@ def chat_completions(h, body):
         c = svc.generate(entry, tokens, gen, id_slot, sock=h.connection, chat=chat, what=what)
         out = formats.oai_chat(c, entry.id, cid, created, message=_message(c.reply),
                                finish=_finish(c))
-        if h.verbose:   # llama-server --verbose: the native result too, with the prompt text
+        # "verbose" (default: the server's -v): the native result too, with the prompt text
+        if f.bool("verbose", h.verbose):
             out["__verbose"] = formats.native_final(c, entry.id, gen, entry.n_ctx, id_slot,
                                                     plan["text"])
         h.send_json(200, out)
