@@ -164,3 +164,9 @@ def test_chat_answers_leave_verbose_out_by_default(srv):
     assert "__verbose" not in srv.post("/v1/chat/completions", body, headers=key)[2]
     verbose = srv.post("/v1/chat/completions", dict(body, verbose=True), headers=key)[2]
     assert "hi" in verbose["__verbose"]["prompt"]
+
+
+def test_system_fingerprint_has_llama_servers_shape(client):
+    r = client.chat.completions.create(model="gemma", max_tokens=1,
+                                       messages=[{"role": "user", "content": "hi"}])
+    assert r.system_fingerprint.startswith("b0-offgrid-")

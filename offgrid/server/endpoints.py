@@ -8,7 +8,7 @@ written here.
 
 from collections import namedtuple
 
-from .. import __version__, protocol
+from .. import protocol
 from ..request import FinishReason, GenerationParams, InfillRequest
 from . import chat, formats
 from .errors import BadRequest, HTTPError, Unavailable
@@ -70,7 +70,7 @@ def props(h, _body):
         "chat_template": info["chat_template"],
         "chat_template_caps": info["caps"],
         "modalities": {"vision": False, "audio": False},
-        "build_info": "offgrid-" + __version__,
+        "build_info": formats.FINGERPRINT,
         "is_sleeping": False,
         "infill": svc.fim.has_fim,
     })
