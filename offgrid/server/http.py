@@ -323,7 +323,15 @@ class Handler(BaseHTTPRequestHandler):
             raise Unauthorized("Invalid API Key", headers={"WWW-Authenticate": "Bearer"})
 
     def _origin_allowed(self, origin):
-        return origin in self.cors_origins
+        if origin in self.cors_origins:
+            return True
+        # llama-server's keyword "localhost": a page on this machine, on any port
+        if "localhost" in self.cors_origins:
+            try:
+                return urlsplit(origin).hostname in ("localhost", "127.0.0.1", "::1")
+            except ValueError:
+                return False
+        return False
 
     def _check_origin(self):
         """Refuse a web page on another origin, even where CORS would hide the answer.
