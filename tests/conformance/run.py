@@ -119,7 +119,14 @@ def run_file(name, target, tests_dir, python, binary, timeout, extra):
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)   # pytest and the servers it started
+            # Ctrl-C first: pytest stops, its fixtures stop the server, and the
+            # JUnit XML keeps the tests that ran; then whatever is left
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             rc = "timeout"
     return rc, time.monotonic() - start
