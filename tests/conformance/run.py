@@ -129,7 +129,9 @@ def run_file(name, target, tests_dir, python, binary, timeout, extra):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             rc = "timeout"
-    return rc, time.monotonic() - start
+    took = time.monotonic() - start
+    (out / ("test_%s.rc" % name)).write_text("%s %.0f\n" % (rc, took))
+    return rc, took
 
 
 # -- reading results ----------------------------------------------------------------
@@ -186,6 +188,10 @@ def summarize(names):
             for flag in record.get("dropped", []):
                 dropped[flag].add(record.get("test") or name)
         row = {"file": "test_%s.py" % name}
+        timed_out = [t for t in TARGETS if (RESULTS / t / ("test_%s.rc" % name)).is_file()
+                     and (RESULTS / t / ("test_%s.rc" % name)).read_text().startswith("timeout")]
+        if timed_out:
+            row["file"] += " (timed out on %s)" % ", ".join(timed_out)
         if got["llama-server"] is None and got["offgrid"] is None:
             rows.append(dict(row, run=False))
             continue
