@@ -236,7 +236,16 @@ def prompt_from(v, where="prompt"):
     """``prompt``: a string, a token list, a mixed list, or a one-element list of those.
 
     Returns a Prompt.  Several prompts (OpenAI's batch form) are refused: n=1 only.
+    llama-server's JSON prompt ``{"prompt_string": "..."}`` is the string; with
+    ``multimodal_data`` it is refused (no model here takes images or audio).
     """
+    if isinstance(v, dict):
+        if v.get("multimodal_data"):
+            raise BadRequest("'%s' has multimodal_data, but this server has no multimodal "
+                             "model" % where)
+        v = v.get("prompt_string")
+        if not isinstance(v, str):
+            raise BadRequest("'%s' as an object needs a string 'prompt_string'" % where)
     while isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
         v = v[0]        # [[...]] and ["..."]: one prompt, unwrapped (a loop: no recursion)
     if isinstance(v, str):

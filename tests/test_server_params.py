@@ -1,6 +1,6 @@
-"""--temp and --seed: the server-wide defaults of requests that set no temperature or seed.
+"""Request fields parsed at the edge (server/params.py) the llama-server way.
 
-llama-server's test suite starts every server with ``--temp 0.8 --seed 42``
+--temp and --seed: llama-server's test suite starts every server with ``--temp 0.8 --seed 42``
 and expects two identical requests to sample the same text; a request's own
 field still wins.
 """
@@ -46,3 +46,18 @@ def test_the_flags_are_llama_servers():
     assert (args.temp, args.seed) == (0.0, 42)
     args = parse_args(["-m", "x.gguf", "-s", "3"])
     assert (args.temp, args.seed) == (0.8, 3)
+
+
+# -- llama-server's JSON prompt form (params.prompt_from) -----------------------------
+
+def test_a_json_prompt_object_is_its_prompt_string():
+    from offgrid.server.params import prompt_from
+    assert prompt_from({"prompt_string": "I believe"}).parts == ["I believe"]
+
+
+def test_a_json_prompt_with_multimodal_data_is_refused():
+    import pytest
+    from offgrid.server.errors import BadRequest
+    from offgrid.server.params import prompt_from
+    with pytest.raises(BadRequest, match="multimodal"):
+        prompt_from({"prompt_string": "x <__media__>", "multimodal_data": ["iVBOR"]})
