@@ -239,6 +239,7 @@ def test_metrics_are_prometheus_text(srv):
     assert m["llamacpp:tokens_predicted_total"] > 0
     assert m["offgrid_sessions_idle"] + m["offgrid_sessions_busy"] == 2
     assert 'offgrid_requests_total{endpoint="infill"}' in m
+    assert m["llamacpp:prompt_tokens_cached_total"] == m["offgrid_prompt_tokens_cached_total"]
 
 
 def test_metrics_say_when_the_counters_started(srv):

@@ -116,6 +116,8 @@ def metrics(h, _body):
     waiting = sum(e.pool.n_waiting for e in svc.entries)
     lines = [
         ("counter", "llamacpp:prompt_tokens_total", "Prompt tokens evaluated.", m.prompt_tokens),
+        ("counter", "llamacpp:prompt_tokens_cached_total", "Prompt tokens reused from the "
+         "cache.", m.cached_tokens),
         ("counter", "llamacpp:prompt_seconds_total", "Prompt evaluation time.", m.prompt_seconds),
         ("counter", "llamacpp:tokens_predicted_total", "Tokens generated.", m.predicted_tokens),
         ("counter", "llamacpp:tokens_predicted_seconds_total", "Generation time.",
