@@ -144,6 +144,8 @@ def outcomes(target, name):
     found = {}
     for case in ET.parse(xml).iter("testcase"):
         test = case.get("name")
+        if not test:
+            continue        # an interrupted run's placeholder
         outcome, why = "pass", ""
         for child in case:
             if child.tag in ("failure", "error"):
