@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 
 export PORTABLE
 
-.PHONY: all lib model run test test-fast venv bench soak bundle clean
+.PHONY: all lib model run test test-fast venv bench soak bundle conformance clean
 
 all: lib model
 
@@ -50,9 +50,15 @@ $(VENV)/.ready: pyproject.toml
 		"anthropic>=0.50" "ollama>=0.5" "langchain-ollama>=1.0"
 	touch $@
 
+# llama-server's test suite needs a few more (requests, wget, aiohttp, ...):
+# tests/test_conformance_subset.py runs part of it.
+$(VENV)/.conformance-ready: $(VENV)/.ready tests/conformance/run.py
+	$(VENV)/bin/python tests/conformance/run.py --install
+	touch $@
+
 venv: $(VENV)/.ready
 
-test: lib/libllama.so $(MODELS) $(VENV)/.ready
+test: lib/libllama.so $(MODELS) $(VENV)/.ready $(VENV)/.conformance-ready
 	$(VENV)/bin/python -m pytest -q -ra $(PYTEST_ARGS) tests
 
 # The suite less the tests marked slow (a portable libllama build, minute-long
@@ -81,6 +87,14 @@ bench: lib/libllama.so $(BENCH_MODEL)
 # SOAK_ARGS passes flags, e.g. SOAK_ARGS="--minutes 1".
 soak: lib/libllama.so $(MODEL)
 	$(PYTHON) scripts/soak.py --model $(MODEL) $(SOAK_ARGS)
+
+# llama.cpp's own server tests (tools/server/tests of the pinned source, copied
+# and patched to use our models) against llama-server and against offgrid; a
+# table per file in tests/conformance/results/.  Installs the suite's test-only
+# packages into $(VENV).  Not part of `make test`.  CONFORMANCE_ARGS passes
+# flags, e.g. CONFORMANCE_ARGS="--only infill --target offgrid" or "--all".
+conformance: lib/libllama.so $(VENV)/.conformance-ready
+	$(VENV)/bin/python tests/conformance/run.py $(CONFORMANCE_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache

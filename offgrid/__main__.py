@@ -18,6 +18,7 @@ import threading
 
 from . import __version__
 from .errors import ModelLoadError, OffgridError
+from .request import SamplingParams
 
 
 def parse_args(argv=None):
@@ -44,6 +45,15 @@ def parse_args(argv=None):
                    help="sessions per model, i.e. requests run at once (default 1)")
     p.add_argument("-n", "--n-predict", type=int, default=-1,
                    help="default tokens to generate when a request sets none (-1: no limit)")
+    p.add_argument("--temp", type=float, default=0.8,
+                   help="temperature of requests that set none (default 0.8; 0: greedy)")
+    p.add_argument("-s", "--seed", type=int, default=-1,
+                   help="sampling seed of requests that set none (default -1: random "
+                   "each request)")
+    p.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve /metrics (default on; llama-server's default is off)")
+    p.add_argument("--slots", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve /slots (default on, as llama-server's)")
     p.add_argument("--api-key", action="append", default=[],
                    help="API key (repeatable; also $OFFGRID_API_KEY)")
     p.add_argument("--api-key-file", help="file with one API key per line")
@@ -206,8 +216,13 @@ def main(argv=None):
         return 1
     text = entries[0]
     fim = entries[1] if len(entries) > 1 else None
+    sampling = SamplingParams(temperature=max(0.0, args.temp),
+                              seed=None if args.seed < 0 or args.seed == 0xFFFFFFFF else args.seed)
     service = Service(text, fim, n_predict_default=args.n_predict,
-                      shutdown_grace=args.shutdown_grace, cache_reuse=max(0, args.cache_reuse))
+                      shutdown_grace=args.shutdown_grace, cache_reuse=max(0, args.cache_reuse),
+                      sampling_default=sampling, endpoints_off=[
+                          name for name, on in (("metrics", args.metrics),
+                                                ("slots", args.slots)) if not on])
     httpd.RequestHandlerClass.service = service
 
     stop = threading.Event()

@@ -391,3 +391,15 @@ def test_no_request_reads_or_writes_files_or_loads_a_model(open_srv, fim_model_p
 
     assert not target.exists() and list(tmp_path.iterdir()) == []
     assert rawhttp.open_files_of(pid) == files_before
+
+
+def test_cors_localhost_keyword_allows_pages_on_this_machine_on_any_port(plain_model_path):
+    with ServerProcess(plain_model_path, "--cors-origin", "localhost", threads=1, ctx=512) as s:
+        for origin in ("http://localhost", "http://localhost:5173", "http://127.0.0.1:3000",
+                       "http://[::1]:8080"):
+            status, headers, _ = preflight(s, origin)
+            assert status == 204 and headers["Access-Control-Allow-Origin"] == origin
+        for origin in ("http://localhost.evil.example", "http://notlocalhost",
+                       "http://evil.example"):
+            status, headers, _ = preflight(s, origin)
+            assert status == 403 and "Access-Control-Allow-Origin" not in headers

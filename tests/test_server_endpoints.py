@@ -6,6 +6,8 @@ read ``content``, ``timings/*``, ``truncated`` and ``tokens_cached`` through
 ``finish_reason``; streams must be well-formed SSE that end as the protocol says.
 """
 
+import time
+
 import pytest
 
 try:
@@ -237,6 +239,22 @@ def test_metrics_are_prometheus_text(srv):
     assert m["llamacpp:tokens_predicted_total"] > 0
     assert m["offgrid_sessions_idle"] + m["offgrid_sessions_busy"] == 2
     assert 'offgrid_requests_total{endpoint="infill"}' in m
+    assert m["llamacpp:prompt_tokens_cached_total"] == m["offgrid_prompt_tokens_cached_total"]
+
+
+def test_metrics_say_when_the_counters_started(srv):
+    status, headers, _ = srv.get("/metrics")
+    assert status == 200
+    assert 0 < time.time() - int(headers["Process-Start-Time-Unix"]) < 3600
+
+
+def test_metrics_and_slots_switched_off_answer_501(fim_model_path):
+    with ServerProcess(fim_model_path, "--no-metrics", "--no-slots") as s:
+        for path, flag in (("/metrics", "--metrics"), ("/slots", "--slots")):
+            status, _, body = s.get(path)
+            assert status == 501, path
+            assert body["error"]["type"] == "not_supported_error"
+            assert flag in body["error"]["message"]
 
 
 def test_any_authorization_is_accepted_without_keys(srv):

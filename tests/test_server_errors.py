@@ -48,6 +48,13 @@ def test_bad_requests_get_json_errors(srv, method, path, body, status, kind):
     assert srv.post("/completion", {"prompt": "ok", "n_predict": 2})[0] == 200
 
 
+def test_a_prompt_over_the_context_says_both_sizes(srv):
+    status, _, body = srv.post("/completion", {"prompt": "x " * 3000})
+    assert status == 400
+    err = body["error"]
+    assert err["n_prompt_tokens"] >= 3000 and 0 < err["n_ctx"] < err["n_prompt_tokens"]
+
+
 def test_body_over_the_limit_is_413(srv):
     assert_error(srv.post("/completion", {"prompt": "x" * 20000}), 413)
     assert srv.get("/health")[0] == 200

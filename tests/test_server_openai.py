@@ -145,3 +145,28 @@ def test_a_superseded_completion_finishes_with_an_openai_reason(srv):
     assert body["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls",
                                                    "content_filter")
     assert body["usage"]["completion_tokens"] < 400, "it was not superseded"
+
+
+def test_verbose_chat_answers_carry_the_prompt_as_llama_servers_do(gemma_path):
+    with ServerProcess(gemma_path, "-v") as s:
+        status, _, body = s.post("/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "What is the best book"}],
+            "max_tokens": 2})
+    assert status == 200
+    verbose = body["__verbose"]
+    assert "What is the best book" in verbose["prompt"]
+    assert verbose["content"] == body["choices"][0]["message"]["content"]
+
+
+def test_chat_answers_leave_verbose_out_by_default(srv):
+    body = {"model": "gemma", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    key = {"Authorization": "Bearer sk-test-1"}
+    assert "__verbose" not in srv.post("/v1/chat/completions", body, headers=key)[2]
+    verbose = srv.post("/v1/chat/completions", dict(body, verbose=True), headers=key)[2]
+    assert "hi" in verbose["__verbose"]["prompt"]
+
+
+def test_system_fingerprint_has_llama_servers_shape(client):
+    r = client.chat.completions.create(model="gemma", max_tokens=1,
+                                       messages=[{"role": "user", "content": "hi"}])
+    assert r.system_fingerprint.startswith("b0-offgrid-")

@@ -248,7 +248,8 @@ def messages(h, body):
     entry = svc.entry_for(f.raw("model"))
     what = "POST /v1/messages"
     plan = _prepare(f, entry, what)
-    gen = generation_from(f, entry.n_vocab, svc.n_predict_default, ("max_tokens",))
+    gen = generation_from(f, entry.n_vocab, svc.n_predict_default, ("max_tokens",),
+                          svc.sampling_default)
     gen.stop = f.stop_list("stop_sequences")
     chat.apply_plan(gen, plan)
     tokens = plan["tokens"]

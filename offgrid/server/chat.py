@@ -139,7 +139,8 @@ def chat_completions(h, body):
     plan = _prepare(f, entry)
     tokens = plan["tokens"]
     gen = generation_from(f, entry.n_vocab, svc.n_predict_default,
-                          ("max_completion_tokens", "max_tokens", "n_predict"))
+                          ("max_completion_tokens", "max_tokens", "n_predict"),
+                          svc.sampling_default)
     apply_plan(gen, plan)
     chat_probs_from(f, gen)
     post = gen.post_sampling_probs
@@ -152,8 +153,13 @@ def chat_completions(h, body):
 
     if not stream:
         c = svc.generate(entry, tokens, gen, id_slot, sock=h.connection, chat=chat, what=what)
-        h.send_json(200, formats.oai_chat(c, entry.id, cid, created, message=_message(c.reply),
-                                          finish=_finish(c), post=post))
+        out = formats.oai_chat(c, entry.id, cid, created, message=_message(c.reply),
+                               finish=_finish(c), post=post)
+        # "verbose" (default: the server's -v): the native result too, with the prompt text
+        if f.bool("verbose", h.verbose):
+            out["__verbose"] = formats.native_final(c, entry.id, gen, entry.n_ctx, id_slot,
+                                                    plan["text"])
+        h.send_json(200, out)
         return
 
     include_usage = include_usage_from(f)

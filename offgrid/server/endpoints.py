@@ -12,7 +12,7 @@ from .. import __version__
 from ..errors import OffgridError
 from ..request import FinishReason, GenerationParams, InfillRequest
 from . import anthropic, chat, formats, ollama, ollama_models, responses
-from .errors import BadRequest, Unavailable
+from .errors import BadRequest, HTTPError, Unavailable
 from .prompts import infill_tokens
 from .params import (Fields, completion_probs_from, include_usage_from, generation_from,
                      id_slot_from, infill_from, native_probs_from, output_schema_from,
@@ -55,7 +55,7 @@ def props(h, _body):
     svc = h.service
     e = svc.text
     info = e.info
-    defaults = GenerationParams(n_predict=svc.n_predict_default)
+    defaults = GenerationParams(n_predict=svc.n_predict_default, sampling=svc.sampling_default)
     settings = formats.generation_settings(defaults, e.n_ctx, e.id)
     h.send_json(200, {
         "default_generation_settings": {
@@ -70,7 +70,7 @@ def props(h, _body):
         "chat_template": info["chat_template"],
         "chat_template_caps": info["caps"],
         "modalities": {"vision": False, "audio": False},
-        "build_info": "offgrid-" + __version__,
+        "build_info": formats.FINGERPRINT,
         "is_sleeping": False,
         "infill": svc.fim.has_fim,
     })
@@ -90,7 +90,15 @@ def models(h, _body):
     h.send_json(200, {"object": "list", "data": data})
 
 
+def _switched_off(svc, name):
+    """llama-server's 501 for an endpoint the command line turned off."""
+    if name in svc.endpoints_off:
+        raise HTTPError("This server does not support %s endpoint. Start it with `--%s`"
+                        % (name, name), status=501, type="not_supported_error")
+
+
 def slots(h, _body):
+    _switched_off(h.service, "slots")
     out = []
     for e in h.service.entries:
         # live from the worker (a running request's cache grows); the front's
@@ -109,12 +117,15 @@ def slots(h, _body):
 
 def metrics(h, _body):
     svc = h.service
+    _switched_off(svc, "metrics")
     m = svc.metrics.snapshot()     # its own copy: other threads count on meanwhile
     busy = sum(e.pool.n_busy for e in svc.entries)
     idle = sum(e.pool.n_idle for e in svc.entries)
     waiting = sum(e.pool.n_waiting for e in svc.entries)
     lines = [
         ("counter", "llamacpp:prompt_tokens_total", "Prompt tokens evaluated.", m.prompt_tokens),
+        ("counter", "llamacpp:prompt_tokens_cached_total", "Prompt tokens reused from the "
+         "cache.", m.cached_tokens),
         ("counter", "llamacpp:prompt_seconds_total", "Prompt evaluation time.", m.prompt_seconds),
         ("counter", "llamacpp:tokens_predicted_total", "Tokens generated.", m.predicted_tokens),
         ("counter", "llamacpp:tokens_predicted_seconds_total", "Generation time.",
@@ -152,7 +163,9 @@ def metrics(h, _body):
         out += ["# HELP %s %s" % (name, help_text), "# TYPE %s %s" % (name, kind)]
         for e in svc.entries:
             out.append('%s{model="%s"} %d' % (name, _label(e.id), value(e.worker)))
-    h.send_text(200, "\n".join(out) + "\n")
+    # llama-server's header: when the counters started, for rates across restarts
+    h.send_text(200, "\n".join(out) + "\n",
+                headers={"Process-Start-Time-Unix": str(int(m.started))})
 
 
 def _label(value):
@@ -202,7 +215,8 @@ def completion(h, body):
     if not f.has("prompt"):
         raise BadRequest('"prompt" must be provided')
     prompt = prompt_from(f.raw("prompt"))
-    gen = generation_from(f, entry.n_vocab, svc.n_predict_default)
+    gen = generation_from(f, entry.n_vocab, svc.n_predict_default,
+                          sampling_default=svc.sampling_default)
     native_probs_from(f, gen, entry.n_vocab)
     schema, grammar = output_schema_from(f)
     out = entry.call("prepare_completion", "POST /completion", parts=prompt.parts,
@@ -217,7 +231,8 @@ def infill(h, body):
     svc = h.service
     entry = svc.entry_for(None, fim=True)
     req = infill_from(f)
-    gen = generation_from(f, entry.n_vocab, svc.n_predict_default)
+    gen = generation_from(f, entry.n_vocab, svc.n_predict_default,
+                          sampling_default=svc.sampling_default)
     native_probs_from(f, gen, entry.n_vocab)
     gen.cache_reuse = _cache_reuse(f, svc)
     tokens = infill_tokens(f, entry, req, gen, "POST /infill")
@@ -294,7 +309,7 @@ def v1_completions(h, body):
             raise BadRequest("with 'suffix', 'prompt' must be a string")
         entry = svc.entry_for(None, fim=True)
         gen = generation_from(f, entry.n_vocab, svc.n_predict_default,
-                              ("max_tokens", "n_predict"))
+                              ("max_tokens", "n_predict"), svc.sampling_default)
         completion_probs_from(f, gen, entry.n_vocab)
         gen.cache_reuse = _cache_reuse(f, svc)
         req = InfillRequest(input_prefix=prompt.parts[0], input_suffix=suffix)
@@ -305,7 +320,7 @@ def v1_completions(h, body):
             raise BadRequest("'prompt' must not be empty")
         entry = svc.entry_for(f.raw("model"))
         gen = generation_from(f, entry.n_vocab, svc.n_predict_default,
-                              ("max_tokens", "n_predict"))
+                              ("max_tokens", "n_predict"), svc.sampling_default)
         completion_probs_from(f, gen, entry.n_vocab)
         schema, grammar = output_schema_from(f)
         out = entry.call("prepare_completion", "POST /v1/completions", parts=prompt.parts,

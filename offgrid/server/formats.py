@@ -223,7 +223,7 @@ def usage(c):
 def _envelope(obj, model_name, cid, created, choices):
     """The fields every OpenAI response and chunk carries around its choices."""
     return {"id": cid, "object": obj, "created": created, "model": model_name,
-            "system_fingerprint": _FINGERPRINT, "choices": choices}
+            "system_fingerprint": FINGERPRINT, "choices": choices}
 
 
 def oai_completion(c, model_name, cid, created):
@@ -273,8 +273,10 @@ def now():
 
 
 def _fingerprint():
+    """llama-server's shape, ``b<build>-<commit>`` (clients check the "b"): the pinned
+    source has no git history, so its build number is 0, as its llama-server says."""
     from .. import __version__
-    return "offgrid-" + __version__
+    return "b0-offgrid-" + __version__
 
 
-_FINGERPRINT = _fingerprint()
+FINGERPRINT = _fingerprint()

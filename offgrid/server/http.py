@@ -352,7 +352,15 @@ class Handler(BaseHTTPRequestHandler):
             raise Unauthorized("Invalid API Key", headers={"WWW-Authenticate": "Bearer"})
 
     def _origin_allowed(self, origin):
-        return origin in self.cors_origins
+        if origin in self.cors_origins:
+            return True
+        # llama-server's keyword "localhost": a page on this machine, on any port
+        if "localhost" in self.cors_origins:
+            try:
+                return urlsplit(origin).hostname in ("localhost", "127.0.0.1", "::1")
+            except ValueError:
+                return False
+        return False
 
     def _check_origin(self):
         """Refuse a web page on another origin, even where CORS would hide the answer.
@@ -418,8 +426,8 @@ class Handler(BaseHTTPRequestHandler):
         """A body that is JSON already (bytes), as a worker wrote it."""
         self._send_body(status, body, "application/json; charset=utf-8")
 
-    def send_text(self, status, text, content_type="text/plain; version=0.0.4"):
-        self._send_body(status, text.encode("utf-8"), content_type)
+    def send_text(self, status, text, content_type="text/plain; version=0.0.4", headers=None):
+        self._send_body(status, text.encode("utf-8"), content_type, headers)
 
     def _send_body(self, status, body, content_type, headers=None):
         try:

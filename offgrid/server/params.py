@@ -6,6 +6,7 @@ client sends) are ignored whatever their type, as llama-server ignores them.
 Nothing below this module sees a dict from a client.
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import List, Union
@@ -108,9 +109,13 @@ class Fields:
         return [s for s in v if s]
 
 
-def sampling_from(f, n_vocab):
-    """SamplingParams from llama-server's / OpenAI's sampling fields."""
-    p = SamplingParams()
+def sampling_from(f, n_vocab, base=None):
+    """SamplingParams from llama-server's / OpenAI's sampling fields.
+
+    A field the request leaves out takes its value from ``base``: the
+    server-wide defaults of ``--temp`` and ``--seed``, as llama-server's do.
+    """
+    p = dataclasses.replace(base) if base is not None else SamplingParams()
     p.temperature = f.float("temperature", p.temperature, lo=0.0)
     p.dynatemp_range = f.float("dynatemp_range", p.dynatemp_range, lo=0.0)
     p.dynatemp_exponent = f.float("dynatemp_exponent", p.dynatemp_exponent)
@@ -122,7 +127,7 @@ def sampling_from(f, n_vocab):
     p.repeat_last_n = f.int("repeat_last_n", p.repeat_last_n, lo=-1, hi=MAX_REPEAT_LAST_N)
     p.presence_penalty = f.float("presence_penalty", p.presence_penalty, lo=-2.0, hi=2.0)
     p.frequency_penalty = f.float("frequency_penalty", p.frequency_penalty, lo=-2.0, hi=2.0)
-    seed = f.int("seed", -1, lo=-(2 ** 63), hi=2 ** 64 - 1)
+    seed = f.int("seed", -1 if p.seed is None else p.seed, lo=-(2 ** 63), hi=2 ** 64 - 1)
     p.seed = None if seed < 0 or seed == 0xFFFFFFFF else seed
     samplers = f.raw("samplers")
     if samplers is not None:
@@ -168,8 +173,10 @@ def _logit_bias(v, n_vocab):
     return out
 
 
-def generation_from(f, n_vocab, n_predict_default=-1, max_tokens_names=("n_predict", "max_tokens")):
-    """GenerationParams from a request's generation fields."""
+def generation_from(f, n_vocab, n_predict_default=-1, max_tokens_names=("n_predict", "max_tokens"),
+                    sampling_default=None):
+    """GenerationParams from a request's generation fields (``sampling_default``: see
+    sampling_from)."""
     g = GenerationParams()
     n_predict = n_predict_default
     for name in max_tokens_names:
@@ -179,7 +186,7 @@ def generation_from(f, n_vocab, n_predict_default=-1, max_tokens_names=("n_predi
             break
     g.n_predict = n_predict
     g.stop = f.stop_list("stop")
-    g.sampling = sampling_from(f, n_vocab)
+    g.sampling = sampling_from(f, n_vocab, sampling_default)
     g.ignore_eos = f.bool("ignore_eos", False)
     g.cache_prompt = f.bool("cache_prompt", True)
     g.t_max_predict_ms = f.int("t_max_predict_ms", 0, lo=0, hi=MAX_N_PREDICT)
@@ -235,7 +242,16 @@ def prompt_from(v, where="prompt"):
     """``prompt``: a string, a token list, a mixed list, or a one-element list of those.
 
     Returns a Prompt.  Several prompts (OpenAI's batch form) are refused: n=1 only.
+    llama-server's JSON prompt ``{"prompt_string": "..."}`` is the string; with
+    ``multimodal_data`` it is refused (no model here takes images or audio).
     """
+    if isinstance(v, dict):
+        if v.get("multimodal_data"):
+            raise BadRequest("'%s' has multimodal_data, but this server has no multimodal "
+                             "model" % where)
+        v = v.get("prompt_string")
+        if not isinstance(v, str):
+            raise BadRequest("'%s' as an object needs a string 'prompt_string'" % where)
     while isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
         v = v[0]        # [[...]] and ["..."]: one prompt, unwrapped (a loop: no recursion)
     if isinstance(v, str):

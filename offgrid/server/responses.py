@@ -291,7 +291,8 @@ def responses(h, body):
     plan = chat.prepare(entry, messages, tools, tool_choice, schema=_schema_from(f.raw("text")),
                         enable_thinking=enable_thinking, kwargs=kwargs,
                         parallel_tool_calls=parallel, what=what)
-    gen = generation_from(f, entry.n_vocab, svc.n_predict_default, ("max_output_tokens",))
+    gen = generation_from(f, entry.n_vocab, svc.n_predict_default, ("max_output_tokens",),
+                          svc.sampling_default)
     gen.stop = []       # the Responses API has no stop strings
     chat.apply_plan(gen, plan)
     req = _Request(f, gen, tool_choice, f.raw("tools"))

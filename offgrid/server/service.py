@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import List
 
-from ..request import Completion, FinishReason, RequestCancel, Usage
+from ..request import Completion, FinishReason, RequestCancel, SamplingParams, Usage
 from .. import protocol
 from .errors import BadRequest, Unavailable
 from .metrics import Metrics
@@ -72,15 +72,34 @@ class ModelEntry:
         return self.worker.call(method, what, **args)
 
 
+class ContextExceeded(BadRequest):
+    """llama-server's exceed_context_size_error, with the two sizes its body reports."""
+    type = "exceed_context_size_error"
+
+    def __init__(self, n_prompt_tokens, n_ctx):
+        super().__init__("the request exceeds the available context size: the prompt has "
+                         "%d tokens and the context holds %d" % (n_prompt_tokens, n_ctx))
+        self.n_prompt_tokens, self.n_ctx = n_prompt_tokens, n_ctx
+
+    def body(self):
+        out = super().body()
+        out["error"].update(n_prompt_tokens=self.n_prompt_tokens, n_ctx=self.n_ctx)
+        return out
+
+
 class Service:
     """Models, pools, supersede table, counters, and the lifecycle of requests."""
 
     def __init__(self, text, fim=None, n_predict_default=-1, shutdown_grace=10.0,
-                 cache_reuse=64):
+                 cache_reuse=64, sampling_default=None, endpoints_off=()):
         self.text = text                # ModelEntry for text and chat requests
         self.fim = fim or text          # ModelEntry for /infill and suffix requests
         self.entries = [text] + ([fim] if fim is not None and fim is not text else [])
         self.n_predict_default = n_predict_default
+        # what a request's sampling fields default to (--temp, --seed)
+        self.sampling_default = sampling_default or SamplingParams()
+        # optional endpoints switched off (--no-metrics, --no-slots): they answer 501
+        self.endpoints_off = frozenset(endpoints_off)
         # minimum run of cached tokens that FIM requests move rather than
         # recompute (0: prefix reuse only); see engine/cachereuse.py
         self.cache_reuse = cache_reuse
@@ -120,9 +139,7 @@ class Service:
             raise Unavailable("server is shutting down")
         if len(tokens) >= entry.n_ctx:
             # refuse before queueing: waiting for a session only to fail wastes the wait
-            raise BadRequest("the request exceeds the available context size: the prompt has "
-                             "%d tokens and the context holds %d" % (len(tokens), entry.n_ctx),
-                             type="exceed_context_size_error")
+            raise ContextExceeded(len(tokens), entry.n_ctx)
         cancel = cancel or RequestCancel()
         key = (entry.id, id_slot) if id_slot >= 0 else None
         with self._lock:

@@ -1,0 +1,166 @@
+#!/usr/bin/env python3
+"""A stand-in for the ``llama-server`` binary that llama-server's test suite starts.
+
+utils.py runs ``$LLAMA_SERVER_BIN_PATH ARGS...``; the runner points it here.
+With ``$CONFORMANCE_TARGET=llama-server`` this execs the real binary
+(``$CONFORMANCE_LLAMA_SERVER``); with ``offgrid`` it maps llama-server's
+command line to ``python -m offgrid``'s and execs that, so the suite's
+SIGTERM reaches the server itself.  Both get ``--threads 1`` unless the test
+sets threads: the machine is shared, and the two servers should compete on
+equal terms.
+
+Nothing is dropped silently.  Each start appends one JSON line to
+``$CONFORMANCE_LOG_FILE`` (the runner's, per test file): the test that started it
+(pytest's ``$PYTEST_CURRENT_TEST``), the command line, and for offgrid the
+flags it dropped.  The runner counts them into the table.
+"""
+
+import json
+import re
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+# llama-server flags that take a value (the ones utils.py passes, and their short forms)
+VALUE_FLAGS = {
+    "--port", "--temp", "--seed", "--host", "-m", "--model", "--model-url", "-md",
+    "--model-draft", "-hf", "--hf-repo", "-hff", "--hf-file", "--models-dir", "--models-max",
+    "--models-preset", "--cors-origins", "-b", "--batch-size", "-ub", "--ubatch-size", "-t",
+    "--threads", "-tb", "--threads-batch", "-ngl", "--n-gpu-layers", "--pooling", "-a",
+    "--alias", "--tags", "-c", "--ctx-size", "-np", "--parallel", "-ctk", "--cache-type-k",
+    "-ctv", "--cache-type-v", "-fa", "--flash-attn", "-n", "--n-predict", "--slot-save-path",
+    "--grp-attn-n", "--grp-attn-w", "--lora", "--spec-type", "--api-key", "--spec-draft-n-max",
+    "--spec-draft-n-min", "--spec-synth-len", "--spec-synth-rates", "--reasoning-format",
+    "--reasoning", "--chat-template", "--chat-template-file", "--mmproj-url", "--media-path",
+    "--sleep-idle-seconds", "--cache-ram", "--tools", "--tools-runtime",
+    "--mcp-servers-config", "--mcp-servers-json", "--api-key-file",
+}
+
+# llama-server flag -> offgrid flag, value passed as it is
+SAME_VALUE = {
+    "--port": "--port", "--host": "--host", "-m": "-m", "--model": "-m",
+    "-c": "-c", "--ctx-size": "-c", "-b": "-b", "--batch-size": "-b",
+    "-ub": "-ub", "--ubatch-size": "-ub", "-t": "-t", "--threads": "-t", "-tb": "-tb",
+    "--threads-batch": "-tb", "-np": "--parallel", "--parallel": "--parallel",
+    "-n": "-n", "--n-predict": "-n", "--api-key": "--api-key",
+    "--api-key-file": "--api-key-file", "--chat-template": "--chat-template",
+    "--chat-template-file": "--chat-template", "--seed": "--seed", "--temp": "--temp",
+}
+SAME_SWITCH = {"--verbose": "-v", "-v": "-v", "--metrics": "--metrics",
+               "--no-slots": "--no-slots", "--slots": "--slots"}
+
+# Switches that ask for what offgrid always does; accepted, and logged as such.
+#   --offline        offgrid never downloads anything
+#   --jinja          offgrid always renders the model's Jinja template
+#   --swa-full       offgrid keeps a full-size KV cache for SWA models unless --no-swa-full
+#   --cont-batching  -np sessions run requests at once (in turns per decode, not one batch)
+#   --slots          /slots is always served
+#   --no-ui          offgrid has no web UI
+AS_DEFAULT = {"--offline", "--jinja", "--swa-full", "--cont-batching", "-cb", "--no-ui"}
+
+
+def offgrid_flags(argv):
+    """(offgrid's argv, the llama-server flags dropped, the ones offgrid does anyway)."""
+    out, dropped, as_default = [], [], []
+    i = 0
+    while i < len(argv):
+        flag = argv[i]
+        value = None
+        if "=" in flag and flag.startswith("--"):
+            flag, value = flag.split("=", 1)
+        elif flag in VALUE_FLAGS and i + 1 < len(argv):
+            value = argv[i + 1]
+            i += 1
+        i += 1
+        if flag in SAME_VALUE and value is not None:
+            out += [SAME_VALUE[flag], value]
+        elif flag in ("--cors-origins", "-a", "--alias") and value is not None:
+            # comma lists in llama-server, a repeated flag in offgrid
+            to = "--cors-origin" if flag == "--cors-origins" else "-a"
+            for item in value.split(","):
+                if item.strip():
+                    out += [to, item.strip()]
+        elif flag in SAME_SWITCH:
+            out.append(SAME_SWITCH[flag])
+        elif flag in AS_DEFAULT:
+            as_default.append(flag)
+        else:
+            dropped.append(flag)
+    per_session_ctx(out, kv_unified="--kv-unified" in argv)
+    if "--metrics" not in argv:
+        out.append("--no-metrics")      # llama-server's /metrics is off unless asked for
+    return out, dropped, as_default
+
+
+def per_session_ctx(flags, kv_unified):
+    """llama-server's --ctx-size is the whole KV cache, split among --parallel slots
+    (unless --kv-unified); offgrid's -c is each session's.  Rewrite -c in place."""
+    if "-c" not in flags or "--parallel" not in flags or kv_unified:
+        return
+    at, n_par = flags.index("-c") + 1, int(flags[flags.index("--parallel") + 1])
+    if n_par > 1 and int(flags[at]) > 0:
+        flags[at] = str(int(flags[at]) // n_par)
+
+
+def offgrid_help():
+    """offgrid's --help, to keep only the flags this checkout has."""
+    import subprocess
+    try:
+        return subprocess.run([sys.executable, "-m", "offgrid", "--help"], cwd=str(ROOT),
+                              capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def has_threads(argv):
+    return any(a in ("-t", "--threads") or a.startswith("--threads=") for a in argv)
+
+
+def log(target, record):
+    path = os.environ.get("CONFORMANCE_LOG_FILE")
+    if not path:
+        return
+    record = dict(record, target=target,
+                  test=os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0])
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(record) + "\n")
+
+
+def main(argv):
+    target = os.environ.get("CONFORMANCE_TARGET", "offgrid")
+    if not has_threads(argv):
+        argv = argv + ["--threads", "1"]
+    if target == "llama-server":
+        binary = os.environ["CONFORMANCE_LLAMA_SERVER"]
+        log(target, {"argv": argv})
+        os.execv(binary, [binary] + argv)
+    flags, dropped, as_default = offgrid_flags(argv)
+    # flags offgrid may not have yet: kept only where this checkout has them
+    known = re.findall(r"--[a-z][a-z-]*", offgrid_help())
+    for flag in ("--seed", "--temp", "--metrics", "--no-metrics", "--slots", "--no-slots"):
+        if flag in flags and flag not in known:
+            at = flags.index(flag)
+            del flags[at:at + (2 if flag in ("--seed", "--temp") else 1)]
+            if flag != "--no-metrics":
+                dropped.append(flag)
+    if "-m" not in flags:
+        # llama-server's router preset: no model, models picked per request from its
+        # cache.  offgrid has no router mode; it serves SmolLM2, so the tests of
+        # that preset that are about something else (CORS) still test offgrid.
+        dropped.append("(router mode: no --model)")
+        flags += ["-m", os.path.join(os.environ.get("OFFGRID_CONFORMANCE_MODELS")
+                                     or str(ROOT / "models"), "smollm2-135m-instruct-q4_1.gguf")]
+    cmd = [sys.executable, "-m", "offgrid", "--lib", str(ROOT / "lib")] + flags
+    log(target, {"argv": argv, "offgrid": cmd[2:], "dropped": dropped, "as_default": as_default})
+    if dropped:
+        print("launcher: dropped llama-server flags offgrid lacks: %s" % " ".join(dropped),
+              file=sys.stderr, flush=True)
+    # the test's working folder stays: template and slot paths are relative to it
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    os.execve(sys.executable, cmd, env)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,300 @@
+#!/usr/bin/env python3
+"""``make conformance``: llama-server's own test suite against llama-server and against offgrid.
+
+For each chosen ``unit/test_*.py`` of the pinned suite (copied and patched by
+suite.py), pytest runs twice: once with the real llama-server (from
+``scripts/build_lib.sh --server``) and once with offgrid behind launcher.py,
+which takes llama-server's command line.  Each run leaves JUnit XML and a log
+of the servers it started in ``tests/conformance/results/TARGET/``; the table
+is rebuilt from whatever XML is there, so files can be run one at a time
+(``--only``, ``--target``) and the table still covers them all.
+
+    pass llama   tests that pass on llama-server
+    pass offgrid tests that pass on offgrid
+    gaps         pass on llama-server, fail on offgrid: offgrid's work to do
+    by design    would be gaps, but offgrid differs on purpose (``deliberate.txt``
+                 lists them with the reason; README "Differences from llama-server")
+    both fail    fail on both (mostly tests that assert the words of the suite's
+                 toy models, which our registry models do not say)
+
+The table goes to ``results/table.md``, the gaps with their first failure line
+to ``results/gaps.md``, everything to ``results/summary.json``; the terminal
+gets the table.  Usage:
+
+    tests/conformance/run.py                      the default files, both servers
+    tests/conformance/run.py --only infill,tokenize --target offgrid
+    tests/conformance/run.py --all                every file the issue names
+    tests/conformance/run.py --table              rebuild the table, run nothing
+"""
+
+import argparse
+import fnmatch
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from collections import Counter, defaultdict
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+RESULTS = HERE / "results"
+DELIBERATE = HERE / "deliberate.txt"
+sys.path.insert(0, str(HERE))
+import suite  # noqa: E402
+
+# The files run by default: the ones offgrid means to match today.
+CORE = ["basic", "tokenize", "security", "infill", "completion", "chat_completion", "stream"]
+# The rest the issue names: listed in the table, run with --all or --only.
+OTHERS = ["tool_call", "template", "ctx_shift", "metrics", "embedding", "rerank",
+          "compat_anthropic", "compat_oai_responses", "router", "sleep", "speculative",
+          "slot_save"]
+TARGETS = ["llama-server", "offgrid"]
+
+# The suite's test-only packages (its requirements.txt), by import name; versions
+# are left to pip so the project's own pytest and openai are not downgraded.
+PACKAGES = {"aiohttp": "aiohttp", "pytest": "pytest", "requests": "requests",
+            "prometheus_client": "prometheus-client", "wget": "wget", "openai": "openai",
+            "numpy": "numpy", "filelock": "filelock"}
+
+
+def ensure_packages(python):
+    """Install whatever of PACKAGES ``python`` cannot import (idempotent: none, nothing runs)."""
+    missing = []
+    for module, package in PACKAGES.items():
+        if subprocess.run([python, "-c", "import " + module], capture_output=True).returncode:
+            missing.append(package)
+    if missing:
+        print("conformance: installing %s" % " ".join(missing), flush=True)
+        subprocess.run([python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+                       + missing, check=True)
+
+
+def llama_server():
+    """The pinned llama-server binary (built once by scripts/build_lib.sh --server)."""
+    out = subprocess.run(["nice", "-n", "10", "bash", str(ROOT / "scripts" / "build_lib.sh"),
+                          "--server"], cwd=str(ROOT), stdout=subprocess.PIPE, check=True,
+                         text=True).stdout.strip().splitlines()
+    return str(Path(out[-1]) / "llama-server")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def suite_env(target, log, binary=None):
+    """The environment of the suite's pytest: which server its ServerProcess starts."""
+    env = dict(os.environ, LLAMA_SERVER_BIN_PATH=str(HERE / "launcher.py"),
+               CONFORMANCE_TARGET=target, CONFORMANCE_LOG_FILE=str(log),
+               OFFGRID_CONFORMANCE_MODELS=str(ROOT / "models"), PORT=str(free_port()),
+               PYTHONDONTWRITEBYTECODE="1")
+    env.pop("PYTEST_ADDOPTS", None)
+    if binary:
+        env["CONFORMANCE_LLAMA_SERVER"] = binary
+    return env
+
+
+def run_file(name, target, tests_dir, python, binary, timeout, extra):
+    """pytest on unit/test_NAME.py with TARGET behind the launcher; (rc, seconds)."""
+    out = RESULTS / target
+    out.mkdir(parents=True, exist_ok=True)
+    xml, log = out / ("test_%s.xml" % name), out / ("test_%s.launches.jsonl" % name)
+    for path in (xml, log):
+        if path.exists():
+            path.unlink()
+    env = suite_env(target, log, binary)
+    cmd = [python, "-m", "pytest", "unit/test_%s.py" % name, "-q", "-p", "no:cacheprovider",
+           "--junitxml", str(xml), "-o", "junit_family=xunit1"] + extra
+    print("conformance: %s on %s" % ("test_%s.py" % name, target), flush=True)
+    start = time.monotonic()
+    with open(out / ("test_%s.log" % name), "w") as fh:
+        proc = subprocess.Popen(cmd, cwd=str(tests_dir), env=env, stdout=fh,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # Ctrl-C first: pytest stops, its fixtures stop the server, and the
+            # JUnit XML keeps the tests that ran; then whatever is left
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = "timeout"
+    took = time.monotonic() - start
+    (out / ("test_%s.rc" % name)).write_text("%s %.0f\n" % (rc, took))
+    return rc, took
+
+
+# -- reading results ----------------------------------------------------------------
+
+def outcomes(target, name):
+    """{test id: ("pass"|"fail"|"skip", first line of the failure)} from a file's XML; None if none."""
+    xml = RESULTS / target / ("test_%s.xml" % name)
+    if not xml.is_file():
+        return None
+    found = {}
+    for case in ET.parse(xml).iter("testcase"):
+        test = case.get("name")
+        if not test:
+            continue        # an interrupted run's placeholder
+        outcome, why = "pass", ""
+        for child in case:
+            if child.tag in ("failure", "error"):
+                outcome = "fail"
+                why = (child.get("message") or child.text or "").strip().splitlines()
+                why = why[0][:200] if why else ""
+                break
+            if child.tag == "skipped":
+                outcome = "skip"
+        found[test] = (outcome, why)
+    return found
+
+
+def launches(target, name):
+    path = RESULTS / target / ("test_%s.launches.jsonl" % name)
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def deliberate():
+    """[(fnmatch pattern of "test_FILE.py::TEST", reason)] from deliberate.txt."""
+    out = []
+    for line in DELIBERATE.read_text().splitlines() if DELIBERATE.is_file() else []:
+        pattern, _, why = line.partition("#")
+        if pattern.strip():
+            out.append((pattern.strip(), why.strip()))
+    return out
+
+
+def by_design(file, test, patterns):
+    return next((why for pattern, why in patterns
+                 if fnmatch.fnmatchcase("%s::%s" % (file, test), pattern)), None)
+
+
+def summarize(names):
+    rows, gaps, dropped = [], {}, defaultdict(set)
+    patterns = deliberate()
+    for name in names:
+        got = {t: outcomes(t, name) for t in TARGETS}
+        for record in launches("offgrid", name):
+            for flag in record.get("dropped", []):
+                dropped[flag].add(record.get("test") or name)
+        row = {"file": "test_%s.py" % name}
+        timed_out = [t for t in TARGETS if (RESULTS / t / ("test_%s.rc" % name)).is_file()
+                     and (RESULTS / t / ("test_%s.rc" % name)).read_text().startswith("timeout")]
+        if timed_out:
+            row["file"] += " (timed out on %s)" % ", ".join(timed_out)
+        if got["llama-server"] is None and got["offgrid"] is None:
+            rows.append(dict(row, run=False))
+            continue
+        ids = sorted(set().union(*(g.keys() for g in got.values() if g)))
+        get = {t: (lambda i, g=got[t]: g.get(i, ("-", ""))[0] if g is not None else "-")
+               for t in TARGETS}
+        row.update(run=True, tests=len(ids),
+                   llama=sum(get["llama-server"](i) == "pass" for i in ids)
+                   if got["llama-server"] is not None else None,
+                   offgrid=sum(get["offgrid"](i) == "pass" for i in ids)
+                   if got["offgrid"] is not None else None,
+                   skipped=sum(all(get[t](i) == "skip" for t in TARGETS) for i in ids))
+        if got["llama-server"] is not None and got["offgrid"] is not None:
+            missing = [i for i in ids if get["llama-server"](i) == "pass"
+                       and get["offgrid"](i) == "fail"]
+            file_gaps = [i for i in missing if not by_design(row["file"], i, patterns)]
+            row.update(gaps=len(file_gaps), by_design=len(missing) - len(file_gaps),
+                       both_fail=sum(get["llama-server"](i) == "fail"
+                                     and get["offgrid"](i) == "fail" for i in ids),
+                       offgrid_only=sum(get["llama-server"](i) == "fail"
+                                        and get["offgrid"](i) == "pass" for i in ids))
+            gaps[row["file"]] = [(i, got["offgrid"][i][1]) for i in file_gaps]
+        rows.append(row)
+    return rows, gaps, {f: sorted(t) for f, t in dropped.items()}
+
+
+def render(rows, gaps, dropped):
+    def cell(row, key):
+        v = row.get(key)
+        return "-" if v is None else str(v)
+    keys = ("tests", "llama", "offgrid", "gaps", "by_design", "both_fail", "offgrid_only",
+            "skipped")
+    lines = ["| file | tests | pass llama-server | pass offgrid | gaps | by design | both fail "
+             "| offgrid only | skipped |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    total = Counter()
+    for row in rows:
+        if not row["run"]:
+            lines.append("| %s | not run | | | | | | | |" % row["file"])
+            continue
+        lines.append("| %s | %s |" % (row["file"], " | ".join(cell(row, k) for k in keys)))
+        for k in keys:
+            total[k] += row.get(k) or 0
+    lines.append("| **total** | %s |" % " | ".join(str(total[k]) for k in keys))
+    lines += ["", "Flags offgrid does not take (dropped by the launcher), by the number "
+              "of tests that passed them:", ""]
+    for flag, tests in sorted(dropped.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        lines.append("- dropped: %s, used by %d tests" % (flag, len(tests)))
+    if not dropped:
+        lines.append("- none")
+    table = "\n".join(lines) + "\n"
+    gap_lines = ["# Gaps: pass on llama-server, fail on offgrid", ""]
+    for file, items in gaps.items():
+        if items:
+            gap_lines.append("## " + file)
+            gap_lines += ["- `%s`: %s" % (test, why) for test, why in items]
+            gap_lines.append("")
+    return table, "\n".join(gap_lines) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", help="comma list of file names (infill, completion, ...)")
+    p.add_argument("--all", action="store_true", help="every file the issue names")
+    p.add_argument("--target", choices=TARGETS + ["both"], default="both")
+    p.add_argument("--table", action="store_true", help="rebuild the table from results/ only")
+    p.add_argument("--timeout", type=float, default=1200, help="seconds per file and server")
+    p.add_argument("-k", help="pytest -k expression")
+    p.add_argument("--install", action="store_true",
+                   help="only install the suite's test-only packages")
+    args = p.parse_args(argv)
+    if args.install:
+        ensure_packages(sys.executable)
+        return 0
+    names = args.only.split(",") if args.only else CORE + (OTHERS if args.all else [])
+    listed = CORE + OTHERS + [n for n in names if n not in CORE + OTHERS]
+
+    if not args.table:
+        python = sys.executable
+        ensure_packages(python)
+        tests_dir = suite.prepare()
+        targets = TARGETS if args.target == "both" else [args.target]
+        binary = llama_server() if "llama-server" in targets else None
+        extra = ["-k", args.k] if args.k else []
+        for name in names:
+            for target in targets:
+                rc, took = run_file(name, target, tests_dir, python, binary, args.timeout,
+                                    extra)
+                print("conformance:   %s, %.0f s" % ("exit %s" % rc, took), flush=True)
+
+    rows, gaps, dropped = summarize(listed)
+    table, gap_text = render(rows, gaps, dropped)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "table.md").write_text(table)
+    (RESULTS / "gaps.md").write_text(gap_text)
+    (RESULTS / "summary.json").write_text(json.dumps(
+        {"rows": rows, "gaps": gaps, "dropped": dropped}, indent=1))
+    print()
+    print(table)
+    print("gaps with their failures: %s" % (RESULTS / "gaps.md"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

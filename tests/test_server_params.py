@@ -1,0 +1,63 @@
+"""Request fields parsed at the edge (server/params.py) the llama-server way.
+
+--temp and --seed: llama-server's test suite starts every server with ``--temp 0.8 --seed 42``
+and expects two identical requests to sample the same text; a request's own
+field still wins.
+"""
+
+from offgrid.__main__ import parse_args
+from offgrid.request import SamplingParams
+from offgrid.server.params import Fields, generation_from
+
+N_VOCAB = 1000
+SERVER = SamplingParams(temperature=0.0, seed=42)
+
+
+def gen(body, base=SERVER):
+    return generation_from(Fields(body), N_VOCAB, sampling_default=base)
+
+
+def test_a_request_without_sampling_fields_takes_the_servers():
+    s = gen({"prompt": "x"}).sampling
+    assert (s.temperature, s.seed) == (0.0, 42)
+
+
+def test_a_requests_own_temperature_and_seed_win():
+    s = gen({"temperature": 1.5, "seed": 7}).sampling
+    assert (s.temperature, s.seed) == (1.5, 7)
+
+
+def test_seed_minus_one_in_a_request_means_random_even_with_a_server_seed():
+    assert gen({"seed": -1}).sampling.seed is None
+
+
+def test_the_server_defaults_are_not_changed_by_a_request():
+    gen({"temperature": 1.5, "seed": 7, "logit_bias": [[1, 2.0]]})
+    assert (SERVER.temperature, SERVER.seed, SERVER.logit_bias) == (0.0, 42, [])
+
+
+def test_without_server_defaults_llama_servers_own_apply():
+    s = gen({}, base=None).sampling
+    assert (s.temperature, s.seed) == (0.8, None)
+
+
+def test_the_flags_are_llama_servers():
+    args = parse_args(["-m", "x.gguf", "--temp", "0", "--seed", "42"])
+    assert (args.temp, args.seed) == (0.0, 42)
+    args = parse_args(["-m", "x.gguf", "-s", "3"])
+    assert (args.temp, args.seed) == (0.8, 3)
+
+
+# -- llama-server's JSON prompt form (params.prompt_from) -----------------------------
+
+def test_a_json_prompt_object_is_its_prompt_string():
+    from offgrid.server.params import prompt_from
+    assert prompt_from({"prompt_string": "I believe"}).parts == ["I believe"]
+
+
+def test_a_json_prompt_with_multimodal_data_is_refused():
+    import pytest
+    from offgrid.server.errors import BadRequest
+    from offgrid.server.params import prompt_from
+    with pytest.raises(BadRequest, match="multimodal"):
+        prompt_from({"prompt_string": "x <__media__>", "multimodal_data": ["iVBOR"]})
