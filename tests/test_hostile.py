@@ -48,6 +48,9 @@ except ImportError:
     import rawhttp
     from serverproc import ServerProcess
 
+# two servers and fifty rows, each with its own checks: minutes, not seconds
+pytestmark = pytest.mark.slow
+
 ANSWER_TIMEOUT = 30          # seconds a hostile request may take to be answered
 WARMUP_TIMEOUT = 120         # a fresh server's first completion
 HEALTH_TIMEOUT = 1.0         # /health must answer within this, all along
