@@ -69,7 +69,7 @@ def _json(out):
 
 
 def health(out):
-    assert _json(out) == {"status": "ok"}
+    assert _json(out)["status"] == "ok"
 
 
 def completion_paris(out):
@@ -112,13 +112,27 @@ def openai_tool_call(out):
     assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
 
 
+def anthropic_chat(out):
+    body = _json(out)
+    assert body["type"] == "message" and body["stop_reason"] == "end_turn", body
+    assert re.search(r"\b(hi|hello|hey)\b", body["content"][0]["text"], re.I), body
+
+
+def responses_chat(out):
+    body = _json(out)
+    assert body["status"] == "completed", body
+    text = "".join(part["text"] for item in body["output"] if item["type"] == "message"
+                   for part in item["content"])
+    assert re.search(r"\b(hi|hello|hey)\b", text, re.I), body
+
+
 def tokenize(out):
     tokens = _json(out)["tokens"]
     assert tokens and all(isinstance(t["id"], int) for t in tokens)
     assert "".join(t["piece"] for t in tokens) == "hello world"
 
 
-# fragment of the command -> check; each command matches exactly one fragment
+# fragments of the command (all of a tuple's) -> check; each command matches exactly one
 CHECKS = {
     "/health": health,
     "The capital of France is": completion_paris,
@@ -126,14 +140,18 @@ CHECKS = {
     '"json_schema"': completion_json_schema,
     "/infill": infill_add,
     "/v1/completions": openai_completion,
-    '"Say hi"': openai_chat,
+    ("/v1/chat/completions", '"Say hi"'): openai_chat,
+    "/v1/messages": anthropic_chat,
+    "/v1/responses": responses_chat,
     '"tools"': openai_tool_call,
     "/tokenize": tokenize,
 }
 
 
 def check_for(command):
-    found = [check for fragment, check in CHECKS.items() if fragment in command]
+    found = [check for fragments, check in CHECKS.items()
+             if all(f in command for f in ((fragments,) if isinstance(fragments, str)
+                                           else fragments))]
     assert len(found) == 1, "README example needs exactly one check in CHECKS, has %d:\n%s" \
         % (len(found), command)
     return found[0]

@@ -490,6 +490,11 @@ class Grammar:
         lo, hi = self._counts(schema, "minLength", "maxLength")
         if lo == 0 and hi is None:
             return self.primitive("string")
+        if hi is not None and hi > MAX_STRING_REPEAT >= lo:
+            # held lower than other counts: libllama expands char{0,n} into n
+            # nested rules, and sampling under n = 2000 grew the worker by
+            # over 200 MB (tests/test_hostile.py); shorter strings still validate
+            hi = MAX_STRING_REPEAT
         char = self.primitive("char")
         return self.add(name, '"\\"" %s "\\"" space' % _repeat(char, lo, hi))
 
@@ -550,6 +555,10 @@ def _escaped_chars(body):
 
 def _class_char(c):
     return "\\" + c if c in "]\\^-" else c
+
+
+# The longest maxLength a string is held to (see _string).
+MAX_STRING_REPEAT = 1000
 
 
 def _repeat(item, lo, hi):
