@@ -486,6 +486,14 @@ class Served:
             problem = normal_completion(self.srv, timeout=WARMUP_TIMEOUT)
             assert problem is None, "a fresh server: %s; its output:\n%s" \
                 % (problem, "".join(self.srv.output[-8:]))
+            # and one grammar: libllama's first grammar sampling over a 262k
+            # vocabulary raises the worker's RSS by about 165 MB once (the
+            # decoded pieces of every candidate), whatever the grammar; that
+            # is a fixed cost of the model, not growth from hostile input
+            status, _, _ = self.srv.post("/completion", {
+                "prompt": "warm", "n_predict": 2, "temperature": 0,
+                "grammar": 'root ::= [a-z]+'}, timeout=WARMUP_TIMEOUT)
+            assert status == 200, "a fresh server's grammar warm-up: %s" % status
             self.start_rss = tree_rss(self.srv.proc.pid)
             self.harmed = False
         return self.srv

@@ -396,12 +396,12 @@ def main(argv=None):
         out.write(protocol.encode({"op": "failed", "error": protocol.encode_error(e)}))
         out.flush()
         return 1
+    # The vocabulary scans grammar checks and ignore_eos need (about 2 s on
+    # a 262k vocabulary) run now, as part of loading: off the first request's
+    # path, and before anyone measures what a loaded worker holds.
+    loaded.model.grammar_facts
     worker = Worker(loaded, out)
     worker.send({"op": "ready", "info": loaded.info()})
-    # The vocabulary scans grammar checks and ignore_eos need (about 2 s on
-    # a 262k vocabulary) run now, off the first request's path.
-    threading.Thread(target=lambda: loaded.model.grammar_facts, daemon=True,
-                     name="vocab-scan").start()
     worker.serve(inp)
     # The front is gone.  Requests may still be running on other threads
     # inside libllama: end the process rather than free what they use.
