@@ -490,10 +490,20 @@ class Served:
             # vocabulary raises the worker's RSS by about 165 MB once (the
             # decoded pieces of every candidate), whatever the grammar; that
             # is a fixed cost of the model, not growth from hostile input
-            status, _, _ = self.srv.post("/completion", {
-                "prompt": "warm", "n_predict": 2, "temperature": 0,
-                "grammar": 'root ::= [a-z]+'}, timeout=WARMUP_TIMEOUT)
-            assert status == 200, "a fresh server's grammar warm-up: %s" % status
+            # (on every session at once: each request's thread may allocate in
+            # an arena of its own)
+            statuses = []
+
+            def warm():
+                statuses.append(self.srv.post("/completion", {
+                    "prompt": "warm", "n_predict": 2, "temperature": 0,
+                    "grammar": 'root ::= [a-z]+'}, timeout=WARMUP_TIMEOUT)[0])
+            warmers = [threading.Thread(target=warm) for _ in range(self.parallel)]
+            for t in warmers:
+                t.start()
+            for t in warmers:
+                t.join()
+            assert statuses == [200] * self.parallel, "grammar warm-up: %s" % statuses
             self.start_rss = tree_rss(self.srv.proc.pid)
             self.harmed = False
         return self.srv
