@@ -31,7 +31,6 @@ ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
 
 
-@dataclass
 def _vmhwm_kb(pid):
     with open("/proc/%d/status" % pid) as f:
         for line in f:
@@ -53,6 +52,7 @@ def _children(pid):
     return out
 
 
+@dataclass
 class Config:
     """What both servers are started with."""
     model: str
@@ -161,8 +161,8 @@ class CpuMeter:
 
     The load average counts the benchmark's own threads and lags by a
     minute; this counts CPU time instead: the machine's busy time (from
-    /proc/stat) minus the server's and this process's own, as a fraction of
-    all cores over the interval.  0 means nothing else ran; 0.5 on a 2-core
+    /proc/stat) minus the server's (with its worker processes) and this
+    process's own, as a fraction of all cores over the interval.  0 means nothing else ran; 0.5 on a 2-core
     machine means another process kept one core busy the whole time.
     """
 
@@ -176,9 +176,13 @@ class CpuMeter:
             fields = [int(x) for x in f.readline().split()[1:]]
         busy = sum(fields[i] for i in (0, 1, 2, 5, 6, 7) if i < len(fields))
         server = 0
-        for pid in self.pids:
-            with open("/proc/%d/stat" % pid) as f:
-                rest = f.read().rsplit(")", 1)[1].split()
+        # offgrid's model runs in a worker process, a child of the server.
+        for pid in [p for pid in self.pids for p in [pid] + _children(pid)]:
+            try:
+                with open("/proc/%d/stat" % pid) as f:
+                    rest = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
             server += int(rest[11]) + int(rest[12])     # utime, stime (fields 14, 15)
         me = os.times()
         return time.monotonic(), busy / self.hz, server / self.hz, me.user + me.system
