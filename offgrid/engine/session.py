@@ -41,6 +41,12 @@ def take_turns_with(lock):
     global _DECODE_LOCK
     _DECODE_LOCK = lock
 
+
+def decode_turn():
+    """The lock every decode of this process takes, whoever makes it (a session,
+    the embedding context of engine/embed.py): ``with decode_turn(): ...``."""
+    return _DECODE_LOCK
+
 # Because decodes take turns, every context can run them on the same
 # persistent ggml thread pool (one per thread count), rather than on threads
 # ggml starts and joins inside each llama_decode.  Measured with 2 sessions
@@ -52,7 +58,8 @@ _POOLS = {}
 _POOLS_LOCK = threading.Lock()
 
 
-def _shared_pool(lib, n_threads):
+def shared_pool(lib, n_threads):
+    """The process's ThreadPool of ``n_threads`` (made on first use), for any context."""
     with _POOLS_LOCK:
         pool = _POOLS.get(n_threads)
         if pool is None:
@@ -106,8 +113,8 @@ class ChatSession:
         if not self._ctx.ptr:
             raise ContextError("libllama could not create a context of %d tokens "
                                "(not enough memory?)" % n_ctx)
-        self._ctx.attach_threadpool(_shared_pool(model.lib, threads),
-                                    _shared_pool(model.lib, threads_batch))
+        self._ctx.attach_threadpool(shared_pool(model.lib, threads),
+                                    shared_pool(model.lib, threads_batch))
         self.n_ctx = self._ctx.n_ctx
         self.n_batch = self._ctx.n_batch
         # chunk reuse moves cached keys to new positions: only where the
