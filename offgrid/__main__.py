@@ -59,7 +59,7 @@ def parse_args(argv=None):
                    "and /rerank (default on; the embedding context is made on first use)")
     p.add_argument("--pooling", choices=("none", "mean", "cls", "last", "rank"),
                    help="how embeddings pool the tokens' states (default: the model's GGUF "
-                   "pooling_type, else last)")
+                   "pooling_type, else mean)")
     p.add_argument("--reranking", "--rerank", action="store_true",
                    help="pool for /rerank (--pooling rank), for a reranker model")
     p.add_argument("--api-key", action="append", default=[],
