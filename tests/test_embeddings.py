@@ -425,3 +425,32 @@ def test_a_closed_embedder_refuses_rather_than_crash(smollm):
     e.close()
     with pytest.raises(Exception, match="closed"):
         e.embed([[1, 2, 3]])
+
+
+def test_a_batch_of_a_prime_size_still_batches_and_pools(smollm):
+    # libllama reserves its graphs split evenly among the sequences: 97 tokens
+    # can only be one sequence at a time, which must still work
+    lists = [smollm.tokenize(t, add_special=True) for t in (CAT, CAT2, STOCKS)]
+    e = Embedder(smollm, "mean", n_ctx=512, n_batch=97, n_threads=1)
+    try:
+        assert e.n_seqs == 1
+        out, counts = e.embed(lists)
+    finally:
+        e.close()
+    assert counts == [len(t) for t in lists]
+    assert cosine(out[0], out[1]) > cosine(out[0], out[2])
+
+
+def test_pooling_none_in_the_engine_gives_one_raw_row_per_token(smollm):
+    tokens = smollm.tokenize(CAT, add_special=True)
+    e = Embedder(smollm, "none", n_ctx=512, n_batch=64, n_threads=1)
+    try:
+        (rows,), _ = e.embed([tokens])
+        (full, short), _ = e.embed([tokens, tokens[:2]])       # two sequences, one batch
+    finally:
+        e.close()
+    assert len(rows) == len(tokens) and all(len(r) == DIMS for r in rows)
+    assert abs(norm(rows[-1]) - 1) > 1e-3                        # as the model gives them
+    # a causal model: a token's state depends on the tokens before it only
+    assert len(short) == 2 and close(list(short[1]), list(rows[1]), 1e-4)
+    assert close(list(full[-1]), list(rows[-1]), 1e-4)
