@@ -378,6 +378,20 @@ def test_pooling_none_is_refused_on_the_openai_endpoint(per_token):
     assert status == 400 and "not OAI compatible" in r["error"]["message"]
 
 
+# -- switched off ------------------------------------------------------------------------
+
+def test_no_embeddings_answers_501_in_each_dialect(smollm_path):
+    with ServerProcess(smollm_path, "--no-embeddings", threads=1, ctx=256) as off:
+        for path, body in [("/v1/embeddings", {"input": "x"}), ("/embedding", {"content": "x"}),
+                           ("/rerank", {"query": "q", "documents": ["a"]})]:
+            status, _, r = off.post(path, body)
+            assert status == 501 and "--embeddings" in r["error"]["message"], (path, r)
+        status, _, r = off.post("/api/embed", {"model": "m", "input": "x"})
+        assert status == 501 and "--embeddings" in r["error"]
+        status, _, r = off.post("/completion", {"prompt": "Hi", "n_predict": 2})
+        assert status == 200
+
+
 # -- the engine ------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
