@@ -12,8 +12,12 @@ example runs on Qwen2.5-Coder, in test_readme.py.)
 """
 
 import base64
+import json
 import math
+import os
+import socket
 import struct
+import time
 
 import ollama
 import pytest
@@ -231,6 +235,46 @@ def test_an_embedding_request_leaves_the_chat_cache_as_it_was(srv):
     assert again["content"] == first["content"]
     # the whole prompt came from the cache: only the last token is evaluated again
     assert again["timings"]["cache_n"] == first["tokens_evaluated"] - 1, again["timings"]
+
+
+def worker_cpu_seconds(srv):
+    """CPU time (user + system) of the server's model worker, its child process."""
+    with open("/proc/%d/task/%d/children" % (srv.proc.pid, srv.proc.pid)) as fh:
+        (pid,) = [int(p) for p in fh.read().split()]
+    with open("/proc/%d/stat" % pid) as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_client_that_hangs_up_stops_its_embedding_request(srv):
+    # 2000 inputs, about 30000 tokens: minutes of work, sent as worker calls
+    # of a few hundred tokens; the hang-up stops it after the call running
+    many = ["Sentence number %d says something about cats, rugs and mats." % i
+            for i in range(2000)]
+    idle = worker_cpu_seconds(srv)
+    c = srv.conn()
+    c.request("POST", "/v1/embeddings", body=json.dumps({"input": many}),
+              headers={"Content-Type": "application/json"})
+    time.sleep(2.0)
+    busy = worker_cpu_seconds(srv) - idle
+    c.sock.shutdown(socket.SHUT_RDWR)
+    c.close()
+    deadline = time.monotonic() + 40
+    while True:
+        before = worker_cpu_seconds(srv)
+        time.sleep(2.0)
+        if worker_cpu_seconds(srv) - before < 0.2:
+            break                                   # idle: the request has stopped
+        assert time.monotonic() < deadline, "the worker still computes for a client gone"
+    assert busy > 0.2, "the request never got going"
+    (vec,) = vectors(srv, CAT)
+    assert len(vec) == DIMS
+
+
+def test_errors_name_the_input_by_its_index_in_the_request(srv):
+    many = ["x" * 100] * 30 + [""]
+    status, _, r = srv.post("/v1/embeddings", {"input": many})
+    assert status == 400 and "input 30 is empty" in r["error"]["message"], r
 
 
 # -- bad input, in each dialect's shape ----------------------------------------------

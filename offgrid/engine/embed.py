@@ -205,16 +205,17 @@ class Embedder:
             raise ContextFull("input %d (%d tokens) is too large to process: %s"
                               % (index, len(tokens), how))
 
-    def embed(self, inputs, norm=2, truncate=False):
+    def embed(self, inputs, norm=2, truncate=False, first=0):
         """One embedding per token list: an array('f') of n_embd_out, normalized
         as ``norm`` says (see normalize); with pooling none, a list of them, one
         per token, as they are.  ``truncate`` cuts each input to what the
-        context takes rather than refusing it.  Returns (embeddings, the
-        token count of each input)."""
+        context takes rather than refusing it.  Errors name an input by its
+        index plus ``first``.  Returns (embeddings, the token count of each
+        input)."""
         if self.rank:
             raise NotSupported("the server pools for reranking (--reranking or --pooling "
                                "rank): its outputs are scores, not embeddings")
-        out, counts = self._run(inputs, truncate)
+        out, counts = self._run(inputs, truncate, first)
         if self.pooling_type == libllama.LLAMA_POOLING_TYPE_NONE:
             return out, counts
         return [normalize(v, norm) for v in out], counts
@@ -227,17 +228,17 @@ class Embedder:
         out, counts = self._run(inputs)
         return [v[0] if len(v) else 0.0 for v in out], counts
 
-    def _run(self, inputs, truncate=False):
+    def _run(self, inputs, truncate=False, first=0):
         for i, tokens in enumerate(inputs):
             if not tokens:
-                self.check(tokens, i)
+                self.check(tokens, first + i)
             self.model.check_tokens(tokens)
         with self._lock:
             ctx = self._context()
             if truncate:
                 inputs = [t[:self.max_tokens] for t in inputs]
             for i, tokens in enumerate(inputs):
-                self.check(tokens, i)
+                self.check(tokens, first + i)
             out = [None] * len(inputs)
             for group in self._groups([len(t) for t in inputs]):
                 try:

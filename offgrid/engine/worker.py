@@ -275,17 +275,19 @@ class Worker:
         return {"tokens": tokens, "grammar": self._constraint(schema, grammar)}
 
     # -- embeddings (engine/embed.py) ---------------------------------------------
-    def call_embed(self, inputs, normalize=2, truncate=False):
+    def call_embed(self, inputs, normalize=2, truncate=False, first=0):
         """One embedding per input (each a list of text and token-id parts).
 
         ``vectors``: per input protocol.encode_vector() of its pooled vector,
         or with pooling none a list of them, one per token; ``n_tokens``: the
         tokens of each.  ``truncate`` cuts an input to what the context takes
-        (Ollama's default) instead of refusing it.
+        (Ollama's default) instead of refusing it; ``first`` is the request's
+        index of inputs[0] (the front sends a long request as several calls),
+        for error messages.
         """
         e = self.loaded.embedder
         out, counts = e.embed([self._tokens_of(parts) for parts in inputs], normalize,
-                              truncate)
+                              truncate, first)
         if e.pooling == "none":
             vectors = [[protocol.encode_vector(to_le(row)) for row in rows] for rows in out]
         else:

@@ -13,7 +13,9 @@
 Ollama's /api/embed and /api/embeddings are in ``ollama.py``, over the same
 worker call.  The work happens in the model's worker (``engine/embed.py``)
 in a context of its own, so no chat session's cache is touched; it does not
-queue for a session.  Inputs are read here, as llama-server reads them
+queue for a session.  A worker call runs to its end, so a request goes as
+calls of about CALL_SIZE characters each: a client that hangs up (the
+disconnect watcher) or a shutdown stops it between two.  Inputs are read here, as llama-server reads them
 (``tokenize_input_prompts``): a list that holds no number is several inputs,
 anything else is one; an input is a string, token ids, a mix of both,
 ``{"prompt_string": ...}`` or ``{"content": [text parts]}``.  The worker checks
@@ -23,11 +25,16 @@ token ids, empty inputs and lengths.
 import math
 
 from .. import protocol
+from ..request import RequestCancel
 from .errors import BadRequest, HTTPError, Unavailable
 from .params import Fields
 
 # Inputs one request may carry: OpenAI's own limit.
 MAX_INPUTS = 2048
+
+# Characters (and token ids) of input per worker call: a few hundred tokens,
+# a batch or three, seconds at most on 2 cores.
+CALL_SIZE = 1024
 
 
 # -- the shared pieces (ollama.py uses them too) -------------------------------------
@@ -49,15 +56,49 @@ def check_served(svc, entry, rerank=False):
         raise Unavailable("server is shutting down")
 
 
-def embed(entry, inputs, what, normalize=2, truncate=False):
-    """Run the worker's embed call: (vectors, token counts); a vector is an
-    array('f'), or with pooling none a list of them."""
-    out = entry.call("embed", what, inputs=inputs, normalize=normalize, truncate=truncate)
+def embed(h, entry, inputs, what, normalize=2, truncate=False):
+    """Run the worker's embed calls: (vectors, token counts, the vectors as the
+    worker sent them); a vector is an array('f'), or with pooling none a list
+    of them.  Stops between calls if the client hangs up or the server shuts
+    down."""
+    svc = h.service
+    cancel = RequestCancel()
+    sock = h.connection
+    svc.watcher.watch(sock, cancel)
+    vectors, counts, sent = [], [], []
+    try:
+        for group in _calls(inputs):
+            if cancel.cancelled:
+                raise HTTPError("the client closed the connection", status=499,
+                                type="invalid_request_error")
+            if svc.state != "ready":
+                raise Unavailable("server is shutting down")
+            out = entry.call("embed", what, inputs=group, normalize=normalize,
+                             truncate=truncate, first=len(counts))
+            sent += out["vectors"]
+            counts += out["n_tokens"]
+    finally:
+        svc.watcher.unwatch(sock)
     if entry.info.get("pooling") == "none":
-        vectors = [[protocol.decode_vector(r) for r in rows] for rows in out["vectors"]]
+        vectors = [[protocol.decode_vector(r) for r in rows] for rows in sent]
     else:
-        vectors = [protocol.decode_vector(v) for v in out["vectors"]]
-    return vectors, out["n_tokens"], out["vectors"]
+        vectors = [protocol.decode_vector(v) for v in sent]
+    return vectors, counts, sent
+
+
+def _calls(inputs):
+    """The inputs in groups of about CALL_SIZE characters and token ids (a longer
+    input alone), in order."""
+    group, size = [], 0
+    for parts in inputs:
+        n = sum(len(p) for p in parts)
+        if group and size + n > CALL_SIZE:
+            yield group
+            group, size = [], 0
+        group.append(parts)
+        size += n
+    if group:
+        yield group
 
 
 def input_from(p, where):
@@ -167,7 +208,8 @@ def v1_embeddings(h, body):
                          "(leave it out, or send %d)" % (dims, entry.id, n_out, n_out))
     f.str("user")           # OpenAI's end-user id: read for its type, not kept
     svc.metrics.request("v1/embeddings")
-    vectors, counts, encoded = embed(entry, inputs, "POST /v1/embeddings", normalize_from(f))
+    vectors, counts, encoded = embed(h, entry, inputs, "POST /v1/embeddings",
+                                     normalize_from(f))
     data = []
     for i, vec in enumerate(vectors):
         item = {"object": "embedding", "index": i}
@@ -193,7 +235,8 @@ def embedding(h, body):
     inputs = inputs_from(v, "input" if "input" in body else "content")
     encoding_from(f)        # read for its type; llama-server's own shape is floats
     svc.metrics.request("embedding")
-    vectors, _, _ = embed(entry, inputs, "POST " + h.path.split("?", 1)[0], normalize_from(f))
+    vectors, _, _ = embed(h, entry, inputs, "POST " + h.path.split("?", 1)[0],
+                          normalize_from(f))
     out = []
     for i, vec in enumerate(vectors):
         rows = vec if isinstance(vec, list) else [vec]

@@ -431,7 +431,7 @@ def embed(h, body):
         h.send_json(200, {"model": name, "embeddings": []})
         return
     svc.metrics.request("api/embed")
-    vectors, counts, _ = embeddings.embed(entry, [[t] for t in texts], "POST /api/embed",
+    vectors, counts, _ = embeddings.embed(h, entry, [[t] for t in texts], "POST /api/embed",
                                           truncate=truncate)
     if 0 < dims < entry.info["n_embd_out"]:
         # Ollama's dimensions: the leading components, made unit length again
@@ -459,8 +459,8 @@ def embeddings_(h, body):
         h.send_json(200, {"embedding": []})
         return
     svc.metrics.request("api/embeddings")
-    vectors, _, _ = embeddings.embed(entry, [[prompt]], "POST /api/embeddings", normalize=-1,
-                                     truncate=True)
+    vectors, _, _ = embeddings.embed(h, entry, [[prompt]], "POST /api/embeddings",
+                                     normalize=-1, truncate=True)
     h.send_json(200, {"embedding": embeddings.floats(vectors[0])})
 
 
