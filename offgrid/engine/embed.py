@@ -1,8 +1,8 @@
 """Embeddings and rerank scores: a llama_context of their own, beside the chat sessions.
 
 An Embedder turns token lists into vectors (or, with pooling ``rank``, into
-relevance scores).  Its context is made with ``embeddings=true`` and the
-pooling type, on the first request and then kept: a server that only chats
+relevance scores).  Its context is made with ``embeddings=true`` (pooling
+none, or rank), on the first request and then kept: a server that only chats
 never pays for it, and no embedding request ever touches a chat session's
 KV cache (``ChatSession.cached`` stays what it was).
 
