@@ -81,11 +81,16 @@ def choose_pooling(model, asked=None):
     return DECODER_DEFAULT, "default"
 
 
-def embedding_batch(n_vocab, n_batch, n_ubatch=None):
-    """Tokens per embedding decode: -ub if given, else -b cut to the logits budget
-    (a multiple of 16: Qwen2.5's 152k vocabulary gets 96, gemma-3's 262k 64)."""
+def embedding_batch(n_vocab, n_batch, n_ubatch=None, dedicated=False):
+    """Tokens per embedding decode: -ub if given, else -b, cut to the logits budget
+    for a chat model (a multiple of 16: Qwen2.5's 152k vocabulary gets 96,
+    gemma-3's 262k 64).  A ``dedicated`` embedding or reranker model (its GGUF
+    names a pooling) has no output layer to speak of, and an encoder must see a
+    whole input in one batch: it gets -b, as llama-server gives it."""
     if n_ubatch:
         return max(8, min(n_batch, n_ubatch))
+    if dedicated:
+        return max(8, n_batch)
     fits = LOGITS_BUDGET // (8 * max(1, n_vocab))
     return max(32, min(n_batch, fits - fits % 16))
 
@@ -148,7 +153,8 @@ class Embedder:
         """The Embedder a worker keeps: pooling as asked (--pooling), else the GGUF's,
         else DECODER_DEFAULT; the batch as embedding_batch() sizes it."""
         name, source = choose_pooling(model, pooling)
-        e = cls(model, name, n_ctx, embedding_batch(model.n_vocab, n_batch, n_ubatch),
+        dedicated = model_pooling(model) is not None
+        e = cls(model, name, n_ctx, embedding_batch(model.n_vocab, n_batch, n_ubatch, dedicated),
                 n_threads, n_threads_batch)
         e.pooling_from = source
         return e
