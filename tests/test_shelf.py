@@ -310,6 +310,9 @@ def test_concurrent_first_requests_for_one_model_share_one_load(srv):
         t.join(120)
     assert results == [200, 200, 200]
     assert srv.model_metric("offgrid_model_loads_total", name) == loads + 1
+    print("figures: 3 concurrent first requests, 1 load of SmolLM2; load seconds so far %.2f"
+          " over %d loads" % (srv.model_metric("offgrid_model_load_seconds_total", name),
+                              srv.model_metric("offgrid_model_loads_total", name)))
 
 
 def test_keep_alive_0_ends_the_worker_and_gives_its_memory_back(srv):
@@ -326,9 +329,20 @@ def test_keep_alive_0_ends_the_worker_and_gives_its_memory_back(srv):
         time.sleep(0.05)
     assert worker_of(srv, SMOL.name) is None
     after = tree_rss(srv.proc.pid)
+    print("figures: keep_alive 0 on SmolLM2 (%d MiB file): process tree RSS %d -> %d MiB"
+          % (SMOL.stat().st_size >> 20, before >> 20, after >> 20))
     assert before - after >= SMOL.stat().st_size, (before, after)
     assert srv.status_of(name) == "unloaded"
     assert srv.model_metric("offgrid_model_resident_bytes", name) == 0
+
+
+def test_api_show_of_a_model_loaded_before_does_not_load_it_again(srv):
+    name = "smollm2-135m-instruct-q4_1"
+    srv.post("/models/unload", {"model": name})
+    status, _, body = srv.post("/api/show", {"model": name})
+    assert status == 200 and "completion" in body["capabilities"]
+    assert body["model_info"]["general.architecture"] == "llama"
+    assert srv.status_of(name) == "unloaded"
 
 
 def test_a_bad_keep_alive_is_a_400(srv):

@@ -169,7 +169,11 @@ def show(h, body):
     """POST /api/show: one model's template outline, capabilities, metadata and parameters."""
     f = Fields(body)
     name = model_name(f)
-    entry = entry_named(h.service, name)
+    # a shelf model described before (its worker's report is kept) is shown without
+    # loading it again: clients call /api/show for every model they list
+    entry = h.service.shelf.lookup(name)
+    if entry is None or entry.info is None:
+        entry = entry_named(h.service, name)
     info = entry.info
     # the template is /api/show's own field (as in Ollama), not repeated here
     model_info = {k: _meta_value(v) for k, v in sorted((info.get("meta") or {}).items())

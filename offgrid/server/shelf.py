@@ -586,9 +586,10 @@ class Shelf:
                 self._cond.notify_all()
             self.announce("cannot load %s: %s" % (entry.id, e))
             raise HTTPError("model %s cannot be loaded: %s" % (_quote(entry.id), e), status=500)
-        except BaseException:
+        except BaseException as e:
             with self._cond:
-                entry.set_status("unloaded")
+                # no room (503), shutdown: not the model's fault; /models says why
+                entry.set_status("unloaded", getattr(e, "message", None))
                 self._cond.notify_all()
             raise
         seconds = time.monotonic() - started

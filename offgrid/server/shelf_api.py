@@ -33,7 +33,8 @@ def model_object(shelf, e, created):
     status = {"value": e.status}
     if e.status == "loading" and e.progress is not None:
         status["progress"] = {"value": round(float(e.progress), 3)}
-    if e.status == "error":
+    if e.error and e.status in ("error", "unloaded"):
+        # broken (error), or the last load could not make room (unloaded)
         status["failed"] = True
         status["error"] = e.error
     preset = e.preset or {}
