@@ -135,7 +135,7 @@ def folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def srv(folder):
     with ShelfServer("--models-dir", folder, "--fim-model", folder / QWEN.name,
-                     "--models-max", 2, "-c", 512) as s:
+                     "--models-max", 2, "-c", 2048) as s:
         yield s
 
 
@@ -270,7 +270,7 @@ def test_a_model_with_a_running_stream_is_never_evicted(srv):
     qwen = next(k for k, v in srv.models().items() if v["pinned"])
     c = srv.conn()
     c.request("POST", "/v1/chat/completions", body=json.dumps({
-        "model": "smollm2-135m-instruct-q4_1", "messages": HELLO, "max_tokens": 400,
+        "model": "smollm2-135m-instruct-q4_1", "messages": HELLO, "max_tokens": 1800,
         "stream": True, "ignore_eos": True}).encode(),
         headers={"Content-Type": "application/json"})
     r = c.getresponse()
@@ -285,11 +285,13 @@ def test_a_model_with_a_running_stream_is_never_evicted(srv):
         assert "pinned" in msg and "running" in msg and "--models-max 2" in msg
         assert srv.status_of("smollm2-135m-instruct-q4_1") == "loaded"
         assert srv.status_of(qwen) == "loaded"
+        line = r.readline()
+        while line == b"\n":
+            line = r.readline()
+        assert line.startswith(b"data: ")       # still streaming all along
     finally:
-        rest = r.read()
-        c.close()
-    assert b"[DONE]" in rest
-    # once the stream is done, smollm2 is idle and makes room
+        c.close()       # hanging up ends the stream
+    # once the stream has ended, smollm2 is idle and makes room
     assert srv.chat("gemma-3-270m-q4_k_m")[0] == 200
     assert srv.status_of("smollm2-135m-instruct-q4_1") == "unloaded"
 

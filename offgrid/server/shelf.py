@@ -302,6 +302,10 @@ class Shelf:
     tick = 0.25
     # How many known names an unknown-model error lists.
     names_in_errors = 5
+    # Seconds a load waits for a busy model to become idle before its 503: a request
+    # lets go of its model just after its last byte is written, and a client that asks
+    # for another model at once must not meet that moment.  Short: this is no queue.
+    room_wait = 2.0
 
     def __init__(self, start_worker=None, dirs=(), preset=None, models_max=0, memory=0,
                  autoload=True, sleep_idle=None, fallback=True, announce=None):
@@ -649,6 +653,7 @@ class Shelf:
         if not self.models_max and not self.memory:
             return
         need = self.estimate(entry)
+        deadline = time.monotonic() + self.room_wait
         while True:
             with self._cond:
                 others = [e for e in self._entries if e is not entry and self._occupies(e)]
@@ -661,6 +666,10 @@ class Shelf:
                 idle = sorted((e for e in others if not e.pinned and self._idle(e)),
                               key=lambda e: e.last_used)
                 if not idle:
+                    left = deadline - time.monotonic()
+                    if left > 0 and any(not e.pinned for e in others):
+                        self._cond.wait(left)   # a release or a finished load wakes us
+                        continue
                     raise Unavailable(self._why_full(entry, others, over_count, used, need))
                 victim = idle[0]
                 worker = self._detach(victim, "unloaded")
