@@ -2,13 +2,16 @@
 
 The shelf is a tmp folder of symlinks to the real model files (SmolLM2-135M,
 gemma-3-270m, Qwen2.5-Coder-0.5B), a truncated GGUF and a text file named
-``x.gguf``.  Three servers, one thread each, small contexts:
+``x.gguf``.  Four servers, one thread each, small contexts:
 
-* ``shelf``: ``--models-dir`` with Qwen as the pinned ``--fim-model`` and
+* ``srv``: ``--models-dir`` with Qwen as the pinned ``--fim-model`` and
   ``--models-max 2``, so every other load has to evict: on-demand loads in
   each dialect, 404s, eviction, keep_alive, the router API, broken files;
+* ``budget``: ``--models-memory 450M``, which two models do not fit in;
 * ``sleepy``: ``-m`` SmolLM2 with ``--sleep-idle-seconds 3``;
-* ``preset``: a ``--models-preset`` file and ``--no-models-autoload``.
+* ``preset``: a ``--models-preset`` file, ``--no-models-autoload``, ``--pin``.
+
+The tests of ``srv`` run in file order and each says what it expects loaded.
 """
 
 import json
@@ -308,9 +311,16 @@ def test_concurrent_first_requests_for_one_model_share_one_load(srv):
     threads = [threading.Thread(target=one) for _ in range(3)]
     for t in threads:
         t.start()
+    seen = set()
+    while any(t.is_alive() for t in threads):
+        status, _, health = srv.get("/health")     # a load in progress is no outage
+        assert status == 200 and health["status"] == "ok", health
+        seen.add(srv.status_of(name))
+        time.sleep(0.05)
     for t in threads:
         t.join(120)
     assert results == [200, 200, 200]
+    assert "loading" in seen or "loaded" in seen
     assert srv.model_metric("offgrid_model_loads_total", name) == loads + 1
     print("figures: 3 concurrent first requests, 1 load of SmolLM2; load seconds so far %.2f"
           " over %d loads" % (srv.model_metric("offgrid_model_load_seconds_total", name),
@@ -382,6 +392,25 @@ def test_metrics_count_loads_unloads_evictions_and_resident_bytes_per_model(srv)
     assert srv.model_metric("offgrid_model_load_seconds_total", qwen) > 0
 
 
+# -- a memory budget ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def budget(folder):
+    with ShelfServer("--models-dir", folder, "--models-memory", "450M", "-c", 512) as s:
+        yield s
+
+
+def test_a_memory_budget_evicts_the_least_recently_used_model(budget):
+    smol, gemma = "smollm2-135m-instruct-q4_1", "gemma-3-270m-q4_k_m"
+    assert budget.chat(smol)[0] == 200
+    assert budget.model_metric("offgrid_model_resident_bytes", smol) > SMOL.stat().st_size
+    # SmolLM2's worker and gemma's file and caches do not fit in 450 MiB together
+    assert budget.chat(gemma)[0] == 200
+    assert budget.status_of(smol) == "unloaded"
+    assert budget.model_metric("offgrid_model_evictions_total", smol) == 1
+    assert budget.status_of(gemma) == "loaded"
+
+
 # -- idle unload ------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -442,7 +471,7 @@ def preset(tmp_path_factory, folder):
     ini = tmp_path_factory.mktemp("preset") / "models.ini"
     ini.write_text(PRESET)
     with ShelfServer("--models-dir", folder, "--models-preset", ini,
-                     "--no-models-autoload") as s:
+                     "--no-models-autoload", "--pin", QWEN.stem) as s:
         s.wait_status("smollm2-135m-instruct-q4_1", ("loaded",))
         yield s
 
@@ -457,6 +486,11 @@ def test_a_preset_sets_each_models_settings_and_loads_on_startup(preset):
     assert any("n-gpu-layers" in line for line in preset.output)
     status, _, body = preset.chat("tiny")
     assert status == 200 and body["model"] == "smollm2-135m-instruct-q4_1"
+
+
+def test_a_pinned_model_loads_at_start(preset):
+    preset.wait_status(QWEN.stem, ("loaded",), timeout=120)
+    assert preset.models()[QWEN.stem]["pinned"] is True
 
 
 def test_without_autoload_a_model_not_loaded_is_a_400_until_loaded(preset):

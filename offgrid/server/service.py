@@ -8,9 +8,10 @@
                                              generates, pieces to on_piece
         pool.release, unregister, unwatch    always, in a finally
 
-Service also owns the models (ModelEntry: a worker and the pool of its
-sessions), the counters behind /metrics and /slots, and the shutdown
-sequence.  It knows nothing of HTTP beyond raising the errors of
+Service also owns the shelf of models (``shelf.py``; a ModelEntry per model,
+with its worker and the pool of its sessions while it is loaded), holds
+the models each HTTP request uses (``request_scope``), the counters behind
+/metrics and /slots, and the shutdown sequence.  It knows nothing of HTTP beyond raising the errors of
 ``server.errors``, and nothing of libllama: models live in their workers.
 """
 
