@@ -503,3 +503,20 @@ def test_without_autoload_a_model_not_loaded_is_a_400_until_loaded(preset):
     assert preset.models()[name]["settings"]["n_ctx"] == 256      # from [*]
     status, _, body = preset.chat(name)
     assert status == 200, body
+
+
+# -- loading progress -------------------------------------------------------------------------
+
+def test_a_loading_worker_reports_its_progress_to_the_front():
+    from offgrid.__main__ import parse_args, worker_args
+    from offgrid.server.workers import WorkerClient
+
+    args = parse_args(["-m", str(SMOL), "-t", "1", "-c", "256"])
+    seen = []
+    worker = WorkerClient("smol", worker_args(str(SMOL), args))
+    worker.on_progress = seen.append        # what GET /models shows as status.progress
+    try:
+        worker.start(timeout=120)
+    finally:
+        worker.close()
+    assert seen and seen == sorted(seen) and seen[-1] == 1.0
