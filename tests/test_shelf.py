@@ -392,6 +392,24 @@ def test_metrics_count_loads_unloads_evictions_and_resident_bytes_per_model(srv)
     assert srv.model_metric("offgrid_model_load_seconds_total", qwen) > 0
 
 
+# -- -m beside a folder -------------------------------------------------------------------
+
+def test_the_model_of_m_is_the_default_and_one_model_with_its_file_in_the_folder(folder):
+    with ServerProcess(SMOL, "--models-dir", folder, threads=1, ctx=512) as s:
+        status, _, body = s.get("/v1/models")
+        smol = [m for m in body["data"] if m["path"].endswith(SMOL.name)
+                or SMOL.stem in m["aliases"]]
+        assert [m["id"] for m in smol] == [SMOL.name]          # -m's id, as before
+        assert smol[0]["status"]["value"] == "loaded"
+        # no model named: the default; a model named: that one; unknown: 404 (a folder)
+        status, _, body = s.post("/completion", {"prompt": "Hi", "n_predict": 2})
+        assert status == 200 and body["model"] == SMOL.name
+        status, _, body = s.post("/completion", {"model": SMOL.stem, "prompt": "Hi",
+                                                 "n_predict": 2})
+        assert status == 200 and body["model"] == SMOL.name
+        assert s.post("/completion", {"model": "nope", "prompt": "Hi"})[0] == 404
+
+
 # -- a memory budget ------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
