@@ -235,7 +235,8 @@ def build_shelf(args, decode_lock):
     preset.  Returns (shelf, text entry or None, fim entry or None); raises ValueError
     for a flag that cannot be used."""
     from .server.service import ModelEntry
-    from .server.shelf import PresetError, Shelf, default_memory_budget, parse_size, read_preset
+    from .server.shelf import Shelf
+    from .server.shelf_files import PresetError, default_memory_budget, parse_size, read_preset
 
     preset = None
     if args.models_preset:

@@ -24,7 +24,8 @@ from .. import protocol
 from .errors import BadRequest, Unavailable
 from .metrics import Metrics
 from .pool import ChatPool, SessionSlot, Supersede
-from .shelf import Shelf, parse_duration
+from .shelf import Shelf
+from .shelf_files import parse_duration
 from .watcher import DisconnectWatcher
 
 
