@@ -538,3 +538,52 @@ def test_a_loading_worker_reports_its_progress_to_the_front():
     finally:
         worker.close()
     assert seen and seen == sorted(seen) and seen[-1] == 1.0
+
+
+# -- what the shelf reads from disk ----------------------------------------------------------
+
+def test_a_folder_scan_names_models_by_stem_and_split_files_as_one(tmp_path):
+    from offgrid.server.shelf_files import scan
+    (tmp_path / "a.gguf").write_bytes(b"GGUF")
+    (tmp_path / "notes.txt").write_text("not a model")
+    (tmp_path / "mmproj-a.gguf").write_bytes(b"GGUF")
+    big = tmp_path / "big"
+    big.mkdir()
+    for i in (1, 2, 3):
+        (big / ("big-q4-%05d-of-00003.gguf" % i)).write_bytes(b"GGUF")
+    deep = tmp_path / "two" / "deeper"
+    deep.mkdir(parents=True)
+    (deep / "too-deep.gguf").write_bytes(b"GGUF")
+    found = {name: (os.path.basename(path), more) for name, path, more in scan([tmp_path])}
+    assert found == {"a": ("a.gguf", []),
+                     "big-q4": ("big-q4-00001-of-00003.gguf", ["big"])}
+
+
+def test_a_preset_reads_llama_servers_keys_and_reports_the_rest(tmp_path):
+    from offgrid.server.shelf_files import PresetError, read_preset
+    ini = tmp_path / "p.ini"
+    ini.write_text(PRESET)
+    defaults, models, ignored = read_preset(str(ini))
+    assert defaults == {"ctx_size": 256}
+    assert models["smollm2-135m-instruct-q4_1"] == {
+        "alias": ["tiny", "smol"], "ctx_size": 1024, "parallel": 2, "load_on_startup": True}
+    assert models["gemma-3-270m-q4_k_m"] == {"chat_template": "chatml", "stop_timeout": 2.0}
+    assert ignored == ["[*] n-gpu-layers"]
+    ini.write_text("[m]\nparallel = two\n")
+    with pytest.raises(PresetError, match="parallel"):
+        read_preset(str(ini))
+
+
+@pytest.mark.parametrize("value,seconds", [(0, 0.0), (30, 30.0), ("5m", 300.0),
+                                           ("1h30m", 5400.0), ("250ms", 0.25), ("-1", -1.0),
+                                           (-5, -1.0), ("-1m", -1.0), ("90", 90.0)])
+def test_keep_alive_reads_as_ollama_reads_it(value, seconds):
+    from offgrid.server.shelf_files import parse_duration
+    assert parse_duration(value) == seconds
+
+
+@pytest.mark.parametrize("value", ["soon", "5 minutes", "", [], True, {"m": 5}])
+def test_keep_alive_that_is_no_duration_is_refused(value):
+    from offgrid.server.shelf_files import parse_duration
+    with pytest.raises(ValueError):
+        parse_duration(value)

@@ -216,15 +216,20 @@ def read_preset(path):
     ini = configparser.ConfigParser(interpolation=None, strict=False, default_section="\0",
                                     comment_prefixes=("#", ";"), inline_comment_prefixes=None)
     ini.optionxform = str
+    # keys before the first section (llama-server's "version = 1") are dropped; the
+    # lines stay, blank, so errors name the right line
+    lines = text.splitlines()
+    first = next((i for i, line in enumerate(lines) if line.strip().startswith("[")), None)
+    if first is None:
+        raise PresetError("%s has no [section]: a preset names its models in [name] "
+                          "sections, and [*] for all of them" % path)
+    lines[:first] = [""] * first
     try:
-        # keys before the first section (llama-server's "version = 1") are read and dropped
-        ini.read_string("[\0top]\n" + text, source=path)
+        ini.read_string("\n".join(lines), source=path)
     except configparser.Error as e:
-        raise PresetError("%s: %s" % (path, str(e).replace("\0top", "top")))
+        raise PresetError("%s: %s" % (path, e))
     defaults, models, ignored = {}, {}, []
     for section in ini.sections():
-        if section == "\0top":
-            continue
         settings = {}
         for key, raw in ini.items(section):
             name, value = _setting(section, key, raw)
