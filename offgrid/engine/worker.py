@@ -94,8 +94,9 @@ class Loaded:
         template_for(self)      # a template that cannot be used fails the load
 
     @classmethod
-    def load(cls, args):
-        model = Model.load(args.model, lib_path=args.lib, verbose=args.verbose)
+    def load(cls, args, progress=True):
+        model = Model.load(args.model, lib_path=args.lib, verbose=args.verbose,
+                           progress=progress)
         sessions = []
         try:
             for _ in range(max(1, args.parallel)):
@@ -390,8 +391,18 @@ def main(argv=None):
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     # nothing else may write to the frame stream: print() goes to stderr
     sys.stdout = sys.stderr
+    shown = [-1]
+
+    def progress(fraction):
+        # the front shows it in GET /models while the model loads: whole percents only
+        pct = int(fraction * 100)
+        if pct != shown[0]:
+            shown[0] = pct
+            out.write(protocol.encode({"op": "progress", "value": pct / 100.0}))
+            out.flush()
+
     try:
-        loaded = Loaded.load(args)
+        loaded = Loaded.load(args, progress)
     except Exception as e:
         out.write(protocol.encode({"op": "failed", "error": protocol.encode_error(e)}))
         out.flush()
