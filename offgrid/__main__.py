@@ -23,9 +23,32 @@ from .request import SamplingParams
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="offgrid", description="A local LLM server over libllama.")
-    p.add_argument("-m", "--model", required=True, help="GGUF model for text and chat requests")
+    p.add_argument("-m", "--model", help="GGUF model for text and chat requests, loaded at "
+                   "start (optional with --models-dir or --models-preset)")
     p.add_argument("--fim-model", help="GGUF code model for /infill and suffix requests "
-                   "(default: --model)")
+                   "(default: --model); loaded at start and never evicted")
+    # the shelf (server/shelf.py): models loaded on demand, by name
+    p.add_argument("--models-dir", action="append", default=[], metavar="DIR",
+                   help="a folder of GGUF files (and one level of subfolders) served by name, "
+                   "loaded when a request names one (repeatable)")
+    p.add_argument("--models-preset", metavar="FILE",
+                   help="per-model settings in llama-server's preset INI format "
+                   "([name] and [*] sections)")
+    p.add_argument("--models-max", type=int, default=0, metavar="N",
+                   help="most models loaded at once; past it the least recently used idle "
+                   "one is unloaded (default 0: as many as --models-memory holds)")
+    p.add_argument("--models-memory", metavar="SIZE", default=None,
+                   help="memory the loaded models may hold, e.g. 12G (default: 3/4 of "
+                   "physical RAM; 0: no budget)")
+    p.add_argument("--models-autoload", action=argparse.BooleanOptionalAction, default=True,
+                   help="load a model when a request names it (default on; off: requests "
+                   "for a model not loaded get 400 until POST /models/load)")
+    p.add_argument("--pin", action="append", default=[], metavar="NAME",
+                   help="a shelf model that is never evicted nor put to sleep (repeatable; "
+                   "--fim-model is pinned anyway)")
+    p.add_argument("--sleep-idle-seconds", type=float, default=None, metavar="S",
+                   help="unload a model idle for S seconds (status sleeping); the next "
+                   "request loads it again (default: never)")
     p.add_argument("-a", "--alias", action="append", default=[],
                    help="a name the --model answers to (repeatable; the first is its id)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -93,7 +116,15 @@ def parse_args(argv=None):
                    "a margin; 0: none)")
     p.add_argument("-v", "--verbose", action="store_true", help="log requests and libllama")
     p.add_argument("--version", action="version", version="offgrid " + __version__)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not (args.model or args.models_dir or args.models_preset):
+        p.error("give a model (-m FILE) or a shelf of them (--models-dir DIR, "
+                "--models-preset FILE)")
+    # the flags given on the command line win over a preset's (llama-server's rule)
+    for action in p._actions:
+        action.default = argparse.SUPPRESS
+    args.explicit = set(vars(p.parse_args(argv)))
+    return args
 
 
 def read_api_keys(args):
@@ -154,23 +185,118 @@ def default_max_rss(info):
     return info["file_size"] + info["kv_bytes"] + max(1 << 30, info["file_size"] // 2)
 
 
-def start_entry(path, ids, args, chat_template=None, decode_lock=None):
-    """Start the worker of one model and wait for it to load; a ModelEntry."""
-    from .server.service import ModelEntry
+# A preset's settings that are our flags, by their argparse names.
+PRESET_FLAGS = ("ctx_size", "parallel", "threads", "threads_batch", "batch_size",
+                "ubatch_size")
+
+
+def model_args(entry, args):
+    """Our flags as they apply to one model: the preset's settings under the command line's."""
+    out = argparse.Namespace(**vars(args))
+    preset = entry.preset or {}
+    explicit = getattr(args, "explicit", set())
+    for key in PRESET_FLAGS:
+        if key in preset and key not in explicit:
+            setattr(out, key, preset[key])
+    return out
+
+
+def read_template(value):
+    """--chat-template's value: a Jinja file's text, else the name as it is."""
+    if value and os.path.isfile(value):
+        with open(value, encoding="utf-8") as fh:
+            return fh.read()
+    return value
+
+
+def start_worker(entry, args, decode_lock=None):
+    """Start the worker of one shelf model and wait for it to load; the WorkerClient.
+
+    Raises ModelLoadError when the model does not load.
+    """
     from .server.workers import WorkerClient
 
+    path = entry.path
     if not os.path.isfile(path):
         raise ModelLoadError("model file not found: %s" % path)
-    name = ids[0] if ids else os.path.basename(path)
-    worker = WorkerClient(name, worker_args(path, args, chat_template, decode_lock),
+    a = model_args(entry, args)
+    template = entry.settings.get("chat_template") or (entry.preset or {}).get("chat_template")
+    try:
+        template = read_template(template)
+    except OSError as e:
+        raise ModelLoadError("cannot read the chat template of %s: %s" % (entry.id, e))
+    worker = WorkerClient(entry.id, worker_args(path, a, template, decode_lock),
                           verbose=args.verbose)
-    worker.start()
+    worker.on_progress = lambda fraction: setattr(entry, "progress", fraction)
+    try:
+        worker.start()
+    except BaseException:
+        worker.close()
+        raise
     if args.worker_max_rss is None:
         worker.max_rss = default_max_rss(worker.info)
     elif args.worker_max_rss > 0:
         worker.max_rss = int(args.worker_max_rss * (1 << 20))
     worker.watch()
-    return ModelEntry.started(worker, name, ids[1:])
+    return worker
+
+
+def build_shelf(args, decode_lock):
+    """The shelf of this command line: -m and --fim-model first, then the folders and the
+    preset.  Returns (shelf, text entry or None, fim entry or None); raises ValueError
+    for a flag that cannot be used."""
+    from .server.service import ModelEntry
+    from .server.shelf import Shelf
+    from .server.shelf_files import PresetError, default_memory_budget, parse_size, read_preset
+
+    preset = None
+    if args.models_preset:
+        try:
+            defaults, sections, ignored = read_preset(args.models_preset)
+        except PresetError as e:
+            raise ValueError("--models-preset: %s" % e)
+        for what in ignored:
+            print("offgrid: --models-preset: ignoring %s (not an offgrid setting)" % what,
+                  file=sys.stderr)
+        preset = (defaults, sections)
+    for d in args.models_dir:
+        if not os.path.isdir(d):
+            raise ValueError("--models-dir %s is not a folder" % d)
+    if args.models_memory is None:
+        memory = default_memory_budget()
+    else:
+        try:
+            memory = parse_size(args.models_memory)
+        except ValueError as e:
+            raise ValueError("--models-memory: %s" % e)
+    shelf = Shelf(lambda entry: start_worker(entry, args, decode_lock), dirs=args.models_dir,
+                  preset=preset, models_max=args.models_max, memory=memory,
+                  autoload=args.models_autoload, sleep_idle=args.sleep_idle_seconds,
+                  fallback=not (args.models_dir or args.models_preset))
+    text = fim = None
+    if args.model:
+        stem = os.path.basename(args.model)
+        names = list(args.alias) or [stem]
+        if stem.lower().endswith(".gguf"):
+            names.append(stem[:-len(".gguf")])
+        text = shelf.add(ModelEntry(id=names[0], aliases=names[1:],
+                                    path=os.path.abspath(args.model),
+                                    settings={"chat_template": args.chat_template}))
+    if args.fim_model and not (args.model and os.path.abspath(args.fim_model)
+                               == os.path.abspath(args.model)):
+        stem = os.path.basename(args.fim_model)
+        names = [stem] + ([stem[:-len(".gguf")]] if stem.lower().endswith(".gguf") else [])
+        fim = shelf.add(ModelEntry(id=names[0], aliases=names[1:], pinned=True,
+                                   path=os.path.abspath(args.fim_model)))
+    elif args.fim_model:
+        text.pinned = True
+    shelf.rescan()
+    for name in args.pin:
+        e = shelf.find(name)
+        if e is None:
+            raise ValueError("--pin %s: no such model on the shelf" % name)
+        e.pinned = True
+    return shelf, text, fim
 
 
 def main(argv=None):
@@ -202,33 +328,35 @@ def main(argv=None):
                                name="http", daemon=True)
     serving.start()   # /health says "loading" meanwhile
 
-    chat_template = args.chat_template
-    if chat_template and os.path.isfile(chat_template):
-        with open(chat_template, encoding="utf-8") as fh:
-            chat_template = fh.read()
     # Decodes take turns across the models' workers as they do across the
     # sessions of one (see engine/session.py): the workers flock this file.
     lock_fd, decode_lock = tempfile.mkstemp(prefix="offgrid-decode-", suffix=".lock")
     os.close(lock_fd)
-    entries = []
-    try:
-        paths = [(args.model, args.alias, chat_template)]
-        if args.fim_model and os.path.abspath(args.fim_model) != os.path.abspath(args.model):
-            paths.append((args.fim_model, [], None))
-        for path, ids, template in paths:
-            entries.append(start_entry(path, ids, args, template, decode_lock))
-    except (OffgridError, HTTPError) as e:
-        print("offgrid: %s" % e, file=sys.stderr)
-        for entry in entries:
-            entry.worker.close()
+
+    def fail(message, code=1):
+        print("offgrid: %s" % message, file=sys.stderr)
+        if shelf is not None:
+            shelf.close()
         os.unlink(decode_lock)
         httpd.shutdown()
         httpd.server_close()
-        return 1
-    text = entries[0]
-    fim = entries[1] if len(entries) > 1 else None
-    for entry in entries:
-        if entry.info.get("pooling") == "rank" and not entry.info.get("rank_head"):
+        return code
+
+    shelf = None
+    try:
+        shelf, text, fim = build_shelf(args, decode_lock)
+    except ValueError as e:
+        return fail(e, 2)
+    # the command line's models are loaded before "listening on"; a failure ends the server
+    for entry in (text, fim):
+        if entry is not None:
+            try:
+                shelf.load(entry)
+            except (OffgridError, HTTPError) as e:
+                return fail(getattr(e, "message", e))
+    for entry in (text, fim):
+        info = entry.info if entry is not None else None
+        if info and info.get("pooling") == "rank" and not info.get("rank_head"):
             # llama-server goes ahead too; the scores then come from no trained head
             print("offgrid: warning: %s has no rank head (its GGUF pooling_type is not rank): "
                   "/rerank scores are the first component of its hidden state, not relevance"
@@ -240,8 +368,15 @@ def main(argv=None):
                       sampling_default=sampling, endpoints_off=[
                           name for name, on in (("metrics", args.metrics),
                                                 ("slots", args.slots),
-                                                ("embeddings", args.embeddings)) if not on])
+                                                ("embeddings", args.embeddings)) if not on],
+                      shelf=shelf, fim_given=fim is not None)
     httpd.RequestHandlerClass.service = service
+    shelf.start_reaper()
+    # preset models marked load-on-startup, and --pin ones, load meanwhile
+    for entry in shelf.entries:
+        if entry.worker is None and entry.status == "unloaded" and (
+                entry.pinned or (entry.preset or {}).get("load_on_startup")):
+            shelf.load(entry, wait=False)
 
     stop = threading.Event()
 

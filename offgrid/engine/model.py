@@ -92,7 +92,14 @@ class Model:
         lib = libllama.load(lib_path, verbose=verbose)
         if not os.path.isfile(path):
             raise ModelLoadError("model file not found: %s" % path)
-        show = _terminal_progress(os.path.basename(str(path))) if progress else None
+        # progress: True draws a bar on a terminal; a callable gets each fraction too
+        bar = _terminal_progress(os.path.basename(str(path))) if progress else None
+        show = bar
+        if callable(progress):
+            def show(fraction):
+                progress(fraction)
+                if bar is not None:
+                    bar(fraction)
         handle = libllama.ModelHandle(lib, path, show, vocab_only=vocab_only)
         if not handle.ptr:
             raise ModelLoadError("libllama could not load the model %s "

@@ -99,8 +99,9 @@ class Loaded:
         self.embedder = embedder or Embedder.for_model(model, n_ctx=sessions[0].n_ctx)
 
     @classmethod
-    def load(cls, args):
-        model = Model.load(args.model, lib_path=args.lib, verbose=args.verbose)
+    def load(cls, args, progress=True):
+        model = Model.load(args.model, lib_path=args.lib, verbose=args.verbose,
+                           progress=progress)
         sessions = []
         try:
             for _ in range(max(1, args.parallel)):
@@ -453,8 +454,18 @@ def main(argv=None):
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     # nothing else may write to the frame stream: print() goes to stderr
     sys.stdout = sys.stderr
+    shown = [-1]
+
+    def progress(fraction):
+        # the front shows it in GET /models while the model loads: whole percents only
+        pct = int(fraction * 100)
+        if pct != shown[0]:
+            shown[0] = pct
+            out.write(protocol.encode({"op": "progress", "value": pct / 100.0}))
+            out.flush()
+
     try:
-        loaded = Loaded.load(args)
+        loaded = Loaded.load(args, progress)
     except Exception as e:
         out.write(protocol.encode({"op": "failed", "error": protocol.encode_error(e)}))
         out.flush()

@@ -12,6 +12,7 @@ from .. import __version__
 from ..errors import OffgridError
 from ..request import FinishReason, GenerationParams, InfillRequest
 from . import anthropic, chat, embeddings, formats, ollama, ollama_models, responses
+from . import shelf_api
 from .errors import BadRequest, HTTPError, Unavailable
 from .prompts import infill_tokens
 from .params import (Fields, completion_probs_from, include_usage_from, generation_from,
@@ -35,9 +36,13 @@ def health(h, _body):
                           "error": {"code": 503, "message": "server is shutting down",
                                     "type": "unavailable_error"}})
     else:
-        models = [{"id": e.id, "status": _status(e)} for e in svc.entries]
-        if all(m["status"] != "loaded" for m in models):
-            # nothing can be served right now (its worker is restarting)
+        entries = svc.entries
+        models = [{"id": e.id, "status": e.status} for e in entries]
+        # a model can serve if it is loaded, or a request may load it; not while its
+        # worker restarts after a death, nor when it cannot load at all
+        servable = [e for e in entries if e.status in ("loaded", "unloaded", "sleeping")
+                    or (e.status == "loading" and e.worker is None)]
+        if entries and not servable:
             h.send_json(503, {"status": "loading", "models": models,
                               "error": {"code": 503, "message": "Loading model",
                                         "type": "unavailable_error"}})
@@ -47,46 +52,54 @@ def health(h, _body):
 
 def _status(entry):
     """A model's state in llama-server's router words."""
-    return {"ready": "loaded", "loading": "loading", "failed": "error",
-            "closed": "unloaded"}.get(entry.state, entry.state)
+    return entry.status
 
 
 def props(h, _body):
     svc = h.service
     e = svc.text
-    info = e.info
+    info = e.info if e is not None else None
+    if info is None:
+        # a router: no default model (llama-server's router answers the same)
+        shelf = svc.shelf
+        h.send_json(200, {
+            "role": "router", "max_instances": shelf.models_max,
+            "models_autoload": shelf.autoload, "model_alias": "offgrid", "model_path": "none",
+            "default_generation_settings": {"params": {}, "n_ctx": 0},
+            "build_info": formats.FINGERPRINT, "is_sleeping": False,
+            "infill": bool(svc.fim is not None and svc.fim.has_fim),
+        })
+        return
     defaults = GenerationParams(n_predict=svc.n_predict_default, sampling=svc.sampling_default)
     settings = formats.generation_settings(defaults, e.n_ctx, e.id)
+    pool = e.pool
     h.send_json(200, {
         "default_generation_settings": {
             "id": 0, "id_task": -1, "n_ctx": e.n_ctx, "speculative": False,
-            "is_processing": e.pool.n_busy > 0, "params": settings, "prompt": "",
+            "is_processing": pool is not None and pool.n_busy > 0, "params": settings,
+            "prompt": "",
             "next_token": {"has_next_token": True, "has_new_line": False, "n_remain": -1,
                            "n_decoded": 0, "stopping_word": ""},
         },
-        "total_slots": len(e.pool.sessions),
+        "total_slots": info["n_sessions"],
         "model_alias": e.id,
         "model_path": e.path,
         "chat_template": info["chat_template"],
         "chat_template_caps": info["caps"],
         "modalities": {"vision": False, "audio": False},
         "build_info": formats.FINGERPRINT,
-        "is_sleeping": False,
+        # unloaded by --sleep-idle-seconds (or since): the next request wakes it
+        "is_sleeping": e.worker is None,
         "infill": svc.fim.has_fim,
     })
 
 
 def models(h, _body):
-    data = []
-    for e in h.service.entries:
-        m = e.info
-        data.append({
-            "id": e.id, "object": "model", "created": int(h.service.metrics.started),
-            "owned_by": "offgrid", "aliases": e.aliases, "status": {"value": _status(e)},
-            "meta": {"n_vocab": m["n_vocab"], "n_ctx_train": m["n_ctx_train"],
-                     "n_embd": m["n_embd"], "n_params": m["n_params"], "size": m["size"],
-                     "n_ctx": e.n_ctx, "fim": m["has_fim"]},
-        })
+    """GET /models, /v1/models: the shelf, as OpenAI's list and llama-server's router's."""
+    svc = h.service
+    svc.shelf.rescan()
+    created = int(svc.metrics.started)
+    data = [shelf_api.model_object(svc.shelf, e, created) for e in svc.entries]
     h.send_json(200, {"object": "list", "data": data})
 
 
@@ -101,6 +114,8 @@ def slots(h, _body):
     _switched_off(h.service, "slots")
     out = []
     for e in h.service.entries:
+        if e.pool is None:
+            continue        # not loaded: no sessions
         # live from the worker (a running request's cache grows); the front's
         # record from the last request while the worker is not there
         n_cached = [len(s.cached) for s in e.pool.sessions]
@@ -118,10 +133,13 @@ def slots(h, _body):
 def metrics(h, _body):
     svc = h.service
     _switched_off(svc, "metrics")
-    m = svc.metrics.snapshot()     # its own copy: other threads count on meanwhile
-    busy = sum(e.pool.n_busy for e in svc.entries)
-    idle = sum(e.pool.n_idle for e in svc.entries)
-    waiting = sum(e.pool.n_waiting for e in svc.entries)
+    # its own copy (other threads count on meanwhile); a scrape starts a new
+    # throughput window, as llama-server's does
+    m = svc.metrics.snapshot(reset_bucket=True)
+    pools = [e.pool for e in svc.entries if e.pool is not None]
+    busy = sum(p.n_busy for p in pools)
+    idle = sum(p.n_idle for p in pools)
+    waiting = sum(p.n_waiting for p in pools)
     lines = [
         ("counter", "llamacpp:prompt_tokens_total", "Prompt tokens evaluated.", m.prompt_tokens),
         ("counter", "llamacpp:prompt_tokens_cached_total", "Prompt tokens reused from the "
@@ -130,6 +148,10 @@ def metrics(h, _body):
         ("counter", "llamacpp:tokens_predicted_total", "Tokens generated.", m.predicted_tokens),
         ("counter", "llamacpp:tokens_predicted_seconds_total", "Generation time.",
          m.predicted_seconds),
+        ("gauge", "llamacpp:prompt_tokens_seconds", "Prompt throughput since the last "
+         "scrape, tokens/s.", m.prompt_tokens_per_second),
+        ("gauge", "llamacpp:predicted_tokens_seconds", "Generation throughput since the last "
+         "scrape, tokens/s.", m.predicted_tokens_per_second),
         ("gauge", "llamacpp:requests_processing", "Requests running.", busy),
         ("gauge", "llamacpp:requests_deferred", "Requests waiting for a session.", waiting),
         ("counter", "offgrid_prompt_tokens_cached_total", "Prompt tokens reused from the cache.",
@@ -151,18 +173,7 @@ def metrics(h, _body):
             "# TYPE offgrid_requests_total counter"]
     for endpoint, n in sorted(m.requests.items()):
         out.append('offgrid_requests_total{endpoint="%s"} %d' % (endpoint, n))
-    per_model = [
-        ("counter", "offgrid_worker_starts_total", "Worker processes started, per model.",
-         lambda w: w.starts),
-        ("counter", "offgrid_worker_deaths_total", "Worker processes that died, per model.",
-         lambda w: w.deaths),
-        ("gauge", "offgrid_worker_ready", "Whether the model's worker is serving (1) or "
-         "loading (0).", lambda w: int(w.state == "ready")),
-    ]
-    for kind, name, help_text, value in per_model:
-        out += ["# HELP %s %s" % (name, help_text), "# TYPE %s %s" % (name, kind)]
-        for e in svc.entries:
-            out.append('%s{model="%s"} %d' % (name, _label(e.id), value(e.worker)))
+    out += shelf_api.metric_lines(svc.shelf, _label)
     # llama-server's header: when the counters started, for rates across restarts
     h.send_text(200, "\n".join(out) + "\n",
                 headers={"Process-Start-Time-Unix": str(int(m.started))})
@@ -229,7 +240,7 @@ def completion(h, body):
 def infill(h, body):
     f = Fields(body)
     svc = h.service
-    entry = svc.entry_for(None, fim=True)
+    entry = svc.entry_for(f.raw("model"), fim=True)
     req = infill_from(f)
     gen = generation_from(f, entry.n_vocab, svc.n_predict_default,
                           sampling_default=svc.sampling_default)
@@ -307,7 +318,7 @@ def v1_completions(h, body):
     if suffix is not None:
         if not prompt.is_text:
             raise BadRequest("with 'suffix', 'prompt' must be a string")
-        entry = svc.entry_for(None, fim=True)
+        entry = svc.entry_for(f.raw("model"), fim=True)
         gen = generation_from(f, entry.n_vocab, svc.n_predict_default,
                               ("max_tokens", "n_predict"), svc.sampling_default)
         completion_probs_from(f, gen, entry.n_vocab)
@@ -365,6 +376,8 @@ ROUTES = {
     "/props": Route(props, _GET, True, True),
     "/models": Route(models, _GET, True, True),
     "/v1/models": Route(models, _GET, True, True),
+    "/models/load": Route(shelf_api.load, _POST, True, True),
+    "/models/unload": Route(shelf_api.unload, _POST, True, True),
     "/slots": Route(slots, _GET, True, True),
     "/metrics": Route(metrics, _GET, True, True),
     "/tokenize": Route(tokenize, _POST, True, True),

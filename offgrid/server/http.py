@@ -281,7 +281,12 @@ class Handler(BaseHTTPRequestHandler):
             body = self._read_json() if method == "POST" else None
             if route.needs_service and self.service is None:
                 raise Unavailable("Loading model")
-            route.handler(self, body)
+            if route.needs_service:
+                # the models this request uses are held until it is answered (shelf.py)
+                with self.service.request_scope(body):
+                    route.handler(self, body)
+            else:
+                route.handler(self, body)
         except Exception as exc:           # the one exit for errors
             self._send_exception(exc)
         finally:

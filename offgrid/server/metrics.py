@@ -26,6 +26,9 @@ class MetricsSnapshot:
     cancelled: int = 0
     errors: int = 0
     started: float = 0.0
+    # throughput since the scrape before (llama-server's per-scrape "bucket")
+    prompt_tokens_per_second: float = 0.0
+    predicted_tokens_per_second: float = 0.0
 
 
 class Metrics:
@@ -42,6 +45,9 @@ class Metrics:
         self.cancelled = 0
         self.errors = 0
         self.started = time.time()
+        # (prompt tokens, prompt seconds, predicted tokens, predicted seconds) since the
+        # last /metrics scrape: llama-server's throughput gauges read these, then reset
+        self._bucket = [0, 0.0, 0, 0.0]
 
     def request(self, endpoint):
         with self._lock:
@@ -55,6 +61,11 @@ class Metrics:
             self.prompt_seconds += u.prompt_ms / 1000.0
             self.predicted_tokens += u.completion_tokens
             self.predicted_seconds += u.generation_ms / 1000.0
+            b = self._bucket
+            b[0] += u.evaluated_tokens
+            b[1] += u.prompt_ms / 1000.0
+            b[2] += u.completion_tokens
+            b[3] += u.generation_ms / 1000.0
             if c.finish_reason is FinishReason.CANCELLED:
                 self.cancelled += 1
 
@@ -62,10 +73,18 @@ class Metrics:
         with self._lock:
             self.errors += 1
 
-    def snapshot(self):
-        """A MetricsSnapshot, read under the lock: what /metrics may iterate."""
+    def snapshot(self, reset_bucket=False):
+        """A MetricsSnapshot, read under the lock: what /metrics may iterate.
+
+        ``reset_bucket`` (a /metrics scrape) starts a new throughput window.
+        """
         with self._lock:
+            b = self._bucket
+            if reset_bucket:
+                self._bucket = [0, 0.0, 0, 0.0]
             return MetricsSnapshot(
+                prompt_tokens_per_second=b[0] / b[1] if b[1] > 0 else 0.0,
+                predicted_tokens_per_second=b[2] / b[3] if b[3] > 0 else 0.0,
                 requests=dict(self.requests), prompt_tokens=self.prompt_tokens,
                 prompt_seconds=self.prompt_seconds, cached_tokens=self.cached_tokens,
                 predicted_tokens=self.predicted_tokens,

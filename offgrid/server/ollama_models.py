@@ -1,9 +1,11 @@
 """Ollama's /api/tags, /api/ps, /api/show and /api/version: what offgrid serves.
 
-The models are those of the command line (-m, --fim-model), all loaded; their
-details come from the GGUF metadata their workers reported at load
-(``entry.info["meta"]``, ``n_params``, ``caps``), and their digest from
-reading the file once (``DIGESTS``).  Shapes as Ollama's docs/api.md; see
+The models are those of the shelf (``shelf.py``: -m, --fim-model, the
+--models-dir folders), loaded or not; their details come from the GGUF
+metadata their workers reported at their last load (``entry.info["meta"]``,
+``n_params``, ``caps``; empty for a model never loaded yet), and their digest
+from reading the file once (``DIGESTS``).  /api/show loads the model it
+describes.  Shapes as Ollama's docs/api.md; see
 ``ollama`` for the dialect as a whole.
 """
 
@@ -11,6 +13,7 @@ import hashlib
 import math
 import os
 import threading
+import time
 
 from .. import __version__
 from .ollama import entry_named, model_name, rfc3339
@@ -75,21 +78,28 @@ def _parameter_size(n):
 
 
 def _details(entry):
-    meta = entry.info.get("meta") or {}
+    # a model never loaded yet has no metadata here: its worker reads it at load
+    info = entry.info or {}
+    meta = info.get("meta") or {}
     family = meta.get("general.architecture", "")
     ftype = _meta_value(meta.get("general.file_type"))
     return {"parent_model": "", "format": "gguf", "family": family,
             "families": [family] if family else [],
-            "parameter_size": _parameter_size(entry.info["n_params"]),
+            "parameter_size": _parameter_size(info["n_params"]) if info else "",
             "quantization_level": _FILE_TYPES.get(ftype, "unknown")}
 
 
 def _model(entry):
     info = entry.info
+    size = info.get("file_size", info["size"]) if info else os.path.getsize(entry.path)
     return {"name": entry.id, "model": entry.id,
             "modified_at": rfc3339(os.path.getmtime(entry.path)),
-            "size": info.get("file_size", info["size"]),
-            "digest": DIGESTS.of(entry.path), "details": _details(entry)}
+            "size": size, "digest": DIGESTS.of(entry.path), "details": _details(entry)}
+
+
+def _present(entries):
+    """The entries whose file is there to describe (a shelf file may vanish any time)."""
+    return [e for e in entries if os.path.isfile(e.path)]
 
 
 def version(h, _body):
@@ -97,20 +107,28 @@ def version(h, _body):
 
 
 def tags(h, _body):
-    """GET /api/tags: the models offgrid serves (all are loaded: none is on disk only)."""
-    h.send_json(200, {"models": [_model(e) for e in h.service.entries]})
+    """GET /api/tags: every model on the shelf, loaded or not (the folders are read again)."""
+    svc = h.service
+    svc.shelf.rescan()
+    h.send_json(200, {"models": [_model(e) for e in _present(svc.entries)
+                                 if e.status != "error"]})
 
 
 def ps(h, _body):
-    """GET /api/ps: the models whose worker is serving now."""
+    """GET /api/ps: the models whose worker is serving now, and when each will be unloaded."""
+    shelf = h.service.shelf
     out = []
-    for e in h.service.entries:
-        if e.state != "ready":
+    for e in _present(shelf.entries):
+        if e.status != "loaded":
             continue
         m = _model(e)
+        left, _ = shelf.expires_in(e)
+        if left is None or e.active:
+            expires = "2318-01-01T00:00:00Z"   # never (or not while in use): Ollama's "forever"
+        else:
+            expires = rfc3339(time.time() + max(0.0, left))
         m.update(size=m["size"] + e.info.get("kv_bytes", 0), size_vram=0,
-                 # never unloaded while offgrid runs; Ollama's "forever" is as far away
-                 expires_at="2318-01-01T00:00:00Z", context_length=e.n_ctx)
+                 expires_at=expires, context_length=e.n_ctx)
         out.append(m)
     h.send_json(200, {"models": out})
 
@@ -151,7 +169,11 @@ def show(h, body):
     """POST /api/show: one model's template outline, capabilities, metadata and parameters."""
     f = Fields(body)
     name = model_name(f)
-    entry = entry_named(h.service, name)
+    # a shelf model described before (its worker's report is kept) is shown without
+    # loading it again: clients call /api/show for every model they list
+    entry = h.service.shelf.lookup(name)
+    if entry is None or entry.info is None:
+        entry = entry_named(h.service, name)
     info = entry.info
     # the template is /api/show's own field (as in Ollama), not repeated here
     model_info = {k: _meta_value(v) for k, v in sorted((info.get("meta") or {}).items())

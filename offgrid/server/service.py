@@ -8,68 +8,157 @@
                                              generates, pieces to on_piece
         pool.release, unregister, unwatch    always, in a finally
 
-Service also owns the models (ModelEntry: a worker and the pool of its
-sessions), the counters behind /metrics and /slots, and the shutdown
-sequence.  It knows nothing of HTTP beyond raising the errors of
+Service also owns the shelf of models (``shelf.py``; a ModelEntry per model,
+with its worker and the pool of its sessions while it is loaded), holds
+the models each HTTP request uses (``request_scope``), the counters behind
+/metrics and /slots, and the shutdown sequence.  It knows nothing of HTTP beyond raising the errors of
 ``server.errors``, and nothing of libllama: models live in their workers.
 """
 
+import contextlib
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import List
 
 from ..request import Completion, FinishReason, RequestCancel, SamplingParams, Usage
 from .. import protocol
 from .errors import BadRequest, Unavailable
 from .metrics import Metrics
 from .pool import ChatPool, SessionSlot, Supersede
+from .shelf import Shelf
+from .shelf_files import parse_duration
 from .watcher import DisconnectWatcher
 
 
-@dataclass
+class _Scope:
+    """One HTTP request's hold on the models it uses."""
+    __slots__ = ("held",)
+
+    def __init__(self):
+        self.held = []
+
+
 class ModelEntry:
-    """One model: the names it answers to, its worker process and its sessions."""
-    id: str
-    worker: object              # server.workers.WorkerClient
-    pool: ChatPool
-    aliases: List[str] = field(default_factory=list)
-    path: str = ""
+    """One model on the shelf: the names it answers to, and while it is loaded its worker
+    process and the pool of its sessions (``server/shelf.py`` loads and unloads it)."""
+
+    def __init__(self, id, worker=None, pool=None, aliases=(), path="", source="command line",
+                 pinned=False, settings=None):
+        self.id = id
+        self.aliases = list(aliases)
+        self.path = path
+        self.source = source            # "command line", "models_dir" or "preset"
+        self.pinned = pinned            # never evicted nor put to sleep (--fim-model, --pin)
+        self.settings = dict(settings or {})    # from the command line (chat_template)
+        self.preset = None              # from --models-preset: [*] then [name]
+        self.shelf = None
+        self.worker = worker            # server.workers.WorkerClient, None while unloaded
+        self.pool = pool                # ChatPool of its sessions, None while unloaded
+        # what the worker reported at its last load: kept while unloaded, so listings
+        # and /props still describe the model without waking it
+        self._info = worker.info if worker is not None else None
+        self._status = "loaded" if worker is not None else "unloaded"
+        self.error = None               # why it is in "error"
+        self.progress = None            # 0..1 while loading, as its worker reports
+        self.file_key = None            # (size, mtime) of the file when last looked at
+        # held by requests now (Shelf.use .. Shelf.release), and since when idle
+        self.active = 0
+        self.last_used = time.monotonic()
+        self.keep_alive = None          # seconds from the last request's keep_alive
+        # counters for /metrics
+        self.loads = 1 if worker is not None else 0
+        self.unloads = 0
+        self.evictions = 0
+        self.load_seconds = 0.0
+        self.resident_peak = 0
+        self._past_starts = self._past_deaths = 0   # of the workers it had before this one
+
+    @property
+    def worker_starts(self):
+        w = self.worker
+        return self._past_starts + (w.starts if w is not None else 0)
+
+    @property
+    def worker_deaths(self):
+        w = self.worker
+        return self._past_deaths + (w.deaths if w is not None else 0)
 
     def answers_to(self, name):
         return name == self.id or name in self.aliases
 
     @classmethod
-    def started(cls, worker, name=None, aliases=()):
+    def started(cls, worker, name=None, aliases=(), **kw):
         """The entry of a worker that has loaded its model (WorkerClient.start)."""
         info = worker.info
-        slots = [SessionSlot(i) for i in range(info["n_sessions"])]
-        return cls(id=name or info["name"], worker=worker, pool=ChatPool(slots),
-                   aliases=list(aliases), path=info["path"])
+        entry = cls(id=name or info["name"], worker=worker, aliases=aliases,
+                    path=info["path"], **kw)
+        entry.attach(worker)
+        return entry
 
-    # what the front knows of the model, as its worker reported it at load
+    # -- loaded and unloaded (the shelf calls these under its lock) ---------------------------
+    def attach(self, worker):
+        info = worker.info
+        self.worker = worker
+        self._info = info
+        self.pool = ChatPool([SessionSlot(i) for i in range(info["n_sessions"])])
+        self._status, self.error, self.progress = "loaded", None, None
+
+    def detach(self, status="unloaded", error=None):
+        """Forget the worker (the caller closes it); returns it."""
+        worker, self.worker, self.pool = self.worker, None, None
+        if worker is not None:
+            self._past_starts += worker.starts
+            self._past_deaths += worker.deaths
+        self.set_status(status, error)
+        self.keep_alive = None
+        return worker
+
+    def set_status(self, status, error=None):
+        self._status, self.error = status, error
+        if status != "loading":
+            self.progress = None
+
+    @property
+    def status(self):
+        """unloaded, loading, loaded, sleeping or error (server/shelf.py says when)."""
+        w = self.worker
+        if w is None:
+            return self._status
+        return {"ready": "loaded", "loading": "loading", "failed": "error",
+                "closed": "unloaded"}.get(w.state, w.state)
+
+    # what the front knows of the model, as its worker reported it at load (None:
+    # never loaded yet)
     @property
     def info(self):
-        return self.worker.info
+        w = self.worker
+        if w is not None and w.info is not None:
+            return w.info
+        return self._info
 
     @property
     def n_ctx(self):
-        return self.worker.info["n_ctx"]
+        return self.info["n_ctx"]
 
     @property
     def n_vocab(self):
-        return self.worker.info["n_vocab"]
+        return self.info["n_vocab"]
 
     @property
     def has_fim(self):
-        return self.worker.info["has_fim"]
+        info = self.info
+        return bool(info and info["has_fim"])
 
     @property
     def state(self):
-        return self.worker.state
+        """The worker's own state (loading, ready, failed, closed); closed while unloaded."""
+        w = self.worker
+        return w.state if w is not None else "closed"
 
     def call(self, method, what="", **args):
-        return self.worker.call(method, what, **args)
+        w = self.worker
+        if w is None:
+            raise Unavailable("model %s is not loaded" % self.id)
+        return w.call(method, what, **args)
 
 
 class ContextExceeded(BadRequest):
@@ -91,10 +180,21 @@ class Service:
     """Models, pools, supersede table, counters, and the lifecycle of requests."""
 
     def __init__(self, text, fim=None, n_predict_default=-1, shutdown_grace=10.0,
-                 cache_reuse=64, sampling_default=None, endpoints_off=()):
-        self.text = text                # ModelEntry for text and chat requests
+                 cache_reuse=64, sampling_default=None, endpoints_off=(), shelf=None,
+                 fim_given=None):
+        self.text = text                # ModelEntry for text and chat requests (None: a
+                                        # router with no default model)
         self.fim = fim or text          # ModelEntry for /infill and suffix requests
-        self.entries = [text] + ([fim] if fim is not None and fim is not text else [])
+        # whether /infill always goes to self.fim (--fim-model) rather than to the model
+        # a request names
+        self.fim_given = fim is not None if fim_given is None else fim_given
+        if shelf is None:
+            # the models of the command line only, all loaded: nothing to load or unload
+            shelf = Shelf()
+            for e in [text] + ([fim] if fim is not None and fim is not text else []):
+                if e is not None:
+                    shelf.add(e)
+        self.shelf = shelf
         self.n_predict_default = n_predict_default
         # what a request's sampling fields default to (--temp, --seed)
         self.sampling_default = sampling_default or SamplingParams()
@@ -110,17 +210,63 @@ class Service:
         self.state = "ready"
         self._running = set()           # RequestCancel of every request in generate()
         self._lock = threading.Lock()
+        self._local = threading.local()     # .scope: the request this thread serves
+
+    @property
+    def entries(self):
+        """Every model on the shelf, loaded or not."""
+        return self.shelf.entries
 
     # -- choosing a model ---------------------------------------------------
+    @contextlib.contextmanager
+    def request_scope(self, body=None):
+        """The span of one HTTP request (http.py wraps each handler in it): the models it
+        uses are held from ``entry_for`` until here, and then released with the
+        body's ``keep_alive`` (Ollama's; any dialect may send it)."""
+        keep_alive = None
+        if isinstance(body, dict) and body.get("keep_alive") is not None:
+            try:
+                keep_alive = parse_duration(body["keep_alive"])
+            except ValueError as e:
+                raise BadRequest(str(e))
+        scope = _Scope()
+        self._local.scope = scope
+        try:
+            yield scope
+        finally:
+            self._local.scope = None
+            for e in scope.held:
+                self.shelf.release(e, keep_alive)
+
+    def _scope(self):
+        return getattr(self._local, "scope", None)
+
     def entry_for(self, name, fim=False):
-        """The model a request names by id or alias, else the default for its kind."""
-        if fim:
-            return self.fim
-        if isinstance(name, str):
-            for e in self.entries:
-                if e.answers_to(name):
-                    return e
-        return self.text
+        """The model a request names by id or alias, else the default for its kind,
+        loaded and held for this request.
+
+        ``fim``: /infill and suffix requests go to --fim-model when one was
+        given, else to the model named, else to the default.  An unknown
+        name is served by the default model when the shelf allows it (no
+        --models-dir), and is a 404 otherwise; no name and no default is a
+        400.
+        """
+        shelf = self.shelf
+        named = name if isinstance(name, str) and name else None
+        if fim and self.fim_given and self.fim is not None:
+            entry = self.fim
+        else:
+            entry = shelf.lookup(named) if named else None
+            if entry is None:
+                if named and not shelf.fallback:
+                    raise shelf.not_found(named)
+                entry = self.fim if fim else self.text
+                if entry is None:
+                    if named:
+                        raise shelf.not_found(named)
+                    raise BadRequest("'model' is required: name one of %s"
+                                     % ", ".join(shelf.known_names()[:5]))
+        return shelf.use(entry, self._scope())
 
     # -- running a request --------------------------------------------------
     def generate(self, entry, tokens, gen, id_slot=-1, on_piece=None, sock=None, cancel=None,
@@ -137,6 +283,7 @@ class Service:
         """
         if self.state != "ready":
             raise Unavailable("server is shutting down")
+        self.shelf.use(entry, self._scope())     # held already when it came from entry_for
         if len(tokens) >= entry.n_ctx:
             # refuse before queueing: waiting for a session only to fail wastes the wait
             raise ContextExceeded(len(tokens), entry.n_ctx)
@@ -149,15 +296,20 @@ class Service:
         if sock is not None:
             self.watcher.watch(sock, cancel)
         try:
-            session = entry.pool.acquire(tokens, cancel)
+            # this request's pool and worker: an unload (POST /models/unload) or a
+            # reload must not hand its session back to another pool
+            pool, worker = entry.pool, entry.worker
+            if pool is None or worker is None:
+                raise Unavailable("model %s was unloaded" % entry.id)
+            session = pool.acquire(tokens, cancel)
             if session is None:
                 c = Completion("", [], FinishReason.CANCELLED, "none", "",
                                Usage(prompt_tokens=len(tokens)))
             else:
                 try:
-                    c = self._run(entry, session, tokens, gen, on_piece, cancel, chat, what)
+                    c = self._run(worker, session, tokens, gen, on_piece, cancel, chat, what)
                 finally:
-                    entry.pool.release(session)
+                    pool.release(session)
             self.metrics.completion(c)
             return c
         finally:
@@ -168,7 +320,7 @@ class Service:
             with self._lock:
                 self._running.discard(cancel)
 
-    def _run(self, entry, session, tokens, gen, on_piece, cancel, chat, what):
+    def _run(self, worker, session, tokens, gen, on_piece, cancel, chat, what):
         on_event = None
         if on_piece is not None:
             def on_event(frame):
@@ -177,7 +329,7 @@ class Service:
                     return on_piece(payload, protocol.decode_probs(frame["probs"]))
                 return on_piece(payload)
         try:
-            out = entry.worker.generate(session.index, tokens, gen, cancel,
+            out = worker.generate(session.index, tokens, gen, cancel,
                                         stream=on_piece is not None, chat=chat,
                                         on_event=on_event, what=what)
         except BaseException:
@@ -198,20 +350,20 @@ class Service:
         the stragglers and waiting a little more).
         """
         self.state = "shutting_down"
-        for e in self.entries:
-            e.pool.close()
+        pools = [e.pool for e in self.entries if e.pool is not None]
+        for pool in pools:
+            pool.close()
         deadline = time.monotonic() + self.shutdown_grace
-        for e in self.entries:
-            e.pool.wait_idle(max(0.0, deadline - time.monotonic()))
+        for pool in pools:
+            pool.wait_idle(max(0.0, deadline - time.monotonic()))
         with self._lock:
             stragglers = list(self._running)
         for cancel in stragglers:
             cancel.cancel("server shutting down")
-        for e in self.entries:
-            e.pool.wait_idle(5.0)
+        for pool in pools:
+            pool.wait_idle(5.0)
         self.watcher.stop()
 
     def close(self):
         """End every model's worker (after shutdown)."""
-        for e in self.entries:
-            e.worker.close()
+        self.shelf.close()

@@ -123,6 +123,7 @@ class WorkerClient:
         self.max_rss = max_rss              # bytes, or None: no ceiling
         self.verbose = verbose
         self.info = None
+        self.on_progress = None             # fraction -> None, while the model loads
         self.state = "loading"              # loading, ready, failed, closed
         self.error = None                   # why it failed to load
         self.starts = 0
@@ -245,6 +246,11 @@ class WorkerClient:
                         self.info = frame["info"]
                         self.state = "ready"
                         self._cond.notify_all()
+                    continue
+                if op == "progress":
+                    # loading: the fraction libllama reports, for /models and the terminal
+                    if self.on_progress is not None:
+                        self.on_progress(frame.get("value", 0.0))
                     continue
                 if op == "failed":
                     with self._cond:

@@ -48,9 +48,13 @@ SAME_VALUE = {
     "--api-key-file": "--api-key-file", "--chat-template": "--chat-template",
     "--chat-template-file": "--chat-template", "--seed": "--seed", "--temp": "--temp",
     "--pooling": "--pooling",
+    "--models-dir": "--models-dir", "--models-max": "--models-max",
+    "--models-preset": "--models-preset", "--sleep-idle-seconds": "--sleep-idle-seconds",
 }
 SAME_SWITCH = {"--verbose": "-v", "-v": "-v", "--metrics": "--metrics",
                "--no-slots": "--no-slots", "--slots": "--slots",
+               "--no-models-autoload": "--no-models-autoload",
+               "--models-autoload": "--models-autoload",
                "--embedding": "--embeddings", "--embeddings": "--embeddings",
                "--reranking": "--reranking", "--rerank": "--reranking"}
 
@@ -107,6 +111,32 @@ def per_session_ctx(flags, kv_unified):
         flags[at] = str(int(flags[at]) // n_par)
 
 
+# The Hugging Face names the suite's router tests ask for, and our stand-ins
+# (local_models.py's choice: tinygemma3 -> gemma, stories260K -> SmolLM2, its
+# infill copy -> Qwen2.5-Coder).
+ROUTER_MODELS = [
+    ("ggml-org/tinygemma3-GGUF:Q8_0", "gemma-3-270m-q4_k_m.gguf"),
+    ("ggml-org/test-model-stories260K:F32", "smollm2-135m-instruct-q4_1.gguf"),
+    ("ggml-org/test-model-stories260K-infill:F32", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
+]
+
+
+def router_preset():
+    """A --models-preset file naming ROUTER_MODELS (written once, in the temp folder)."""
+    import tempfile
+    import zlib
+    models = os.environ.get("OFFGRID_CONFORMANCE_MODELS") or str(ROOT / "models")
+    text = "".join("[%s]\nmodel = %s\n\n" % (name, os.path.join(models, f))
+                   for name, f in ROUTER_MODELS)
+    path = os.path.join(tempfile.gettempdir(), "offgrid-conformance-router-%d.ini"
+                        % zlib.crc32(text.encode()))
+    if not os.path.exists(path):
+        with open(path + ".tmp", "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(path + ".tmp", path)
+    return path
+
+
 def offgrid_help():
     """offgrid's --help, to keep only the flags this checkout has."""
     import subprocess
@@ -149,13 +179,11 @@ def main(argv):
             del flags[at:at + (2 if flag in ("--seed", "--temp", "--pooling") else 1)]
             if flag != "--no-metrics":
                 dropped.append(flag)
-    if "-m" not in flags:
+    if "-m" not in flags and "--models-dir" not in flags and "--models-preset" not in flags:
         # llama-server's router preset: no model, models picked per request from its
-        # cache.  offgrid has no router mode; it serves SmolLM2, so the tests of
-        # that preset that are about something else (CORS) still test offgrid.
-        dropped.append("(router mode: no --model)")
-        flags += ["-m", os.path.join(os.environ.get("OFFGRID_CONFORMANCE_MODELS")
-                                     or str(ROOT / "models"), "smollm2-135m-instruct-q4_1.gguf")]
+        # Hugging Face cache.  offgrid's router takes a preset: the suite's names
+        # mapped to our files, as local_models.py maps them for the other presets.
+        flags += ["--models-preset", router_preset()]
     cmd = [sys.executable, "-m", "offgrid", "--lib", str(ROOT / "lib")] + flags
     log(target, {"argv": argv, "offgrid": cmd[2:], "dropped": dropped, "as_default": as_default})
     if dropped:

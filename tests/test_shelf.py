@@ -1,0 +1,589 @@
+"""A shelf of models: a folder of GGUFs served by name, loaded on demand, unloaded when idle.
+
+The shelf is a tmp folder of symlinks to the real model files (SmolLM2-135M,
+gemma-3-270m, Qwen2.5-Coder-0.5B), a truncated GGUF and a text file named
+``x.gguf``.  Four servers, one thread each, small contexts:
+
+* ``srv``: ``--models-dir`` with Qwen as the pinned ``--fim-model`` and
+  ``--models-max 2``, so every other load has to evict: on-demand loads in
+  each dialect, 404s, eviction, keep_alive, the router API, broken files;
+* ``budget``: ``--models-memory 450M``, which two models do not fit in;
+* ``sleepy``: ``-m`` SmolLM2 with ``--sleep-idle-seconds 3``;
+* ``preset``: a ``--models-preset`` file, ``--no-models-autoload``, ``--pin``.
+
+The tests of ``srv`` run in file order and each says what it expects loaded.
+"""
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import anthropic
+import ollama
+import openai
+import pytest
+
+try:
+    from .serverproc import ServerProcess
+except ImportError:
+    from serverproc import ServerProcess
+
+MODELS = Path(__file__).resolve().parent.parent / "models"
+SMOL = MODELS / "smollm2-135m-instruct-q4_1.gguf"
+GEMMA = MODELS / "gemma-3-270m-q4_k_m.gguf"
+QWEN = MODELS / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+HELLO = [{"role": "user", "content": "Say hello."}]
+
+
+class ShelfServer(ServerProcess):
+    """A ServerProcess whose flags are all its own (no -m: a router over a folder)."""
+
+    def __init__(self, *args, startup_timeout=180):
+        super().__init__(SMOL, startup_timeout=startup_timeout)
+        self.args = ["--port", str(self.port), "-t", "1"] + [str(a) for a in args]
+
+    # -- what the tests read -------------------------------------------------------------
+    def models(self):
+        status, _, body = self.get("/v1/models")
+        assert status == 200, body
+        return {m["id"]: m for m in body["data"]}
+
+    def status_of(self, name):
+        return self.models()[name]["status"]["value"]
+
+    def wait_status(self, name, wanted, timeout=60):
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self.status_of(name)
+            if got in wanted:
+                return got
+            assert time.monotonic() < deadline, "%s stayed %s, not %s" % (name, got, wanted)
+            time.sleep(0.1)
+
+    def model_metric(self, metric, name):
+        return self.metrics().get('%s{model="%s"}' % (metric, name), 0.0)
+
+    def chat(self, model, n=4, **extra):
+        body = {"model": model, "messages": HELLO, "max_tokens": n, "temperature": 0}
+        body.update(extra)
+        return self.post("/v1/chat/completions", body)
+
+
+def make_shelf(folder):
+    folder.mkdir()
+    for src in (SMOL, GEMMA, QWEN):
+        assert src.is_file(), "missing model %s" % src
+        (folder / src.name).symlink_to(src)
+    # a GGUF cut short: its header reads, its tensors are not there
+    with open(SMOL, "rb") as fh:
+        (folder / "truncated.gguf").write_bytes(fh.read(1 << 20))
+    (folder / "x.gguf").write_text("this is not a model\n")
+    return folder
+
+
+def tree_rss(pid):
+    """Resident bytes of a process and all its descendants."""
+    total, todo = 0, [pid]
+    page = os.sysconf("SC_PAGE_SIZE")
+    while todo:
+        p = todo.pop()
+        try:
+            with open("/proc/%d/statm" % p) as fh:
+                total += int(fh.read().split()[1]) * page
+            for task in os.listdir("/proc/%d/task" % p):
+                with open("/proc/%d/task/%s/children" % (p, task)) as fh:
+                    todo += [int(c) for c in fh.read().split()]
+        except (OSError, ValueError):
+            continue
+    return total
+
+
+def worker_pids(pid):
+    """The server's child processes (its model workers)."""
+    out = []
+    try:
+        for task in os.listdir("/proc/%d/task" % pid):
+            with open("/proc/%d/task/%s/children" % (pid, task)) as fh:
+                out += [int(c) for c in fh.read().split()]
+    except OSError:
+        pass
+    return out
+
+
+def cmdline(pid):
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as fh:
+            return fh.read().replace(b"\0", b" ").decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def worker_of(srv, path):
+    """The pid of the worker serving the model file ``path``, or None."""
+    for pid in worker_pids(srv.proc.pid):
+        if str(path) in cmdline(pid):
+            return pid
+    return None
+
+
+# -- the shelf server -----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_shelf(tmp_path_factory.mktemp("shelf") / "models")
+
+
+@pytest.fixture(scope="module")
+def srv(folder):
+    with ShelfServer("--models-dir", folder, "--fim-model", folder / QWEN.name,
+                     "--models-max", 2, "-c", 2048) as s:
+        yield s
+
+
+def test_every_file_is_listed_by_name_and_only_the_fim_model_is_loaded(srv):
+    m = srv.models()
+    assert {"smollm2-135m-instruct-q4_1", "gemma-3-270m-q4_k_m", "truncated", "x"} <= set(m)
+    qwen = next(v for v in m.values() if v["path"].endswith(QWEN.name))
+    assert qwen["status"]["value"] == "loaded" and qwen["pinned"] is True
+    assert m["gemma-3-270m-q4_k_m"]["status"]["value"] in ("unloaded", "loaded")
+    assert m["x"]["status"]["value"] == "error"
+    assert "not a GGUF" in m["x"]["status"]["error"]
+
+
+def test_a_request_loads_its_model_by_name_in_the_openai_dialect(srv):
+    client = openai.OpenAI(base_url=srv.base + "/v1", api_key="none")
+    r = client.chat.completions.create(model="smollm2-135m-instruct-q4_1", messages=HELLO,
+                                       max_tokens=4, temperature=0)
+    assert r.model == "smollm2-135m-instruct-q4_1" and r.choices[0].message.content
+    assert srv.status_of("smollm2-135m-instruct-q4_1") == "loaded"
+
+
+def test_a_request_loads_its_model_in_the_llama_cpp_dialect(srv):
+    status, _, body = srv.post("/completion", {"model": "gemma-3-270m-q4_k_m",
+                                               "prompt": "Once upon", "n_predict": 4})
+    assert status == 200, body
+    assert body["model"] == "gemma-3-270m-q4_k_m" and body["tokens_predicted"] > 0
+
+
+def test_a_request_loads_its_model_in_the_ollama_dialect(srv):
+    client = ollama.Client(host=srv.base)
+    r = client.chat(model="smollm2-135m-instruct-q4_1:latest", messages=HELLO,
+                    options={"num_predict": 4, "temperature": 0})
+    assert r.message.content
+    names = [m.model for m in client.ps().models]
+    assert "smollm2-135m-instruct-q4_1" in names
+    listed = [m.model for m in client.list().models]
+    assert "gemma-3-270m-q4_k_m" in listed and "x" not in listed
+
+
+def test_a_request_loads_its_model_in_the_anthropic_dialect(srv):
+    client = anthropic.Anthropic(base_url=srv.base, api_key="none")
+    r = client.messages.create(model="gemma-3-270m-q4_k_m", max_tokens=4, messages=HELLO)
+    assert r.content[0].text is not None and r.usage.output_tokens > 0
+
+
+def test_a_request_loads_its_model_in_the_responses_dialect(srv):
+    client = openai.OpenAI(base_url=srv.base + "/v1", api_key="none")
+    r = client.responses.create(model="smollm2-135m-instruct-q4_1", input="Say hello.",
+                                max_output_tokens=4)
+    assert r.output_text is not None and r.usage.output_tokens > 0
+
+
+def test_fim_goes_to_the_pinned_fim_model(srv):
+    status, _, body = srv.post("/infill", {"input_prefix": "def add(a, b):\n    return ",
+                                           "input_suffix": "\n", "n_predict": 4})
+    assert status == 200, body
+    assert body["model"].startswith("qwen2.5-coder")
+
+
+@pytest.mark.parametrize("name", ["no-such-model", "../models/" + SMOL.name,
+                                  str(SMOL), "models/" + SMOL.stem, "..", "x/../gemma"])
+def test_an_unknown_name_or_a_path_is_a_404_listing_known_names(srv, name):
+    status, _, body = srv.chat(name)
+    assert status == 404, body
+    assert body["error"]["type"] == "not_found_error"
+    assert "gemma-3-270m-q4_k_m" in body["error"]["message"]
+
+
+def test_an_unknown_name_is_a_404_in_each_dialect(srv):
+    with pytest.raises(openai.NotFoundError):
+        openai.OpenAI(base_url=srv.base + "/v1", api_key="none").chat.completions.create(
+            model="nope", messages=HELLO, max_tokens=2)
+    with pytest.raises(anthropic.NotFoundError):
+        anthropic.Anthropic(base_url=srv.base, api_key="none").messages.create(
+            model="nope", max_tokens=2, messages=HELLO)
+    with pytest.raises(ollama.ResponseError) as e:
+        ollama.Client(host=srv.base).chat(model="nope", messages=HELLO)
+    assert e.value.status_code == 404 and "not found" in e.value.error
+    status, _, body = srv.post("/api/generate", {"model": "nope", "prompt": "hi"})
+    assert status == 404 and isinstance(body["error"], str)
+
+
+def test_a_request_without_a_model_is_a_400_on_a_router(srv):
+    status, _, body = srv.post("/v1/chat/completions", {"messages": HELLO, "max_tokens": 2})
+    assert status == 400 and "model" in body["error"]["message"]
+    status, _, props = srv.get("/props")
+    assert status == 200 and props["role"] == "router" and props["max_instances"] == 2
+
+
+def test_a_broken_file_is_an_error_and_the_rest_keep_serving(srv):
+    status, _, body = srv.chat("truncated")
+    assert status == 500, body
+    assert "truncated" in body["error"]["message"] and "cannot be loaded" in body["error"]["message"]
+    m = srv.models()["truncated"]
+    assert m["status"]["value"] == "error" and m["status"]["failed"] is True
+    assert m["status"]["error"]
+    status, _, body = srv.chat("x")
+    assert status == 500 and "not a GGUF" in body["error"]["message"]
+    status, _, body = srv.chat("smollm2-135m-instruct-q4_1")
+    assert status == 200, body
+    status, _, health = srv.get("/health")
+    assert status == 200 and health["status"] == "ok"
+
+
+def test_a_file_added_while_running_appears_and_serves(srv, folder):
+    link = folder / "late-arrival.gguf"
+    link.symlink_to(SMOL)
+    try:
+        assert "late-arrival" in srv.models()
+        status, _, body = srv.chat("late-arrival")
+        assert status == 200, body
+    finally:
+        srv.post("/models/unload", {"model": "late-arrival"})
+        link.unlink()
+    assert "late-arrival" not in srv.models()
+
+
+def test_models_max_evicts_the_least_recently_used_idle_model_never_the_pinned_one(srv):
+    qwen = next(k for k, v in srv.models().items() if v["pinned"])
+    assert srv.chat("smollm2-135m-instruct-q4_1")[0] == 200
+    evictions = srv.model_metric("offgrid_model_evictions_total", "smollm2-135m-instruct-q4_1")
+    assert srv.chat("gemma-3-270m-q4_k_m")[0] == 200
+    assert srv.status_of("smollm2-135m-instruct-q4_1") == "unloaded"
+    assert srv.status_of(qwen) == "loaded"
+    assert srv.model_metric("offgrid_model_evictions_total",
+                            "smollm2-135m-instruct-q4_1") == evictions + 1
+    loaded = [k for k, v in srv.models().items() if v["status"]["value"] == "loaded"]
+    assert sorted(loaded) == sorted([qwen, "gemma-3-270m-q4_k_m"])
+
+
+def test_a_model_with_a_running_stream_is_never_evicted(srv):
+    qwen = next(k for k, v in srv.models().items() if v["pinned"])
+    c = srv.conn()
+    c.request("POST", "/v1/chat/completions", body=json.dumps({
+        "model": "smollm2-135m-instruct-q4_1", "messages": HELLO, "max_tokens": 1800,
+        "stream": True, "ignore_eos": True}).encode(),
+        headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    assert r.status == 200
+    first = r.readline()
+    assert first.startswith(b"data: ")
+    try:
+        # qwen is pinned and smollm2 streams: gemma has no room, and says why
+        status, _, body = srv.chat("gemma-3-270m-q4_k_m")
+        assert status == 503, body
+        msg = body["error"]["message"]
+        assert "pinned" in msg and "running" in msg and "--models-max 2" in msg
+        assert srv.status_of("smollm2-135m-instruct-q4_1") == "loaded"
+        assert srv.status_of(qwen) == "loaded"
+        line = r.readline()
+        while line == b"\n":
+            line = r.readline()
+        assert line.startswith(b"data: ")       # still streaming all along
+    finally:
+        c.close()       # hanging up ends the stream
+    # once the stream has ended, smollm2 is idle and makes room
+    assert srv.chat("gemma-3-270m-q4_k_m")[0] == 200
+    assert srv.status_of("smollm2-135m-instruct-q4_1") == "unloaded"
+
+
+def test_concurrent_first_requests_for_one_model_share_one_load(srv):
+    name = "smollm2-135m-instruct-q4_1"
+    srv.post("/models/unload", {"model": name})
+    srv.wait_status(name, ("unloaded",))
+    loads = srv.model_metric("offgrid_model_loads_total", name)
+    results = []
+
+    def one():
+        results.append(srv.chat(name, n=2)[0])
+    threads = [threading.Thread(target=one) for _ in range(3)]
+    for t in threads:
+        t.start()
+    seen = set()
+    while any(t.is_alive() for t in threads):
+        status, _, health = srv.get("/health")     # a load in progress is no outage
+        assert status == 200 and health["status"] == "ok", health
+        seen.add(srv.status_of(name))
+        time.sleep(0.05)
+    for t in threads:
+        t.join(120)
+    assert results == [200, 200, 200]
+    assert "loading" in seen or "loaded" in seen
+    assert srv.model_metric("offgrid_model_loads_total", name) == loads + 1
+    print("figures: 3 concurrent first requests, 1 load of SmolLM2; load seconds so far %.2f"
+          " over %d loads" % (srv.model_metric("offgrid_model_load_seconds_total", name),
+                              srv.model_metric("offgrid_model_loads_total", name)))
+
+
+def test_keep_alive_0_ends_the_worker_and_gives_its_memory_back(srv):
+    name = "smollm2-135m-instruct-q4_1"
+    assert srv.chat(name)[0] == 200
+    assert worker_of(srv, SMOL.name) is not None
+    before = tree_rss(srv.proc.pid)
+    status, _, body = srv.post("/api/generate", {"model": name, "prompt": "Hi",
+                                                 "keep_alive": 0, "stream": False,
+                                                 "options": {"num_predict": 2}})
+    assert status == 200, body
+    deadline = time.monotonic() + 10
+    while worker_of(srv, SMOL.name) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert worker_of(srv, SMOL.name) is None
+    after = tree_rss(srv.proc.pid)
+    print("figures: keep_alive 0 on SmolLM2 (%d MiB file): process tree RSS %d -> %d MiB"
+          % (SMOL.stat().st_size >> 20, before >> 20, after >> 20))
+    assert before - after >= SMOL.stat().st_size, (before, after)
+    assert srv.status_of(name) == "unloaded"
+    assert srv.model_metric("offgrid_model_resident_bytes", name) == 0
+
+
+def test_api_show_of_a_model_loaded_before_does_not_load_it_again(srv):
+    name = "smollm2-135m-instruct-q4_1"
+    srv.post("/models/unload", {"model": name})
+    status, _, body = srv.post("/api/show", {"model": name})
+    assert status == 200 and "completion" in body["capabilities"]
+    assert body["model_info"]["general.architecture"] == "llama"
+    assert srv.status_of(name) == "unloaded"
+
+
+def test_a_bad_keep_alive_is_a_400(srv):
+    status, _, body = srv.post("/api/generate", {"model": "gemma-3-270m-q4_k_m",
+                                                 "prompt": "Hi", "keep_alive": "soon"})
+    assert status == 400 and "keep_alive" in body["error"]
+
+
+def test_the_router_api_loads_and_unloads_by_name(srv):
+    name = "smollm2-135m-instruct-q4_1"
+    srv.post("/models/unload", {"model": name})
+    status, _, body = srv.post("/models/load", {"model": name})
+    assert status == 200 and body == {"success": True}
+    srv.wait_status(name, ("loaded",))
+    status, _, body = srv.post("/models/load", {"model": name})
+    assert status == 400 and "already" in body["error"]["message"]
+    status, _, body = srv.post("/models/unload", {"model": name})
+    assert status == 200 and body == {"success": True}
+    assert srv.status_of(name) == "unloaded"
+    assert worker_of(srv, SMOL.name) is None
+    status, _, body = srv.post("/models/unload", {"model": name})
+    assert status == 400 and "not running" in body["error"]["message"]
+    status, _, body = srv.post("/models/load", {"model": "../etc/passwd"})
+    assert status == 404
+
+
+def test_metrics_count_loads_unloads_evictions_and_resident_bytes_per_model(srv):
+    m = srv.metrics()
+    for metric in ("offgrid_model_loads_total", "offgrid_model_unloads_total",
+                   "offgrid_model_evictions_total", "offgrid_model_load_seconds_total",
+                   "offgrid_model_resident_bytes"):
+        assert any(k.startswith(metric + '{model="') for k in m), metric
+    qwen = next(k for k, v in srv.models().items() if v["pinned"])
+    assert srv.model_metric("offgrid_model_resident_bytes", qwen) > 100 << 20
+    assert srv.model_metric("offgrid_model_load_seconds_total", qwen) > 0
+
+
+# -- -m beside a folder -------------------------------------------------------------------
+
+def test_the_model_of_m_is_the_default_and_one_model_with_its_file_in_the_folder(folder):
+    with ServerProcess(SMOL, "--models-dir", folder, threads=1, ctx=512) as s:
+        status, _, body = s.get("/v1/models")
+        smol = [m for m in body["data"] if m["path"].endswith(SMOL.name)
+                or SMOL.stem in m["aliases"]]
+        assert [m["id"] for m in smol] == [SMOL.name]          # -m's id, as before
+        assert smol[0]["status"]["value"] == "loaded"
+        # no model named: the default; a model named: that one; unknown: 404 (a folder)
+        status, _, body = s.post("/completion", {"prompt": "Hi", "n_predict": 2})
+        assert status == 200 and body["model"] == SMOL.name
+        status, _, body = s.post("/completion", {"model": SMOL.stem, "prompt": "Hi",
+                                                 "n_predict": 2})
+        assert status == 200 and body["model"] == SMOL.name
+        assert s.post("/completion", {"model": "nope", "prompt": "Hi"})[0] == 404
+
+
+# -- a memory budget ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def budget(folder):
+    with ShelfServer("--models-dir", folder, "--models-memory", "450M", "-c", 512) as s:
+        yield s
+
+
+def test_a_memory_budget_evicts_the_least_recently_used_model(budget):
+    smol, gemma = "smollm2-135m-instruct-q4_1", "gemma-3-270m-q4_k_m"
+    assert budget.chat(smol)[0] == 200
+    assert budget.model_metric("offgrid_model_resident_bytes", smol) > SMOL.stat().st_size
+    # SmolLM2's worker and gemma's file and caches do not fit in 450 MiB together
+    assert budget.chat(gemma)[0] == 200
+    assert budget.status_of(smol) == "unloaded"
+    assert budget.model_metric("offgrid_model_evictions_total", smol) == 1
+    assert budget.status_of(gemma) == "loaded"
+
+
+# -- idle unload ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def sleepy():
+    with ServerProcess(SMOL, "--sleep-idle-seconds", 3, threads=1, ctx=512) as s:
+        yield s
+
+
+def test_an_idle_model_sleeps_and_health_polling_does_not_keep_it_awake(sleepy):
+    assert sleepy.post("/completion", {"prompt": "Hi", "n_predict": 2})[0] == 200
+    assert sleepy.get("/props")[2]["is_sleeping"] is False
+    deadline = time.monotonic() + 12
+    while True:
+        # what a monitor polls must not count as use
+        assert sleepy.get("/health")[0] == 200
+        assert sleepy.get("/props")[0] == 200
+        assert sleepy.get("/metrics")[0] == 200
+        assert sleepy.get("/v1/models")[0] == 200
+        if sleepy.get("/props")[2]["is_sleeping"]:
+            break
+        assert time.monotonic() < deadline, "the model never went to sleep"
+        time.sleep(0.3)
+    deadline = time.monotonic() + 10
+    while worker_of(sleepy, SMOL.name) is not None:
+        assert time.monotonic() < deadline, "the sleeping model's worker is still there"
+        time.sleep(0.05)
+    status, _, body = sleepy.get("/v1/models")
+    assert body["data"][0]["status"]["value"] == "sleeping"
+    assert sleepy.get("/health")[0] == 200
+    status, _, body = sleepy.post("/completion", {"prompt": "Hi", "n_predict": 2})
+    assert status == 200 and body["tokens_predicted"] > 0
+    assert sleepy.get("/props")[2]["is_sleeping"] is False
+
+
+# -- presets, no autoload -------------------------------------------------------------------
+
+PRESET = """version = 1
+
+[*]
+ctx-size = 256
+; offgrid runs on the CPU: ignored with a warning
+n-gpu-layers = 99
+
+[smollm2-135m-instruct-q4_1]
+alias = tiny, smol
+ctx-size = 1024
+parallel = 2
+load-on-startup = true
+
+[gemma-3-270m-q4_k_m]
+chat-template = chatml
+stop-timeout = 2
+"""
+
+
+@pytest.fixture(scope="module")
+def preset(tmp_path_factory, folder):
+    ini = tmp_path_factory.mktemp("preset") / "models.ini"
+    ini.write_text(PRESET)
+    with ShelfServer("--models-dir", folder, "--models-preset", ini,
+                     "--no-models-autoload", "--pin", QWEN.stem) as s:
+        s.wait_status("smollm2-135m-instruct-q4_1", ("loaded",))
+        yield s
+
+
+def test_a_preset_sets_each_models_settings_and_loads_on_startup(preset):
+    m = preset.models()
+    smol = m["smollm2-135m-instruct-q4_1"]
+    assert smol["status"]["value"] == "loaded"
+    assert smol["settings"]["n_ctx"] == 1024 and smol["settings"]["parallel"] == 2
+    assert set(smol["aliases"]) >= {"tiny", "smol"}
+    assert "ctx-size = 1024" in smol["status"]["preset"]
+    assert any("n-gpu-layers" in line for line in preset.output)
+    status, _, body = preset.chat("tiny")
+    assert status == 200 and body["model"] == "smollm2-135m-instruct-q4_1"
+
+
+def test_a_pinned_model_loads_at_start(preset):
+    preset.wait_status(QWEN.stem, ("loaded",), timeout=120)
+    assert preset.models()[QWEN.stem]["pinned"] is True
+
+
+def test_without_autoload_a_model_not_loaded_is_a_400_until_loaded(preset):
+    name = "gemma-3-270m-q4_k_m"
+    status, _, body = preset.chat(name)
+    assert status == 400 and "POST /models/load" in body["error"]["message"]
+    assert preset.status_of(name) == "unloaded"
+    assert preset.post("/models/load", {"model": name})[0] == 200
+    preset.wait_status(name, ("loaded",))
+    assert preset.models()[name]["settings"]["n_ctx"] == 256      # from [*]
+    status, _, body = preset.chat(name)
+    assert status == 200, body
+
+
+# -- loading progress -------------------------------------------------------------------------
+
+def test_a_loading_worker_reports_its_progress_to_the_front():
+    from offgrid.__main__ import parse_args, worker_args
+    from offgrid.server.workers import WorkerClient
+
+    args = parse_args(["-m", str(SMOL), "-t", "1", "-c", "256"])
+    seen = []
+    worker = WorkerClient("smol", worker_args(str(SMOL), args))
+    worker.on_progress = seen.append        # what GET /models shows as status.progress
+    try:
+        worker.start(timeout=120)
+    finally:
+        worker.close()
+    assert seen and seen == sorted(seen) and seen[-1] == 1.0
+
+
+# -- what the shelf reads from disk ----------------------------------------------------------
+
+def test_a_folder_scan_names_models_by_stem_and_split_files_as_one(tmp_path):
+    from offgrid.server.shelf_files import scan
+    (tmp_path / "a.gguf").write_bytes(b"GGUF")
+    (tmp_path / "notes.txt").write_text("not a model")
+    (tmp_path / "mmproj-a.gguf").write_bytes(b"GGUF")
+    big = tmp_path / "big"
+    big.mkdir()
+    for i in (1, 2, 3):
+        (big / ("big-q4-%05d-of-00003.gguf" % i)).write_bytes(b"GGUF")
+    deep = tmp_path / "two" / "deeper"
+    deep.mkdir(parents=True)
+    (deep / "too-deep.gguf").write_bytes(b"GGUF")
+    found = {name: (os.path.basename(path), more) for name, path, more in scan([tmp_path])}
+    assert found == {"a": ("a.gguf", []),
+                     "big-q4": ("big-q4-00001-of-00003.gguf", ["big"])}
+
+
+def test_a_preset_reads_llama_servers_keys_and_reports_the_rest(tmp_path):
+    from offgrid.server.shelf_files import PresetError, read_preset
+    ini = tmp_path / "p.ini"
+    ini.write_text(PRESET)
+    defaults, models, ignored = read_preset(str(ini))
+    assert defaults == {"ctx_size": 256}
+    assert models["smollm2-135m-instruct-q4_1"] == {
+        "alias": ["tiny", "smol"], "ctx_size": 1024, "parallel": 2, "load_on_startup": True}
+    assert models["gemma-3-270m-q4_k_m"] == {"chat_template": "chatml", "stop_timeout": 2.0}
+    assert ignored == ["[*] n-gpu-layers"]
+    ini.write_text("[m]\nparallel = two\n")
+    with pytest.raises(PresetError, match="parallel"):
+        read_preset(str(ini))
+
+
+@pytest.mark.parametrize("value,seconds", [(0, 0.0), (30, 30.0), ("5m", 300.0),
+                                           ("1h30m", 5400.0), ("250ms", 0.25), ("-1", -1.0),
+                                           (-5, -1.0), ("-1m", -1.0), ("90", 90.0)])
+def test_keep_alive_reads_as_ollama_reads_it(value, seconds):
+    from offgrid.server.shelf_files import parse_duration
+    assert parse_duration(value) == seconds
+
+
+@pytest.mark.parametrize("value", ["soon", "5 minutes", "", [], True, {"m": 5}])
+def test_keep_alive_that_is_no_duration_is_refused(value):
+    from offgrid.server.shelf_files import parse_duration
+    with pytest.raises(ValueError):
+        parse_duration(value)
