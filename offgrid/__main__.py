@@ -21,6 +21,17 @@ from .errors import ModelLoadError, OffgridError
 from .request import SamplingParams
 
 
+def thread_count(value):
+    """-t / -tb: "auto", or a count (0 and below mean auto, as llama-server's -1)."""
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError("a number of threads or auto, not %r" % value)
+    return n if n > 0 else "auto"
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="offgrid", description="A local LLM server over libllama.")
     p.add_argument("-m", "--model", required=True, help="GGUF model for text and chat requests")
@@ -37,10 +48,12 @@ def parse_args(argv=None):
                    help="prompt tokens decoded per step (default 512)")
     p.add_argument("-ub", "--ubatch-size", type=int, default=None,
                    help="physical batch size (default: --batch-size)")
-    p.add_argument("-t", "--threads", type=int, default=None,
-                   help="threads for generation (default: all cores)")
-    p.add_argument("-tb", "--threads-batch", type=int, default=None,
-                   help="threads for prompt evaluation (default: --threads)")
+    p.add_argument("-t", "--threads", type=thread_count, default="auto",
+                   help="threads for generation: a number pins it; auto (the default) "
+                        "starts at every core and uses fewer while other programs hold "
+                        "some (README, \"Threads\")")
+    p.add_argument("-tb", "--threads-batch", type=thread_count, default=None,
+                   help="threads for prompt evaluation, likewise (default: as --threads)")
     p.add_argument("-np", "--parallel", type=int, default=1,
                    help="sessions per model, i.e. requests run at once (default 1)")
     p.add_argument("-n", "--n-predict", type=int, default=-1,

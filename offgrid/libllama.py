@@ -361,6 +361,9 @@ _PROTOTYPES = {
     # void llama_attach_threadpool(struct llama_context * ctx, ggml_threadpool_t threadpool,
     #                              ggml_threadpool_t threadpool_batch);
     "llama_attach_threadpool": (None, [llama_context_p, ggml_threadpool_t, ggml_threadpool_t]),
+    # void llama_set_n_threads(struct llama_context * ctx, int32_t n_threads,
+    #                          int32_t n_threads_batch);
+    "llama_set_n_threads": (None, [llama_context_p, c_int32, c_int32]),
     # struct llama_batch llama_batch_init(int32_t n_tokens, int32_t embd, int32_t n_seq_max);
     "llama_batch_init": (llama_batch, [c_int32, c_int32, c_int32]),
     # void llama_batch_free(struct llama_batch batch);
@@ -907,6 +910,7 @@ class ContextHandle:
         params.no_perf = True
         self.ptr = lib.llama_init_from_model(model.ptr, params)
         self.batch = None
+        self.pools = None       # the ThreadPools attached: (single token, batch)
         if not self.ptr:
             return
         self.memory = Memory(self)
@@ -969,6 +973,14 @@ class ContextHandle:
         """
         if pool.ptr and pool_batch.ptr:
             self.lib.llama_attach_threadpool(self.ptr, pool.ptr, pool_batch.ptr)
+            self.lib.llama_set_n_threads(self.ptr, pool.n_threads, pool_batch.n_threads)
+            self.pools = (pool, pool_batch)
+
+    def use_pools(self, pool, pool_batch):
+        """attach_threadpool, unless these are the pools attached already (the
+        per-token path asks before every decode)."""
+        if self.pools != (pool, pool_batch):
+            self.attach_threadpool(pool, pool_batch)
 
     # -- decoding ----------------------------------------------------------
     def _set_seqs(self, n, seqs):

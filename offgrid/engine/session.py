@@ -14,7 +14,6 @@ Threading: a session is used by one thread at a time (the server's pool
 hands it out); ``RequestCancel.cancel()`` may be called from any thread.
 """
 
-import os
 import threading
 import time
 
@@ -25,6 +24,7 @@ from ..request import (Completion, FinishReason, GenerationParams, RequestCancel
                        SamplingParams, TokenProb, Usage)
 from .sampling import ProbsReader, build_sampler
 from .textstream import TextAssembler, TokenLedger
+from .threads import DecodeThreads
 
 
 # One decode at a time in the whole process.  ggml's worker threads spin
@@ -60,6 +60,12 @@ def _shared_pool(lib, n_threads):
         return pool
 
 
+def decode_threads(model, n_threads=None, n_threads_batch=None):
+    """One worker's DecodeThreads (engine/threads.py), on the shared pools:
+    its sessions take turns, so they share one choice of thread counts."""
+    return DecodeThreads(lambda n: _shared_pool(model.lib, n), n_threads, n_threads_batch)
+
+
 # The sequences of a session's cache.  They share cells: a cell holds one
 # position's keys and values for every sequence it belongs to.
 SEQ_PROMPT = 0  # the prompt and generated tokens, at positions 0..len(cached)-1
@@ -82,12 +88,16 @@ class ChatSession:
     """One llama_context with its KV cache, serving one request at a time."""
 
     def __init__(self, model, n_ctx=4096, n_batch=512, n_ubatch=None, n_threads=None,
-                 n_threads_batch=None, swa_full=True):
+                 n_threads_batch=None, swa_full=True, threads=None):
+        """``threads``: the worker's DecodeThreads, shared by its sessions; without
+        it the session has its own, from n_threads / n_threads_batch (None or
+        "auto": adaptive, engine/threads.py)."""
         if model.vocab_only:
             # libllama makes the context, then aborts the process at the first decode
             raise ContextError("%s was loaded vocab-only: it can tokenize but not generate"
                                % model.name)
-        threads = n_threads if n_threads and n_threads > 0 else max(1, min(os.cpu_count() or 1, 8))
+        if threads is None:
+            threads = decode_threads(model, n_threads, n_threads_batch)
         if not n_ctx or n_ctx <= 0:     # 0: the model's own context, as llama-server's -c 0
             n_ctx = model.n_ctx_train if model.n_ctx_train > 0 else 4096
         n_ctx = min(n_ctx, model.n_ctx_train) if model.n_ctx_train > 0 else n_ctx
@@ -96,18 +106,19 @@ class ChatSession:
         # cut such a cache at an earlier position: every request would
         # re-evaluate its whole prompt.  The full cache costs memory
         # (n_ctx keys for every layer instead of a window) and buys reuse.
-        threads_batch = n_threads_batch if n_threads_batch and n_threads_batch > 0 else threads
         self.model = model
+        self.threads = threads
         pin = swa_full and model.n_swa > 0
         self._prompt_seqs = (SEQ_PROMPT, SEQ_PIN) if pin else (SEQ_PROMPT,)
+        n_gen, n_batch_threads = threads.generation.max_threads, threads.batch.max_threads
         self._ctx = libllama.ContextHandle(
-            model.lib, model.handle, n_ctx, n_batch, n_ubatch or n_batch, threads,
-            threads_batch, swa_full=swa_full, n_seq_max=3, token_seqs=self._prompt_seqs)
+            model.lib, model.handle, n_ctx, n_batch, n_ubatch or n_batch, n_gen,
+            n_batch_threads, swa_full=swa_full, n_seq_max=3, token_seqs=self._prompt_seqs)
         if not self._ctx.ptr:
             raise ContextError("libllama could not create a context of %d tokens "
                                "(not enough memory?)" % n_ctx)
-        self._ctx.attach_threadpool(_shared_pool(model.lib, threads),
-                                    _shared_pool(model.lib, threads_batch))
+        self._ctx.attach_threadpool(_shared_pool(model.lib, n_gen),
+                                    _shared_pool(model.lib, n_batch_threads))
         self.n_ctx = self._ctx.n_ctx
         self.n_batch = self._ctx.n_batch
         # chunk reuse moves cached keys to new positions: only where the
@@ -249,17 +260,21 @@ class ChatSession:
 
     def _decode(self, chunk, pos, want_logits, seq=None):
         with _DECODE_LOCK:
+            started = self.threads.before(self._ctx, len(chunk))
             if not self._shift_pending:
-                return self._ctx.decode(chunk, pos, want_logits, seq)
-            # the decode that applies moved keys' rotation must not be cut
-            # short (see ContextHandle.set_abortable); later ones may
-            self._ctx.set_abortable(False)
-            try:
                 status = self._ctx.decode(chunk, pos, want_logits, seq)
-            finally:
-                self._ctx.set_abortable(True)
+            else:
+                # the decode that applies moved keys' rotation must not be cut
+                # short (see ContextHandle.set_abortable); later ones may
+                self._ctx.set_abortable(False)
+                try:
+                    status = self._ctx.decode(chunk, pos, want_logits, seq)
+                finally:
+                    self._ctx.set_abortable(True)
+                if status == 0:
+                    self._shift_pending = False
             if status == 0:
-                self._shift_pending = False
+                self.threads.after(len(chunk), started)
             return status
 
     def _evaluate_tail(self, tokens, start, cancel):
@@ -394,7 +409,7 @@ class ChatSession:
                 reader.close()
 
     def _generate(self, prompt, params, sampler, on_piece, cancel, usage, reader=None):
-        model, ctx = self.model, self._ctx
+        model, ctx, threads = self.model, self._ctx, self.threads
         text = TextAssembler(params.stop, params.n_indent)
         # token probabilities: only with a reader; the plain path does no more work
         ledger = TokenLedger() if reader is not None else None
@@ -453,7 +468,10 @@ class ChatSession:
                 truncated = True
                 break
             with _DECODE_LOCK:
+                started = threads.before(ctx, 1)
                 status = ctx.decode_one(token, n_past)
+                if status == 0:
+                    threads.after(1, started)
             if status == 2:
                 finish, stop_type = FinishReason.CANCELLED, "none"
                 break
