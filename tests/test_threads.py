@@ -55,13 +55,13 @@ def test_a_hog_moves_it_to_one_thread_and_back():
     # down within a few seconds of the hog starting: 2 slow decodes (1.5 s) and a probe
     settled_one = [t for t, _, cur in log if t >= hog[0] and cur == 1]
     assert settled_one and settled_one[0] - hog[0] < 3.0
-    # while it runs: at least 0.8 of what a pinned -t 1 would do (54 tok/s)
+    # while it runs: at least 0.9 of what a pinned -t 1 would do (54 tok/s; the goal is 0.8)
     busy_rate = tokens_per_s(log, rates, hog[0] + 3.0, hog[1])
-    assert busy_rate > 0.8 * BUSY[1], busy_rate
-    # back to both cores once it ends: the up-probes back off to 16 s at most
+    assert busy_rate > 0.9 * BUSY[1], busy_rate
+    # back to both cores once it ends: the up-probes back off to 32 s at most
     back = [t for t, _, cur in log if t >= hog[1] and cur == 2]
-    assert back and back[0] - hog[1] < 20.0
-    assert tokens_per_s(log, rates, hog[1] + 20.0, 140.0) > 0.97 * IDLE[2]
+    assert back and back[0] - hog[1] < 35.0
+    assert tokens_per_s(log, rates, hog[1] + 35.0, 140.0) > 0.97 * IDLE[2]
 
 
 def test_started_on_a_busy_machine():
@@ -222,7 +222,7 @@ def _busy_and_free(server, cores):
         for p in hogs:
             p.kill()
             p.wait()
-    # the cores are free again: an up-probe finds them (probes back off to 16 s),
+    # the cores are free again: an up-probe finds them (probes back off to 32 s),
     # unless something else on this machine keeps them busy
     others = OtherLoad(server.proc.pid)
     try:

@@ -79,8 +79,9 @@ class ThreadChoice:
     probe_len = 3           # decodes per probe
     recent_len = 5          # decodes kept per count for the comparison
     recent_age = 5.0        # seconds: older samples say nothing of the machine now
-    up_interval = 1.0       # seconds before the first up-probe, and after a win
-    up_interval_max = 16.0  # the longest wait between losing up-probes
+    up_interval = 1.0       # seconds before the first up-probe, and after an up-switch
+    busy_interval = 2.0     # ... and after a down-switch: more cores are taken then
+    up_interval_max = 32.0  # the longest wait between losing up-probes
     down_interval = 60.0    # seconds between routine down-probes
 
     def __init__(self, max_threads, fixed=False, now=0.0):
@@ -170,7 +171,7 @@ class ThreadChoice:
             s.current = tried
             self.switches += 1
             s.next_down = now + self.down_interval
-            s.up_interval = self.up_interval
+            s.up_interval = self.up_interval if up else self.busy_interval
             s.next_up = now + s.up_interval
             log.info("threads: %d -> %d (%.1f -> %.1f tokens/s)", old, tried, base, probe_rate)
         elif up:
@@ -181,6 +182,13 @@ class ThreadChoice:
             # (a VM's neighbours, a clock); what the current count does now is
             # its new normal, or every decode would look slow and start a probe
             s.best[s.current] = base
+
+    def probe_down_soon(self, now):
+        """Start a down-probe at the next decode of every shape: another kind of
+        decode found the machine busy (a prompt batch may not come again for
+        a while, and each at too many threads is slow)."""
+        for s in self._shapes.values():
+            s.next_down = min(s.next_down, now)
 
     def snapshot(self):
         """What /props, /slots and /metrics show: the counts in use and the switches.
@@ -247,8 +255,13 @@ class DecodeThreads:
         """The decode begun with ``started`` (before()'s value) succeeded."""
         k, t0 = started
         now = self.clock()
-        choice = self.generation if n_tokens == 1 else self.batch
+        choice, other = ((self.generation, self.batch) if n_tokens == 1
+                         else (self.batch, self.generation))
+        shape = shape_of(n_tokens)
+        was = choice.current(shape)
         choice.observe(n_tokens, k, now - t0, now)
+        if choice.current(shape) < was:
+            other.probe_down_soon(now)      # the machine got busy for every kind of decode
 
     def snapshot(self):
         gen, batch = self.generation.snapshot(), self.batch.snapshot()
