@@ -54,6 +54,12 @@ def parse_args(argv=None):
                         "some (README, \"Threads\")")
     p.add_argument("-tb", "--threads-batch", type=thread_count, default=None,
                    help="threads for prompt evaluation, likewise (default: as --threads)")
+    p.add_argument("--spec-type", choices=("none", "ngram-simple"), default="none",
+                   help="speculative decoding: ngram-simple drafts tokens from the "
+                        "request's own text (prompt lookup) and checks them in one decode; "
+                        "the output is the same (default none)")
+    p.add_argument("--spec-draft-n-max", type=int, default=8, metavar="N",
+                   help="most tokens drafted at once (default 8, at most 64)")
     p.add_argument("-np", "--parallel", type=int, default=1,
                    help="sessions per model, i.e. requests run at once (default 1)")
     p.add_argument("-n", "--n-predict", type=int, default=-1,
@@ -98,7 +104,10 @@ def parse_args(argv=None):
                    "a margin; 0: none)")
     p.add_argument("-v", "--verbose", action="store_true", help="log requests and libllama")
     p.add_argument("--version", action="version", version="offgrid " + __version__)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not 1 <= args.spec_draft_n_max <= 64:
+        p.error("--spec-draft-n-max must be between 1 and 64")
+    return args
 
 
 def read_api_keys(args):
@@ -138,7 +147,9 @@ def worker_args(path, args, chat_template=None, decode_lock=None):
     """The worker's command line for one model: the engine's share of our flags."""
     out = ["--model", path, "--ctx-size", str(args.ctx_size), "--batch-size",
            str(args.batch_size), "--parallel", str(max(1, args.parallel))]
-    for flag, value in (("--ubatch-size", args.ubatch_size), ("--threads", args.threads),
+    for flag, value in (("--spec-type", args.spec_type),
+                        ("--spec-draft-n-max", args.spec_draft_n_max),
+                        ("--ubatch-size", args.ubatch_size), ("--threads", args.threads),
                         ("--threads-batch", args.threads_batch), ("--lib", args.lib),
                         ("--chat-template", chat_template), ("--decode-lock", decode_lock)):
         if value is not None:

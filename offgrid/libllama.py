@@ -991,17 +991,18 @@ class ContextHandle:
             for j, s in enumerate(seqs):
                 row[j] = s
 
-    def decode(self, tokens, start_pos, want_last_logits, seq=None):
+    def decode(self, tokens, start_pos, want_last_logits, seq=None, all_logits=False):
         """Decode ``tokens`` (at most n_batch) at positions start_pos...
 
         Each token goes into the sequences ``token_seqs``, or into ``seq``
-        alone when given.  Returns llama_decode's status: 0 ok, 1 no KV
-        slot, 2 aborted, <0 error.
+        alone when given.  ``all_logits``: every token's logits are kept
+        (output i is token i's; a speculative draft is verified from them).
+        Returns llama_decode's status: 0 ok, 1 no KV slot, 2 aborted, <0 error.
         """
         n = len(tokens)
         self._tokens[0:n] = tokens
         self._pos[0:n] = range(start_pos, start_pos + n)
-        self._logits[0:n] = bytes(n)
+        self._logits[0:n] = (b"\x01" if all_logits else b"\x00") * n
         if want_last_logits:
             self._logits[n - 1] = 1
         self.batch.n_tokens = n

@@ -24,6 +24,7 @@ from ..request import (Completion, FinishReason, GenerationParams, RequestCancel
                        SamplingParams, TokenProb, Usage)
 from .sampling import ProbsReader, build_sampler
 from .textstream import TextAssembler, TokenLedger
+from .lookup import PromptLookup
 from .threads import DecodeThreads
 
 
@@ -88,10 +89,12 @@ class ChatSession:
     """One llama_context with its KV cache, serving one request at a time."""
 
     def __init__(self, model, n_ctx=4096, n_batch=512, n_ubatch=None, n_threads=None,
-                 n_threads_batch=None, swa_full=True, threads=None):
+                 n_threads_batch=None, swa_full=True, threads=None, draft_max=0):
         """``threads``: the worker's DecodeThreads, shared by its sessions; without
         it the session has its own, from n_threads / n_threads_batch (None or
-        "auto": adaptive, engine/threads.py)."""
+        "auto": adaptive, engine/threads.py).  ``draft_max``: speculative
+        drafts of up to this many tokens from the request's own text (0: none;
+        --spec-type ngram-simple)."""
         if model.vocab_only:
             # libllama makes the context, then aborts the process at the first decode
             raise ContextError("%s was loaded vocab-only: it can tokenize but not generate"
@@ -108,6 +111,7 @@ class ChatSession:
         # (n_ctx keys for every layer instead of a window) and buys reuse.
         self.model = model
         self.threads = threads
+        self.draft_max = draft_max
         pin = swa_full and model.n_swa > 0
         self._prompt_seqs = (SEQ_PROMPT, SEQ_PIN) if pin else (SEQ_PROMPT,)
         n_gen, n_batch_threads = threads.generation.max_threads, threads.batch.max_threads
@@ -420,12 +424,30 @@ class ChatSession:
         t_max = params.t_max_predict_ms / 1000.0 if params.t_max_predict_ms > 0 else 0.0
         limit = params.n_predict if params.n_predict > 0 else None
         n_eog = 0
+        # Speculation (see _speculation): ``pending`` holds the drafted tokens
+        # decoded after the last kept one, not yet checked; ``idx`` is the output
+        # of the last decode the sampler reads (-1: its only one).
+        lookup = self._speculation(prompt, params, reader)
+        pending, idx = [], -1
+        drafted = accepted = 0
 
         while True:
             if cancel.cancelled:
                 finish, stop_type = FinishReason.CANCELLED, "none"
                 break
-            token = sampler.sample(ctx)
+            token = sampler.sample(ctx, idx)
+            in_cache = False
+            if pending:
+                if token == pending[0]:
+                    # the draft was right: its keys and values are in place
+                    pending.pop(0)
+                    accepted += 1
+                    idx += 1
+                    in_cache = True
+                else:
+                    # wrong from here on: drop the rest of the draft's cells
+                    self._drop_after(n_past)
+                    pending, idx = [], -1
             if token is None:
                 # the grammar allows nothing the samplers would pick: the
                 # end of what can be generated (libllama would have aborted)
@@ -438,6 +460,8 @@ class ChatSession:
                 finish, stop_type = FinishReason.STOP, "eos"
                 break
             out_tokens.append(token)
+            if lookup is not None:
+                lookup.append(token)
             piece = (model.token_text(token) if token in params.preserved_tokens
                      else model.token_bytes(token))
             released, stopped = text.add(piece)
@@ -467,11 +491,22 @@ class ChatSession:
             if n_past + 1 >= self.n_ctx:
                 truncated = True
                 break
+            if in_cache:
+                n_past += 1     # decoded with the draft already
+                continue
+            draft = []
+            if lookup is not None:
+                room = min(self.n_ctx - n_past - 2, self.n_batch - 1,
+                           limit - len(out_tokens) - 1 if limit is not None else self.n_batch)
+                draft = lookup.draft(min(self.draft_max, room))
             with _DECODE_LOCK:
-                started = threads.before(ctx, 1)
-                status = ctx.decode_one(token, n_past)
+                started = threads.before(ctx, 1 + len(draft))
+                if draft:
+                    status = ctx.decode([token] + draft, n_past, True, all_logits=True)
+                else:
+                    status = ctx.decode_one(token, n_past)
                 if status == 0:
-                    threads.after(1, started)
+                    threads.after(1 + len(draft), started)
             if status == 2:
                 finish, stop_type = FinishReason.CANCELLED, "none"
                 break
@@ -479,7 +514,16 @@ class ChatSession:
                 self._fail(status)
             n_past += 1
             self.cached.append(token)
+            idx = -1            # the sampler reads this decode's outputs now
+            if draft:
+                self.cached += draft
+                pending, idx = list(draft), 0
+                drafted += len(draft)
+                if drafted >= self.draft_probation and accepted < self.draft_keep * drafted:
+                    lookup = None   # too few drafts come true here to pay for checking them
 
+        if pending or len(self.cached) > n_past:
+            self._drop_after(n_past)    # a stop came before the draft's end
         tail = text.finish()
         if ledger is None:
             if tail and on_piece is not None and finish is not FinishReason.CANCELLED:
@@ -490,11 +534,40 @@ class ChatSession:
                 on_piece(tail, got)
         usage.completion_tokens = len(out_tokens) + n_eog
         usage.generation_ms = (time.perf_counter() - t_start) * 1000.0
+        usage.draft_tokens, usage.draft_accepted = drafted, accepted
         c = Completion(text.text, out_tokens, finish, stop_type, text.stop_word or "",
                        usage, truncated)
         if ledger is not None:
             c.probs = ledger.released
         return c
+
+    # Speculation: drafts of up to draft_max tokens (engine/lookup.py); a
+    # request whose first draft_probation drafted tokens came true less than
+    # draft_keep of the time stops drafting (a verify decode of 1 + k tokens
+    # costs more than one token's, and a wrong draft buys nothing).
+    draft_probation = 32
+    draft_keep = 0.3
+
+    def _speculation(self, prompt, params, reader):
+        """A PromptLookup for this request, or None where it cannot draft.
+
+        Not with token probabilities (the reader reads one output), nor with a
+        grammar (a draft the grammar forbids is only wasted work, and the
+        grammar path is the hostile-input path: kept plain), nor where the
+        cache cannot drop the cells of a wrong draft (recurrent state).
+        """
+        if self.draft_max <= 0 or not params.speculate or reader is not None \
+                or params.sampling.grammar is not None or not self._can_shift \
+                or params.n_predict == 1:
+            return None
+        return PromptLookup(prompt)
+
+    def _drop_after(self, n):
+        """Forget the cache past its first n positions (a draft's wrong tokens)."""
+        if not self._ctx.memory.seq_rm(-1, n, -1):
+            self.reset()        # cannot happen where _speculation allows drafts
+            raise DecodeError("libllama could not drop a draft's cells", -1)
+        del self.cached[n:]
 
     def _token_prob(self, reader, token, piece):
         """The TokenProb of ``token``, just sampled (before the next decode)."""

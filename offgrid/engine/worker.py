@@ -50,6 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--ctx-size", type=int, default=4096)
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--ubatch-size", type=int, default=None)
+    p.add_argument("--spec-type", default="none")
+    p.add_argument("--spec-draft-n-max", type=int, default=8)
     p.add_argument("--threads", default=None)          # a count, or "auto"
     p.add_argument("--threads-batch", default=None)
     p.add_argument("--parallel", type=int, default=1)
@@ -104,7 +106,8 @@ class Loaded:
                 sessions.append(ChatSession(
                     model, n_ctx=args.ctx_size, n_batch=args.batch_size,
                     n_ubatch=args.ubatch_size, swa_full=not args.no_swa_full,
-                    threads=threads))
+                    threads=threads,
+                    draft_max=args.spec_draft_n_max if args.spec_type == "ngram-simple" else 0))
             return cls(model, sessions, args.chat_template)
         except BaseException:
             for s in sessions:
