@@ -44,6 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import busy as busy_phase  # noqa: E402
 import editor  # noqa: E402
 import fimmodel  # noqa: E402
 import scenarios  # noqa: E402
@@ -368,8 +369,10 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=2, help="generation/prompt samples per round")
     p.add_argument("--keys", type=int, default=editor.N_KEYS,
                    help="keystrokes (= /infill requests) per editor replay (>= 60)")
-    p.add_argument("--only", action="append", choices=["single", "parallel", "editor"],
+    p.add_argument("--only", action="append", choices=["single", "parallel", "editor", "busy"],
                    help="run only these phases (repeatable)")
+    p.add_argument("--no-busy", action="store_true",
+                   help="leave out the busy-machine phase (bench/busy.py, ~10 minutes)")
     p.add_argument("--servers", default="offgrid,llama_server")
     p.add_argument("--llama-bin", help="folder with llama-server and llama-bench "
                    "(default: scripts/build_lib.sh --server)")
@@ -394,13 +397,18 @@ def main(argv=None):
     t_start = time.monotonic()
     bindir = llama_bin(args.llama_bin)
     fim = None
-    if not args.only or "editor" in args.only:
+    run_busy = not args.no_busy and (not args.only or "busy" in args.only)
+    if not args.only or "editor" in args.only or run_busy:
         log("FIM copy of the model (cached): ...")
         fim = fimmodel.fim_copy(args.model)
         log("  %s" % fim)
     load_start = load()
     source_at_start = source_hash()
     samples, busy, errors = run_all(args, bindir, fim)
+    busy_figs = {}
+    if run_busy:
+        busy_figs, busy_errors = busy_phase.run(args, bindir, fim, log)
+        errors += busy_errors
     if source_hash() != source_at_start:
         errors.append("offgrid/ changed during the run: the rounds measured different code")
     lb = {}
@@ -432,6 +440,7 @@ def main(argv=None):
         "runtime_s": round(time.monotonic() - t_start, 1),
         "scenarios": {},
         "llama_bench": lb,
+        "busy_machine": busy_figs,
         "errors": errors,
         "samples": samples,
     }
@@ -466,6 +475,14 @@ def main(argv=None):
         print("editor replay on %s: gemma-3-270m whose metadata names FIM tokens "
               "(<unused0..2>); its completions are not trained FIM output" % fim.name)
     print(table(result))
+    if busy_figs:
+        print()
+        print("busy machine: a CPU-bound process on %d of %d cores (bench/busy.py), %d-token "
+              "streams" % (max(1, (m["nproc"] or 1) - 1), m["nproc"] or 1,
+                           busy_phase.BUSY_GEN_TOKENS))
+        for what, a, b, r, goal in busy_phase.rows(busy_figs, m["nproc"] or 1):
+            print("  %-72s %8s %8s %6s  %s" % (what, fmt(a), fmt(b), fmt(r),
+                                               ("goal " + goal) if goal else ""))
     if args.markdown:
         print()
         print(markdown(result))

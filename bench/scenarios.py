@@ -42,8 +42,8 @@ def warm_up(port):
 
 # -- 1. generation --------------------------------------------------------------
 
-def generation(port, reps, first=0):
-    """One stream, GEN_TOKENS tokens, greedy, cache off.
+def generation(port, reps, first=0, n_predict=GEN_TOKENS):
+    """One stream, n_predict tokens (GEN_TOKENS), greedy, cache off.
 
     client tok/s: (n - 1) token intervals between the first streamed piece and
     the final event, on the client's clock.  server tok/s: predicted_n /
@@ -52,16 +52,16 @@ def generation(port, reps, first=0):
     out = {"client_tps": [], "server_tps": [], "predicted_n": []}
     for i in range(first, first + reps):
         body = {"prompt": "Here is a long story about a lighthouse keeper named %d:" % i,
-                "n_predict": GEN_TOKENS, "temperature": 0, "ignore_eos": True,
+                "n_predict": n_predict, "temperature": 0, "ignore_eos": True,
                 "cache_prompt": False}
         events = stream(port, "/completion", body)
         pieces = [t for t, e in events if not e.get("stop") and e.get("content")]
         final = events[-1][1]
         t = final["timings"]
         n = t["predicted_n"]
-        if n != GEN_TOKENS or not pieces:
+        if n != n_predict or not pieces:
             raise RuntimeError("generation: %d tokens, %d pieces (wanted %d tokens)"
-                               % (n, len(pieces), GEN_TOKENS))
+                               % (n, len(pieces), n_predict))
         out["client_tps"].append((n - 1) / (events[-1][0] - pieces[0]))
         out["server_tps"].append(rate(n, t["predicted_ms"]))
         out["predicted_n"].append(n)

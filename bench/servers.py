@@ -26,6 +26,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
@@ -56,7 +57,7 @@ def _children(pid):
 class Config:
     """What both servers are started with."""
     model: str
-    threads: int = 2
+    threads: Optional[int] = 2     # None: the server's own default
     ctx: int = 4096             # per session / slot
     parallel: int = 1
     batch: int = 512
@@ -199,12 +200,18 @@ class CpuMeter:
         return max(0.0, other / elapsed) if elapsed > 0 else 0.0
 
 
+def _threads(cfg, *flags):
+    """The thread flags, or none where cfg.threads is None: the server's default."""
+    return [] if cfg.threads is None else [x for f in flags for x in (f, str(cfg.threads))]
+
+
 def offgrid(cfg, bindir=None):
     """``python -m offgrid`` from this checkout (bindir is llama-server's; unused)."""
     def argv(port):
         return [sys.executable, "-m", "offgrid", "-m", cfg.model, "--host", HOST,
-                "--port", str(port), "-t", str(cfg.threads), "-c", str(cfg.ctx),
-                "-np", str(cfg.parallel), "-b", str(cfg.batch), "-ub", str(cfg.ubatch)]
+                "--port", str(port)] + _threads(cfg, "-t") + [
+                "-c", str(cfg.ctx), "-np", str(cfg.parallel), "-b", str(cfg.batch),
+                "-ub", str(cfg.ubatch)]
     return Server("offgrid", argv, ready_line="listening on http://")
 
 
@@ -212,7 +219,7 @@ def llama_server(cfg, bindir):
     """llama-server from ``bindir``, with the flags that match offgrid's setup."""
     def argv(port):
         return [str(Path(bindir) / "llama-server"), "-m", cfg.model, "--host", HOST,
-                "--port", str(port), "-t", str(cfg.threads), "-tb", str(cfg.threads),
+                "--port", str(port)] + _threads(cfg, "-t", "-tb") + [
                 "-c", str(cfg.ctx * cfg.parallel), "-np", str(cfg.parallel),
                 "-b", str(cfg.batch), "-ub", str(cfg.ubatch),
                 "--swa-full", "--cache-reuse", "256", "--metrics", "--no-webui"]

@@ -21,6 +21,17 @@ from .errors import ModelLoadError, OffgridError
 from .request import SamplingParams
 
 
+def thread_count(value):
+    """-t / -tb: "auto", or a count (0 and below mean auto, as llama-server's -1)."""
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError("a number of threads or auto, not %r" % value)
+    return n if n > 0 else "auto"
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="offgrid", description="A local LLM server over libllama.")
     p.add_argument("-m", "--model", help="GGUF model for text and chat requests, loaded at "
@@ -60,10 +71,18 @@ def parse_args(argv=None):
                    help="prompt tokens decoded per step (default 512)")
     p.add_argument("-ub", "--ubatch-size", type=int, default=None,
                    help="physical batch size (default: --batch-size)")
-    p.add_argument("-t", "--threads", type=int, default=None,
-                   help="threads for generation (default: all cores)")
-    p.add_argument("-tb", "--threads-batch", type=int, default=None,
-                   help="threads for prompt evaluation (default: --threads)")
+    p.add_argument("-t", "--threads", type=thread_count, default="auto",
+                   help="threads for generation: a number pins it; auto (the default) "
+                        "starts at every core and uses fewer while other programs hold "
+                        "some (README, \"Threads\")")
+    p.add_argument("-tb", "--threads-batch", type=thread_count, default=None,
+                   help="threads for prompt evaluation, likewise (default: as --threads)")
+    p.add_argument("--spec-type", choices=("none", "ngram-simple"), default="none",
+                   help="speculative decoding: ngram-simple drafts tokens from the "
+                        "request's own text (prompt lookup) and checks them in one decode; "
+                        "the output is the same (default none)")
+    p.add_argument("--spec-draft-n-max", type=int, default=8, metavar="N",
+                   help="most tokens drafted at once (default 8, at most 64)")
     p.add_argument("-np", "--parallel", type=int, default=1,
                    help="sessions per model, i.e. requests run at once (default 1)")
     p.add_argument("-n", "--n-predict", type=int, default=-1,
@@ -120,6 +139,8 @@ def parse_args(argv=None):
     if not (args.model or args.models_dir or args.models_preset):
         p.error("give a model (-m FILE) or a shelf of them (--models-dir DIR, "
                 "--models-preset FILE)")
+    if not 1 <= args.spec_draft_n_max <= 64:
+        p.error("--spec-draft-n-max must be between 1 and 64")
     # the flags given on the command line win over a preset's (llama-server's rule)
     for action in p._actions:
         action.default = argparse.SUPPRESS
@@ -164,7 +185,9 @@ def worker_args(path, args, chat_template=None, decode_lock=None):
     """The worker's command line for one model: the engine's share of our flags."""
     out = ["--model", path, "--ctx-size", str(args.ctx_size), "--batch-size",
            str(args.batch_size), "--parallel", str(max(1, args.parallel))]
-    for flag, value in (("--ubatch-size", args.ubatch_size), ("--threads", args.threads),
+    for flag, value in (("--spec-type", args.spec_type),
+                        ("--spec-draft-n-max", args.spec_draft_n_max),
+                        ("--ubatch-size", args.ubatch_size), ("--threads", args.threads),
                         ("--threads-batch", args.threads_batch), ("--lib", args.lib),
                         ("--chat-template", chat_template), ("--decode-lock", decode_lock)):
         if value is not None:

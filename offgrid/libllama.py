@@ -375,6 +375,9 @@ _PROTOTYPES = {
     # void llama_attach_threadpool(struct llama_context * ctx, ggml_threadpool_t threadpool,
     #                              ggml_threadpool_t threadpool_batch);
     "llama_attach_threadpool": (None, [llama_context_p, ggml_threadpool_t, ggml_threadpool_t]),
+    # void llama_set_n_threads(struct llama_context * ctx, int32_t n_threads,
+    #                          int32_t n_threads_batch);
+    "llama_set_n_threads": (None, [llama_context_p, c_int32, c_int32]),
     # struct llama_batch llama_batch_init(int32_t n_tokens, int32_t embd, int32_t n_seq_max);
     "llama_batch_init": (llama_batch, [c_int32, c_int32, c_int32]),
     # void llama_batch_free(struct llama_batch batch);
@@ -941,6 +944,7 @@ class ContextHandle:
         params.no_perf = True
         self.ptr = lib.llama_init_from_model(model.ptr, params)
         self.batch = None
+        self.pools = None       # the ThreadPools attached: (single token, batch)
         if not self.ptr:
             return
         self.memory = Memory(self)
@@ -1003,6 +1007,14 @@ class ContextHandle:
         """
         if pool.ptr and pool_batch.ptr:
             self.lib.llama_attach_threadpool(self.ptr, pool.ptr, pool_batch.ptr)
+            self.lib.llama_set_n_threads(self.ptr, pool.n_threads, pool_batch.n_threads)
+            self.pools = (pool, pool_batch)
+
+    def use_pools(self, pool, pool_batch):
+        """attach_threadpool, unless these are the pools attached already (the
+        per-token path asks before every decode)."""
+        if self.pools != (pool, pool_batch):
+            self.attach_threadpool(pool, pool_batch)
 
     # -- decoding ----------------------------------------------------------
     def _set_seqs(self, n, seqs):
@@ -1013,17 +1025,18 @@ class ContextHandle:
             for j, s in enumerate(seqs):
                 row[j] = s
 
-    def decode(self, tokens, start_pos, want_last_logits, seq=None):
+    def decode(self, tokens, start_pos, want_last_logits, seq=None, all_logits=False):
         """Decode ``tokens`` (at most n_batch) at positions start_pos...
 
         Each token goes into the sequences ``token_seqs``, or into ``seq``
-        alone when given.  Returns llama_decode's status: 0 ok, 1 no KV
-        slot, 2 aborted, <0 error.
+        alone when given.  ``all_logits``: every token's logits are kept
+        (output i is token i's; a speculative draft is verified from them).
+        Returns llama_decode's status: 0 ok, 1 no KV slot, 2 aborted, <0 error.
         """
         n = len(tokens)
         self._tokens[0:n] = tokens
         self._pos[0:n] = range(start_pos, start_pos + n)
-        self._logits[0:n] = bytes(n)
+        self._logits[0:n] = (b"\x01" if all_logits else b"\x00") * n
         if want_last_logits:
             self._logits[n - 1] = 1
         self.batch.n_tokens = n

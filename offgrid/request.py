@@ -178,6 +178,10 @@ class Usage:
     # prompt tokens decoded when a cancel stopped the prompt part way (None:
     # the whole prompt past the cached part was)
     evaluated: Optional[int] = None
+    # speculation: tokens drafted from the request's own text, and how many
+    # of them came true (llama-server's draft_n and draft_n_accepted)
+    draft_tokens: int = 0
+    draft_accepted: int = 0
 
     @property
     def evaluated_tokens(self):
@@ -209,6 +213,9 @@ class GenerationParams:
     with_probs: bool = False
     n_probs: int = 0
     post_sampling_probs: bool = False
+    # draft tokens from the request's own text and verify them in one decode
+    # (engine/lookup.py); the output is that of plain decoding either way
+    speculate: bool = True
 
 
 @dataclass

@@ -36,7 +36,7 @@ import threading
 
 from .. import libllama
 from ..errors import ContextError, ContextFull, DecodeError, InvalidRequest, NotSupported
-from .session import decode_turn, shared_pool
+from .session import decode_threads, decode_turn
 
 POOLING = {"none": libllama.LLAMA_POOLING_TYPE_NONE, "mean": libllama.LLAMA_POOLING_TYPE_MEAN,
            "cls": libllama.LLAMA_POOLING_TYPE_CLS, "last": libllama.LLAMA_POOLING_TYPE_LAST,
@@ -117,8 +117,10 @@ def normalize(vec, mode):
 class Embedder:
     """The embedding context of one model, made on first use; close() frees it."""
 
-    def __init__(self, model, pooling="mean", n_ctx=4096, n_batch=512, n_threads=1,
-                 n_threads_batch=None):
+    def __init__(self, model, pooling="mean", n_ctx=4096, n_batch=512, n_threads=None,
+                 n_threads_batch=None, threads=None):
+        """``threads``: a DecodeThreads (engine/threads.py) of its own; without it,
+        one from n_threads / n_threads_batch (None or "auto": adaptive)."""
         self.model = model
         self.pooling = pooling
         self.pooling_type = POOLING[pooling]
@@ -136,8 +138,7 @@ class Embedder:
             # sequence's; one sequence a batch gets each its own (llama-server's
             # slots decode one each too)
             self.n_seqs = 1
-        self.n_threads = max(1, n_threads or 1)
-        self.n_threads_batch = max(1, n_threads_batch or self.n_threads)
+        self.threads = threads or decode_threads(model, n_threads, n_threads_batch)
         self.n_out = model.n_embd_out
         self.pooling_from = "flag"
         self._ctx = None
@@ -149,13 +150,13 @@ class Embedder:
 
     @classmethod
     def for_model(cls, model, pooling=None, n_ctx=4096, n_batch=512, n_ubatch=None,
-                  n_threads=1, n_threads_batch=None):
+                  threads=None):
         """The Embedder a worker keeps: pooling as asked (--pooling), else the GGUF's,
         else DECODER_DEFAULT; the batch as embedding_batch() sizes it."""
         name, source = choose_pooling(model, pooling)
         dedicated = model_pooling(model) is not None
         e = cls(model, name, n_ctx, embedding_batch(model.n_vocab, n_batch, n_ubatch, dedicated),
-                n_threads, n_threads_batch)
+                threads=threads)
         e.pooling_from = source
         return e
 
@@ -177,14 +178,13 @@ class Embedder:
             # of its chunks, mean included.
             ctx = libllama.ContextHandle(
                 self.model.lib, self.model.handle, self.n_ctx, self.n_batch, self.n_batch,
-                self.n_threads, self.n_threads_batch, swa_full=False, n_seq_max=self.n_seqs,
+                self.threads.generation.max_threads, self.threads.batch.max_threads,
+                swa_full=False, n_seq_max=self.n_seqs,
                 embeddings=True, pooling=(libllama.LLAMA_POOLING_TYPE_RANK if self.rank
                                           else libllama.LLAMA_POOLING_TYPE_NONE))
             if not ctx.ptr:
                 raise ContextError("libllama could not create an embedding context of %d "
                                    "tokens (not enough memory?)" % self.n_ctx)
-            ctx.attach_threadpool(shared_pool(self.model.lib, self.n_threads),
-                                  shared_pool(self.model.lib, self.n_threads_batch))
             self.splits = ctx.causal_attn()
             self.n_batch = min(self.n_batch, ctx.n_batch)
             self._ctx = ctx
@@ -304,8 +304,12 @@ class Embedder:
         return _floats(data)
 
     def _decode(self, ctx, parts):
+        n = sum(len(tokens) for _, tokens, _ in parts)
         with decode_turn():
+            started = self.threads.before(ctx, n)      # attaches the pools it picks
             status = ctx.decode_sequences(parts)
+            if status == 0:
+                self.threads.after(n, started)
         if status != 0:
             raise DecodeError("llama_decode of an embedding batch failed with status %d"
                               % status, status)

@@ -14,7 +14,6 @@ Threading: a session is used by one thread at a time (the server's pool
 hands it out); ``RequestCancel.cancel()`` may be called from any thread.
 """
 
-import os
 import threading
 import time
 
@@ -25,6 +24,8 @@ from ..request import (Completion, FinishReason, GenerationParams, RequestCancel
                        SamplingParams, TokenProb, Usage)
 from .sampling import ProbsReader, build_sampler
 from .textstream import TextAssembler, TokenLedger
+from .lookup import PromptLookup
+from .threads import DecodeThreads
 
 
 # One decode at a time in the whole process.  ggml's worker threads spin
@@ -67,6 +68,12 @@ def shared_pool(lib, n_threads):
         return pool
 
 
+def decode_threads(model, n_threads=None, n_threads_batch=None):
+    """One worker's DecodeThreads (engine/threads.py), on the shared pools:
+    its sessions take turns, so they share one choice of thread counts."""
+    return DecodeThreads(lambda n: shared_pool(model.lib, n), n_threads, n_threads_batch)
+
+
 # The sequences of a session's cache.  They share cells: a cell holds one
 # position's keys and values for every sequence it belongs to.
 SEQ_PROMPT = 0  # the prompt and generated tokens, at positions 0..len(cached)-1
@@ -89,12 +96,18 @@ class ChatSession:
     """One llama_context with its KV cache, serving one request at a time."""
 
     def __init__(self, model, n_ctx=4096, n_batch=512, n_ubatch=None, n_threads=None,
-                 n_threads_batch=None, swa_full=True):
+                 n_threads_batch=None, swa_full=True, threads=None, draft_max=0):
+        """``threads``: the worker's DecodeThreads, shared by its sessions; without
+        it the session has its own, from n_threads / n_threads_batch (None or
+        "auto": adaptive, engine/threads.py).  ``draft_max``: speculative
+        drafts of up to this many tokens from the request's own text (0: none;
+        --spec-type ngram-simple)."""
         if model.vocab_only:
             # libllama makes the context, then aborts the process at the first decode
             raise ContextError("%s was loaded vocab-only: it can tokenize but not generate"
                                % model.name)
-        threads = n_threads if n_threads and n_threads > 0 else max(1, min(os.cpu_count() or 1, 8))
+        if threads is None:
+            threads = decode_threads(model, n_threads, n_threads_batch)
         if not n_ctx or n_ctx <= 0:     # 0: the model's own context, as llama-server's -c 0
             n_ctx = model.n_ctx_train if model.n_ctx_train > 0 else 4096
         n_ctx = min(n_ctx, model.n_ctx_train) if model.n_ctx_train > 0 else n_ctx
@@ -103,18 +116,20 @@ class ChatSession:
         # cut such a cache at an earlier position: every request would
         # re-evaluate its whole prompt.  The full cache costs memory
         # (n_ctx keys for every layer instead of a window) and buys reuse.
-        threads_batch = n_threads_batch if n_threads_batch and n_threads_batch > 0 else threads
         self.model = model
+        self.threads = threads
+        self.draft_max = draft_max
         pin = swa_full and model.n_swa > 0
         self._prompt_seqs = (SEQ_PROMPT, SEQ_PIN) if pin else (SEQ_PROMPT,)
+        n_gen, n_batch_threads = threads.generation.max_threads, threads.batch.max_threads
         self._ctx = libllama.ContextHandle(
-            model.lib, model.handle, n_ctx, n_batch, n_ubatch or n_batch, threads,
-            threads_batch, swa_full=swa_full, n_seq_max=3, token_seqs=self._prompt_seqs)
+            model.lib, model.handle, n_ctx, n_batch, n_ubatch or n_batch, n_gen,
+            n_batch_threads, swa_full=swa_full, n_seq_max=3, token_seqs=self._prompt_seqs)
         if not self._ctx.ptr:
             raise ContextError("libllama could not create a context of %d tokens "
                                "(not enough memory?)" % n_ctx)
-        self._ctx.attach_threadpool(shared_pool(model.lib, threads),
-                                    shared_pool(model.lib, threads_batch))
+        self._ctx.attach_threadpool(shared_pool(model.lib, n_gen),
+                                    shared_pool(model.lib, n_batch_threads))
         self.n_ctx = self._ctx.n_ctx
         self.n_batch = self._ctx.n_batch
         # chunk reuse moves cached keys to new positions: only where the
@@ -256,17 +271,21 @@ class ChatSession:
 
     def _decode(self, chunk, pos, want_logits, seq=None):
         with _DECODE_LOCK:
+            started = self.threads.before(self._ctx, len(chunk))
             if not self._shift_pending:
-                return self._ctx.decode(chunk, pos, want_logits, seq)
-            # the decode that applies moved keys' rotation must not be cut
-            # short (see ContextHandle.set_abortable); later ones may
-            self._ctx.set_abortable(False)
-            try:
                 status = self._ctx.decode(chunk, pos, want_logits, seq)
-            finally:
-                self._ctx.set_abortable(True)
+            else:
+                # the decode that applies moved keys' rotation must not be cut
+                # short (see ContextHandle.set_abortable); later ones may
+                self._ctx.set_abortable(False)
+                try:
+                    status = self._ctx.decode(chunk, pos, want_logits, seq)
+                finally:
+                    self._ctx.set_abortable(True)
+                if status == 0:
+                    self._shift_pending = False
             if status == 0:
-                self._shift_pending = False
+                self.threads.after(len(chunk), started)
             return status
 
     def _evaluate_tail(self, tokens, start, cancel):
@@ -401,7 +420,7 @@ class ChatSession:
                 reader.close()
 
     def _generate(self, prompt, params, sampler, on_piece, cancel, usage, reader=None):
-        model, ctx = self.model, self._ctx
+        model, ctx, threads = self.model, self._ctx, self.threads
         text = TextAssembler(params.stop, params.n_indent)
         # token probabilities: only with a reader; the plain path does no more work
         ledger = TokenLedger() if reader is not None else None
@@ -412,12 +431,30 @@ class ChatSession:
         t_max = params.t_max_predict_ms / 1000.0 if params.t_max_predict_ms > 0 else 0.0
         limit = params.n_predict if params.n_predict > 0 else None
         n_eog = 0
+        # Speculation (see _speculation): ``pending`` holds the drafted tokens
+        # decoded after the last kept one, not yet checked; ``idx`` is the output
+        # of the last decode the sampler reads (-1: its only one).
+        lookup = self._speculation(prompt, params, reader)
+        pending, idx = [], -1
+        drafted = accepted = 0
 
         while True:
             if cancel.cancelled:
                 finish, stop_type = FinishReason.CANCELLED, "none"
                 break
-            token = sampler.sample(ctx)
+            token = sampler.sample(ctx, idx)
+            in_cache = False
+            if pending:
+                if token == pending[0]:
+                    # the draft was right: its keys and values are in place
+                    pending.pop(0)
+                    accepted += 1
+                    idx += 1
+                    in_cache = True
+                else:
+                    # wrong from here on: drop the rest of the draft's cells
+                    self._drop_after(n_past)
+                    pending, idx = [], -1
             if token is None:
                 # the grammar allows nothing the samplers would pick: the
                 # end of what can be generated (libllama would have aborted)
@@ -430,6 +467,8 @@ class ChatSession:
                 finish, stop_type = FinishReason.STOP, "eos"
                 break
             out_tokens.append(token)
+            if lookup is not None:
+                lookup.append(token)
             piece = (model.token_text(token) if token in params.preserved_tokens
                      else model.token_bytes(token))
             released, stopped = text.add(piece)
@@ -459,8 +498,22 @@ class ChatSession:
             if n_past + 1 >= self.n_ctx:
                 truncated = True
                 break
+            if in_cache:
+                n_past += 1     # decoded with the draft already
+                continue
+            draft = []
+            if lookup is not None:
+                room = min(self.n_ctx - n_past - 2, self.n_batch - 1,
+                           limit - len(out_tokens) - 1 if limit is not None else self.n_batch)
+                draft = lookup.draft(min(self.draft_max, room))
             with _DECODE_LOCK:
-                status = ctx.decode_one(token, n_past)
+                started = threads.before(ctx, 1 + len(draft))
+                if draft:
+                    status = ctx.decode([token] + draft, n_past, True, all_logits=True)
+                else:
+                    status = ctx.decode_one(token, n_past)
+                if status == 0:
+                    threads.after(1 + len(draft), started)
             if status == 2:
                 finish, stop_type = FinishReason.CANCELLED, "none"
                 break
@@ -468,7 +521,16 @@ class ChatSession:
                 self._fail(status)
             n_past += 1
             self.cached.append(token)
+            idx = -1            # the sampler reads this decode's outputs now
+            if draft:
+                self.cached += draft
+                pending, idx = list(draft), 0
+                drafted += len(draft)
+                if drafted >= self.draft_probation and accepted < self.draft_keep * drafted:
+                    lookup = None   # too few drafts come true here to pay for checking them
 
+        if pending or len(self.cached) > n_past:
+            self._drop_after(n_past)    # a stop came before the draft's end
         tail = text.finish()
         if ledger is None:
             if tail and on_piece is not None and finish is not FinishReason.CANCELLED:
@@ -479,11 +541,40 @@ class ChatSession:
                 on_piece(tail, got)
         usage.completion_tokens = len(out_tokens) + n_eog
         usage.generation_ms = (time.perf_counter() - t_start) * 1000.0
+        usage.draft_tokens, usage.draft_accepted = drafted, accepted
         c = Completion(text.text, out_tokens, finish, stop_type, text.stop_word or "",
                        usage, truncated)
         if ledger is not None:
             c.probs = ledger.released
         return c
+
+    # Speculation: drafts of up to draft_max tokens (engine/lookup.py); a
+    # request whose first draft_probation drafted tokens came true less than
+    # draft_keep of the time stops drafting (a verify decode of 1 + k tokens
+    # costs more than one token's, and a wrong draft buys nothing).
+    draft_probation = 32
+    draft_keep = 0.3
+
+    def _speculation(self, prompt, params, reader):
+        """A PromptLookup for this request, or None where it cannot draft.
+
+        Not with token probabilities (the reader reads one output), nor with a
+        grammar (a draft the grammar forbids is only wasted work, and the
+        grammar path is the hostile-input path: kept plain), nor where the
+        cache cannot drop the cells of a wrong draft (recurrent state).
+        """
+        if self.draft_max <= 0 or not params.speculate or reader is not None \
+                or params.sampling.grammar is not None or not self._can_shift \
+                or params.n_predict == 1:
+            return None
+        return PromptLookup(prompt)
+
+    def _drop_after(self, n):
+        """Forget the cache past its first n positions (a draft's wrong tokens)."""
+        if not self._ctx.memory.seq_rm(-1, n, -1):
+            self.reset()        # cannot happen where _speculation allows drafts
+            raise DecodeError("libllama could not drop a draft's cells", -1)
+        del self.cached[n:]
 
     def _token_prob(self, reader, token, piece):
         """The TokenProb of ``token``, just sampled (before the next decode)."""

@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import fcntl
 import json
+import logging
 import os
 import signal
 import sys
@@ -41,7 +42,7 @@ from ..request import RequestCancel
 from .embed import POOLING, Embedder, model_pooling, to_le
 from .infill import build_infill_prompt
 from .model import Model
-from .session import ChatSession, take_turns_with
+from .session import ChatSession, decode_threads, take_turns_with
 
 
 def parse_args(argv=None):
@@ -50,8 +51,10 @@ def parse_args(argv=None):
     p.add_argument("--ctx-size", type=int, default=4096)
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--ubatch-size", type=int, default=None)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--threads-batch", type=int, default=None)
+    p.add_argument("--spec-type", default="none")
+    p.add_argument("--spec-draft-n-max", type=int, default=8)
+    p.add_argument("--threads", default=None)          # a count, or "auto"
+    p.add_argument("--threads-batch", default=None)
     p.add_argument("--parallel", type=int, default=1)
     p.add_argument("--no-swa-full", action="store_true")
     p.add_argument("--chat-template", default=None, help="Jinja text or a built-in name")
@@ -103,17 +106,20 @@ class Loaded:
         model = Model.load(args.model, lib_path=args.lib, verbose=args.verbose,
                            progress=progress)
         sessions = []
+        threads = decode_threads(model, args.threads, args.threads_batch)
         try:
             for _ in range(max(1, args.parallel)):
                 sessions.append(ChatSession(
                     model, n_ctx=args.ctx_size, n_batch=args.batch_size,
-                    n_ubatch=args.ubatch_size, n_threads=args.threads,
-                    n_threads_batch=args.threads_batch, swa_full=not args.no_swa_full))
-            threads = args.threads if args.threads and args.threads > 0 else \
-                max(1, min(os.cpu_count() or 1, 8))
-            embedder = Embedder.for_model(model, args.pooling, n_ctx=sessions[0].n_ctx,
-                                          n_batch=args.batch_size, n_ubatch=args.ubatch_size,
-                                          n_threads=threads, n_threads_batch=args.threads_batch)
+                    n_ubatch=args.ubatch_size, swa_full=not args.no_swa_full,
+                    threads=threads,
+                    draft_max=args.spec_draft_n_max if args.spec_type == "ngram-simple" else 0))
+            # the embedding context learns its thread counts on its own: its
+            # decodes (every token an output) run at another speed than a prompt's
+            embedder = Embedder.for_model(
+                model, args.pooling, n_ctx=sessions[0].n_ctx, n_batch=args.batch_size,
+                n_ubatch=args.ubatch_size,
+                threads=decode_threads(model, args.threads, args.threads_batch))
             return cls(model, sessions, args.chat_template, embedder)
         except BaseException:
             for s in sessions:
@@ -250,6 +256,10 @@ class Worker:
     def call_slots(self):
         """How many tokens each session's cache holds now (a request may be running)."""
         return [len(s.cached) for s in self.loaded.sessions]
+
+    def call_threads(self):
+        """The thread counts decodes use now and how often they changed (engine/threads.py)."""
+        return self.loaded.sessions[0].threads.snapshot()
 
     def call_detokenize(self, tokens):
         return {"content": self.model.detokenize(tokens, special=True)}
@@ -454,6 +464,10 @@ def main(argv=None):
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     # nothing else may write to the frame stream: print() goes to stderr
     sys.stdout = sys.stderr
+    if args.verbose:
+        # -v: the engine's own log lines (thread-count switches, ...) on stderr
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                            format="offgrid worker %(process)d: %(message)s")
     shown = [-1]
 
     def progress(fraction):

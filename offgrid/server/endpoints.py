@@ -55,6 +55,17 @@ def _status(entry):
     return entry.status
 
 
+def _threads_of(entry):
+    """The worker's thread counts now (engine/threads.py snapshot), or None
+    while it is not there to ask."""
+    if entry.state != "ready":
+        return None
+    try:
+        return entry.call("threads", "threads")
+    except (OffgridError, Unavailable):
+        return None         # it died just now
+
+
 def props(h, _body):
     svc = h.service
     e = svc.text
@@ -91,6 +102,7 @@ def props(h, _body):
         # unloaded by --sleep-idle-seconds (or since): the next request wakes it
         "is_sleeping": e.worker is None,
         "infill": svc.fim.has_fim,
+        "threads": _threads_of(e),
     })
 
 
@@ -124,9 +136,12 @@ def slots(h, _body):
                 n_cached = e.call("slots", "GET /slots")
             except (OffgridError, Unavailable):
                 pass        # it died just now: the front's record will do
+        threads = _threads_of(e) or {}
         for s, n in zip(e.pool.sessions, n_cached):
             out.append({"id": s.index, "model": e.id, "n_ctx": e.n_ctx, "state": _status(e),
-                        "is_processing": e.pool.is_busy(s), "n_cached": n})
+                        "is_processing": e.pool.is_busy(s), "n_cached": n,
+                        "n_threads": threads.get("generation"),
+                        "n_threads_batch": threads.get("batch")})
     h.send_json(200, out)
 
 
@@ -174,6 +189,17 @@ def metrics(h, _body):
     for endpoint, n in sorted(m.requests.items()):
         out.append('offgrid_requests_total{endpoint="%s"} %d' % (endpoint, n))
     out += shelf_api.metric_lines(svc.shelf, _label)
+    threads = [(e, _threads_of(e)) for e in svc.entries]
+    threads = [(e, t) for e, t in threads if t is not None]
+    out += ["# HELP offgrid_threads Threads a model's decodes use now (-t auto adapts them).",
+            "# TYPE offgrid_threads gauge"]
+    for e, t in threads:
+        for kind in ("generation", "batch"):
+            out.append('offgrid_threads{model="%s",kind="%s"} %d' % (_label(e.id), kind, t[kind]))
+    out += ["# HELP offgrid_thread_switches_total Times -t auto changed a thread count.",
+            "# TYPE offgrid_thread_switches_total counter"]
+    for e, t in threads:
+        out.append('offgrid_thread_switches_total{model="%s"} %d' % (_label(e.id), t["switches"]))
     # llama-server's header: when the counters started, for rates across restarts
     h.send_text(200, "\n".join(out) + "\n",
                 headers={"Process-Start-Time-Unix": str(int(m.started))})

@@ -29,7 +29,7 @@ def timings(usage):
     n_gen = usage.completion_tokens
     steps = max(n_gen - 1, 0)
     prompt_n = usage.evaluated_tokens
-    return {
+    out = {
         "cache_n": usage.cached_tokens,
         "prompt_n": prompt_n,
         "prompt_ms": usage.prompt_ms,
@@ -41,6 +41,10 @@ def timings(usage):
         "predicted_per_second": 1000.0 * steps / usage.generation_ms
         if steps and usage.generation_ms > 0 else 0.0,
     }
+    if usage.draft_tokens:
+        # as llama-server, only where the request drafted (engine/lookup.py)
+        out.update(draft_n=usage.draft_tokens, draft_n_accepted=usage.draft_accepted)
+    return out
 
 
 def generation_settings(gen, n_ctx, model_name, stream=False):

@@ -1,0 +1,279 @@
+"""How many threads each decode gets: fixed (-t N) or learned from the decodes (-t auto).
+
+ggml's threads meet at a barrier hundreds of times per token and spin while
+they wait.  When another program holds one of the cores they need, one thread
+is descheduled and the rest spin until the scheduler brings it back, at every
+barrier: measured on 2 cores with a competing load of 1.5 cores, llama-bench
+gave 1.29 tok/s with -t 2 and 54 with -t 1 (98 with -t 2 on the idle
+machine).  No fixed count is right for a machine whose other programs come
+and go, so ``ThreadChoice`` watches the speed of the decodes themselves:
+
+* Each decode shape (one token; prompt batches of a size class) has its own
+  choice, since a prompt batch may scale with threads where a single token
+  does not.
+* A decode much slower than the best seen at its thread count (the machine
+  got busy) starts a probe of one thread fewer; a probe is a few decodes at
+  the other count, and the faster median wins, by a margin against noise.
+* Now and then it probes one thread more, so a machine that frees up gets
+  its cores back; an up-probe that loses waits twice as long before the next
+  (up to ``up_interval_max``), since on a busy machine each losing probe
+  decode can cost tens of times a normal one.  A probe whose first decode is
+  slower than the current count's recent ones ends there.  A down-probe runs now and then too: the best seen may have been
+  learned while the machine was already busy.
+
+``ThreadChoice`` is a pure function of the (time, count, tokens, seconds)
+history it is given: no clock, no libllama, so its decisions are tested on
+recorded histories.  The session asks ``choose`` before a decode and tells
+``observe`` after it (see engine/session.py).
+"""
+
+import logging
+import os
+import statistics
+import time
+from collections import deque
+
+log = logging.getLogger("offgrid.threads")
+
+# prompt batches are told apart by size: per-token speed grows with the batch
+_BATCH_CLASSES = (16, 64, 256)
+
+
+def shape_of(n_tokens):
+    """The decode shape a batch of n_tokens counts under: 0 for single tokens
+    and batches too small to tell apart from them, else 1 + its size class."""
+    if n_tokens < _BATCH_CLASSES[0]:
+        return 0
+    return 1 + sum(1 for c in _BATCH_CLASSES[1:] if n_tokens >= c)
+
+
+class _Shape:
+    """The choice for one decode shape, and what it has seen."""
+
+    __slots__ = ("current", "best", "recent", "probe", "probe_base", "probe_rates",
+                 "up_interval", "next_up", "next_down")
+
+    def __init__(self, current, now, up_interval, down_interval):
+        self.current = current
+        self.best = {}              # thread count -> best rate seen (tokens/s)
+        self.recent = {}            # thread count -> deque of (time, rate)
+        self.probe = None           # the count being tried, or None
+        self.probe_base = 0.0       # the current count's rate the probe must beat
+        self.probe_rates = []
+        self.up_interval = up_interval
+        self.next_up = now + up_interval
+        # the first down-probe comes soon: a server started on a busy machine
+        # learns its "best" there, and would not see that it is slow
+        self.next_down = now + 2 * up_interval
+
+
+class ThreadChoice:
+    """Thread counts between 1 and ``max_threads``, chosen per decode shape.
+
+    ``fixed``: always ``max_threads`` (``-t N``); nothing is learned.
+    """
+
+    slow = 0.6              # a decode under this share of the best seen is "slow"
+    very_slow = 0.25        # ... and one under this share is slow on its own
+    win = 1.10              # a probe's median must beat the current one's by 10%
+    probe_len = 3           # decodes per probe
+    recent_len = 5          # decodes kept per count for the comparison
+    recent_age = 5.0        # seconds: older samples say nothing of the machine now
+    up_interval = 1.0       # seconds before the first up-probe, and after an up-switch
+    busy_interval = 2.0     # ... and after a down-switch: more cores are taken then
+    up_interval_max = 32.0  # the longest wait between losing up-probes
+    down_interval = 60.0    # seconds between routine down-probes
+
+    def __init__(self, max_threads, fixed=False, now=0.0):
+        self.max_threads = max(1, int(max_threads))
+        self.fixed = fixed
+        self.switches = 0
+        self._start = now
+        self._shapes = {}
+
+    def _shape(self, shape, now):
+        s = self._shapes.get(shape)
+        if s is None:
+            s = self._shapes[shape] = _Shape(self.max_threads, now, self.up_interval,
+                                             self.down_interval)
+        return s
+
+    def current(self, shape=0):
+        """The count decodes of this shape settled on (not a probe's)."""
+        s = self._shapes.get(shape)
+        return self.max_threads if s is None else s.current
+
+    def choose(self, n_tokens, now):
+        """Threads for a decode of n_tokens tokens starting at time ``now``."""
+        if self.fixed or self.max_threads == 1:
+            return self.max_threads
+        s = self._shape(shape_of(n_tokens), now)
+        if s.probe is None:
+            if s.current < self.max_threads and now >= s.next_up:
+                self._start_probe(s, s.current + 1, now)
+            elif s.current > 1 and now >= s.next_down:
+                s.next_down = now + self.down_interval
+                self._start_probe(s, s.current - 1, now)
+        return s.probe if s.probe is not None else s.current
+
+    def observe(self, n_tokens, threads, seconds, now):
+        """A decode of n_tokens at ``threads`` took ``seconds`` (ending at ``now``)."""
+        if self.fixed or self.max_threads == 1 or seconds <= 0:
+            return
+        s = self._shape(shape_of(n_tokens), now)
+        rate = n_tokens / seconds
+        if rate > s.best.get(threads, 0.0):
+            s.best[threads] = rate
+        recent = s.recent.setdefault(threads, deque(maxlen=self.recent_len))
+        recent.append((now, rate))
+        if s.probe is not None and threads == s.probe:
+            s.probe_rates.append(rate)
+            self._judge_probe(s, rate, now)
+        elif s.probe is None and threads == s.current and s.current > 1:
+            slow = self._slow_rates(s, now)
+            if slow:
+                self._start_probe(s, s.current - 1, now, statistics.median(slow))
+
+    def _start_probe(self, s, threads, now, base=None):
+        if base is None:
+            here = self._rates(s, s.current, now)
+            base = statistics.median(here[-3:]) if here else s.best.get(s.current, 0.0)
+        s.probe, s.probe_base, s.probe_rates = threads, base, []
+
+    def _slow_rates(self, s, now):
+        """The last decodes at the current count, if they run far under its best."""
+        best = s.best.get(s.current, 0.0)
+        rates = self._rates(s, s.current, now)[-3:]
+        if not rates or best <= 0:
+            return []
+        slow = [r for r in rates if r < self.slow * best]
+        if rates[-1] < self.very_slow * best:
+            return [rates[-1]]
+        return slow if len(slow) >= 2 and rates[-1] in slow else []
+
+    def _rates(self, s, threads, now):
+        return [r for t, r in s.recent.get(threads, ()) if now - t <= self.recent_age]
+
+    def _judge_probe(self, s, rate, now):
+        base = s.probe_base
+        up = s.probe > s.current
+        # a probe whose first decode is slower than the current count is over:
+        # a losing probe then costs one decode (which, upwards on a busy
+        # machine, can take tens of times a normal one)
+        lost_early = len(s.probe_rates) == 1 and base > 0 and rate < base
+        if len(s.probe_rates) < self.probe_len and not lost_early:
+            return
+        probe_rate = statistics.median(s.probe_rates)
+        won = not lost_early and (base <= 0 or probe_rate > base * self.win)
+        old, tried = s.current, s.probe
+        s.probe, s.probe_rates = None, []
+        if won:
+            s.current = tried
+            self.switches += 1
+            s.next_down = now + self.down_interval
+            s.up_interval = self.up_interval if up else self.busy_interval
+            s.next_up = now + s.up_interval
+            log.info("threads: %d -> %d (%.1f -> %.1f tokens/s)", old, tried, base, probe_rate)
+        elif up:
+            s.up_interval = min(s.up_interval * 2, self.up_interval_max)
+            s.next_up = now + s.up_interval
+        elif base > 0:
+            # fewer threads did not help: the whole machine is slower now
+            # (a VM's neighbours, a clock); what the current count does now is
+            # its new normal, or every decode would look slow and start a probe
+            s.best[s.current] = base
+
+    def probe_down_soon(self, now):
+        """Start a down-probe at the next decode of every shape: another kind of
+        decode found the machine busy (a prompt batch may not come again for
+        a while, and each at too many threads is slow)."""
+        for s in self._shapes.values():
+            s.next_down = min(s.next_down, now)
+
+    def snapshot(self):
+        """What /props, /slots and /metrics show: the counts in use and the switches.
+
+        ``batch`` is the choice for the largest prompt batches seen so far.
+        """
+        batch = [shape for shape in self._shapes if shape > 0]
+        return {"mode": "fixed" if self.fixed else "auto", "max": self.max_threads,
+                "generation": self.current(0),
+                "batch": self.current(max(batch)) if batch else self.max_threads,
+                "switches": self.switches}
+
+
+def usable_cores():
+    """The cores this process may run on (its affinity mask), at most 8: past
+    that ggml's barriers cost more than the threads bring on models this size."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return max(1, min(n, 8))
+
+
+class DecodeThreads:
+    """A worker's thread counts: one ThreadChoice for single-token decodes
+    (``-t``), one for prompt batches (``-tb``), and the pools they run on.
+
+    ``pool_for(n)`` is the shared ggml thread pool of n threads (one per count
+    for the life of the process: engine/session.py).  Switching a context
+    from one pool to another is two pointer stores in libllama, so a choice
+    may change from one decode to the next at no cost.  Every decode takes
+    its turn under the worker's decode lock, so before() and after() are
+    never called concurrently.
+    """
+
+    def __init__(self, pool_for, threads=None, threads_batch=None, clock=time.monotonic):
+        """``threads`` / ``threads_batch``: a count, or None / "auto" to adapt."""
+        gen_fixed = _fixed(threads)
+        batch_fixed = _fixed(threads_batch) if threads_batch not in (None, "auto") else gen_fixed
+        now = clock()
+        self.generation = ThreadChoice(gen_fixed or usable_cores(), fixed=bool(gen_fixed), now=now)
+        self.batch = ThreadChoice(batch_fixed or usable_cores(), fixed=bool(batch_fixed), now=now)
+        self.pool_for = pool_for
+        self.clock = clock
+        self._gen_k = self.generation.max_threads
+        self._batch_k = self.batch.max_threads
+
+    def before(self, ctx, n_tokens):
+        """Attach the pools of this decode's choice to ``ctx``; returns (count, start).
+
+        libllama runs a one-token decode on the first pool and any larger
+        one on the second; the other keeps the count it last had, so that
+        the pair, and the attached pools, change only when a choice does.
+        """
+        now = self.clock()
+        if n_tokens == 1:
+            k = self._gen_k = self.generation.choose(1, now)
+        else:
+            k = self._batch_k = self.batch.choose(n_tokens, now)
+        ctx.use_pools(self.pool_for(self._gen_k), self.pool_for(self._batch_k))
+        return k, now
+
+    def after(self, n_tokens, started):
+        """The decode begun with ``started`` (before()'s value) succeeded."""
+        k, t0 = started
+        now = self.clock()
+        choice, other = ((self.generation, self.batch) if n_tokens == 1
+                         else (self.batch, self.generation))
+        shape = shape_of(n_tokens)
+        was = choice.current(shape)
+        choice.observe(n_tokens, k, now - t0, now)
+        if choice.current(shape) < was:
+            other.probe_down_soon(now)      # the machine got busy for every kind of decode
+
+    def snapshot(self):
+        gen, batch = self.generation.snapshot(), self.batch.snapshot()
+        return {"mode": gen["mode"] if gen["mode"] == batch["mode"] else "mixed",
+                "generation": gen["generation"], "batch": batch["batch"],
+                "max": gen["max"], "max_batch": batch["max"],
+                "switches": gen["switches"] + batch["switches"]}
+
+
+def _fixed(threads):
+    """A pinned count from -t / -tb, or 0 for auto."""
+    if threads in (None, "auto"):
+        return 0
+    n = int(threads)
+    return n if n > 0 else 0
