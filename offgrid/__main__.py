@@ -96,6 +96,14 @@ def parse_args(argv=None):
                    help="serve /metrics (default on; llama-server's default is off)")
     p.add_argument("--slots", action=argparse.BooleanOptionalAction, default=True,
                    help="serve /slots (default on, as llama-server's)")
+    p.add_argument("--embeddings", "--embedding", action=argparse.BooleanOptionalAction,
+                   default=True, help="serve /v1/embeddings, /embedding(s), /api/embed(dings) "
+                   "and /rerank (default on; the embedding context is made on first use)")
+    p.add_argument("--pooling", choices=("none", "mean", "cls", "last", "rank"),
+                   help="how embeddings pool the tokens' states (default: the model's GGUF "
+                   "pooling_type, else mean)")
+    p.add_argument("--reranking", "--rerank", action="store_true",
+                   help="pool for /rerank (--pooling rank), for a reranker model")
     p.add_argument("--api-key", action="append", default=[],
                    help="API key (repeatable; also $OFFGRID_API_KEY)")
     p.add_argument("--api-key-file", help="file with one API key per line")
@@ -184,6 +192,9 @@ def worker_args(path, args, chat_template=None, decode_lock=None):
                         ("--chat-template", chat_template), ("--decode-lock", decode_lock)):
         if value is not None:
             out += [flag, str(value)]
+    pooling = "rank" if args.reranking else args.pooling
+    if pooling is not None:
+        out += ["--pooling", pooling]
     if args.no_swa_full:
         out.append("--no-swa-full")
     if args.verbose:
@@ -366,13 +377,21 @@ def main(argv=None):
                 shelf.load(entry)
             except (OffgridError, HTTPError) as e:
                 return fail(getattr(e, "message", e))
+    for entry in (text, fim):
+        info = entry.info if entry is not None else None
+        if info and info.get("pooling") == "rank" and not info.get("rank_head"):
+            # llama-server goes ahead too; the scores then come from no trained head
+            print("offgrid: warning: %s has no rank head (its GGUF pooling_type is not rank): "
+                  "/rerank scores are the first component of its hidden state, not relevance"
+                  % entry.id, file=sys.stderr)
     sampling = SamplingParams(temperature=max(0.0, args.temp),
                               seed=None if args.seed < 0 or args.seed == 0xFFFFFFFF else args.seed)
     service = Service(text, fim, n_predict_default=args.n_predict,
                       shutdown_grace=args.shutdown_grace, cache_reuse=max(0, args.cache_reuse),
                       sampling_default=sampling, endpoints_off=[
                           name for name, on in (("metrics", args.metrics),
-                                                ("slots", args.slots)) if not on],
+                                                ("slots", args.slots),
+                                                ("embeddings", args.embeddings)) if not on],
                       shelf=shelf, fim_given=fim is not None)
     httpd.RequestHandlerClass.service = service
     shelf.start_reaper()

@@ -91,6 +91,7 @@ ggml_backend_dev_t = _spelled(c_void_p, "ggml_backend_dev_t")
 ggml_backend_reg_t = _spelled(c_void_p, "ggml_backend_reg_t")
 enum_ggml_log_level = _spelled(c_int, "enum ggml_log_level")
 enum_ggml_backend_dev_type = _spelled(c_int, "enum ggml_backend_dev_type")
+enum_llama_pooling_type = _spelled(c_int, "enum llama_pooling_type")
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF
 
@@ -99,6 +100,14 @@ GGML_BACKEND_DEVICE_TYPE_CPU = 0
 
 # ggml.h: the size of ggml_threadpool_params.cpumask
 GGML_MAX_N_THREADS = 512
+
+# enum llama_pooling_type: how an embedding context pools its tokens' hidden states
+LLAMA_POOLING_TYPE_UNSPECIFIED = -1
+LLAMA_POOLING_TYPE_NONE = 0
+LLAMA_POOLING_TYPE_MEAN = 1
+LLAMA_POOLING_TYPE_CLS = 2
+LLAMA_POOLING_TYPE_LAST = 3
+LLAMA_POOLING_TYPE_RANK = 4
 
 # enum ggml_log_level
 GGML_LOG_LEVEL_ERROR = 4
@@ -290,6 +299,8 @@ _PROTOTYPES = {
     "llama_model_n_ctx_train": (c_int32, [const_llama_model_p]),
     # int32_t llama_model_n_embd(const struct llama_model * model);
     "llama_model_n_embd": (c_int32, [const_llama_model_p]),
+    # int32_t llama_model_n_embd_out(const struct llama_model * model);
+    "llama_model_n_embd_out": (c_int32, [const_llama_model_p]),
     # int32_t llama_model_n_swa(const struct llama_model * model);
     "llama_model_n_swa": (c_int32, [const_llama_model_p]),
     # uint64_t llama_model_n_params(const struct llama_model * model);
@@ -318,9 +329,12 @@ _PROTOTYPES = {
     "llama_vocab_eos": (llama_token, [const_llama_vocab_p]),
     "llama_vocab_eot": (llama_token, [const_llama_vocab_p]),
     "llama_vocab_nl": (llama_token, [const_llama_vocab_p]),
-    # bool llama_vocab_get_add_bos(const struct llama_vocab * vocab); (and add_eos)
+    # llama_token llama_vocab_sep(const struct llama_vocab * vocab);
+    "llama_vocab_sep": (llama_token, [const_llama_vocab_p]),
+    # bool llama_vocab_get_add_bos(const struct llama_vocab * vocab); (and add_eos, add_sep)
     "llama_vocab_get_add_bos": (c_bool, [const_llama_vocab_p]),
     "llama_vocab_get_add_eos": (c_bool, [const_llama_vocab_p]),
+    "llama_vocab_get_add_sep": (c_bool, [const_llama_vocab_p]),
     # llama_token llama_vocab_fim_pre(const struct llama_vocab * vocab); (and suf, mid, pad, rep, sep)
     "llama_vocab_fim_pre": (llama_token, [const_llama_vocab_p]),
     "llama_vocab_fim_suf": (llama_token, [const_llama_vocab_p]),
@@ -372,6 +386,14 @@ _PROTOTYPES = {
     "llama_decode": (c_int32, [llama_context_p, llama_batch]),
     # float * llama_get_logits_ith(struct llama_context * ctx, int32_t i);
     "llama_get_logits_ith": (float_p, [llama_context_p, c_int32]),
+    # enum llama_pooling_type llama_pooling_type(const struct llama_context * ctx);
+    "llama_pooling_type": (enum_llama_pooling_type, [const_llama_context_p]),
+    # bool llama_get_causal_attn(const struct llama_context * ctx);
+    "llama_get_causal_attn": (c_bool, [const_llama_context_p]),
+    # float * llama_get_embeddings(struct llama_context * ctx);
+    "llama_get_embeddings": (float_p, [llama_context_p]),
+    # float * llama_get_embeddings_seq(struct llama_context * ctx, llama_seq_id seq_id);
+    "llama_get_embeddings_seq": (float_p, [llama_context_p, llama_seq_id]),
 
     # --- memory (KV cache) -----------------------------------------------------
     # void llama_memory_clear(llama_memory_t mem, bool data);
@@ -749,6 +771,10 @@ class ModelHandle:
     def n_embd(self):
         return self.lib.llama_model_n_embd(self.ptr)
 
+    def n_embd_out(self):
+        """The size of the model's output embeddings (n_embd, save for a few architectures)."""
+        return self.lib.llama_model_n_embd_out(self.ptr)
+
     def n_swa(self):
         """The sliding attention window, 0 where the model has none."""
         return self.lib.llama_model_n_swa(self.ptr)
@@ -783,7 +809,7 @@ class ModelHandle:
         return self.lib.llama_vocab_n_tokens(self.vocab)
 
     # the special tokens special_tokens() reads, by the suffix of their getter
-    SPECIAL_TOKENS = ("bos", "eos", "eot", "nl", "fim_pre", "fim_suf", "fim_mid", "fim_pad",
+    SPECIAL_TOKENS = ("bos", "eos", "eot", "sep", "nl", "fim_pre", "fim_suf", "fim_mid", "fim_pad",
                       "fim_rep", "fim_sep")
 
     def special_tokens(self):
@@ -797,6 +823,9 @@ class ModelHandle:
 
     def add_eos(self):
         return bool(self.lib.llama_vocab_get_add_eos(self.vocab))
+
+    def add_sep(self):
+        return bool(self.lib.llama_vocab_get_add_sep(self.vocab))
 
     def is_eog(self, token):
         return bool(self.lib.llama_vocab_is_eog(self.vocab, token))
@@ -889,12 +918,17 @@ class ContextHandle:
     """
 
     def __init__(self, lib, model, n_ctx, n_batch, n_ubatch, n_threads, n_threads_batch,
-                 swa_full=True, n_seq_max=1, token_seqs=(0,)):
+                 swa_full=True, n_seq_max=1, token_seqs=(0,), embeddings=False,
+                 pooling=LLAMA_POOLING_TYPE_UNSPECIFIED):
         """``n_seq_max`` sequences share one unified cache (so extra ones cost
         no memory); decode() puts each token in the sequences ``token_seqs``
-        unless told otherwise."""
+        unless told otherwise.  ``embeddings`` makes a context whose decodes
+        output hidden states (every token of a batch), pooled per sequence as
+        ``pooling`` says (a LLAMA_POOLING_TYPE_*; UNSPECIFIED: the model's)."""
         self.lib = lib
         params = lib.llama_context_default_params()
+        params.embeddings = embeddings
+        params.pooling_type = pooling
         # libllama asserts (aborting the process) unless a batch can hold one
         # output per sequence
         n_batch = max(n_batch, n_seq_max, 2)
@@ -1013,6 +1047,51 @@ class ContextHandle:
             return self.lib.llama_decode(self.ptr, self.batch)
         finally:
             self._set_seqs(n, self._token_seqs)
+
+    def decode_sequences(self, parts):
+        """Decode several sequences in one batch, every token an output: an
+        embedding context's step.
+
+        ``parts`` are (seq_id, tokens, start_pos), at most n_batch tokens in
+        all, each token in its one sequence.  Returns llama_decode's status.
+        """
+        seq_id = self.batch.seq_id
+        n = 0
+        for seq, tokens, start in parts:
+            k = len(tokens)
+            self._tokens[n:n + k] = tokens
+            self._pos[n:n + k] = range(start, start + k)
+            for i in range(n, n + k):
+                seq_id[i][0] = seq
+            n += k
+        self._n_seq[0:n] = [1] * n
+        self._logits[0:n] = b"\x01" * n
+        self.batch.n_tokens = n
+        try:
+            return self.lib.llama_decode(self.ptr, self.batch)
+        finally:
+            self._set_seqs(n, self._token_seqs)
+
+    def embedding_seq(self, seq, n):
+        """The pooled output of sequence ``seq`` in the last decode: (n,) float32
+        as bytes; None if it has none (pooling none, or no such sequence)."""
+        addr = self.lib.llama_get_embeddings_seq(self.ptr, seq)
+        return ctypes.string_at(addr, 4 * n) if addr else None
+
+    def embedding_rows(self, n_rows, n):
+        """The hidden states of the last decode's ``n_rows`` outputs (pooling none),
+        in batch order: (n_rows, n) float32 as bytes, or None."""
+        addr = self.lib.llama_get_embeddings(self.ptr)
+        return ctypes.string_at(addr, 4 * n * n_rows) if addr else None
+
+    def pooling_type(self):
+        """The LLAMA_POOLING_TYPE_* this context pools with (the model's, if it chose)."""
+        return self.lib.llama_pooling_type(self.ptr)
+
+    def causal_attn(self):
+        """Whether tokens attend only to earlier ones (a decoder), so a sequence
+        may be decoded in several batches."""
+        return bool(self.lib.llama_get_causal_attn(self.ptr))
 
     def decode_one(self, token, pos):
         """The per-token path of generation, kept to a few ctypes calls."""

@@ -119,6 +119,18 @@ def completes(pattern):
     return check
 
 
+def embeds(a):
+    """A 200 with, per input, a vector of finite numbers."""
+    if a.status != 200:
+        return "answered %s, not a 200: %s" % (a.status, short(a.body))
+    data = a.body.get("data") if isinstance(a.body, dict) else None
+    if not data or not all(isinstance(d.get("embedding"), list) and d["embedding"] and
+                            all(isinstance(x, float) and x == x and abs(x) != float("inf")
+                                for x in d["embedding"]) for d in data):
+        return "a 200 without finite vectors: %s" % short(a.body)
+    return None
+
+
 def either(*checks):
     """Any one of ``checks`` passing is the right answer."""
     def check(a):
@@ -303,6 +315,12 @@ HOSTILE = [
     # -- sampling parameters -------------------------------------------------------------
     post("repeat-penalty-zero", "/completion", completion(repeat_penalty=0),
          either(refused, completes(r".*"))),
+    # -- embeddings (a context of their own, made on first use) ----------------------------
+    post("embedding-token-id-2**31-1", "/v1/embeddings", {"input": [[1], [2 ** 31 - 1]]},
+         refused),
+    post("embedding-2048-empty-inputs", "/v1/embeddings", {"input": [[]] * 2048}, refused),
+    post("embedding-p-norm-1000", "/v1/embeddings", {"input": "Hello", "embd_normalize": 1000},
+         embeds),
     # -- the connection itself ------------------------------------------------------------
     Row("content-length-and-chunked-smuggle", smuggled_request),
     Row("600-silent-sockets", silent_sockets),
@@ -504,6 +522,11 @@ class Served:
             for t in warmers:
                 t.join()
             assert statuses == [200] * self.parallel, "grammar warm-up: %s" % statuses
+            # and one embedding: the worker's embedding context is made on the
+            # first (about 200 MB on gemma-3, the logits of a batch), once
+            status = self.srv.post("/v1/embeddings", {"input": "warm"},
+                                   timeout=WARMUP_TIMEOUT)[0]
+            assert status == 200, "embedding warm-up: %s" % status
             self.start_rss = tree_rss(self.srv.proc.pid)
             self.harmed = False
         return self.srv

@@ -126,6 +126,13 @@ def responses_chat(out):
     assert re.search(r"\b(hi|hello|hey)\b", text, re.I), body
 
 
+def embeddings(out):
+    body = _json(out)
+    a, b = (d["embedding"] for d in body["data"])
+    assert len(a) == len(b) == 896 and abs(sum(x * x for x in a) - 1) < 1e-4, body["usage"]
+    assert sum(x * y for x, y in zip(a, b)) > 0.5       # two paraphrases
+
+
 def tokenize(out):
     tokens = _json(out)["tokens"]
     assert tokens and all(isinstance(t["id"], int) for t in tokens)
@@ -145,6 +152,7 @@ CHECKS = {
     "/v1/responses": responses_chat,
     '"tools"': openai_tool_call,
     "/tokenize": tokenize,
+    "/v1/embeddings": embeddings,
 }
 
 

@@ -210,6 +210,31 @@ for name, messages in [("messages missing", None), ("messages empty", []),
 row("chat: max_tokens negative", post(H, {"messages": [{"role": "user", "content": "hi"}],
                                           "max_tokens": -3}), 400, INVALID)
 
+# embeddings: OpenAI's and llama.cpp's (server/embeddings.py)
+E = "/v1/embeddings"
+for name, value in [("input", None), ("input", 5), ("input", True), ("input", []),
+                    ("input", [[]]), ("input", [1, 2.5]), ("input", [1, True]),
+                    ("input", {"content": "x"}), ("input", {"content": [{"type": "hologram"}]}),
+                    ("input", {"prompt_string": 5}), ("input", ["x"] * 2049),
+                    ("encoding_format", "hex"), ("encoding_format", 5), ("dimensions", 7),
+                    ("dimensions", "8"), ("dimensions", 0), ("embd_normalize", "l2"),
+                    ("embd_normalize", -2), ("user", 5)]:
+    body = {"input": "hello", name: value}
+    if value is None:
+        del body[name]
+    row("/v1/embeddings %s=%s" % (name, json.dumps(value)[:40]), post(E, body), 400, INVALID)
+row("/v1/embeddings token id negative", post(E, {"input": [1, -1]}), 400, INVALID)
+row("/v1/embeddings token id = n_vocab", post(E, {"input": [[1], [N_VOCAB]]}), 400, INVALID)
+row("/v1/embeddings token id huge", post(E, {"input": [10 ** 30]}), 400, INVALID)
+row("/v1/embeddings input longer than the context", post(E, {"input": [100] * 600}), 400,
+    CONTEXT)
+row("/v1/embeddings works", post(E, {"input": ["hello", [1, 2, 3]]}), 200)
+row("/embedding without content", post("/embedding", {"n": 1}), 400, INVALID)
+row("/embedding content a number", post("/embedding", {"content": 5}), 400, INVALID)
+row("/embeddings token id out of range", post("/embeddings", {"content": [N_VOCAB]}), 400,
+    INVALID)
+row("/embedding works", post("/embedding", {"content": "hello"}), 200)
+
 # framing: lengths, chunks, sizes
 row("body over the limit", post_raw(C, b'{"prompt": "' + b"x" * (MAX_BODY + 10) + b'"}'),
     413, INVALID)

@@ -38,10 +38,13 @@ class Model:
       path, name          the file and its base name (the default model id)
       n_vocab             number of tokens; valid ids are 0..n_vocab-1
       n_ctx_train         context length the model was trained with
-      bos, eos, eot, nl   special token ids, None where the model has none
+      n_embd, n_embd_out  hidden size; size of its output embeddings (engine/embed.py)
+      bos, eos, eot, sep, nl
+                          special token ids, None where the model has none
       fim_pre, fim_suf, fim_mid, fim_pad, fim_rep, fim_sep
                           fill-in-the-middle token ids, None where absent
       add_bos             whether tokenizing a prompt should prepend BOS
+      add_eos, add_sep    whether it appends EOS, and puts SEP between a rerank pair
       meta                GGUF metadata, key -> value as a string
       chat_template       the model's Jinja template text, or None
       vocab_only          loaded without weights: it tokenizes but cannot generate
@@ -56,6 +59,7 @@ class Model:
         self.n_vocab = handle.n_vocab()
         self.n_ctx_train = handle.n_ctx_train()
         self.n_embd = handle.n_embd()
+        self.n_embd_out = handle.n_embd_out()
         self.n_params = handle.n_params()
         self.size = handle.size()
         self.n_swa = handle.n_swa()
@@ -65,6 +69,7 @@ class Model:
             setattr(self, name, t if 0 <= t < self.n_vocab else None)
         self.add_bos = handle.add_bos()
         self.add_eos = handle.add_eos()
+        self.add_sep = handle.add_sep()
 
         self.meta = handle.meta()
         self.chat_template = handle.chat_template()

@@ -42,6 +42,12 @@ def take_turns_with(lock):
     global _DECODE_LOCK
     _DECODE_LOCK = lock
 
+
+def decode_turn():
+    """The lock every decode of this process takes, whoever makes it (a session,
+    the embedding context of engine/embed.py): ``with decode_turn(): ...``."""
+    return _DECODE_LOCK
+
 # Because decodes take turns, every context can run them on the same
 # persistent ggml thread pool (one per thread count), rather than on threads
 # ggml starts and joins inside each llama_decode.  Measured with 2 sessions
@@ -53,7 +59,8 @@ _POOLS = {}
 _POOLS_LOCK = threading.Lock()
 
 
-def _shared_pool(lib, n_threads):
+def shared_pool(lib, n_threads):
+    """The process's ThreadPool of ``n_threads`` (made on first use), for any context."""
     with _POOLS_LOCK:
         pool = _POOLS.get(n_threads)
         if pool is None:
@@ -64,7 +71,7 @@ def _shared_pool(lib, n_threads):
 def decode_threads(model, n_threads=None, n_threads_batch=None):
     """One worker's DecodeThreads (engine/threads.py), on the shared pools:
     its sessions take turns, so they share one choice of thread counts."""
-    return DecodeThreads(lambda n: _shared_pool(model.lib, n), n_threads, n_threads_batch)
+    return DecodeThreads(lambda n: shared_pool(model.lib, n), n_threads, n_threads_batch)
 
 
 # The sequences of a session's cache.  They share cells: a cell holds one
@@ -121,8 +128,8 @@ class ChatSession:
         if not self._ctx.ptr:
             raise ContextError("libllama could not create a context of %d tokens "
                                "(not enough memory?)" % n_ctx)
-        self._ctx.attach_threadpool(_shared_pool(model.lib, n_gen),
-                                    _shared_pool(model.lib, n_batch_threads))
+        self._ctx.attach_threadpool(shared_pool(model.lib, n_gen),
+                                    shared_pool(model.lib, n_batch_threads))
         self.n_ctx = self._ctx.n_ctx
         self.n_batch = self._ctx.n_batch
         # chunk reuse moves cached keys to new positions: only where the

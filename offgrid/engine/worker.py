@@ -39,6 +39,7 @@ from ..chat.select import template_for
 from ..chat.template import ReplyFormat, new_tool_call_id
 from ..errors import InvalidRequest, OffgridError
 from ..request import RequestCancel
+from .embed import POOLING, Embedder, model_pooling, to_le
 from .infill import build_infill_prompt
 from .model import Model
 from .session import ChatSession, decode_threads, take_turns_with
@@ -57,6 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--parallel", type=int, default=1)
     p.add_argument("--no-swa-full", action="store_true")
     p.add_argument("--chat-template", default=None, help="Jinja text or a built-in name")
+    p.add_argument("--pooling", choices=sorted(POOLING), default=None,
+                   help="embedding pooling (default: the model's, else engine/embed.py's)")
     p.add_argument("--lib", default=None)
     p.add_argument("--decode-lock", default=None,
                    help="a file every worker of one server flocks around each decode")
@@ -87,14 +90,16 @@ class FileTurns:
 
 
 class Loaded:
-    """The model, its sessions and its chat template (what chat.select keeps on it)."""
+    """The model, its sessions, its chat template (what chat.select keeps on it) and
+    its Embedder (whose context is made on the first embedding request)."""
 
-    def __init__(self, model, sessions, chat_template=None):
+    def __init__(self, model, sessions, chat_template=None, embedder=None):
         self.model = model
         self.sessions = sessions
         self.chat_template = chat_template
         self.template = None
         template_for(self)      # a template that cannot be used fails the load
+        self.embedder = embedder or Embedder.for_model(model, n_ctx=sessions[0].n_ctx)
 
     @classmethod
     def load(cls, args, progress=True):
@@ -109,7 +114,13 @@ class Loaded:
                     n_ubatch=args.ubatch_size, swa_full=not args.no_swa_full,
                     threads=threads,
                     draft_max=args.spec_draft_n_max if args.spec_type == "ngram-simple" else 0))
-            return cls(model, sessions, args.chat_template)
+            # the embedding context learns its thread counts on its own: its
+            # decodes (every token an output) run at another speed than a prompt's
+            embedder = Embedder.for_model(
+                model, args.pooling, n_ctx=sessions[0].n_ctx, n_batch=args.batch_size,
+                n_ubatch=args.ubatch_size,
+                threads=decode_threads(model, args.threads, args.threads_batch))
+            return cls(model, sessions, args.chat_template, embedder)
         except BaseException:
             for s in sessions:
                 s.close()
@@ -117,6 +128,7 @@ class Loaded:
             raise
 
     def close(self):
+        self.embedder.close()
         for s in self.sessions:
             s.close()
         self.model.close()
@@ -132,6 +144,10 @@ class Loaded:
             "has_fim": m.has_fim, "chat_template": m.chat_template or "",
             "caps": t.caps.as_dict(), "tool_syntax": getattr(t, "tool_syntax", "generic"),
             "meta": m.meta, "pid": os.getpid(), "kv_bytes": self.kv_bytes(),
+            # embeddings (engine/embed.py): how they pool, what an input may hold
+            "n_embd_out": m.n_embd_out, "pooling": self.embedder.pooling,
+            "pooling_from": self.embedder.pooling_from, "embd_max_tokens": self.embedder.max_tokens,
+            "embd_batch": self.embedder.n_batch, "rank_head": model_pooling(m) == POOLING["rank"],
         }
 
     def kv_bytes(self):
@@ -248,8 +264,9 @@ class Worker:
     def call_detokenize(self, tokens):
         return {"content": self.model.detokenize(tokens, special=True)}
 
-    def call_prepare_completion(self, parts, add_special=True, schema=None, grammar=None):
-        """Token ids of a prompt given as text and token-id parts; BOS only before text."""
+    def _tokens_of(self, parts, add_special=True):
+        """Token ids of text and token-id parts; BOS (where the model wants it) only
+        before text that comes first."""
         m = self.model
         tokens = []
         for i, part in enumerate(parts):
@@ -259,9 +276,56 @@ class Worker:
             else:
                 m.check_tokens(part)
                 tokens += part
+        return tokens
+
+    def call_prepare_completion(self, parts, add_special=True, schema=None, grammar=None):
+        """Token ids of a prompt given as text and token-id parts; BOS only before text."""
+        tokens = self._tokens_of(parts, add_special)
         if not tokens:
             raise InvalidRequest("the prompt is empty: send some text or token ids")
         return {"tokens": tokens, "grammar": self._constraint(schema, grammar)}
+
+    # -- embeddings (engine/embed.py) ---------------------------------------------
+    def call_embed(self, inputs, normalize=2, truncate=False, first=0):
+        """One embedding per input (each a list of text and token-id parts).
+
+        ``vectors``: per input protocol.encode_vector() of its pooled vector,
+        or with pooling none a list of them, one per token; ``n_tokens``: the
+        tokens of each.  ``truncate`` cuts an input to what the context takes
+        (Ollama's default) instead of refusing it; ``first`` is the request's
+        index of inputs[0] (the front sends a long request as several calls),
+        for error messages.
+        """
+        e = self.loaded.embedder
+        out, counts = e.embed([self._tokens_of(parts) for parts in inputs], normalize,
+                              truncate, first)
+        if e.pooling == "none":
+            vectors = [[protocol.encode_vector(to_le(row)) for row in rows] for rows in out]
+        else:
+            vectors = [protocol.encode_vector(to_le(v)) for v in out]
+        return {"vectors": vectors, "n_tokens": counts}
+
+    def call_rerank(self, query, documents):
+        """The relevance score of each document to ``query`` (pooling rank), as
+        llama-server lays out each pair: the model's "rerank" template if it
+        has one, else BOS? query EOS? SEP? document EOS?."""
+        m = self.model
+        template = m.handle.chat_template("rerank")
+        eos = m.eos if m.eos is not None else m.sep
+        lists = []
+        for doc in documents:
+            if template:
+                text = template.replace("{query}", query).replace("{document}", doc)
+                lists.append(m.tokenize(text, add_special=False, parse_special=True))
+                continue
+            end = [eos] if m.add_eos and eos is not None else []
+            tokens = [m.bos] if m.add_bos and m.bos is not None else []
+            tokens += m.tokenize(query, add_special=False, parse_special=False) + end
+            tokens += [m.sep] if m.add_sep and m.sep is not None else []
+            tokens += m.tokenize(doc, add_special=False, parse_special=False) + end
+            lists.append(tokens)
+        scores, counts = self.loaded.embedder.scores(lists)
+        return {"scores": scores, "n_tokens": counts}
 
     def call_prepare_infill(self, request, reserve, schema=None, grammar=None):
         s = self.loaded.sessions[0]

@@ -11,7 +11,7 @@ from collections import namedtuple
 from .. import __version__
 from ..errors import OffgridError
 from ..request import FinishReason, GenerationParams, InfillRequest
-from . import anthropic, chat, formats, ollama, ollama_models, responses
+from . import anthropic, chat, embeddings, formats, ollama, ollama_models, responses
 from . import shelf_api
 from .errors import BadRequest, HTTPError, Unavailable
 from .prompts import infill_tokens
@@ -415,6 +415,14 @@ ROUTES = {
     "/v1/completions": Route(v1_completions, _POST, True, True),
     "/v1/chat/completions": Route(chat.chat_completions, _POST, True, True),
     "/chat/completions": Route(chat.chat_completions, _POST, True, True),
+    # embeddings and rerank (server/embeddings.py)
+    "/v1/embeddings": Route(embeddings.v1_embeddings, _POST, True, True),
+    "/embedding": Route(embeddings.embedding, _POST, True, True),
+    "/embeddings": Route(embeddings.embedding, _POST, True, True),
+    "/rerank": Route(embeddings.rerank, _POST, True, True),
+    "/reranking": Route(embeddings.rerank, _POST, True, True),
+    "/v1/rerank": Route(embeddings.rerank, _POST, True, True),
+    "/v1/reranking": Route(embeddings.rerank, _POST, True, True),
     # Ollama's API (server/ollama.py); "/" answers its clients' heartbeat
     "/": Route(root, _GET, False, False),
     "/api/version": Route(ollama_models.version, _GET, False, False, "ollama"),
@@ -424,7 +432,7 @@ ROUTES = {
     "/api/generate": Route(ollama.generate, _POST, True, True, "ollama"),
     "/api/chat": Route(ollama.chat_, _POST, True, True, "ollama"),
     "/api/embed": Route(ollama.embed, _POST, True, True, "ollama"),
-    "/api/embeddings": Route(ollama.embed, _POST, True, True, "ollama"),
+    "/api/embeddings": Route(ollama.embeddings_, _POST, True, True, "ollama"),
     "/api/pull": Route(ollama.manage, _POST, True, False, "ollama"),
     "/api/push": Route(ollama.manage, _POST, True, False, "ollama"),
     "/api/create": Route(ollama.manage, _POST, True, False, "ollama"),

@@ -12,10 +12,14 @@ on disconnect), and come back in Ollama's shapes:
     POST /api/generate                        prompt (through the chat template unless raw),
                                               or prompt + suffix: fill-in-the-middle
     POST /api/chat                            messages, tools, format, think
-    POST /api/embed, /api/embeddings          501: not served yet
+    POST /api/embed                           embeddings of a string or a list of them
+                                              (normalized), ``truncate``, ``dimensions``
+    POST /api/embeddings                      the older form: ``prompt`` -> ``embedding``
+                                              (not normalized, as Ollama's)
     POST /api/pull, push, create, copy, delete   501: offgrid never downloads or writes models
 
-This module has the requests that generate (and the refusals);
+This module has the requests that generate, the embedding ones (through
+``embeddings.py``'s worker call) and the refusals;
 ``ollama_models`` has what is served (tags, ps, show, version).
 
 Streams are NDJSON (``stream`` defaults to true, as in Ollama): one object a
@@ -42,12 +46,13 @@ What differs from Ollama, on purpose:
     ``images`` are refused with 400 rather than silently dropped.
 """
 
+import array
 import datetime
 import json
 import time
 
 from ..request import FinishReason, InfillRequest, Message
-from . import chat
+from . import chat, embeddings
 from .errors import BadRequest, NotImplementedByModel
 from .params import (Fields, chat_messages_from, generation_from, id_slot_from,
                      output_schema_from, tool_choice_from, tools_from)
@@ -388,10 +393,78 @@ def chat_(h, body):
     ns.end()
 
 
-# -- what offgrid does not do --------------------------------------------------------
+# -- /api/embed, /api/embeddings ----------------------------------------------------
 
-def embed(h, _body):
-    raise NotImplementedByModel("embeddings are not served by offgrid yet")
+def _embed_entry(f, svc):
+    name = model_name(f)
+    _check_keep_alive(f)
+    Fields(f.raw("options", {}), "'options' value")     # accepted: nothing in it applies
+    entry = entry_named(svc, name)
+    embeddings.check_served(svc, entry)
+    if entry.info.get("pooling") == "none":
+        raise BadRequest("the server pools none (a vector per token); Ollama's embeddings "
+                         "are one vector per input: start it with --pooling last, mean or cls")
+    return name, entry
+
+
+def embed(h, body):
+    """POST /api/embed: ``input`` a string or a list of strings -> ``embeddings``, each of
+    unit length; ``truncate`` (default true) cuts an input to what the context takes."""
+    started = time.monotonic()
+    f = Fields(body)
+    svc = h.service
+    name, entry = _embed_entry(f, svc)
+    v = f.raw("input", "")
+    if isinstance(v, str):
+        texts = [v] if v else []
+    elif isinstance(v, list) and all(isinstance(t, str) for t in v):
+        texts = v
+    else:
+        raise BadRequest("invalid input type: 'input' must be a string or a list of strings")
+    if len(texts) > embeddings.MAX_INPUTS:
+        raise BadRequest("'input' has %d strings; at most %d are allowed in one request"
+                         % (len(texts), embeddings.MAX_INPUTS))
+    truncate = f.bool("truncate", True)
+    dims = f.int("dimensions", 0, lo=0)
+    if not texts:
+        # as Ollama: nothing to embed loads the model and answers empty
+        h.send_json(200, {"model": name, "embeddings": []})
+        return
+    svc.metrics.request("api/embed")
+    vectors, counts, _ = embeddings.embed(h, entry, [[t] for t in texts], "POST /api/embed",
+                                          truncate=truncate)
+    if 0 < dims < entry.info["n_embd_out"]:
+        # Ollama's dimensions: the leading components, made unit length again
+        vectors = [_unit(v[:dims]) for v in vectors]
+    h.send_json(200, {
+        "model": name, "embeddings": [embeddings.floats(v) for v in vectors],
+        "total_duration": int((time.monotonic() - started) * 1e9), "load_duration": 0,
+        "prompt_eval_count": sum(counts)})
+
+
+def _unit(vec):
+    size = sum(x * x for x in vec) ** 0.5
+    k = 1.0 / size if size > 0 else 0.0
+    return array.array("f", [x * k for x in vec])
+
+
+def embeddings_(h, body):
+    """POST /api/embeddings, Ollama's older call: ``prompt`` -> ``embedding``, as the model
+    gives it (not normalized: Ollama normalizes only /api/embed's)."""
+    f = Fields(body)
+    svc = h.service
+    _, entry = _embed_entry(f, svc)
+    prompt = f.str("prompt", "")
+    if not prompt:
+        h.send_json(200, {"embedding": []})
+        return
+    svc.metrics.request("api/embeddings")
+    vectors, _, _ = embeddings.embed(h, entry, [[prompt]], "POST /api/embeddings",
+                                     normalize=-1, truncate=True)
+    h.send_json(200, {"embedding": embeddings.floats(vectors[0])})
+
+
+# -- what offgrid does not do --------------------------------------------------------
 
 
 def manage(h, _body):

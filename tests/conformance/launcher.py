@@ -47,13 +47,16 @@ SAME_VALUE = {
     "-n": "-n", "--n-predict": "-n", "--api-key": "--api-key",
     "--api-key-file": "--api-key-file", "--chat-template": "--chat-template",
     "--chat-template-file": "--chat-template", "--seed": "--seed", "--temp": "--temp",
+    "--pooling": "--pooling",
     "--models-dir": "--models-dir", "--models-max": "--models-max",
     "--models-preset": "--models-preset", "--sleep-idle-seconds": "--sleep-idle-seconds",
 }
 SAME_SWITCH = {"--verbose": "-v", "-v": "-v", "--metrics": "--metrics",
                "--no-slots": "--no-slots", "--slots": "--slots",
                "--no-models-autoload": "--no-models-autoload",
-               "--models-autoload": "--models-autoload"}
+               "--models-autoload": "--models-autoload",
+               "--embedding": "--embeddings", "--embeddings": "--embeddings",
+               "--reranking": "--reranking", "--rerank": "--reranking"}
 
 # Switches that ask for what offgrid always does; accepted, and logged as such.
 #   --offline        offgrid never downloads anything
@@ -169,10 +172,11 @@ def main(argv):
     flags, dropped, as_default = offgrid_flags(argv)
     # flags offgrid may not have yet: kept only where this checkout has them
     known = re.findall(r"--[a-z][a-z-]*", offgrid_help())
-    for flag in ("--seed", "--temp", "--metrics", "--no-metrics", "--slots", "--no-slots"):
+    for flag in ("--seed", "--temp", "--metrics", "--no-metrics", "--slots", "--no-slots",
+                 "--embeddings", "--pooling", "--reranking"):
         if flag in flags and flag not in known:
             at = flags.index(flag)
-            del flags[at:at + (2 if flag in ("--seed", "--temp") else 1)]
+            del flags[at:at + (2 if flag in ("--seed", "--temp", "--pooling") else 1)]
             if flag != "--no-metrics":
                 dropped.append(flag)
     if "-m" not in flags and "--models-dir" not in flags and "--models-preset" not in flags:
