@@ -298,3 +298,10 @@ def test_context_shift_lets_a_reply_run_past_a_full_context(smollm_path, shift):
         assert body["timings"]["predicted_n"] == 300 and n > n_ctx
     else:
         assert n == n_ctx       # the context, full
+
+
+def test_a_prefilled_assistant_message_in_parts_is_continued_with_blank_lines(srv):
+    # llama-server's render_content: the continued message's text parts, "\n\n" between
+    parts = [{"type": "text", "text": "Wh"}, {"type": "text", "text": "ill"}]
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": parts}]
+    assert srv.post("/apply-template", {"messages": msgs})[2]["prompt"].endswith("Wh\n\nill")
