@@ -62,7 +62,8 @@ def parse_args(argv=None):
                    "request loads it again (default: never)")
     p.add_argument("-a", "--alias", action="append", default=[],
                    help="a name the --model answers to (repeatable; the first is its id)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind, or a comma list of them (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks one)")
     p.add_argument("-c", "--ctx-size", type=int, default=4096,
                    help="context size of each session, in tokens (default 4096; "
@@ -121,12 +122,23 @@ def parse_args(argv=None):
     p.add_argument("--cache-reuse", type=int, default=64,
                    help="FIM requests move cached runs of at least N tokens to where the new "
                    "prompt needs them instead of recomputing them (default 64; 0: off)")
+    p.add_argument("--context-shift", action=argparse.BooleanOptionalAction, default=False,
+                   help="when a session's context fills up while generating, drop the older "
+                   "half of it after the request's n_keep tokens and go on (default off: the "
+                   "reply ends, truncated)")
     p.add_argument("--no-swa-full", action="store_true",
                    help="windowed KV cache for sliding-window models: less memory, "
                    "but no prompt-cache reuse")
     p.add_argument("--chat-template", metavar="NAME|FILE",
                    help="chat template for --model instead of its own: a Jinja file, "
                    "\"chatml\", or the name of a libllama built-in template")
+    p.add_argument("-rea", "--reasoning", choices=("on", "off", "auto"), default="auto",
+                   help="thinking in chat replies, where a request does not say: on, off, or "
+                   "auto (the template's own default)")
+    p.add_argument("--reasoning-format", choices=("none", "auto", "deepseek", "deepseek-legacy"),
+                   default="auto", help="where a chat reply's thinking goes, where a request "
+                   "does not say: reasoning_content (auto, deepseek), content too "
+                   "(deepseek-legacy), or left in content (none)")
     p.add_argument("--lib", help="path to libllama.so or its folder (default: lib/, "
                    "$OFFGRID_LIB, the system)")
     p.add_argument("--worker-max-rss", type=float, default=None, metavar="MIB",
@@ -172,7 +184,10 @@ def read_api_keys(args):
 
 
 def is_loopback(host):
-    """Whether ``host`` only accepts connections from this machine."""
+    """Whether ``host`` (one address, or a comma list) only accepts connections from this
+    machine."""
+    if "," in host:
+        return all(is_loopback(h.strip()) for h in host.split(",") if h.strip())
     if host == "localhost":
         return True
     try:
@@ -197,6 +212,9 @@ def worker_args(path, args, chat_template=None, decode_lock=None):
         out += ["--pooling", pooling]
     if args.no_swa_full:
         out.append("--no-swa-full")
+    if args.context_shift:
+        out.append("--context-shift")
+    out += ["--reasoning", args.reasoning, "--reasoning-format", args.reasoning_format]
     if args.verbose:
         out.append("--verbose")
     return out

@@ -182,6 +182,7 @@ class Usage:
     # of them came true (llama-server's draft_n and draft_n_accepted)
     draft_tokens: int = 0
     draft_accepted: int = 0
+    n_decode: int = 0               # llama_decode calls for this request (prompt and tokens)
 
     @property
     def evaluated_tokens(self):
@@ -206,6 +207,10 @@ class GenerationParams:
     cache_reuse: int = 0                # reuse cached runs of at least this many tokens
                                         # after the common prefix (0: prefix only)
     n_indent: int = 0                   # FIM: stop at a line indented less than this
+    # context shift (a server started with --context-shift): tokens kept at the
+    # start (-1: the whole prompt), and dropped after them (0: half the rest)
+    n_keep: int = 0
+    n_discard: int = 0
     # token probabilities (llama-server's n_probs): with_probs reports each
     # generated token's probability and its n_probs most likely alternatives
     # (OpenAI's logprobs with top_logprobs 0 wants the first without the second);
@@ -216,6 +221,22 @@ class GenerationParams:
     # draft tokens from the request's own text and verify them in one decode
     # (engine/lookup.py); the output is that of plain decoding either way
     speculate: bool = True
+    # streamed requests: report the prompt's evaluation as it goes, a
+    # PromptProgress before the first batch and after each (return_progress)
+    return_progress: bool = False
+
+
+@dataclass
+class PromptProgress:
+    """How far a request's prompt evaluation has come (llama-server's prompt_progress).
+
+    ``cache`` tokens came from the KV cache, ``processed`` are in it now
+    (cached and decoded), of ``total``; ``time_ms`` since evaluation began.
+    """
+    total: int
+    cache: int
+    processed: int
+    time_ms: float = 0.0
 
 
 @dataclass

@@ -114,7 +114,7 @@ for name, value in [("prompt", 5), ("prompt", {"text": "x"}), ("prompt", True), 
                     ("repeat_penalty", "x"), ("repeat_last_n", 2.5), ("presence_penalty", "x"),
                     ("frequency_penalty", {}), ("seed", "x"), ("samplers", 5),
                     ("samplers", [1, 2]), ("logit_bias", 5), ("logit_bias", [[1]]),
-                    ("logit_bias", [["x", 1]]), ("logit_bias", {"\u00b2": 1}),
+                    ("logit_bias", [["", 1]]), ("logit_bias", {"x" * 2000: 1}),
                     ("logit_bias", [[1, "x"]]), ("stop", 5), ("stop", [5]),
                     ("ignore_eos", "yes"), ("cache_prompt", 1), ("t_max_predict_ms", "x"),
                     ("n_indent", "x"), ("stream", "yes"), ("id_slot", "x"), ("id_slot", -2),
@@ -146,7 +146,9 @@ row("token id huge", comp(prompt=[10 ** 30]), 400, INVALID)
 row("token id float", comp(prompt=[1, 2.5]), 400, INVALID)
 row("token id bool", comp(prompt=[1, True]), 400, INVALID)
 row("empty token list", comp(prompt=[]), 400, INVALID)
-row("several prompts", comp(prompt=["a", "b"]), 400, INVALID)
+row("several prompts", comp(prompt=["a", "b"]), 200)
+row("a prompt in several prompts that is not one", comp(prompt=["a", ["b", "c"]]), 400, INVALID)
+row("65 prompts", comp(prompt=["a"] * 65), 400, INVALID)
 row("detokenize negative id", post("/detokenize", {"tokens": [-5]}), 400, INVALID)
 row("detokenize id out of range", post("/detokenize", {"tokens": [N_VOCAB + 1]}), 400, INVALID)
 row("detokenize strings", post("/detokenize", {"tokens": ["a"]}), 400, INVALID)
@@ -172,7 +174,8 @@ for name, value in [("input_prefix", 5), ("input_suffix", []), ("prompt", 5),
 
 # OpenAI completions
 V = "/v1/completions"
-for name, value in [("prompt", {}), ("prompt", 5), ("max_tokens", "x"), ("n", "x"), ("n", 2),
+for name, value in [("prompt", {}), ("prompt", 5), ("max_tokens", "x"), ("n", "x"), ("n", 0),
+                    ("n", 17),
                     ("best_of", "x"), ("echo", "x"), ("suffix", 5), ("logprobs", "x"),
                     ("stream_options", 5), ("temperature", [])]:
     row("/v1/completions %s=%s" % (name, json.dumps(value)),

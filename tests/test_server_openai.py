@@ -111,8 +111,8 @@ def test_x_api_key_header_and_open_health(srv):
 
 def test_bad_request_surfaces_as_openai_error(client):
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="gemma", prompt="x", max_tokens=4, n=2)
-    assert "'n' must be 1" in e.value.message
+        client.completions.create(model="gemma", prompt="x", max_tokens=4, best_of=2)
+    assert "'best_of' must be 1" in e.value.message
 
 
 def test_an_empty_prompt_without_a_suffix_is_refused(client):

@@ -61,3 +61,58 @@ def test_a_json_prompt_with_multimodal_data_is_refused():
     from offgrid.server.params import prompt_from
     with pytest.raises(BadRequest, match="multimodal"):
         prompt_from({"prompt_string": "x <__media__>", "multimodal_data": ["iVBOR"]})
+
+
+# -- several prompts (params.prompts_from), llama-server's reading ------------------
+
+def test_a_list_without_token_ids_is_several_prompts():
+    from offgrid.server.params import prompts_from
+    got = prompts_from([[1, 2], "text", {"prompt_string": "json"}, [3, "mixed"]])
+    assert [p.parts for p in got] == [[[1, 2]], ["text"], ["json"], [[3], "mixed"]]
+
+
+def test_a_list_with_a_token_id_at_its_top_is_one_prompt():
+    from offgrid.server.params import prompts_from
+    got = prompts_from([1, 2, "text", 3])
+    assert [p.parts for p in got] == [[[1, 2], "text", [3]]]
+
+
+def test_one_element_lists_are_one_prompt():
+    from offgrid.server.params import prompts_from
+    assert [p.parts for p in prompts_from(["x"])] == [["x"]]
+    assert [p.parts for p in prompts_from([[5, 6]])] == [[[5, 6]]]
+
+
+def test_too_many_prompts_are_refused():
+    import pytest
+    from offgrid.server.errors import BadRequest
+    from offgrid.server.params import MAX_PROMPTS, prompts_from
+    with pytest.raises(BadRequest, match="at most"):
+        prompts_from(["x"] * (MAX_PROMPTS + 1))
+
+
+# -- logit_bias by text ----------------------------------------------------------------
+
+def test_logit_bias_text_gets_every_token_of_the_text():
+    asked = []
+
+    def tokenize(text):
+        asked.append(text)
+        return [7, 8] if text == " the " else [9]
+    s = generation_from(Fields({"logit_bias": [[" the ", -100], [5, False], ["x", 1]]}),
+                        N_VOCAB, tokenize=tokenize).sampling
+    assert s.logit_bias == [(7, -100.0), (8, -100.0), (5, float("-inf")), (9, 1.0)]
+    assert asked == [" the ", "x"]
+
+
+def test_logit_bias_keys_that_are_numbers_are_ids_and_others_text():
+    s = generation_from(Fields({"logit_bias": {"12": 2, "-": 1}}), N_VOCAB,
+                        tokenize=lambda text: [3]).sampling
+    assert s.logit_bias == [(12, 2.0), (3, 1.0)]
+
+
+def test_logit_bias_text_without_a_tokenizer_is_refused():
+    import pytest
+    from offgrid.server.errors import BadRequest
+    with pytest.raises(BadRequest, match="not a token id"):
+        generation_from(Fields({"logit_bias": [["x", 1]]}), N_VOCAB)

@@ -521,7 +521,9 @@ class ChatTemplate:
         As llama-server: for a thinking template the message's reasoning goes
         between the template's markers, closed when the message has content.
         """
-        content = msg.text()
+        # text parts joined by a blank line here, as llama-server's render_content
+        # (elsewhere a newline joins them)
+        content = msg.content if msg.parts is None else "\n\n".join(msg.parts)
         reasoning_only = bool(msg.reasoning_content) and not content
         start, end = self.reasoning_start, self.reasoning_end
         out = generation_prompt

@@ -96,12 +96,14 @@ class ChatSession:
     """One llama_context with its KV cache, serving one request at a time."""
 
     def __init__(self, model, n_ctx=4096, n_batch=512, n_ubatch=None, n_threads=None,
-                 n_threads_batch=None, swa_full=True, threads=None, draft_max=0):
+                 n_threads_batch=None, swa_full=True, threads=None, draft_max=0,
+                 context_shift=False):
         """``threads``: the worker's DecodeThreads, shared by its sessions; without
         it the session has its own, from n_threads / n_threads_batch (None or
         "auto": adaptive, engine/threads.py).  ``draft_max``: speculative
         drafts of up to this many tokens from the request's own text (0: none;
-        --spec-type ngram-simple)."""
+        --spec-type ngram-simple).  ``context_shift``: a full context drops
+        part of its past instead of ending the reply (--context-shift)."""
         if model.vocab_only:
             # libllama makes the context, then aborts the process at the first decode
             raise ContextError("%s was loaded vocab-only: it can tokenize but not generate"
@@ -139,6 +141,11 @@ class ChatSession:
         self._candidates = None
         self.cached = []        # tokens whose KV is in the cache, at positions 0..len-1
         self._shift_pending = False     # keys moved, rotation not yet applied by a decode
+        self.n_decodes = 0              # llama_decode calls so far (for /metrics)
+        # a full context drops the older half of what follows n_keep and goes on
+        # (llama-server's --context-shift), where the memory can move keys
+        self.context_shift = context_shift and self._can_shift
+        self._progress = None           # _Progress of the prompt being evaluated, if asked
         self.closed = False
 
     # -- lifetime ------------------------------------------------------------
@@ -235,7 +242,8 @@ class ChatSession:
         return cachereuse.ReusePlan(0)
 
     # -- running a request ---------------------------------------------------
-    def evaluate(self, tokens, cancel=None, cache_prompt=True, cache_reuse=0, need_logits=True):
+    def evaluate(self, tokens, cancel=None, cache_prompt=True, cache_reuse=0, need_logits=True,
+                 on_progress=None):
         """Bring the KV cache to ``tokens``; returns how many came from the cache.
 
         ``cache_reuse`` > 0 also reuses cached runs of at least that many
@@ -245,7 +253,9 @@ class ChatSession:
         reaches libllama), DecodeError on a libllama failure (the cache is
         reset).  Returns early, with a partial cache, if ``cancel`` fires.
         Without ``need_logits`` (a warm-up) a fully cached prompt decodes
-        nothing at all.
+        nothing at all.  ``on_progress(dict)`` gets llama-server's prompt_progress
+        (``total``, ``cache``, ``processed``, ``time_ms``) before the first
+        batch and after each.
         """
         self._check_open()
         self.model.check_tokens(tokens)
@@ -257,19 +267,24 @@ class ChatSession:
                               % (len(tokens), self.n_ctx))
         plan = self._prepare_cache(tokens, cache_prompt, cache_reuse, need_logits)
         gaps = plan.gaps(len(tokens))
-        for i, (start, end) in enumerate(gaps):
-            if end == len(tokens):
-                done = self._evaluate_tail(tokens, start, cancel)
-            else:
-                done = self._evaluate_gap(tokens, start, end, cancel)
+        self._progress = _Progress(on_progress, len(tokens), plan.reused) if on_progress else None
+        try:
+            for i, (start, end) in enumerate(gaps):
+                if end == len(tokens):
+                    done = self._evaluate_tail(tokens, start, cancel)
+                else:
+                    done = self._evaluate_gap(tokens, start, end, cancel)
+                    if not done:
+                        self.cached = _with_holes(tokens, plan, gaps[i:])
                 if not done:
-                    self.cached = _with_holes(tokens, plan, gaps[i:])
-            if not done:
-                return plan.reused
+                    return plan.reused
+        finally:
+            self._progress = None
         self.cached = list(tokens)
         return plan.reused
 
     def _decode(self, chunk, pos, want_logits, seq=None):
+        self.n_decodes += 1
         with _DECODE_LOCK:
             started = self.threads.before(self._ctx, len(chunk))
             if not self._shift_pending:
@@ -287,6 +302,51 @@ class ChatSession:
             if status == 0:
                 self.threads.after(len(chunk), started)
             return status
+
+    def _decode_one(self, token, pos, draft=()):
+        """One generated token's decode, with a speculative draft after it (every
+        output kept then); the first decode after a context shift is not abortable."""
+        self.n_decodes += 1
+        n = 1 + len(draft)
+        with _DECODE_LOCK:
+            started = self.threads.before(self._ctx, n)
+            shifted = self._shift_pending
+            if shifted:
+                self._ctx.set_abortable(False)
+            try:
+                if draft:
+                    status = self._ctx.decode([token] + list(draft), pos, True, all_logits=True)
+                else:
+                    status = self._ctx.decode_one(token, pos)
+            finally:
+                if shifted:
+                    self._ctx.set_abortable(True)
+            if status == 0:
+                self._shift_pending = False
+                self.threads.after(n, started)
+            return status
+
+    def _shift_context(self, params, n_prompt):
+        """Make room in a full context, as llama-server's context shift: keep the first
+        ``n_keep`` tokens (-1: the prompt; BOS always), drop ``n_discard`` after them
+        (0: half of the rest) and move the others back.  False if it cannot."""
+        if not self.context_shift:
+            return False
+        n_keep = n_prompt if params.n_keep < 0 else params.n_keep
+        n_keep = min(self.n_ctx - 4, n_keep + (1 if self.model.add_bos else 0))
+        n_left = len(self.cached) - n_keep
+        n_discard = params.n_discard or n_left // 2
+        n_discard = max(0, min(n_discard, n_left - 1))
+        if n_discard <= 0:
+            return False
+        mem = self._ctx.memory
+        if not mem.seq_rm(-1, n_keep, n_keep + n_discard):
+            return False
+        # SEQ_PIN shares the cells of sequence 0, so it moves with them
+        mem.seq_add(0, n_keep + n_discard, len(self.cached), -n_discard)
+        self._shift_pending = True
+        del self.cached[n_keep:n_keep + n_discard]
+        return True
 
     def _evaluate_tail(self, tokens, start, cancel):
         """Decode tokens[start:] in sequence 0; False if cancelled part way."""
@@ -310,6 +370,8 @@ class ChatSession:
                 self._fail(status)
             pos += len(chunk)
             self.cached = list(tokens[:pos])
+            if self._progress is not None:
+                self._progress.advance(len(chunk))
         return True
 
     def _evaluate_gap(self, tokens, start, end, cancel):
@@ -340,6 +402,8 @@ class ChatSession:
                 if SEQ_PIN in self._prompt_seqs:
                     mem.seq_cp(SEQ_GAP, SEQ_PIN, pos, pos + len(chunk))
                 pos += len(chunk)
+                if self._progress is not None:
+                    self._progress.advance(len(chunk))
             if status == 0:
                 mem.seq_cp(SEQ_GAP, SEQ_PROMPT, start, end)
             else:
@@ -356,7 +420,7 @@ class ChatSession:
         # all the time, often right here.
         return False
 
-    def complete(self, tokens, params=None, on_piece=None, cancel=None):
+    def complete(self, tokens, params=None, on_piece=None, cancel=None, on_progress=None):
         """Evaluate the prompt ``tokens``, then generate.
 
         ``on_piece(text)`` is called with each piece of text that is final (no
@@ -364,7 +428,8 @@ class ChatSession:
         generation as cancelled.  With ``params.with_probs`` it is called as
         ``on_piece(text, probs)``, ``probs`` the TokenProbs of the tokens whose
         text the piece completes (text may then be "" for a token of no text),
-        and the Completion's ``probs`` holds them all.  Returns a Completion.
+        and the Completion's ``probs`` holds them all.  ``on_progress``: see
+        evaluate.  Returns a Completion.
         """
         params = params or GenerationParams()
         params.sampling.validate()
@@ -375,11 +440,13 @@ class ChatSession:
         ctx.clear_abort()
         cancel.attach(ctx.request_abort)
         sampler = reader = None
+        n_decodes = self.n_decodes
         try:
             t0 = time.perf_counter()
             usage.cached_tokens = self.evaluate(tokens, cancel, params.cache_prompt,
                                                 params.cache_reuse,
-                                                need_logits=params.n_predict != 0)
+                                                need_logits=params.n_predict != 0,
+                                                on_progress=on_progress)
             usage.prompt_ms = (time.perf_counter() - t0) * 1000.0
             if cancel.cancelled or len(self.cached) < len(tokens):
                 # report only the prompt work done: what the cache holds now
@@ -412,6 +479,7 @@ class ChatSession:
                     sampler.accept(t, grammar=False)
             return self._generate(tokens, params, sampler, on_piece, cancel, usage, reader)
         finally:
+            usage.n_decode = self.n_decodes - n_decodes
             cancel.detach(ctx.request_abort)
             ctx.clear_abort()
             if sampler is not None:
@@ -420,7 +488,7 @@ class ChatSession:
                 reader.close()
 
     def _generate(self, prompt, params, sampler, on_piece, cancel, usage, reader=None):
-        model, ctx, threads = self.model, self._ctx, self.threads
+        model, ctx = self.model, self._ctx
         text = TextAssembler(params.stop, params.n_indent)
         # token probabilities: only with a reader; the plain path does no more work
         ledger = TokenLedger() if reader is not None else None
@@ -497,7 +565,14 @@ class ChatSession:
                 break
             if n_past + 1 >= self.n_ctx:
                 truncated = True
-                break
+                if pending or in_cache:
+                    # a shift keeps only cells it moves: this token (and any
+                    # draft after it) is decoded again after the shift
+                    self._drop_after(n_past)
+                    pending, idx, in_cache = [], -1, False
+                if not self._shift_context(params, len(prompt)):
+                    break
+                n_past = len(self.cached)
             if in_cache:
                 n_past += 1     # decoded with the draft already
                 continue
@@ -506,14 +581,7 @@ class ChatSession:
                 room = min(self.n_ctx - n_past - 2, self.n_batch - 1,
                            limit - len(out_tokens) - 1 if limit is not None else self.n_batch)
                 draft = lookup.draft(min(self.draft_max, room))
-            with _DECODE_LOCK:
-                started = threads.before(ctx, 1 + len(draft))
-                if draft:
-                    status = ctx.decode([token] + draft, n_past, True, all_logits=True)
-                else:
-                    status = ctx.decode_one(token, n_past)
-                if status == 0:
-                    threads.after(1 + len(draft), started)
+            status = self._decode_one(token, n_past, draft)
             if status == 2:
                 finish, stop_type = FinishReason.CANCELLED, "none"
                 break
@@ -593,6 +661,23 @@ class ChatSession:
         if status == 1:
             raise ContextFull("no room left in the KV cache for this request")
         raise DecodeError("llama_decode failed with status %d" % status, status)
+
+
+class _Progress:
+    """llama-server's prompt_progress of one evaluation, reported as it advances."""
+
+    def __init__(self, send, total, cached):
+        self.send, self.total, self.cache, self.processed = send, total, cached, cached
+        self.t0 = time.perf_counter()
+        self._report()
+
+    def advance(self, n):
+        self.processed += n
+        self._report()
+
+    def _report(self):
+        self.send({"total": self.total, "cache": self.cache, "processed": self.processed,
+                   "time_ms": (time.perf_counter() - self.t0) * 1000.0})
 
 
 def _with_holes(tokens, plan, unfinished):

@@ -57,12 +57,17 @@ def parse_args(argv=None):
     p.add_argument("--threads-batch", default=None)
     p.add_argument("--parallel", type=int, default=1)
     p.add_argument("--no-swa-full", action="store_true")
+    p.add_argument("--context-shift", action="store_true")
     p.add_argument("--chat-template", default=None, help="Jinja text or a built-in name")
     p.add_argument("--pooling", choices=sorted(POOLING), default=None,
                    help="embedding pooling (default: the model's, else engine/embed.py's)")
     p.add_argument("--lib", default=None)
     p.add_argument("--decode-lock", default=None,
                    help="a file every worker of one server flocks around each decode")
+    # chat defaults a request may override (llama-server's --reasoning, --reasoning-format)
+    p.add_argument("--reasoning", choices=("on", "off", "auto"), default="auto")
+    p.add_argument("--reasoning-format", choices=("none", "auto", "deepseek", "deepseek-legacy"),
+                   default="auto")
     p.add_argument("--verbose", action="store_true")
     return p.parse_args(argv)
 
@@ -112,7 +117,7 @@ class Loaded:
                 sessions.append(ChatSession(
                     model, n_ctx=args.ctx_size, n_batch=args.batch_size,
                     n_ubatch=args.ubatch_size, swa_full=not args.no_swa_full,
-                    threads=threads,
+                    threads=threads, context_shift=args.context_shift,
                     draft_max=args.spec_draft_n_max if args.spec_type == "ngram-simple" else 0))
             # the embedding context learns its thread counts on its own: its
             # decodes (every token an output) run at another speed than a prompt's
@@ -171,9 +176,13 @@ class Loaded:
 class Worker:
     """Answers the front's frames for one Loaded model."""
 
-    def __init__(self, loaded, out):
+    def __init__(self, loaded, out, reasoning="auto", reasoning_format="auto"):
         self.loaded = loaded
         self.model = loaded.model
+        # what a chat request that does not say gets: enable_thinking (None: as
+        # the template does by default) and how its reasoning is returned
+        self.enable_thinking = {"on": True, "off": False}.get(reasoning)
+        self.reasoning_format = reasoning_format
         self._out = out
         self._out_lock = threading.Lock()
         self._cancels = {}              # request id -> RequestCancel of a running generation
@@ -343,8 +352,12 @@ class Worker:
 
     def call_prepare_chat(self, messages, tools=(), tool_choice="auto", schema=None,
                           grammar=None, add_generation_prompt=True, enable_thinking=None,
-                          kwargs=None, parallel_tool_calls=None, reasoning_format="auto",
+                          kwargs=None, parallel_tool_calls=None, reasoning_format=None,
                           tokenize=True):
+        if enable_thinking is None:
+            enable_thinking = self.enable_thinking
+        if reasoning_format is None:
+            reasoning_format = self.reasoning_format
         plan = prepare_chat(self.model, template_for(self.loaded),
                             protocol.decode_messages(messages), protocol.decode_tools(tools),
                             tool_choice, schema, grammar, add_generation_prompt,
@@ -400,8 +413,15 @@ class Worker:
                 if probs is not None:
                     frame["probs"] = protocol.encode_probs(probs)
                 self.send(frame)
+        on_progress = None
+        if stream and gen.return_progress:
+            # a piece (or delta) of no text, carrying the prompt's progress
+            op, key, empty = ("delta", "delta", {}) if chat is not None else ("piece", "text", "")
+
+            def on_progress(p):
+                self.send({"op": op, "id": rid, key: empty, "progress": p})
         try:
-            c = session.complete(frame["tokens"], gen, on_piece, cancel)
+            c = session.complete(frame["tokens"], gen, on_piece, cancel, on_progress)
         finally:
             cached = list(session.cached) if not session.closed else []
         out = {"completion": protocol.encode_completion(c), "cached": cached}
@@ -488,7 +508,7 @@ def main(argv=None):
     # a 262k vocabulary) run now, as part of loading: off the first request's
     # path, and before anyone measures what a loaded worker holds.
     loaded.model.grammar_facts
-    worker = Worker(loaded, out)
+    worker = Worker(loaded, out, args.reasoning, args.reasoning_format)
     worker.send({"op": "ready", "info": loaded.info()})
     worker.serve(inp)
     # The front is gone.  Requests may still be running on other threads

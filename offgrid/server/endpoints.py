@@ -10,14 +10,15 @@ from collections import namedtuple
 
 from .. import __version__
 from ..errors import OffgridError
-from ..request import FinishReason, GenerationParams, InfillRequest
+from ..request import FinishReason, GenerationParams, InfillRequest, PromptProgress
 from . import anthropic, chat, embeddings, formats, ollama, ollama_models, responses
 from . import shelf_api
 from .errors import BadRequest, HTTPError, Unavailable
 from .prompts import infill_tokens
 from .params import (Fields, completion_probs_from, include_usage_from, generation_from,
                      id_slot_from, infill_from, native_probs_from, output_schema_from,
-                     prompt_from, response_fields_from, MAX_N_CMPL)
+                     prompt_from, prompts_from, response_fields_from, text_tokenizer,
+                     MAX_N_CMPL)
 
 # dialect: the shape of the route's error bodies (errors.error_body)
 Route = namedtuple("Route", "handler methods auth needs_service dialect", defaults=("openai",))
@@ -148,27 +149,44 @@ def slots(h, _body):
 def metrics(h, _body):
     svc = h.service
     _switched_off(svc, "metrics")
-    # its own copy (other threads count on meanwhile); a scrape starts a new
-    # throughput window, as llama-server's does
-    m = svc.metrics.snapshot(reset_bucket=True)
-    pools = [e.pool for e in svc.entries if e.pool is not None]
+    m = svc.metrics.snapshot(reset_rates=True)  # its own copy: other threads count on
+    pools = [e.pool for e in svc.entries if e.pool is not None]     # loaded models only
     busy = sum(p.n_busy for p in pools)
     idle = sum(p.n_idle for p in pools)
     waiting = sum(p.n_waiting for p in pools)
+    # llama-server's names and meanings first (its own descriptions), then offgrid's
     lines = [
-        ("counter", "llamacpp:prompt_tokens_total", "Prompt tokens evaluated.", m.prompt_tokens),
-        ("counter", "llamacpp:prompt_tokens_cached_total", "Prompt tokens reused from the "
-         "cache.", m.cached_tokens),
-        ("counter", "llamacpp:prompt_seconds_total", "Prompt evaluation time.", m.prompt_seconds),
-        ("counter", "llamacpp:tokens_predicted_total", "Tokens generated.", m.predicted_tokens),
-        ("counter", "llamacpp:tokens_predicted_seconds_total", "Generation time.",
-         m.predicted_seconds),
-        ("gauge", "llamacpp:prompt_tokens_seconds", "Prompt throughput since the last "
-         "scrape, tokens/s.", m.prompt_tokens_per_second),
-        ("gauge", "llamacpp:predicted_tokens_seconds", "Generation throughput since the last "
-         "scrape, tokens/s.", m.predicted_tokens_per_second),
-        ("gauge", "llamacpp:requests_processing", "Requests running.", busy),
-        ("gauge", "llamacpp:requests_deferred", "Requests waiting for a session.", waiting),
+        ("counter", "llamacpp:prompt_tokens_total", "Number of prompt tokens processed, "
+         "excluding cached tokens", m.prompt_tokens),
+        ("counter", "llamacpp:prompt_tokens_cached_total", "Number of prompt tokens reused "
+         "from the cache", m.cached_tokens),
+        ("counter", "llamacpp:prompt_seconds_total", "Total time spent processing prompts",
+         m.prompt_seconds),
+        ("counter", "llamacpp:tokens_predicted_total", "Number of generation tokens processed",
+         m.predicted_tokens),
+        ("counter", "llamacpp:tokens_predicted_seconds_total", "Total time spent generating "
+         "tokens", m.predicted_seconds),
+        ("counter", "llamacpp:n_decode_total", "Total number of llama_decode() calls",
+         m.n_decode),
+        ("counter", "llamacpp:n_tokens_max", "Largest observed sequence length (prompt + "
+         "generation)", m.n_tokens_max),
+        # speculation from the request's text (--spec-type ngram-simple); offgrid
+        # counts drafted tokens, not verification steps: that one stays 0
+        ("counter", "llamacpp:spec_decode_num_draft_tokens_total", "Speculative: Total draft "
+         "tokens generated", m.draft_tokens),
+        ("counter", "llamacpp:spec_decode_num_accepted_tokens_total", "Speculative: Total "
+         "draft tokens accepted by the target model", m.draft_accepted),
+        ("counter", "llamacpp:spec_decode_num_drafts_total", "Speculative: Total speculative "
+         "decoding verification steps", 0),
+        ("gauge", "llamacpp:prompt_tokens_seconds", "Average prompt throughput in tokens/s "
+         "since the previous scrape", m.prompt_rate),
+        ("gauge", "llamacpp:predicted_tokens_seconds", "Average generation throughput in "
+         "tokens/s since the previous scrape", m.predicted_rate),
+        ("gauge", "llamacpp:requests_processing", "Number of requests processing", busy),
+        ("gauge", "llamacpp:requests_deferred", "Number of requests deferred", waiting),
+        # each llama_decode() here serves one session (decodes take turns, no batching)
+        ("gauge", "llamacpp:n_busy_slots_per_decode", "Average number of busy slots per "
+         "llama_decode() call", 1 if m.n_decode else 0),
         ("counter", "offgrid_prompt_tokens_cached_total", "Prompt tokens reused from the cache.",
          m.cached_tokens),
         ("counter", "offgrid_requests_cancelled_total", "Requests cancelled (superseded, "
@@ -251,16 +269,18 @@ def completion(h, body):
     entry = svc.entry_for(f.raw("model"))
     if not f.has("prompt"):
         raise BadRequest('"prompt" must be provided')
-    prompt = prompt_from(f.raw("prompt"))
+    prompts = prompts_from(f.raw("prompt"))
     gen = generation_from(f, entry.n_vocab, svc.n_predict_default,
-                          sampling_default=svc.sampling_default)
+                          sampling_default=svc.sampling_default, tokenize=text_tokenizer(entry))
     native_probs_from(f, gen, entry.n_vocab)
     schema, grammar = output_schema_from(f)
-    out = entry.call("prepare_completion", "POST /completion", parts=prompt.parts,
-                     add_special=True, schema=schema, grammar=grammar)
-    gen.sampling.grammar = out["grammar"]
-    prompt_text = prompt.parts[0] if prompt.is_text else ""
-    _run_native(h, f, entry, out["tokens"], gen, prompt_text, "completion")
+    jobs = []
+    for prompt in prompts:
+        out = entry.call("prepare_completion", "POST /completion", parts=prompt.parts,
+                         add_special=True, schema=schema, grammar=grammar)
+        gen.sampling.grammar = out["grammar"]
+        jobs.append((out["tokens"], prompt.parts[0] if prompt.is_text else ""))
+    _run_native(h, f, entry, jobs, gen, "completion")
 
 
 def infill(h, body):
@@ -269,11 +289,11 @@ def infill(h, body):
     entry = svc.entry_for(f.raw("model"), fim=True)
     req = infill_from(f)
     gen = generation_from(f, entry.n_vocab, svc.n_predict_default,
-                          sampling_default=svc.sampling_default)
+                          sampling_default=svc.sampling_default, tokenize=text_tokenizer(entry))
     native_probs_from(f, gen, entry.n_vocab)
     gen.cache_reuse = _cache_reuse(f, svc)
     tokens = infill_tokens(f, entry, req, gen, "POST /infill")
-    _run_native(h, f, entry, tokens, gen, "", "infill")
+    _run_native(h, f, entry, [(tokens, "")], gen, "infill")
 
 
 def _cache_reuse(f, svc):
@@ -281,24 +301,35 @@ def _cache_reuse(f, svc):
     return f.int("n_cache_reuse", svc.cache_reuse, lo=0, hi=1 << 20)
 
 
-def _run_native(h, f, entry, tokens, gen, prompt_text, endpoint):
-    """Run /completion or /infill: one result, or an array for n_cmpl > 1."""
+def _run_native(h, f, entry, jobs, gen, endpoint):
+    """Run /completion or /infill: one result, or an array for several prompts or n_cmpl > 1.
+
+    ``jobs``: (prompt tokens, prompt text) per prompt.  Each prompt runs
+    ``n_cmpl`` times, in turn; results are numbered as llama-server's: the
+    prompts in order, each followed by its further completions.
+    """
     svc = h.service
     svc.metrics.request(endpoint)
     stream = f.bool("stream", False)
     id_slot = id_slot_from(f)
     fields = response_fields_from(f)
     return_tokens = f.bool("return_tokens", False)
-    n_cmpl = f.int("n_cmpl", 1, lo=1, hi=MAX_N_CMPL)
+    n_cmpl = f.int("n_cmpl" if f.has("n_cmpl") else "n", 1, lo=1, hi=MAX_N_CMPL)
+    gen.return_progress = stream and f.bool("return_progress", False)
+    timings_per_token = f.bool("timings_per_token", False)
     es = h.event_stream() if stream else None
     results = []
     base_seed = gen.sampling.seed
-    for index in range(n_cmpl):
-        if index > 0 and base_seed is not None:
-            gen.sampling.seed = base_seed + index
+    for index, (tokens, prompt_text, k) in enumerate(
+            (t, p, k) for t, p in jobs for k in range(n_cmpl)):
+        if base_seed is not None:
+            gen.sampling.seed = base_seed + k
         counter = {"n": 0}
 
-        def on_piece(text, probs=None, index=index, counter=counter):
+        def on_piece(text, probs=None, index=index, counter=counter, tokens=tokens):
+            if isinstance(text, PromptProgress):    # return_progress
+                return es.send(formats.native_progress(text, index, id_slot, len(tokens),
+                                                       timings_per_token))
             counter["n"] += len(probs) if probs else 1
             return es.send(formats.native_partial(text, index, id_slot, counter["n"],
                                                   len(tokens), probs, gen.post_sampling_probs))
@@ -319,75 +350,92 @@ def _run_native(h, f, entry, tokens, gen, prompt_text, endpoint):
     if stream:
         es.end()
     else:
-        h.send_json(200, results[0] if n_cmpl == 1 else results)
+        h.send_json(200, results[0] if len(results) == 1 else results)
 
 
 # -- OpenAI -------------------------------------------------------------------------
 
 def _openai_checks(f):
-    if f.int("n", 1) != 1:
-        raise BadRequest("'n' must be 1: offgrid returns one choice per request")
+    """``n`` choices of each prompt (llama-server's n_cmpl), checked; best_of and echo refused."""
     if f.int("best_of", 1) != 1:
         raise BadRequest("'best_of' must be 1: offgrid does not rank several completions")
     if f.bool("echo", False):
         raise BadRequest("'echo' is not supported: the response never repeats the prompt")
+    return f.int("n", 1, lo=1, hi=MAX_N_CMPL)
 
 
 def v1_completions(h, body):
     f = Fields(body)
     svc = h.service
-    _openai_checks(f)
+    n = _openai_checks(f)
     suffix = f.str("suffix")
     if not f.has("prompt"):
         raise BadRequest("'prompt' is required")
-    prompt = prompt_from(f.raw("prompt"))
     if suffix is not None:
+        prompt = prompt_from(f.raw("prompt"))
         if not prompt.is_text:
             raise BadRequest("with 'suffix', 'prompt' must be a string")
         entry = svc.entry_for(f.raw("model"), fim=True)
         gen = generation_from(f, entry.n_vocab, svc.n_predict_default,
-                              ("max_tokens", "n_predict"), svc.sampling_default)
+                              ("max_tokens", "n_predict"), svc.sampling_default,
+                              tokenize=text_tokenizer(entry))
         completion_probs_from(f, gen, entry.n_vocab)
         gen.cache_reuse = _cache_reuse(f, svc)
         req = InfillRequest(input_prefix=prompt.parts[0], input_suffix=suffix)
-        tokens = infill_tokens(f, entry, req, gen, "POST /v1/completions")
+        prompts = [infill_tokens(f, entry, req, gen, "POST /v1/completions")]
     else:
-        if prompt.is_text and not prompt.parts[0]:
-            # nothing to continue (with a suffix, an empty prefix is a fine FIM request)
-            raise BadRequest("'prompt' must not be empty")
         entry = svc.entry_for(f.raw("model"))
         gen = generation_from(f, entry.n_vocab, svc.n_predict_default,
-                              ("max_tokens", "n_predict"), svc.sampling_default)
+                              ("max_tokens", "n_predict"), svc.sampling_default,
+                              tokenize=text_tokenizer(entry))
         completion_probs_from(f, gen, entry.n_vocab)
         schema, grammar = output_schema_from(f)
-        out = entry.call("prepare_completion", "POST /v1/completions", parts=prompt.parts,
-                         add_special=True, schema=schema, grammar=grammar)
-        gen.sampling.grammar = out["grammar"]
-        tokens = out["tokens"]
+        prompts = []
+        for prompt in prompts_from(f.raw("prompt")):
+            if prompt.is_text and not prompt.parts[0]:
+                # nothing to continue (with a suffix, an empty prefix is a fine FIM request)
+                raise BadRequest("'prompt' must not be empty")
+            out = entry.call("prepare_completion", "POST /v1/completions", parts=prompt.parts,
+                             add_special=True, schema=schema, grammar=grammar)
+            gen.sampling.grammar = out["grammar"]
+            prompts.append(out["tokens"])
     svc.metrics.request("v1/completions")
     stream = f.bool("stream", False)
     include_usage = include_usage_from(f)
     id_slot = id_slot_from(f)
     cid, created = formats.new_id("cmpl"), formats.now()
+    es = h.event_stream() if stream else None
+    base_seed = gen.sampling.seed
+    done = []
+    # each prompt n times, numbered in that order (llama-server's child tasks)
+    for index, (tokens, k) in enumerate((t, k) for t in prompts for k in range(n)):
+        if base_seed is not None:
+            gen.sampling.seed = base_seed + k
+        offset = [0]        # where the next token starts in the completion's text
+
+        def on_piece(text, probs=None, index=index, offset=offset):
+            lp = None
+            if probs is not None:
+                lp, offset[0] = formats.oai_completion_logprobs(probs, offset[0])
+            return es.send(formats.oai_completion_chunk(text, entry.id, cid, created,
+                                                        logprobs=lp, index=index))
+
+        c = svc.generate(entry, tokens, gen, id_slot, on_piece if stream else None,
+                         sock=h.connection, what="POST /v1/completions")
+        done.append(c)
+        if stream:
+            es.send(formats.oai_completion_chunk("", entry.id, cid, created,
+                                                 formats.finish_reason(c), index=index))
+        if c.finish_reason is FinishReason.CANCELLED:
+            break
+    prompt_tokens = sum(len(t) for t in prompts)
     if not stream:
-        c = svc.generate(entry, tokens, gen, id_slot, sock=h.connection,
-                         what="POST /v1/completions")
-        h.send_json(200, formats.oai_completion(c, entry.id, cid, created))
+        h.send_json(200, formats.oai_completion(done, entry.id, cid, created, prompt_tokens))
         return
-    es = h.event_stream()
-    offset = [0]        # where the next token starts in the completion's text
-
-    def on_piece(text, probs=None):
-        lp = None
-        if probs is not None:
-            lp, offset[0] = formats.oai_completion_logprobs(probs, offset[0])
-        return es.send(formats.oai_completion_chunk(text, entry.id, cid, created, logprobs=lp))
-
-    c = svc.generate(entry, tokens, gen, id_slot, on_piece, sock=h.connection,
-                     what="POST /v1/completions")
-    es.send(formats.oai_completion_chunk("", entry.id, cid, created, formats.finish_reason(c)))
     if include_usage:
-        es.send(formats.oai_usage_chunk(c, "text_completion", entry.id, cid, created))
+        chunk = formats.oai_usage_chunk(done[0], "text_completion", entry.id, cid, created)
+        chunk["usage"] = formats.usage_of_choices(done, prompt_tokens)
+        es.send(chunk)
     es.send(b"[DONE]")
     es.end()
 
@@ -423,6 +471,8 @@ ROUTES = {
     "/reranking": Route(embeddings.rerank, _POST, True, True),
     "/v1/rerank": Route(embeddings.rerank, _POST, True, True),
     "/v1/reranking": Route(embeddings.rerank, _POST, True, True),
+    "/v1/chat/completions/input_tokens": Route(chat.input_tokens, _POST, True, True),
+    "/chat/completions/input_tokens": Route(chat.input_tokens, _POST, True, True),
     # Ollama's API (server/ollama.py); "/" answers its clients' heartbeat
     "/": Route(root, _GET, False, False),
     "/api/version": Route(ollama_models.version, _GET, False, False, "ollama"),

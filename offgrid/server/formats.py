@@ -16,7 +16,7 @@ import math
 import time
 import uuid
 
-from ..request import FinishReason
+from ..request import FinishReason, Usage
 
 
 
@@ -67,8 +67,8 @@ def generation_settings(gen, n_ctx, model_name, stream=False):
         "presence_penalty": s.presence_penalty,
         "frequency_penalty": s.frequency_penalty,
         "max_tokens": gen.n_predict,
-        "n_keep": 0,
-        "n_discard": 0,
+        "n_keep": gen.n_keep,
+        "n_discard": gen.n_discard,
         "ignore_eos": gen.ignore_eos,
         "stream": stream,
         "n_probs": gen.n_probs if gen.with_probs else 0,
@@ -126,6 +126,29 @@ def native_partial(piece, index, id_slot, n_predicted, n_evaluated, probs=None, 
     }
     if probs:
         out["completion_probabilities"] = probs_json(probs, post)
+    return out
+
+
+def progress_json(p):
+    """llama-server's ``prompt_progress`` of a PromptProgress."""
+    return {"total": p.total, "cache": p.cache, "processed": p.processed,
+            "time_ms": int(p.time_ms)}
+
+
+def progress_timings(p):
+    """``timings`` at a prompt progress report (timings_per_token): the prompt so far,
+    nothing generated yet; nothing decoded is no time spent."""
+    n = p.processed - p.cache
+    return timings(Usage(prompt_tokens=p.total, cached_tokens=p.cache, evaluated=n,
+                         prompt_ms=p.time_ms if n > 0 else 0.0))
+
+
+def native_progress(p, index, id_slot, n_evaluated, with_timings=False):
+    """A /completion stream event reporting prompt progress (``return_progress``)."""
+    out = native_partial("", index, id_slot, 0, n_evaluated)
+    out["prompt_progress"] = progress_json(p)
+    if with_timings:
+        out["timings"] = progress_timings(p)
     return out
 
 
@@ -230,19 +253,25 @@ def _envelope(obj, model_name, cid, created, choices):
             "system_fingerprint": FINGERPRINT, "choices": choices}
 
 
-def oai_completion(c, model_name, cid, created):
+def oai_completion_choice(c, index=0):
     lp = oai_completion_logprobs(c.probs)[0] if c.probs is not None else None
+    return {"text": c.text, "index": index, "logprobs": lp, "finish_reason": finish_reason(c)}
+
+
+def oai_completion(completions, model_name, cid, created, prompt_tokens=None):
+    """/v1/completions' answer: a choice per completion (several prompts, or ``n``)."""
     out = _envelope("text_completion", model_name, cid, created,
-                    [{"text": c.text, "index": 0, "logprobs": lp,
-                      "finish_reason": finish_reason(c)}])
-    out.update(usage=usage(c), timings=timings(c.usage))
+                    [oai_completion_choice(c, i) for i, c in enumerate(completions)])
+    out.update(usage=usage_of_choices(completions, prompt_tokens),
+               timings=timings(completions[0].usage))
     return out
 
 
-def oai_completion_chunk(text, model_name, cid, created, finish=None, logprobs=None):
+def oai_completion_chunk(text, model_name, cid, created, finish=None, logprobs=None, index=0):
     """A /v1/completions chunk; ``logprobs`` from oai_completion_logprobs."""
     return _envelope("text_completion", model_name, cid, created,
-                     [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}])
+                     [{"text": text, "index": index, "logprobs": logprobs,
+                       "finish_reason": finish}])
 
 
 def oai_chat_logprobs(probs, post=False):
@@ -250,19 +279,37 @@ def oai_chat_logprobs(probs, post=False):
     return None if probs is None else {"content": probs_json(probs, post)}
 
 
-def oai_chat(c, model_name, cid, created, message=None, finish=None, post=False):
+def oai_chat_choice(c, index=0, message=None, finish=None, post=False):
+    """One choice of a chat completion (``n`` > 1 gives several)."""
     msg = message or {"role": "assistant", "content": c.text}
+    return {"index": index, "message": msg, "logprobs": oai_chat_logprobs(c.probs, post),
+            "finish_reason": finish or finish_reason(c)}
+
+
+def oai_chat(c, model_name, cid, created, message=None, finish=None, post=False):
     out = _envelope("chat.completion", model_name, cid, created,
-                    [{"index": 0, "message": msg, "logprobs": oai_chat_logprobs(c.probs, post),
-                      "finish_reason": finish or finish_reason(c)}])
+                    [oai_chat_choice(c, 0, message, finish, post)])
     out.update(usage=usage(c), timings=timings(c.usage))
     return out
 
 
-def oai_chat_chunk(delta, model_name, cid, created, finish=None, probs=None, post=False):
+def usage_of_choices(completions, prompt_tokens=None):
+    """``usage`` of a request with several choices: every choice's tokens, and the
+    prompts' (``prompt_tokens``; default: the first choice's prompt, the same for all).
+    OpenAI's count; llama-server reports the first choice's alone."""
+    out = usage(completions[0])
+    if prompt_tokens is not None:
+        out["prompt_tokens"] = prompt_tokens
+    out["completion_tokens"] = sum(c.usage.completion_tokens for c in completions)
+    out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
+    return out
+
+
+def oai_chat_chunk(delta, model_name, cid, created, finish=None, probs=None, post=False,
+                   index=0):
     return _envelope("chat.completion.chunk", model_name, cid, created,
-                     [{"index": 0, "delta": delta, "logprobs": oai_chat_logprobs(probs, post),
-                       "finish_reason": finish}])
+                     [{"index": index, "delta": delta,
+                       "logprobs": oai_chat_logprobs(probs, post), "finish_reason": finish}])
 
 
 def oai_usage_chunk(c, obj, model_name, cid, created):

@@ -474,7 +474,8 @@ class Handler(BaseHTTPRequestHandler):
             raise NotFound("File Not Found: %s" % self.path.split("?", 1)[0][:200])
         asked = self.headers.get("Access-Control-Request-Headers") or ""
         names = [n.strip() for n in asked.split(",") if _TOKEN.fullmatch(n.strip())]
-        self.send_response(204)
+        # 200 with no body, as llama-server answers (204 would do as well for browsers)
+        self.send_response(200)
         self.send_cors_headers()
         self.send_header("Access-Control-Allow-Methods", ", ".join(route.methods + ("OPTIONS",)))
         self.send_header("Access-Control-Allow-Headers",
@@ -686,9 +687,45 @@ def _raise_fd_limit(need):
         pass        # not POSIX, or not allowed: the limits below still bound threads
 
 
+class Servers:
+    """Several listening addresses served as one Server (llama-server's ``--host A,B``).
+
+    Each address is a Server of its own (its lobby, its connection limits),
+    all with the one Handler class, so the service set on it reaches them all.
+    """
+
+    def __init__(self, servers):
+        self.servers = servers
+        self.RequestHandlerClass = servers[0].RequestHandlerClass
+        self.server_address = servers[0].server_address
+
+    def serve_forever(self, poll_interval=0.5):
+        for other in self.servers[1:]:
+            threading.Thread(target=other.serve_forever, kwargs={"poll_interval": poll_interval},
+                             name="http-%s" % other.server_address[0], daemon=True).start()
+        self.servers[0].serve_forever(poll_interval)
+
+    def shutdown(self):
+        for server in self.servers:
+            server.shutdown()
+
+    def drain(self, timeout):
+        deadline = time.monotonic() + timeout
+        return all([server.drain(max(0.0, deadline - time.monotonic()))
+                    for server in self.servers])
+
+    def server_close(self):
+        for server in self.servers:
+            server.server_close()
+
+
 def make_server(host, port, service=None, api_keys=(), cors_origins=(), max_body=None,
                 verbose=False, timeout=None, read_timeout=None):
-    """A Server bound to host:port whose Handler class carries these settings."""
+    """A Server bound to host:port whose Handler class carries these settings.
+
+    ``host`` may be a comma list of addresses: a Servers, every address on
+    the same port (port 0: the one the first address got).
+    """
     attrs = {"service": service, "cors_origins": tuple(cors_origins), "verbose": verbose,
              "api_keys": tuple(hashlib.sha256(k.encode("utf-8")).digest() for k in api_keys)}
     if max_body is not None:
@@ -700,7 +737,17 @@ def make_server(host, port, service=None, api_keys=(), cors_origins=(), max_body
     handler = type("OffgridHandler", (Handler,), attrs)
     # descriptors for the cap, the lobby, and the models, pipes and logs beside them
     _raise_fd_limit(Server.max_connections + Server.max_waiting + 256)
-    server_class = Server
-    if ":" in host:
-        server_class = type("Server6", (Server,), {"address_family": socket.AF_INET6})
-    return server_class((host.strip("[]"), port), handler)
+    hosts = [h.strip() for h in host.split(",") if h.strip()] or [host]
+    servers = []
+    try:
+        for one in hosts:
+            server_class = Server
+            if ":" in one:
+                server_class = type("Server6", (Server,), {"address_family": socket.AF_INET6})
+            servers.append(server_class((one.strip("[]"), port), handler))
+            port = servers[0].server_address[1]
+    except OSError:
+        for server in servers:
+            server.server_close()
+        raise
+    return servers[0] if len(servers) == 1 else Servers(servers)

@@ -26,9 +26,13 @@ class MetricsSnapshot:
     cancelled: int = 0
     errors: int = 0
     started: float = 0.0
-    # throughput since the scrape before (llama-server's per-scrape "bucket")
-    prompt_tokens_per_second: float = 0.0
-    predicted_tokens_per_second: float = 0.0
+    n_decode: int = 0               # llama_decode calls
+    draft_tokens: int = 0           # speculation (--spec-type): tokens drafted,
+    draft_accepted: int = 0         # ... and of them, those that came true
+    n_tokens_max: int = 0           # longest session cache seen (prompt + generation)
+    # tokens per second since the previous /metrics read (llama-server's buckets)
+    prompt_rate: float = 0.0
+    predicted_rate: float = 0.0
 
 
 class Metrics:
@@ -45,9 +49,11 @@ class Metrics:
         self.cancelled = 0
         self.errors = 0
         self.started = time.time()
-        # (prompt tokens, prompt seconds, predicted tokens, predicted seconds) since the
-        # last /metrics scrape: llama-server's throughput gauges read these, then reset
-        self._bucket = [0, 0.0, 0, 0.0]
+        self.n_decode = 0
+        self.draft_tokens = 0
+        self.draft_accepted = 0
+        self.n_tokens_max = 0
+        self._bucket = [0, 0.0, 0, 0.0]     # prompt tokens, seconds; predicted tokens, seconds
 
     def request(self, endpoint):
         with self._lock:
@@ -61,6 +67,10 @@ class Metrics:
             self.prompt_seconds += u.prompt_ms / 1000.0
             self.predicted_tokens += u.completion_tokens
             self.predicted_seconds += u.generation_ms / 1000.0
+            self.n_decode += u.n_decode
+            self.draft_tokens += u.draft_tokens
+            self.draft_accepted += u.draft_accepted
+            self.n_tokens_max = max(self.n_tokens_max, c.n_cached)
             b = self._bucket
             b[0] += u.evaluated_tokens
             b[1] += u.prompt_ms / 1000.0
@@ -73,18 +83,21 @@ class Metrics:
         with self._lock:
             self.errors += 1
 
-    def snapshot(self, reset_bucket=False):
+    def snapshot(self, reset_rates=False):
         """A MetricsSnapshot, read under the lock: what /metrics may iterate.
 
-        ``reset_bucket`` (a /metrics scrape) starts a new throughput window.
+        ``reset_rates``: the throughput gauges start over (a scrape: llama-server's
+        gauges are averages over the time between two scrapes).
         """
         with self._lock:
             b = self._bucket
-            if reset_bucket:
+            rates = dict(prompt_rate=b[0] / b[1] if b[1] > 0 else 0.0,
+                         predicted_rate=b[2] / b[3] if b[3] > 0 else 0.0)
+            if reset_rates:
                 self._bucket = [0, 0.0, 0, 0.0]
             return MetricsSnapshot(
-                prompt_tokens_per_second=b[0] / b[1] if b[1] > 0 else 0.0,
-                predicted_tokens_per_second=b[2] / b[3] if b[3] > 0 else 0.0,
+                n_decode=self.n_decode, n_tokens_max=self.n_tokens_max,
+                draft_tokens=self.draft_tokens, draft_accepted=self.draft_accepted, **rates,
                 requests=dict(self.requests), prompt_tokens=self.prompt_tokens,
                 prompt_seconds=self.prompt_seconds, cached_tokens=self.cached_tokens,
                 predicted_tokens=self.predicted_tokens,

@@ -8,6 +8,7 @@ Nothing below this module sees a dict from a client.
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 from typing import List, Union
 
@@ -19,6 +20,10 @@ from .errors import BadRequest
 MAX_STOP_STRINGS = 64
 MAX_STOP_LEN = 1024
 MAX_N_CMPL = 16
+# prompts in one /completion or /v1/completions request (each runs in turn)
+MAX_PROMPTS = 64
+# logit_bias entries given as text: each is tokenized by the model's worker
+MAX_LOGIT_BIAS_TEXTS = 1024
 MAX_N_PREDICT = 2 ** 31 - 1
 # libllama allocates a buffer of repeat_last_n tokens per request; a window
 # wider than any context would only waste memory (2**31 would be 8 GiB).
@@ -109,11 +114,13 @@ class Fields:
         return [s for s in v if s]
 
 
-def sampling_from(f, n_vocab, base=None):
+def sampling_from(f, n_vocab, base=None, tokenize=None):
     """SamplingParams from llama-server's / OpenAI's sampling fields.
 
     A field the request leaves out takes its value from ``base``: the
     server-wide defaults of ``--temp`` and ``--seed``, as llama-server's do.
+    ``tokenize`` (text -> token ids) lets ``logit_bias`` name tokens by their
+    text; without it only ids are taken.
     """
     p = dataclasses.replace(base) if base is not None else SamplingParams()
     p.temperature = f.float("temperature", p.temperature, lo=0.0)
@@ -138,7 +145,7 @@ def sampling_from(f, n_vocab, base=None):
             raise BadRequest("'samplers' must be a list of sampler names")
         p.samplers = tuple(SAMPLER_ALIASES[s] for s in samplers
                            if SAMPLER_ALIASES.get(s) is not None)
-    p.logit_bias = _logit_bias(f.raw("logit_bias"), n_vocab)
+    p.logit_bias = _logit_bias(f.raw("logit_bias"), n_vocab, tokenize)
     return p
 
 
@@ -146,8 +153,14 @@ _LETTERS = {"e": "penalties", "k": "top_k", "y": "typ_p", "p": "top_p", "m": "mi
             "t": "temperature", "d": "dry", "x": "xtc", "s": "top_n_sigma"}
 
 
-def _logit_bias(v, n_vocab):
-    """llama-server's [[token, bias|false], ...] or OpenAI's {"token": bias}."""
+def _logit_bias(v, n_vocab, tokenize=None):
+    """llama-server's [[token, bias|false], ...] or OpenAI's {"token": bias}.
+
+    A token is an id, or (as llama-server) a piece of text: every token of
+    that text gets the bias (``tokenize(text)``, without BOS and without
+    special tokens).  An id outside the vocabulary is a 400 here, where
+    llama-server skips it silently: a typo in a ban should not pass unseen.
+    """
     if v is None:
         return []
     if isinstance(v, dict):
@@ -156,27 +169,53 @@ def _logit_bias(v, n_vocab):
         items = v
     else:
         raise BadRequest("'logit_bias' must be an object or a list of [token, bias] pairs")
+    if sum(isinstance(i, (list, tuple)) and len(i) == 2 and isinstance(i[0], str)
+           and not _is_id_text(i[0]) for i in items) > MAX_LOGIT_BIAS_TEXTS:
+        raise BadRequest("'logit_bias' names more than %d tokens by their text"
+                         % MAX_LOGIT_BIAS_TEXTS)
     out = []
     for item in items:
         if not isinstance(item, (list, tuple)) or len(item) != 2:
             raise BadRequest("'logit_bias' entries must be [token, bias] pairs")
         tok, bias = item
-        if isinstance(tok, str) and tok.isascii() and tok.lstrip("-").isdigit():
+        if isinstance(tok, str) and _is_id_text(tok):
             tok = int(tok)
-        if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < n_vocab:
-            raise BadRequest("'logit_bias' token %r is not a token id of this model" % (tok,))
         if bias is False:
             bias = -math.inf
         elif not isinstance(bias, (int, float)) or isinstance(bias, bool) or not math.isfinite(bias):
-            raise BadRequest("'logit_bias' bias for token %d must be a number or false" % tok)
+            raise BadRequest("'logit_bias' bias for token %r must be a number or false" % (tok,))
+        if isinstance(tok, str) and tokenize is not None:
+            if not tok or len(tok) > MAX_STOP_LEN:
+                raise BadRequest("'logit_bias' text must be 1 to %d characters" % MAX_STOP_LEN)
+            out += [(t, float(bias)) for t in tokenize(tok)]
+            continue
+        if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < n_vocab:
+            raise BadRequest("'logit_bias' token %r is not a token id of this model" % (tok,))
         out.append((tok, float(bias)))
     return out
 
 
+def text_tokenizer(entry):
+    """For ``logit_bias`` keyed by text: text -> its token ids by the model's worker, as
+    llama-server's common_tokenize (no BOS, special tokens read as text)."""
+    def tokenize(text):
+        return entry.call("tokenize", "logit_bias", text=text, add_special=False,
+                          parse_special=False)["tokens"]
+    return tokenize
+
+
+def _is_id_text(s):
+    """A token id written as a string (OpenAI's logit_bias keys): "123", "-1"."""
+    return isinstance(s, str) and _ID_TEXT.fullmatch(s) is not None
+
+
+_ID_TEXT = re.compile(r"-?[0-9]{1,30}")
+
+
 def generation_from(f, n_vocab, n_predict_default=-1, max_tokens_names=("n_predict", "max_tokens"),
-                    sampling_default=None):
-    """GenerationParams from a request's generation fields (``sampling_default``: see
-    sampling_from)."""
+                    sampling_default=None, tokenize=None):
+    """GenerationParams from a request's generation fields (``sampling_default``,
+    ``tokenize``: see sampling_from)."""
     g = GenerationParams()
     n_predict = n_predict_default
     for name in max_tokens_names:
@@ -186,11 +225,13 @@ def generation_from(f, n_vocab, n_predict_default=-1, max_tokens_names=("n_predi
             break
     g.n_predict = n_predict
     g.stop = f.stop_list("stop")
-    g.sampling = sampling_from(f, n_vocab, sampling_default)
+    g.sampling = sampling_from(f, n_vocab, sampling_default, tokenize)
     g.ignore_eos = f.bool("ignore_eos", False)
     g.cache_prompt = f.bool("cache_prompt", True)
     g.t_max_predict_ms = f.int("t_max_predict_ms", 0, lo=0, hi=MAX_N_PREDICT)
     g.n_indent = f.int("n_indent", 0, lo=0, hi=MAX_N_PREDICT)
+    g.n_keep = f.int("n_keep", 0, lo=-1, hi=MAX_N_PREDICT)
+    g.n_discard = f.int("n_discard", 0, lo=0, hi=MAX_N_PREDICT)
     return g
 
 
@@ -238,12 +279,33 @@ class Prompt:
         return len(self.parts) == 1 and isinstance(self.parts[0], str)
 
 
-def prompt_from(v, where="prompt"):
-    """``prompt``: a string, a token list, a mixed list, or a one-element list of those.
+def prompts_from(v, where="prompt"):
+    """``prompt`` as llama-server reads it: a list of one Prompt or several.
 
-    Returns a Prompt.  Several prompts (OpenAI's batch form) are refused: n=1 only.
-    llama-server's JSON prompt ``{"prompt_string": "..."}`` is the string; with
-    ``multimodal_data`` it is refused (no model here takes images or audio).
+    An array with no token id at its top level is several prompts, each a
+    string, a token list, a mixed list or ``{"prompt_string": ...}``
+    (llama-server answers them as a list of results, or OpenAI's choices);
+    anything else is one prompt (see prompt_from).
+    """
+    if isinstance(v, list) and len(v) > 1 and not any(_is_token_id(x) for x in v):
+        if len(v) > MAX_PROMPTS:
+            raise BadRequest("'%s' has %d prompts; at most %d are allowed in one request"
+                             % (where, len(v), MAX_PROMPTS))
+        return [prompt_from(x, "%s[%d]" % (where, i)) for i, x in enumerate(v)]
+    return [prompt_from(v, where)]
+
+
+def _is_token_id(x):
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def prompt_from(v, where="prompt"):
+    """One prompt: a string, a token list, a mixed list, or a one-element list of those.
+
+    Returns a Prompt.  A list of several strings is several prompts
+    (prompts_from), refused here.  llama-server's JSON prompt
+    ``{"prompt_string": "..."}`` is the string; with ``multimodal_data`` it is
+    refused (no model here takes images or audio).
     """
     if isinstance(v, dict):
         if v.get("multimodal_data"):
@@ -252,19 +314,21 @@ def prompt_from(v, where="prompt"):
         v = v.get("prompt_string")
         if not isinstance(v, str):
             raise BadRequest("'%s' as an object needs a string 'prompt_string'" % where)
-    while isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+    while isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list, dict)):
         v = v[0]        # [[...]] and ["..."]: one prompt, unwrapped (a loop: no recursion)
+        if isinstance(v, dict):
+            return prompt_from(v, where)
     if isinstance(v, str):
         return Prompt([v])
     if isinstance(v, list):
         if all(isinstance(x, str) for x in v) and len(v) > 1:
-            raise BadRequest("'%s' with several prompts is not supported; send one per request"
-                             % where)
+            raise BadRequest("'%s' must be one prompt here: a string, or a list of token ids "
+                             "and strings" % where)
         parts = []
         for x in v:
             if isinstance(x, str):
                 parts.append(x)
-            elif isinstance(x, int) and not isinstance(x, bool):
+            elif _is_token_id(x):
                 if parts and isinstance(parts[-1], list):
                     parts[-1].append(x)
                 else:

@@ -19,7 +19,8 @@ import contextlib
 import threading
 import time
 
-from ..request import Completion, FinishReason, RequestCancel, SamplingParams, Usage
+from ..request import (Completion, FinishReason, PromptProgress, RequestCancel, SamplingParams,
+                       Usage)
 from .. import protocol
 from .errors import BadRequest, Unavailable
 from .metrics import Metrics
@@ -324,6 +325,8 @@ class Service:
         on_event = None
         if on_piece is not None:
             def on_event(frame):
+                if "progress" in frame:     # return_progress: how far the prompt has come
+                    return on_piece(PromptProgress(**frame["progress"]))
                 payload = frame["text"] if frame["op"] == "piece" else frame["delta"]
                 if "probs" in frame:    # only requests that asked for them get them
                     return on_piece(payload, protocol.decode_probs(frame["probs"]))

@@ -50,13 +50,16 @@ SAME_VALUE = {
     "--pooling": "--pooling",
     "--models-dir": "--models-dir", "--models-max": "--models-max",
     "--models-preset": "--models-preset", "--sleep-idle-seconds": "--sleep-idle-seconds",
+    "--reasoning": "--reasoning", "-rea": "--reasoning",
+    "--reasoning-format": "--reasoning-format",
 }
 SAME_SWITCH = {"--verbose": "-v", "-v": "-v", "--metrics": "--metrics",
                "--no-slots": "--no-slots", "--slots": "--slots",
                "--no-models-autoload": "--no-models-autoload",
                "--models-autoload": "--models-autoload",
                "--embedding": "--embeddings", "--embeddings": "--embeddings",
-               "--reranking": "--reranking", "--rerank": "--reranking"}
+               "--reranking": "--reranking", "--rerank": "--reranking",
+               "--context-shift": "--context-shift", "--no-context-shift": "--no-context-shift"}
 
 # Switches that ask for what offgrid always does; accepted, and logged as such.
 #   --offline        offgrid never downloads anything
@@ -65,12 +68,22 @@ SAME_SWITCH = {"--verbose": "-v", "-v": "-v", "--metrics": "--metrics",
 #   --cont-batching  -np sessions run requests at once (in turns per decode, not one batch)
 #   --slots          /slots is always served
 #   --no-ui          offgrid has no web UI
-AS_DEFAULT = {"--offline", "--jinja", "--swa-full", "--cont-batching", "-cb", "--no-ui"}
+#   --kv-unified     each -np session has a cache of its own; the launcher then gives
+#                    each the whole --ctx-size (per_session_ctx), what one slot may use of
+#                    llama-server's shared one
+AS_DEFAULT = {"--offline", "--jinja", "--swa-full", "--cont-batching", "-cb", "--no-ui",
+              "--kv-unified"}
+# Flags offgrid leaves aside on purpose (README "Differences from llama-server");
+# accepted, and logged apart from the dropped ones.
+#   --no-jinja         chat templates are always the model's Jinja template
+#   -fa/--flash-attn   libllama picks flash attention itself (its "auto")
+ON_PURPOSE = {"--no-jinja", "-fa", "--flash-attn"}
 
 
 def offgrid_flags(argv):
-    """(offgrid's argv, the llama-server flags dropped, the ones offgrid does anyway)."""
-    out, dropped, as_default = [], [], []
+    """(offgrid's argv, the llama-server flags dropped, the ones offgrid does anyway,
+    the ones it leaves aside on purpose)."""
+    out, dropped, as_default, on_purpose = [], [], [], []
     i = 0
     while i < len(argv):
         flag = argv[i]
@@ -93,12 +106,14 @@ def offgrid_flags(argv):
             out.append(SAME_SWITCH[flag])
         elif flag in AS_DEFAULT:
             as_default.append(flag)
+        elif flag in ON_PURPOSE:
+            on_purpose.append(flag)
         else:
             dropped.append(flag)
     per_session_ctx(out, kv_unified="--kv-unified" in argv)
     if "--metrics" not in argv:
         out.append("--no-metrics")      # llama-server's /metrics is off unless asked for
-    return out, dropped, as_default
+    return out, dropped, as_default, on_purpose
 
 
 def per_session_ctx(flags, kv_unified):
@@ -169,14 +184,16 @@ def main(argv):
         binary = os.environ["CONFORMANCE_LLAMA_SERVER"]
         log(target, {"argv": argv})
         os.execv(binary, [binary] + argv)
-    flags, dropped, as_default = offgrid_flags(argv)
+    flags, dropped, as_default, on_purpose = offgrid_flags(argv)
     # flags offgrid may not have yet: kept only where this checkout has them
     known = re.findall(r"--[a-z][a-z-]*", offgrid_help())
     for flag in ("--seed", "--temp", "--metrics", "--no-metrics", "--slots", "--no-slots",
-                 "--embeddings", "--pooling", "--reranking"):
+                 "--embeddings", "--pooling", "--reranking",
+                 "--reasoning", "--reasoning-format", "--context-shift"):
         if flag in flags and flag not in known:
             at = flags.index(flag)
-            del flags[at:at + (2 if flag in ("--seed", "--temp", "--pooling") else 1)]
+            del flags[at:at + (2 if flag in ("--seed", "--temp", "--pooling", "--reasoning",
+                                             "--reasoning-format") else 1)]
             if flag != "--no-metrics":
                 dropped.append(flag)
     if "-m" not in flags and "--models-dir" not in flags and "--models-preset" not in flags:
@@ -185,7 +202,8 @@ def main(argv):
         # mapped to our files, as local_models.py maps them for the other presets.
         flags += ["--models-preset", router_preset()]
     cmd = [sys.executable, "-m", "offgrid", "--lib", str(ROOT / "lib")] + flags
-    log(target, {"argv": argv, "offgrid": cmd[2:], "dropped": dropped, "as_default": as_default})
+    log(target, {"argv": argv, "offgrid": cmd[2:], "dropped": dropped, "as_default": as_default,
+                 "on_purpose": on_purpose})
     if dropped:
         print("launcher: dropped llama-server flags offgrid lacks: %s" % " ".join(dropped),
               file=sys.stderr, flush=True)

@@ -182,13 +182,15 @@ def by_design(file, test, patterns):
 
 
 def summarize(names):
-    rows, gaps, dropped = [], {}, defaultdict(set)
+    rows, gaps, dropped, on_purpose = [], {}, defaultdict(set), defaultdict(set)
     patterns = deliberate()
     for name in names:
         got = {t: outcomes(t, name) for t in TARGETS}
         for record in launches("offgrid", name):
             for flag in record.get("dropped", []):
                 dropped[flag].add(record.get("test") or name)
+            for flag in record.get("on_purpose", []):
+                on_purpose[flag].add(record.get("test") or name)
         row = {"file": "test_%s.py" % name}
         timed_out = [t for t in TARGETS if (RESULTS / t / ("test_%s.rc" % name)).is_file()
                      and (RESULTS / t / ("test_%s.rc" % name)).read_text().startswith("timeout")]
@@ -217,10 +219,11 @@ def summarize(names):
                                         and get["offgrid"](i) == "pass" for i in ids))
             gaps[row["file"]] = [(i, got["offgrid"][i][1]) for i in file_gaps]
         rows.append(row)
-    return rows, gaps, {f: sorted(t) for f, t in dropped.items()}
+    return rows, gaps, {f: sorted(t) for f, t in dropped.items()}, \
+        {f: sorted(t) for f, t in on_purpose.items()}
 
 
-def render(rows, gaps, dropped):
+def render(rows, gaps, dropped, on_purpose=None):
     def cell(row, key):
         v = row.get(key)
         return "-" if v is None else str(v)
@@ -242,6 +245,12 @@ def render(rows, gaps, dropped):
     for flag, tests in sorted(dropped.items(), key=lambda kv: (-len(kv[1]), kv[0])):
         lines.append("- dropped: %s, used by %d tests" % (flag, len(tests)))
     if not dropped:
+        lines.append("- none")
+    lines += ["", "Flags offgrid leaves aside on purpose (README \"Differences from "
+              "llama-server\"), by the number of tests that passed them:", ""]
+    for flag, tests in sorted((on_purpose or {}).items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        lines.append("- on purpose: %s, used by %d tests" % (flag, len(tests)))
+    if not on_purpose:
         lines.append("- none")
     table = "\n".join(lines) + "\n"
     gap_lines = ["# Gaps: pass on llama-server, fail on offgrid", ""]
@@ -283,13 +292,13 @@ def main(argv=None):
                                     extra)
                 print("conformance:   %s, %.0f s" % ("exit %s" % rc, took), flush=True)
 
-    rows, gaps, dropped = summarize(listed)
-    table, gap_text = render(rows, gaps, dropped)
+    rows, gaps, dropped, on_purpose = summarize(listed)
+    table, gap_text = render(rows, gaps, dropped, on_purpose)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "table.md").write_text(table)
     (RESULTS / "gaps.md").write_text(gap_text)
     (RESULTS / "summary.json").write_text(json.dumps(
-        {"rows": rows, "gaps": gaps, "dropped": dropped}, indent=1))
+        {"rows": rows, "gaps": gaps, "dropped": dropped, "on_purpose": on_purpose}, indent=1))
     print()
     print(table)
     print("gaps with their failures: %s" % (RESULTS / "gaps.md"))
