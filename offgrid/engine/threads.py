@@ -53,7 +53,7 @@ class _Shape:
     __slots__ = ("current", "best", "recent", "probe", "probe_base", "probe_rates",
                  "up_interval", "next_up", "next_down")
 
-    def __init__(self, current, now, up_interval, down_interval):
+    def __init__(self, current, now, up_interval):
         self.current = current
         self.best = {}              # thread count -> best rate seen (tokens/s)
         self.recent = {}            # thread count -> deque of (time, rate)
@@ -88,14 +88,12 @@ class ThreadChoice:
         self.max_threads = max(1, int(max_threads))
         self.fixed = fixed
         self.switches = 0
-        self._start = now
         self._shapes = {}
 
     def _shape(self, shape, now):
         s = self._shapes.get(shape)
         if s is None:
-            s = self._shapes[shape] = _Shape(self.max_threads, now, self.up_interval,
-                                             self.down_interval)
+            s = self._shapes[shape] = _Shape(self.max_threads, now, self.up_interval)
         return s
 
     def current(self, shape=0):
