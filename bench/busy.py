@@ -79,7 +79,7 @@ def _editor(cfg, bindir, keys, n_hogs):
 def run(args, bindir, fim, log):
     """Every variant once; {figure: value}.  A variant that fails is left out."""
     cores = os.cpu_count() or 1
-    n_hogs = max(1, cores - 1)
+    n_hogs = args.busy_hogs or max(1, cores - 1)
     out, errors = {}, []
 
     def measure(key, fn, *a):

@@ -373,6 +373,8 @@ def parse_args(argv=None):
                    help="run only these phases (repeatable)")
     p.add_argument("--no-busy", action="store_true",
                    help="leave out the busy-machine phase (bench/busy.py, ~10 minutes)")
+    p.add_argument("--busy-hogs", type=int, default=0, metavar="N",
+                   help="CPU-bound processes in the busy phase (default: one per core but one)")
     p.add_argument("--servers", default="offgrid,llama_server")
     p.add_argument("--llama-bin", help="folder with llama-server and llama-bench "
                    "(default: scripts/build_lib.sh --server)")
@@ -477,8 +479,8 @@ def main(argv=None):
     print(table(result))
     if busy_figs:
         print()
-        print("busy machine: a CPU-bound process on %d of %d cores (bench/busy.py), %d-token "
-              "streams" % (max(1, (m["nproc"] or 1) - 1), m["nproc"] or 1,
+        print("busy machine: %d CPU-bound processes, %d cores (bench/busy.py), %d-token "
+              "streams" % (args.busy_hogs or max(1, (m["nproc"] or 1) - 1), m["nproc"] or 1,
                            busy_phase.BUSY_GEN_TOKENS))
         for what, a, b, r, goal in busy_phase.rows(busy_figs, m["nproc"] or 1):
             print("  %-72s %8s %8s %6s  %s" % (what, fmt(a), fmt(b), fmt(r),

@@ -75,7 +75,10 @@ class ThreadChoice:
 
     slow = 0.6              # a decode under this share of the best seen is "slow"
     very_slow = 0.25        # ... and one under this share is slow on its own
-    win = 1.10              # a probe's median must beat the current one's by 10%
+    win = 1.10              # a probe's median must beat the current one's by 10%,
+    win_up = 1.25           # ... an up-probe's by 25%: on a contended machine a few
+                            # lucky decodes at more threads are common, and a wrong
+                            # switch up costs every decode until the next probe down
     probe_len = 3           # decodes per probe
     recent_len = 5          # decodes kept per count for the comparison
     recent_age = 5.0        # seconds: older samples say nothing of the machine now
@@ -162,7 +165,8 @@ class ThreadChoice:
         if len(s.probe_rates) < self.probe_len and not lost_early:
             return
         probe_rate = statistics.median(s.probe_rates)
-        won = not lost_early and (base <= 0 or probe_rate > base * self.win)
+        won = not lost_early and (base <= 0 or
+                                  probe_rate > base * (self.win_up if up else self.win))
         old, tried = s.current, s.probe
         s.probe, s.probe_rates = None, []
         if won:
