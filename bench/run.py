@@ -31,6 +31,7 @@ editor's request has.  Benchmarks report; they never fail on a figure.
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -196,6 +197,14 @@ def phases(args, fim):
     ]
 
 
+def for_server(cfg, name, args):
+    """The config of one server: offgrid's threads may differ (--offgrid-threads auto)."""
+    if name == "offgrid" and args.offgrid_threads != "same":
+        return dataclasses.replace(
+            cfg, threads=None if args.offgrid_threads == "auto" else int(args.offgrid_threads))
+    return cfg
+
+
 def merge(into, new):
     """Append the lists of ``new`` to those of ``into`` (nested by scenario)."""
     for scen, samples in new.items():
@@ -209,7 +218,7 @@ def merge(into, new):
 
 def run_paired(rnd, args, cfg, bindir, order, samples, busy, errors):
     """Round ``rnd`` of the single-stream phase: every server up at once."""
-    servers = {name: SERVERS[name](cfg, bindir) for name in order}
+    servers = {name: SERVERS[name](for_server(cfg, name, args), bindir) for name in order}
     l0 = load()
     t0 = time.monotonic()
     try:
@@ -247,7 +256,7 @@ def run_all(args, bindir, fim):
                 run_paired(rnd, args, cfg, bindir, order, samples, busy, errors)
                 continue
             for name in order:
-                server = SERVERS[name](cfg, bindir)
+                server = SERVERS[name](for_server(cfg, name, args), bindir)
                 l0 = load()
                 t0 = time.monotonic()
                 try:
@@ -373,6 +382,9 @@ def parse_args(argv=None):
                    help="run only these phases (repeatable)")
     p.add_argument("--no-busy", action="store_true",
                    help="leave out the busy-machine phase (bench/busy.py, ~10 minutes)")
+    p.add_argument("--offgrid-threads", default="same", metavar="N|auto",
+                   help="offgrid's -t in the idle phases (default: --threads, as "
+                   "llama-server's; auto: offgrid's default)")
     p.add_argument("--busy-hogs", type=int, default=0, metavar="N",
                    help="CPU-bound processes in the busy phase (default: one per core but one)")
     p.add_argument("--servers", default="offgrid,llama_server")

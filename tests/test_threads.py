@@ -232,3 +232,14 @@ def _busy_and_free(server, cores):
             pytest.skip("other programs kept %.1f cores busy after the hog ended: "
                         "staying at fewer threads was right" % others.cores())
         raise
+
+
+def test_large_batches_are_not_probed_on_an_idle_machine():
+    """A 512-token batch at half the threads costs as much as a short request:
+    large shapes probe down only when they run slow (or a small shape found
+    the machine busy), never as routine."""
+    choice, log = simulate(lambda t: {2: 1000.0, 1: 520.0}, 300.0, n_tokens=512)
+    assert {k for _, k, _ in log} == {2}
+    # single tokens on the same choice do run their cheap routine probes
+    _, log1 = simulate(lambda t: IDLE, 130.0, choice=ThreadChoice(2, now=0.0))
+    assert 1 in {k for _, k, _ in log1}

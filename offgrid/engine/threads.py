@@ -51,9 +51,9 @@ class _Shape:
     """The choice for one decode shape, and what it has seen."""
 
     __slots__ = ("current", "best", "recent", "probe", "probe_base", "probe_rates",
-                 "up_interval", "next_up", "next_down")
+                 "up_interval", "next_up", "next_down", "routine")
 
-    def __init__(self, current, now, up_interval):
+    def __init__(self, current, now, up_interval, routine=True):
         self.current = current
         self.best = {}              # thread count -> best rate seen (tokens/s)
         self.recent = {}            # thread count -> deque of (time, rate)
@@ -63,8 +63,13 @@ class _Shape:
         self.up_interval = up_interval
         self.next_up = now + up_interval
         # the first down-probe comes soon: a server started on a busy machine
-        # learns its "best" there, and would not see that it is slow
-        self.next_down = now + 2 * up_interval
+        # learns its "best" there, and would not see that it is slow.  Only
+        # where a probe is cheap (single tokens, small batches): a prompt batch
+        # at half the threads costs as much as a whole short request, so large
+        # shapes probe down when they run slow or when a small one found the
+        # machine busy (probe_down_soon)
+        self.routine = routine
+        self.next_down = now + 2 * up_interval if routine else float("inf")
 
 
 class ThreadChoice:
@@ -74,7 +79,6 @@ class ThreadChoice:
     """
 
     slow = 0.6              # a decode under this share of the best seen is "slow"
-    very_slow = 0.25        # ... and one under this share is slow on its own
     win = 1.10              # a probe's median must beat the current one's by 10%,
     win_up = 1.25           # ... an up-probe's by 25%: on a contended machine a few
                             # lucky decodes at more threads are common, and a wrong
@@ -96,7 +100,8 @@ class ThreadChoice:
     def _shape(self, shape, now):
         s = self._shapes.get(shape)
         if s is None:
-            s = self._shapes[shape] = _Shape(self.max_threads, now, self.up_interval)
+            s = self._shapes[shape] = _Shape(self.max_threads, now, self.up_interval,
+                                             routine=shape == 0)
         return s
 
     def current(self, shape=0):
@@ -113,7 +118,7 @@ class ThreadChoice:
             if s.current < self.max_threads and now >= s.next_up:
                 self._start_probe(s, s.current + 1, now)
             elif s.current > 1 and now >= s.next_down:
-                s.next_down = now + self.down_interval
+                s.next_down = now + self.down_interval if s.routine else float("inf")
                 self._start_probe(s, s.current - 1, now)
         return s.probe if s.probe is not None else s.current
 
@@ -147,9 +152,10 @@ class ThreadChoice:
         rates = self._rates(s, s.current, now)[-3:]
         if not rates or best <= 0:
             return []
+        # two of the last three, the last among them: one slow decode is a
+        # hiccup (a page fault, threads waking after an idle second), and a
+        # probe measured against it would "win" with fewer threads
         slow = [r for r in rates if r < self.slow * best]
-        if rates[-1] < self.very_slow * best:
-            return [rates[-1]]
         return slow if len(slow) >= 2 and rates[-1] in slow else []
 
     def _rates(self, s, threads, now):
@@ -172,7 +178,9 @@ class ThreadChoice:
         if won:
             s.current = tried
             self.switches += 1
-            s.next_down = now + self.down_interval
+            s.next_down = now + self.down_interval if s.routine else float("inf")
+            if not up:
+                self.probe_down_soon(now)   # the other shapes: the machine is busy for all
             s.up_interval = self.up_interval if up else self.busy_interval
             s.next_up = now + s.up_interval
             log.info("threads: %d -> %d (%.1f -> %.1f tokens/s)", old, tried, base, probe_rate)
