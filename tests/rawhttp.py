@@ -26,19 +26,24 @@ def request(method, path, body=b"", headers=None, length=True):
 
 def read_until_closed(sock, timeout=10):
     """Everything the server sends until it closes (or ``timeout`` passes)."""
+    return read_and_whether_closed(sock, timeout)[0]
+
+
+def read_and_whether_closed(sock, timeout):
+    """(everything received, whether the server closed) within ``timeout``."""
     out, deadline = b"", time.monotonic() + timeout
     while time.monotonic() < deadline:
         sock.settimeout(max(0.01, deadline - time.monotonic()))
         try:
             data = sock.recv(1 << 16)
         except socket.timeout:
-            break
+            return out, False
         except ConnectionResetError:
-            break
+            return out, True
         if not data:
-            break
+            return out, True
         out += data
-    return out
+    return out, False
 
 
 def parse_responses(data):

@@ -200,7 +200,7 @@ def smuggled_request(srv, vocab):
         "Content-Type": "application/json", "Transfer-Encoding": "chunked"}) + smuggled
     with rawhttp.connect(srv.port, ANSWER_TIMEOUT) as sock:
         sock.sendall(data)
-        got, closed = read_until_closed(sock, ANSWER_TIMEOUT)
+        got, closed = rawhttp.read_and_whether_closed(sock, ANSWER_TIMEOUT)
     statuses = [int(s) for s in re.findall(rb"(?:^|\r\n)HTTP/1\.[01] (\d{3}) ", got)]
     problems = []
     if len(statuses) != 1:
@@ -363,21 +363,6 @@ def normal_completion(srv, timeout=ANSWER_TIMEOUT):
     return None
 
 
-def read_until_closed(sock, timeout):
-    """(everything received, whether the server closed) within ``timeout``."""
-    out, deadline = b"", time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        sock.settimeout(max(0.01, deadline - time.monotonic()))
-        try:
-            data = sock.recv(1 << 16)
-        except socket.timeout:
-            return out, False
-        except ConnectionResetError:
-            return out, True
-        if not data:
-            return out, True
-        out += data
-    return out, False
 
 
 def tree_rss(pid):

@@ -242,6 +242,7 @@ class DecodeThreads:
         self.generation = ThreadChoice(gen_fixed or usable_cores(), fixed=bool(gen_fixed), now=now)
         self.batch = ThreadChoice(batch_fixed or usable_cores(), fixed=bool(batch_fixed), now=now)
         self.pool_for = pool_for
+        self._pools = {}        # count -> pool, so the per-token path takes no lock
         self.clock = clock
         self._gen_k = self.generation.max_threads
         self._batch_k = self.batch.max_threads
@@ -258,8 +259,14 @@ class DecodeThreads:
             k = self._gen_k = self.generation.choose(1, now)
         else:
             k = self._batch_k = self.batch.choose(n_tokens, now)
-        ctx.use_pools(self.pool_for(self._gen_k), self.pool_for(self._batch_k))
+        ctx.use_pools(self._pool(self._gen_k), self._pool(self._batch_k))
         return k, now
+
+    def _pool(self, n):
+        pool = self._pools.get(n)
+        if pool is None:
+            pool = self._pools[n] = self.pool_for(n)
+        return pool
 
     def after(self, n_tokens, started):
         """The decode begun with ``started`` (before()'s value) succeeded."""

@@ -26,10 +26,10 @@ documents and Anthropic's server tools are refused with a 400.
 
 import json
 
-from ..request import FinishReason, Message, Tool, ToolCall
+from ..request import FinishReason, Message, ToolCall
 from . import chat, formats
 from .errors import BadRequest
-from .params import MAX_N_PREDICT, Fields, generation_from, id_slot_from
+from .params import MAX_N_PREDICT, Fields, generation_from, id_slot_from, tool_of
 
 # -- the request ------------------------------------------------------------------------
 
@@ -125,11 +125,8 @@ def tools_from(v):
                 or not isinstance(t.get("name"), str) or not t["name"]:
             raise BadRequest("tools.%d: must be a client tool {\"name\": ..., \"input_schema\": "
                              "...}; Anthropic's server tools are not available" % i)
-        desc, schema = t.get("description") or "", t.get("input_schema")
-        if not isinstance(desc, str) or not isinstance(schema, dict):
-            raise BadRequest("tools.%d: 'description' must be a string and 'input_schema' an "
-                             "object" % i)
-        out.append(Tool(t["name"], desc, schema))
+        out.append(tool_of(t["name"], t.get("description"), t.get("input_schema"),
+                           "tools.%d" % i, "input_schema"))
     return out
 
 

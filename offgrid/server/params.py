@@ -433,7 +433,6 @@ def chat_messages_from(v):
 
 def tools_from(v):
     """OpenAI ``tools`` (functions only) as chat.Tool; None or [] gives []."""
-    from ..request import Tool
     if v is None:
         return []
     if not isinstance(v, list):
@@ -445,15 +444,21 @@ def tools_from(v):
                 or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise BadRequest("tools[%d] must be {\"type\": \"function\", \"function\": "
                              "{\"name\": ..., \"parameters\": ...}}" % i)
-        desc = fn.get("description") or ""
         params = fn.get("parameters")
-        if params is None:
-            params = {}
-        if not isinstance(desc, str) or not isinstance(params, dict):
-            raise BadRequest("tools[%d]: 'description' must be a string and 'parameters' an "
-                             "object" % i)
-        out.append(Tool(fn["name"], desc, params))
+        out.append(tool_of(fn["name"], fn.get("description"), {} if params is None else params,
+                           "tools[%d]" % i))
     return out
+
+
+def tool_of(name, description, schema, where, schema_key="parameters"):
+    """A Tool from a client's tool fields, the last step of every dialect's
+    tools reader: a missing description is "", the schema must be an object."""
+    from ..request import Tool
+    description = description or ""
+    if not isinstance(description, str) or not isinstance(schema, dict):
+        raise BadRequest("%s: 'description' must be a string and '%s' an object"
+                         % (where, schema_key))
+    return Tool(name, description, schema)
 
 
 def tool_choice_from(v, tools):

@@ -25,10 +25,11 @@ item per call.  Nothing is stored: ``previous_response_id`` and
 
 import json
 
-from ..request import FinishReason, Message, Tool, ToolCall
+from ..request import FinishReason, Message, ToolCall
 from . import chat, formats
 from .errors import BadRequest
-from .params import MAX_N_PREDICT, Fields, generation_from, id_slot_from, tool_choice_from
+from .params import (MAX_N_PREDICT, Fields, generation_from, id_slot_from, tool_choice_from,
+                     tool_of)
 
 # -- the request ------------------------------------------------------------------------
 
@@ -123,11 +124,8 @@ def tools_from(v):
                 or not isinstance(t.get("name"), str) or not t["name"]:
             raise BadRequest("'tools[%d]' must be {\"type\": \"function\", \"name\": ..., "
                              "\"parameters\": ...}; built-in tools are not available" % i)
-        desc, params = t.get("description") or "", t.get("parameters") or {}
-        if not isinstance(desc, str) or not isinstance(params, dict):
-            raise BadRequest("'tools[%d]': 'description' must be a string and 'parameters' an "
-                             "object" % i)
-        out.append(Tool(t["name"], desc, params))
+        out.append(tool_of(t["name"], t.get("description"), t.get("parameters") or {},
+                           "'tools[%d]'" % i))
     return out
 
 
