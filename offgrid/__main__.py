@@ -192,6 +192,9 @@ def parse_args(argv=None):
     p.add_argument("-ts", "--tensor-split", type=tensor_split, default=None, metavar="N0,N1,...",
                    help="with --rpc: each device's proportion of those layers, in --rpc order "
                    "(default: by the memory each has free)")
+    p.add_argument("-nr", "--no-repack", action="store_true",
+                   help="keep the CPU's weights as the file has them, not repacked for "
+                   "faster kernels (which sum in another order than an rpc-server's)")
     p.add_argument("--lib", help="path to libllama.so or its folder (default: lib/, "
                    "$OFFGRID_LIB, the system)")
     p.add_argument("--worker-max-rss", type=float, default=None, metavar="MIB",
@@ -280,6 +283,8 @@ def worker_args(path, args, chat_template=None, decode_lock=None):
         out += ["--pooling", pooling]
     if args.no_swa_full:
         out.append("--no-swa-full")
+    if args.no_repack:
+        out.append("--no-repack")
     if args.context_shift:
         out.append("--context-shift")
     out += ["--reasoning", args.reasoning, "--reasoning-format", args.reasoning_format]

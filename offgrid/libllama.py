@@ -762,7 +762,7 @@ class ModelHandle:
     """
 
     def __init__(self, lib, path, progress=None, vocab_only=False, devices=(), n_gpu_layers=None,
-                 tensor_split=None):
+                 tensor_split=None, repack=True):
         """Load ``path``; ``progress(fraction)`` is called while loading.
 
         ``vocab_only`` loads the tokenizer and metadata but no weights: enough
@@ -774,10 +774,15 @@ class ModelHandle:
         counting as one, as llama.h says), the last ones: the first stay on
         the CPU.  ``tensor_split`` gives each device's proportion of them, in
         ``devices`` order (None: by the memory each reports free).
+
+        ``repack`` False keeps the CPU's weights as the file has them rather
+        than repacked for its faster kernels (llama-server's --no-repack):
+        those sum in another order, and an rpc-server never repacks.
         """
         self.lib = lib
         params = lib.llama_model_default_params()
         params.vocab_only = vocab_only
+        params.use_extra_bufts = repack
         self.vocab_only = vocab_only
         # the arrays libllama reads while loading (it copies the device list)
         keep = []

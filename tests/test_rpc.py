@@ -9,6 +9,11 @@ rpc-server mid-stream must fail that request within seconds with a 503
 naming it, leave ``/health`` answering, and the model must come back when
 the rpc-server does.
 
+Both sides run with ``--no-repack``: locally ggml repacks some Q4_K weights
+for kernels that sum in another order (CPU_REPACK), an rpc-server never
+does, and greedy text follows the sums to the last bit.  The reference
+runs the same kernels every rpc-server runs.
+
 Every rpc-server started here is killed by its fixture's finalizer.  An
 rpc-server serves one client at a time, so each offgrid gets rpc-servers
 no other offgrid uses while it runs.
@@ -96,8 +101,8 @@ def offgrid(lib, model, *flags, ctx=1024):
 
 @pytest.fixture(scope="module")
 def local_qwen(rpc_lib):
-    """The reference: qwen with every layer on this machine, the same library."""
-    with offgrid(rpc_lib, QWEN) as s:
+    """The reference: qwen with every layer on this machine, the same library and kernels."""
+    with offgrid(rpc_lib, QWEN, "--no-repack") as s:
         yield s
 
 
@@ -154,7 +159,7 @@ def test_greedy_text_over_two_rpc_servers_equals_local(rpc_servers, local_qwen, 
                                                        local_layers):
     endpoints = ",".join(s.endpoint for s in rpc_servers)
     n_all = N_LAYER[QWEN] + 1           # the output layer counts as one
-    flags = ["--rpc", endpoints, "-ngl", n_all - local_layers]
+    flags = ["--rpc", endpoints, "-ngl", n_all - local_layers, "--no-repack"]
     with offgrid(rpc_lib, QWEN, *flags) as split:
         status, _, props = split.get("/props")
         assert status == 200
@@ -172,7 +177,6 @@ def test_greedy_text_over_two_rpc_servers_equals_local(rpc_servers, local_qwen, 
         assert texts(split) == texts(local_qwen)
 
 
-@pytest.mark.slow
 def test_a_tensor_split_puts_the_layers_in_those_proportions(rpc_servers, rpc_lib):
     endpoints = ",".join(s.endpoint for s in rpc_servers)
     with offgrid(rpc_lib, SMOL, "--rpc", endpoints, "-ts", "3,1") as split:
@@ -186,7 +190,6 @@ def test_a_tensor_split_puts_the_layers_in_those_proportions(rpc_servers, rpc_li
 
 # -- an rpc-server that goes away ---------------------------------------------------------------
 
-@pytest.mark.slow
 def test_killing_an_rpc_server_mid_stream_fails_that_request_and_the_model_comes_back(
         rpc_servers, rpc_lib):
     endpoints = ",".join(s.endpoint for s in rpc_servers)
@@ -198,7 +201,7 @@ def test_killing_an_rpc_server_mid_stream_fails_that_request_and_the_model_comes
             b'"temperature": 0, "stream": true}'), headers={"Content-Type": "application/json"})
         r = conn.getresponse()
         assert r.status == 200
-        first = r.fp.readline()         # the first piece: generation is under way
+        first = r.readline()            # the first piece: generation is under way
         gone.kill()
         t0 = time.monotonic()
         rest = r.read()                 # the stream ends, with an error event
@@ -206,7 +209,8 @@ def test_killing_an_rpc_server_mid_stream_fails_that_request_and_the_model_comes
         conn.close()
         assert ended < 10, "the stream went on %.1f s after its rpc-server died" % ended
         last = parse_sse((first + rest).decode("utf-8", "replace"))[-1]
-        assert last["error"]["code"] == 503 and gone.endpoint in last["error"]["message"], last
+        assert last["error"]["code"] == 503 and gone.endpoint in last["error"]["message"], (
+            last, "".join(split.output))
 
         status, _, body = split.get("/health", timeout=10)
         assert status in (200, 503) and isinstance(body, dict)

@@ -88,7 +88,7 @@ class Model:
 
     @classmethod
     def load(cls, path, lib_path=None, progress=True, verbose=False, vocab_only=False,
-             rpc_endpoints=(), n_gpu_layers=None, tensor_split=None):
+             rpc_endpoints=(), n_gpu_layers=None, tensor_split=None, repack=True):
         """Load a GGUF file.  Raises ModelLoadError (or LibraryError, RpcUnavailable).
 
         With ``vocab_only`` only the tokenizer and metadata are loaded (no
@@ -97,6 +97,7 @@ class Model:
         ``rpc_endpoints`` ("host:port" of rpc-servers) put its layers on their
         devices (engine/rpc.py): ``n_gpu_layers`` of them (None: all), split
         by ``tensor_split`` (one proportion per device; None: by free memory).
+        ``repack`` False: no repacked CPU weights (libllama.ModelHandle).
         """
         lib = libllama.load(lib_path, verbose=verbose)
         if not os.path.isfile(path):
@@ -114,7 +115,8 @@ class Model:
                 if bar is not None:
                     bar(fraction)
         handle = libllama.ModelHandle(lib, path, show, vocab_only=vocab_only, devices=devices,
-                                      n_gpu_layers=n_gpu_layers, tensor_split=tensor_split)
+                                      n_gpu_layers=n_gpu_layers, tensor_split=tensor_split,
+                                      repack=repack)
         if not handle.ptr:
             raise ModelLoadError("libllama could not load the model %s "
                                  "(not a GGUF file, or an unsupported architecture)" % path)

@@ -24,6 +24,7 @@ without closing its connections (a cable pulled) leaves ggml waiting on TCP.
 
 import socket
 import struct
+import time
 
 from .. import libllama
 from ..errors import ModelLoadError, RpcUnavailable
@@ -31,8 +32,11 @@ from ..errors import ModelLoadError, RpcUnavailable
 # Seconds a check waits for an endpoint's TCP handshake: a loopback or LAN
 # connect takes microseconds; a filtered port never answers.
 CONNECT_TIMEOUT = 3.0
-# Shorter when ggml is already aborting: the front waits for our last word.
+# When ggml is already aborting: how long each try waits, and how long the
+# tries go on.  A killed rpc-server's connection to us can close before its
+# listening socket does, so the first try may still get through.
 ABORT_CONNECT_TIMEOUT = 0.5
+ABORT_SETTLE_S = 2.0
 
 
 def split_endpoints(text):
@@ -88,13 +92,18 @@ def abort_error(message, endpoints):
 
     ggml names the endpoint when it cannot connect or shake hands; when a
     connection drops it says only "Remote RPC server crashed", so the
-    endpoints are tried again to find which.
+    endpoints are tried again to find which, for up to ABORT_SETTLE_S.
     """
     named = [e for e in endpoints if e in message]
-    down = [(e, unreachable(e, ABORT_CONNECT_TIMEOUT)) for e in named or endpoints]
-    down = [(e, why) for e, why in down if why is not None]
-    if not down:
-        return None
+    deadline = time.monotonic() + ABORT_SETTLE_S
+    while True:
+        down = [(e, unreachable(e, ABORT_CONNECT_TIMEOUT)) for e in named or endpoints]
+        down = [(e, why) for e, why in down if why is not None]
+        if down:
+            break
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
     return RpcUnavailable("rpc-server %s (--rpc) went away: %s; the model is reloaded when "
                           "it answers again" % (", ".join(e for e, _ in down),
                                                 "; ".join(why for _, why in down)))

@@ -68,6 +68,7 @@ def parse_args(argv=None):
     p.add_argument("--n-gpu-layers", type=int, default=None, help="layers on the --rpc "
                    "devices (default: all)")
     p.add_argument("--tensor-split", default=None, help="a proportion per --rpc device")
+    p.add_argument("--no-repack", action="store_true")
     p.add_argument("--decode-lock", default=None,
                    help="a file every worker of one server flocks around each decode")
     # chat defaults a request may override (llama-server's --reasoning, --reasoning-format)
@@ -117,7 +118,8 @@ class Loaded:
         split = [float(x) for x in args.tensor_split.split(",")] if args.tensor_split else None
         model = Model.load(args.model, lib_path=args.lib, verbose=args.verbose,
                            progress=progress, rpc_endpoints=rpc.split_endpoints(args.rpc),
-                           n_gpu_layers=args.n_gpu_layers, tensor_split=split)
+                           n_gpu_layers=args.n_gpu_layers, tensor_split=split,
+                           repack=not args.no_repack)
         sessions = []
         threads = decode_threads(model, args.threads, args.threads_batch)
         try:
