@@ -127,7 +127,7 @@ build() {
         $cpu_flags >"$BUILD.configure.log" 2>&1 \
       || { tail -30 "$BUILD.configure.log"; exit 1; }
     # the llama target pulls in ggml and, with PORTABLE=1, every CPU variant
-    log "building (about 2 minutes on 2 cores; 15 or more with PORTABLE=1)"
+    log "building (a few minutes on 2 cores; 15 or more with PORTABLE=1)"
     cmake --build "$BUILD/cmake" --target "${targets[@]}" -j "$(nproc)" >"$BUILD.build.log" 2>&1 \
       || { tail -30 "$BUILD.build.log"; exit 1; }
     rm -rf "$INSTALLED"; mkdir -p "$INSTALLED"

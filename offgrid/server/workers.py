@@ -136,6 +136,7 @@ class WorkerClient:
         # while restarts cannot load the model for an rpc-server that is down:
         # the RpcUnavailable message requests get at once (None otherwise)
         self.unavailable = None
+        self._said_waiting = False          # the log said so once per outage
         self._fatal = None                  # the error a dying worker said its requests get
         self.starts = 0
         self.deaths = 0
@@ -264,7 +265,7 @@ class WorkerClient:
                             sys.stderr.write("offgrid: model %s is back\n" % self.name)
                         self.info = frame["info"]
                         self.state = "ready"
-                        self.unavailable = None
+                        self.unavailable, self._said_waiting = None, False
                         self._cond.notify_all()
                     continue
                 if op == "progress":
@@ -304,6 +305,8 @@ class WorkerClient:
             started = self._started_at
             # a restart that found an rpc-server down: no news, it retries below
             waiting = self.unavailable is not None and fatal is None
+            say_waiting = waiting and not self._said_waiting
+            self._said_waiting = self._said_waiting or waiting
             # in the same critical section: no request may open on a dead worker
             if not closing:
                 self.deaths += 1
@@ -332,7 +335,7 @@ class WorkerClient:
             sys.stderr.write("offgrid: the worker for %s died (%s) while running: %s; "
                              "restarting it\n" % (self.name, fatal and fatal.get("message") or how,
                                                    running))
-        elif self._failures == 2 or delay == self.backoff[-1] and self._failures % 30 == 0:
+        elif say_waiting:
             sys.stderr.write("offgrid: model %s waits: %s; retrying every %g s at most\n"
                              % (self.name, self.unavailable, self.backoff[-1]))
         threading.Thread(target=self._restart, args=(delay,), daemon=True,
