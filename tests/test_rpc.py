@@ -234,3 +234,19 @@ def test_killing_an_rpc_server_mid_stream_fails_that_request_and_the_model_comes
             time.sleep(1)
         assert body["content"]
         assert split.metrics()['offgrid_worker_deaths_total{model="%s"}' % SMOL.name] >= 1
+
+
+def test_an_rpc_endpoint_that_never_answers_the_handshake_is_an_error_naming_it(rpc_lib):
+    # what an rpc-server busy with another client looks like: the connection is
+    # taken (the listen backlog) and nothing comes back
+    import socket
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        endpoint = "127.0.0.1:%d" % silent.getsockname()[1]
+        t0 = time.monotonic()
+        done = run_offgrid("-m", SMOL, "--port", free_port(), "--lib", rpc_lib, "-t", "1",
+                           "--rpc", endpoint)
+    assert done.returncode == 1, done.stderr
+    assert endpoint in done.stderr and "did not answer" in done.stderr, done.stderr
+    assert time.monotonic() - t0 < 60

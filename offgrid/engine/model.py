@@ -88,7 +88,8 @@ class Model:
 
     @classmethod
     def load(cls, path, lib_path=None, progress=True, verbose=False, vocab_only=False,
-             rpc_endpoints=(), n_gpu_layers=None, tensor_split=None, repack=True):
+             rpc_endpoints=(), n_gpu_layers=None, tensor_split=None, repack=True,
+             on_rpc_stall=None):
         """Load a GGUF file.  Raises ModelLoadError (or LibraryError, RpcUnavailable).
 
         With ``vocab_only`` only the tokenizer and metadata are loaded (no
@@ -98,11 +99,13 @@ class Model:
         devices (engine/rpc.py): ``n_gpu_layers`` of them (None: all), split
         by ``tensor_split`` (one proportion per device; None: by free memory).
         ``repack`` False: no repacked CPU weights (libllama.ModelHandle).
+        ``on_rpc_stall``: rpc.connect's ``on_stall``.
         """
         lib = libllama.load(lib_path, verbose=verbose)
         if not os.path.isfile(path):
             raise ModelLoadError("model file not found: %s" % path)
-        devices = rpc.connect(lib, list(rpc_endpoints)) if rpc_endpoints and not vocab_only else []
+        devices = (rpc.connect(lib, list(rpc_endpoints), on_rpc_stall)
+                   if rpc_endpoints and not vocab_only else [])
         if tensor_split and len(tensor_split) > len(devices):
             raise ModelLoadError("--tensor-split gives %d proportions for %d devices"
                                  % (len(tensor_split), len(devices)))

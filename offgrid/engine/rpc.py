@@ -16,14 +16,17 @@ when ggml aborts anyway, the worker's last word to the front
 requests that were running with a 503 naming it and reloads the model once
 the endpoint answers again (server/workers.py).
 
-A TCP connect is all the check does: it cannot tell an rpc-server from
-another program on that port, nor one busy with another client (an
-rpc-server serves one client at a time), and a machine that vanishes
-without closing its connections (a cable pulled) leaves ggml waiting on TCP.
+The check is a TCP connect; an endpoint that takes the connection but does
+not answer ggml's handshake in HANDSHAKE_TIMEOUT (an rpc-server busy with
+another client: it serves one at a time) is reported through ``on_stall``,
+since ggml's wait cannot be interrupted.  A machine that vanishes without
+closing its connections (a cable pulled) mid-request leaves ggml waiting on
+TCP.
 """
 
 import socket
 import struct
+import threading
 import time
 
 from .. import libllama
@@ -32,6 +35,10 @@ from ..errors import ModelLoadError, RpcUnavailable
 # Seconds a check waits for an endpoint's TCP handshake: a loopback or LAN
 # connect takes microseconds; a filtered port never answers.
 CONNECT_TIMEOUT = 3.0
+# Seconds an rpc-server may take to answer ggml's handshake and list its
+# devices.  One busy with another client (it serves one at a time) takes the
+# connection and says nothing until that client leaves; ggml would wait.
+HANDSHAKE_TIMEOUT = 15.0
 # When ggml is already aborting: how long each try waits, and how long the
 # tries go on.  A killed rpc-server's connection to us can close before its
 # listening socket does, so the first try may still get through.
@@ -70,16 +77,30 @@ def check_endpoints(endpoints, timeout=CONNECT_TIMEOUT):
             raise RpcUnavailable("rpc-server %s (--rpc) is unreachable: %s" % (endpoint, why))
 
 
-def connect(lib, endpoints):
+def connect(lib, endpoints, on_stall=None):
     """The devices of ``endpoints``' rpc-servers, in that order (libllama.Device list).
 
     Raises RpcUnavailable for an endpoint that does not answer, and
-    ModelLoadError for one that offers no device.
+    ModelLoadError for one that offers no device.  ``on_stall(error)`` is
+    called, from another thread, with the RpcUnavailable of an endpoint whose
+    handshake takes past HANDSHAKE_TIMEOUT (the worker ends itself there).
     """
     check_endpoints(endpoints)
     devices = []
     for endpoint in endpoints:
-        found = libllama.rpc_devices(lib, endpoint)
+        timer = None
+        if on_stall is not None:
+            err = RpcUnavailable("rpc-server %s (--rpc) took the connection but did not answer "
+                                 "in %g s; is it serving another client? (an rpc-server serves "
+                                 "one at a time)" % (endpoint, HANDSHAKE_TIMEOUT))
+            timer = threading.Timer(HANDSHAKE_TIMEOUT, on_stall, [err])
+            timer.daemon = True
+            timer.start()
+        try:
+            found = libllama.rpc_devices(lib, endpoint)
+        finally:
+            if timer is not None:
+                timer.cancel()
         if not found:
             raise ModelLoadError("rpc-server %s (--rpc) offers no device" % endpoint)
         devices += found

@@ -114,12 +114,12 @@ class Loaded:
         self.embedder = embedder or Embedder.for_model(model, n_ctx=sessions[0].n_ctx)
 
     @classmethod
-    def load(cls, args, progress=True):
+    def load(cls, args, progress=True, on_rpc_stall=None):
         split = [float(x) for x in args.tensor_split.split(",")] if args.tensor_split else None
         model = Model.load(args.model, lib_path=args.lib, verbose=args.verbose,
                            progress=progress, rpc_endpoints=rpc.split_endpoints(args.rpc),
                            n_gpu_layers=args.n_gpu_layers, tensor_split=split,
-                           repack=not args.no_repack)
+                           repack=not args.no_repack, on_rpc_stall=on_rpc_stall)
         sessions = []
         threads = decode_threads(model, args.threads, args.threads_batch)
         try:
@@ -512,6 +512,14 @@ def main(argv=None):
                 out.write(protocol.encode({"op": "progress", "value": pct / 100.0}))
                 out.flush()
 
+    def stalled(err):
+        # an rpc-server that never answers the handshake: ggml would wait for
+        # good, so the load fails from here, and the process with it
+        if out_lock.acquire(timeout=1.0):
+            out.write(protocol.encode({"op": "failed", "error": protocol.encode_error(err)}))
+            out.flush()
+        os._exit(1)
+
     if args.rpc:
         endpoints = rpc.split_endpoints(args.rpc)
 
@@ -527,7 +535,7 @@ def main(argv=None):
         except OffgridError:
             pass        # Loaded.load says what is wrong with the library
     try:
-        loaded = Loaded.load(args, progress)
+        loaded = Loaded.load(args, progress, stalled)
     except Exception as e:
         with out_lock:
             out.write(protocol.encode({"op": "failed", "error": protocol.encode_error(e)}))
