@@ -14,18 +14,26 @@ MODELS   := models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf \
 HOST     ?= 127.0.0.1
 PORT     ?= 8080
 PORTABLE ?= 0
+# 1: ggml with its RPC backend and ggml-rpc-server (--rpc); 0: without
+RPC      ?= 1
 ARGS     ?=
 PYTEST_ARGS ?=
 
-export PORTABLE
+export PORTABLE RPC
 
-.PHONY: all lib model run test test-fast venv bench soak bundle conformance clean
+.PHONY: all lib rpc-server model run test test-fast venv bench bench-rpc soak bundle conformance clean
 
 all: lib model
 
-# libllama + ggml from the pinned llama.cpp source (cached build).
+# libllama + ggml from the pinned llama.cpp source (cached build), with ggml's
+# RPC backend for --rpc (RPC=0: without it).
 lib:
 	@bash scripts/build_lib.sh lib
+
+# The same, and llama.cpp's ggml-rpc-server from that build, into lib/: run it on
+# each machine that lends a model its memory and cores (README, "Several machines").
+rpc-server:
+	@bash scripts/build_lib.sh --rpc-server lib
 
 lib/libllama.so:
 	@bash scripts/build_lib.sh lib
@@ -80,6 +88,12 @@ bundle:
 BENCH_MODEL ?= models/gemma-3-270m-q4_k_m.gguf
 bench: lib/libllama.so $(BENCH_MODEL)
 	$(PYTHON) bench/run.py --model $(BENCH_MODEL) $(BENCH_ARGS)
+
+# Single-stream generation with the model's layers on rpc-servers over loopback
+# (--rpc) beside the same offgrid with every layer local: a table and
+# bench/results/rpc-latest.json.  RPC_BENCH_ARGS passes flags, e.g. "--rounds 1".
+bench-rpc: lib/libllama.so $(BENCH_MODEL)
+	$(PYTHON) bench/rpc.py --model $(BENCH_MODEL) $(RPC_BENCH_ARGS)
 
 # Mixed traffic from 4 clients for 10 minutes against the default model:
 # prints requests, errors and the server's RSS at start and end, and fails on

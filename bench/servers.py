@@ -62,6 +62,7 @@ class Config:
     parallel: int = 1
     batch: int = 512
     ubatch: int = 512
+    extra: tuple = ()           # more offgrid flags (bench/rpc.py: --rpc)
 
 
 def free_port():
@@ -211,7 +212,7 @@ def offgrid(cfg, bindir=None):
         return [sys.executable, "-m", "offgrid", "-m", cfg.model, "--host", HOST,
                 "--port", str(port)] + _threads(cfg, "-t") + [
                 "-c", str(cfg.ctx), "-np", str(cfg.parallel), "-b", str(cfg.batch),
-                "-ub", str(cfg.ubatch)]
+                "-ub", str(cfg.ubatch)] + [str(x) for x in cfg.extra]
     return Server("offgrid", argv, ready_line="listening on http://")
 
 

@@ -32,6 +32,45 @@ def thread_count(value):
     return n if n > 0 else "auto"
 
 
+def gpu_layers(value):
+    """-ngl: a count of layers, or "auto"/"all" (every layer: -1, as llama.h takes it)."""
+    if value in ("auto", "all"):
+        return -1
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError("a number of layers, auto or all, not %r" % value)
+
+
+def tensor_split(value):
+    """-ts: proportions, "3,1" (llama-server also takes "3/1")."""
+    try:
+        parts = [float(x) for x in value.replace("/", ",").split(",") if x.strip()]
+    except ValueError:
+        parts = []
+    if not parts or any(not (x >= 0) or x == float("inf") for x in parts) or not any(parts):
+        raise argparse.ArgumentTypeError("proportions such as 3,1, not %r" % value)
+    return parts
+
+
+def rpc_endpoints(value, allow_remote):
+    """--rpc's "HOST:PORT[,HOST:PORT...]" as a list; raises ValueError for a malformed one,
+    and for a host that is not this machine's unless ``allow_remote``: rpc-server has no
+    authentication, so nobody should point a model at one on a network by accident."""
+    out = []
+    for endpoint in (e.strip() for e in value.split(",")):
+        host, _, port = endpoint.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError("--rpc %s: give HOST:PORT, e.g. 127.0.0.1:50052" % endpoint)
+        if not allow_remote and not is_loopback(host):
+            raise ValueError("--rpc %s is not on this machine; rpc-server has no "
+                             "authentication, so offgrid only reaches one elsewhere with "
+                             "--rpc-allow-remote, over a private network or a tunnel (README, "
+                             "\"Several machines\")" % endpoint)
+        out.append(endpoint)
+    return out
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="offgrid", description="A local LLM server over libllama.")
     p.add_argument("-m", "--model", help="GGUF model for text and chat requests, loaded at "
@@ -139,6 +178,23 @@ def parse_args(argv=None):
                    default="auto", help="where a chat reply's thinking goes, where a request "
                    "does not say: reasoning_content (auto, deepseek), content too "
                    "(deepseek-legacy), or left in content (none)")
+    # several machines (engine/rpc.py): llama.cpp's RPC backend, as llama-server's flags
+    p.add_argument("--rpc", metavar="HOST:PORT[,...]",
+                   help="put the model's layers on llama.cpp's rpc-servers (ggml-rpc-server, "
+                   "`make rpc-server`) at these endpoints (README, \"Several machines\")")
+    p.add_argument("--rpc-allow-remote", action="store_true",
+                   help="let --rpc reach hosts other than this one (rpc-server has no "
+                   "authentication: a private network or a tunnel only)")
+    p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="n_gpu_layers",
+                   type=gpu_layers, default=None, metavar="N",
+                   help="with --rpc: how many layers go to its devices, the last ones; the "
+                   "others stay here (a number, auto or all; default all)")
+    p.add_argument("-ts", "--tensor-split", type=tensor_split, default=None, metavar="N0,N1,...",
+                   help="with --rpc: each device's proportion of those layers, in --rpc order "
+                   "(default: by the memory each has free)")
+    p.add_argument("-nr", "--no-repack", action="store_true",
+                   help="keep the CPU's weights as the file has them, not repacked for "
+                   "faster kernels (which sum in another order than an rpc-server's)")
     p.add_argument("--lib", help="path to libllama.so or its folder (default: lib/, "
                    "$OFFGRID_LIB, the system)")
     p.add_argument("--worker-max-rss", type=float, default=None, metavar="MIB",
@@ -153,6 +209,15 @@ def parse_args(argv=None):
                 "--models-preset FILE)")
     if not 1 <= args.spec_draft_n_max <= 64:
         p.error("--spec-draft-n-max must be between 1 and 64")
+    if args.rpc is not None:
+        try:
+            args.rpc = ",".join(rpc_endpoints(args.rpc, args.rpc_allow_remote))
+        except ValueError as e:
+            p.error(str(e))
+    elif args.n_gpu_layers is not None or args.tensor_split is not None:
+        # llama-server warns too: there is no device to put layers on
+        print("offgrid: warning: -ngl and --tensor-split do nothing without --rpc",
+              file=sys.stderr)
     # the flags given on the command line win over a preset's (llama-server's rule)
     for action in p._actions:
         action.default = argparse.SUPPRESS
@@ -207,11 +272,19 @@ def worker_args(path, args, chat_template=None, decode_lock=None):
                         ("--chat-template", chat_template), ("--decode-lock", decode_lock)):
         if value is not None:
             out += [flag, str(value)]
+    if args.rpc:
+        out += ["--rpc", args.rpc]
+        if args.n_gpu_layers is not None:
+            out += ["--n-gpu-layers", str(args.n_gpu_layers)]
+        if args.tensor_split:
+            out += ["--tensor-split", ",".join(repr(x) for x in args.tensor_split)]
     pooling = "rank" if args.reranking else args.pooling
     if pooling is not None:
         out += ["--pooling", pooling]
     if args.no_swa_full:
         out.append("--no-swa-full")
+    if args.no_repack:
+        out.append("--no-repack")
     if args.context_shift:
         out.append("--context-shift")
     out += ["--reasoning", args.reasoning, "--reasoning-format", args.reasoning_format]

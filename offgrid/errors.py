@@ -11,6 +11,7 @@ every layer may import this module.
     ├── ContextError            a llama_context could not be created
     ├── DecodeError             llama_decode failed mid-request (a bug or out of memory)
     ├── WorkerDied              a model's worker process ended while serving the request
+    ├── RpcUnavailable          an rpc-server holding the model's layers cannot be reached (503)
     └── InvalidRequest          the caller asked for something impossible (4xx)
         ├── ContextFull         the prompt (plus generation) cannot fit the context
         ├── InvalidToken        a token id outside the vocabulary
@@ -51,6 +52,13 @@ class WorkerDied(OffgridError):
     def __init__(self, message, how=None):
         super().__init__(message)
         self.how = how
+
+
+class RpcUnavailable(OffgridError):
+    """An rpc-server endpoint (``--rpc``) that holds some of the model's layers is down:
+    refused at load, or gone mid-request.  The message names the endpoint; the
+    worker is reloaded once it answers again.
+    """
 
 
 class InvalidRequest(OffgridError):

@@ -17,7 +17,9 @@ libllama: ModelHandle (a model, its metadata and vocabulary), ContextHandle
 (a context, its batch, abort flag and ``memory``, a Memory), SamplerHandle
 (one sampler or chain, a constructor per kind), Candidates (a reusable
 candidates array) and ThreadPool.  Each C handle has one owner, whose
-close() frees it once.
+close() frees it once.  Device is a ggml backend device (an rpc-server's,
+from rpc_devices()), which ggml's registry owns; on_ggml_abort() hooks
+GGML_ABORT.
 
 Functions are bound on first use: a library that lacks one symbol still loads,
 and the error names the symbol when (and only when) offgrid needs it.
@@ -126,6 +128,8 @@ def _callback(c_name, restype, argtypes):
 llama_progress_callback = _callback("llama_progress_callback", c_bool, [c_float, c_void_p])
 # typedef void (*ggml_log_callback)(enum ggml_log_level level, const char * text, void * user_data);
 ggml_log_callback = _callback("ggml_log_callback", None, [enum_ggml_log_level, c_char_p, c_void_p])
+# typedef void (*ggml_abort_callback_t)(const char * error_message);   (ggml.h: GGML_ABORT's hook)
+ggml_abort_callback_t = _callback("ggml_abort_callback_t", None, [c_char_p])
 
 # ---------------------------------------------------------------------------
 # Structs, every field in C order and C type
@@ -287,6 +291,8 @@ _PROTOTYPES = {
     "llama_context_default_params": (llama_context_params, []),
     # struct llama_sampler_chain_params llama_sampler_chain_default_params(void);
     "llama_sampler_chain_default_params": (llama_sampler_chain_params, []),
+    # size_t llama_max_devices(void);
+    "llama_max_devices": (c_size_t, []),
 
     # --- model ---------------------------------------------------------------
     # struct llama_model * llama_model_load_from_file(const char * path_model, struct llama_model_params params);
@@ -483,6 +489,21 @@ _GGML_PROTOTYPES = {
     "ggml_backend_reg_get_proc_address": (c_void_p, [ggml_backend_reg_t, c_char_p]),
     # void ggml_threadpool_params_init(struct ggml_threadpool_params * p, int n_threads);
     "ggml_threadpool_params_init": (None, [POINTER(ggml_threadpool_params), c_int]),
+    # ggml_abort_callback_t ggml_set_abort_callback(ggml_abort_callback_t callback);
+    "ggml_set_abort_callback": (_spelled(c_void_p, "ggml_abort_callback_t"),
+                                [ggml_abort_callback_t]),
+    # ggml_backend_reg_t ggml_backend_reg_by_name(const char * name);
+    "ggml_backend_reg_by_name": (ggml_backend_reg_t, [c_char_p]),
+    # size_t ggml_backend_reg_dev_count(ggml_backend_reg_t reg);
+    "ggml_backend_reg_dev_count": (c_size_t, [ggml_backend_reg_t]),
+    # ggml_backend_dev_t ggml_backend_reg_dev_get(ggml_backend_reg_t reg, size_t index);
+    "ggml_backend_reg_dev_get": (ggml_backend_dev_t, [ggml_backend_reg_t, c_size_t]),
+    # const char * ggml_backend_dev_name(ggml_backend_dev_t device);
+    "ggml_backend_dev_name": (c_char_p, [ggml_backend_dev_t]),
+    # const char * ggml_backend_dev_description(ggml_backend_dev_t device);
+    "ggml_backend_dev_description": (c_char_p, [ggml_backend_dev_t]),
+    # void ggml_backend_dev_memory(ggml_backend_dev_t device, size_t * free, size_t * total);
+    "ggml_backend_dev_memory": (None, [ggml_backend_dev_t, POINTER(c_size_t), POINTER(c_size_t)]),
 }
 
 # Found through the CPU backend's registry entry (ggml-cpu.h), so called
@@ -493,6 +514,9 @@ _PROC_PROTOTYPES = {
                             [POINTER(ggml_threadpool_params)]),
     # void ggml_threadpool_free(struct ggml_threadpool * threadpool);
     "ggml_threadpool_free": (None, [_spelled(c_void_p, "struct ggml_threadpool *")]),
+    # the RPC backend's registry entry (ggml-rpc.h):
+    # ggml_backend_reg_t ggml_backend_rpc_add_server(const char * endpoint);
+    "ggml_backend_rpc_add_server": (ggml_backend_reg_t, [c_char_p]),
 }
 
 
@@ -503,6 +527,7 @@ def _proc_type(name):
 
 _ggml_threadpool_new = _proc_type("ggml_threadpool_new")
 _ggml_threadpool_free = _proc_type("ggml_threadpool_free")
+_ggml_backend_rpc_add_server = _proc_type("ggml_backend_rpc_add_server")
 
 
 class Library:
@@ -736,17 +761,46 @@ class ModelHandle:
     its vocabulary is a method here.
     """
 
-    def __init__(self, lib, path, progress=None, vocab_only=False):
+    def __init__(self, lib, path, progress=None, vocab_only=False, devices=(), n_gpu_layers=None,
+                 tensor_split=None, repack=True):
         """Load ``path``; ``progress(fraction)`` is called while loading.
 
         ``vocab_only`` loads the tokenizer and metadata but no weights: enough
         to tokenize, not to create a context.
+
+        ``devices`` (Device objects, e.g. rpc_devices()) are the model's device
+        list; without any the model is on the CPU alone.  ``n_gpu_layers`` of
+        its layers go to them (None or negative: all, the output layer
+        counting as one, as llama.h says), the last ones: the first stay on
+        the CPU.  ``tensor_split`` gives each device's proportion of them, in
+        ``devices`` order (None: by the memory each reports free).
+
+        ``repack`` False keeps the CPU's weights as the file has them rather
+        than repacked for its faster kernels (llama-server's --no-repack):
+        those sum in another order, and an rpc-server never repacks.
         """
         self.lib = lib
         params = lib.llama_model_default_params()
-        params.n_gpu_layers = 0      # offgrid targets the CPU
         params.vocab_only = vocab_only
+        params.use_extra_bufts = repack
         self.vocab_only = vocab_only
+        # the arrays libllama reads while loading (it copies the device list)
+        keep = []
+        if devices and not vocab_only:
+            arr = (c_void_p * (len(devices) + 1))(*[d.ptr for d in devices], None)
+            keep.append(arr)
+            params.devices = ctypes.cast(arr, c_void_p)
+            params.n_gpu_layers = -1 if n_gpu_layers is None or n_gpu_layers < 0 else n_gpu_layers
+            if tensor_split:
+                n_max = lib.llama_max_devices()
+                if len(tensor_split) > n_max:
+                    raise ValueError("--tensor-split has %d proportions; libllama takes at most %d"
+                                     % (len(tensor_split), n_max))
+                split = (c_float * n_max)(*tensor_split)
+                keep.append(split)
+                params.tensor_split = ctypes.cast(split, POINTER(c_float))
+        else:
+            params.n_gpu_layers = 0      # no devices: the CPU holds every layer
         if progress is not None:
             def on_progress(fraction, _user_data):
                 progress(fraction)
@@ -902,6 +956,71 @@ class ThreadPool:
         ptr, self.ptr = self.ptr, None
         if ptr:
             self._free(ptr)
+
+
+class Device:
+    """One ggml backend device the model may put layers on (a ``ggml_backend_dev_t``).
+
+    Devices belong to ggml's backend registry for the life of the process:
+    nothing to free.  ``endpoint`` is the rpc-server it stands for;
+    ``free``/``total`` are the bytes it reported when listed.
+    """
+
+    def __init__(self, lib, ptr, endpoint=None):
+        self.ptr = ptr
+        self.endpoint = endpoint
+        self.name = (lib.ggml_backend_dev_name(ptr) or b"").decode("utf-8", "replace")
+        self.description = (lib.ggml_backend_dev_description(ptr) or b"").decode("utf-8",
+                                                                                 "replace")
+        free, total = c_size_t(0), c_size_t(0)
+        lib.ggml_backend_dev_memory(ptr, ctypes.byref(free), ctypes.byref(total))
+        self.free, self.total = free.value, total.value
+
+
+def rpc_devices(lib, endpoint):
+    """The devices an rpc-server at ``endpoint`` ("host:port") offers, through ggml's RPC
+    backend (found in the registry by name, as llama-server's --rpc does).
+
+    ggml connects to the server here and GGML_ABORTs when it cannot, so the
+    caller checks first that the endpoint answers (engine/rpc.py).  Raises
+    LibraryError when the library was built without the RPC backend.
+    """
+    reg = lib.ggml_backend_reg_by_name(b"RPC")
+    add = lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_rpc_add_server") if reg else None
+    if not add:
+        raise LibraryError("libllama at %s was built without ggml's RPC backend; rebuild it "
+                           "with `make lib`" % lib.path)
+    server = _ggml_backend_rpc_add_server(add)(endpoint.encode())
+    if not server:
+        return []       # the server offers no device
+    return [Device(lib, lib.ggml_backend_reg_dev_get(server, i), endpoint)
+            for i in range(lib.ggml_backend_reg_dev_count(server))]
+
+
+_abort_hook = None      # kept alive: ggml holds the C pointer
+
+
+def on_ggml_abort(lib, hook):
+    """Call ``hook(message)`` when ggml aborts the process (GGML_ABORT, a failed
+    GGML_ASSERT), just before abort(): the last word a worker gets.
+
+    ggml then prints nothing itself, so the message goes to stderr here
+    first.  The hook runs on whichever thread aborts (a C++ thread of the RPC
+    backend too) and must not wait on anything another thread may hold.
+    """
+    global _abort_hook
+
+    def on_abort(message):
+        text = (message or b"").decode("utf-8", "replace")
+        sys.stderr.write("ggml: %s\n" % text.rstrip())
+        sys.stderr.flush()
+        try:
+            hook(text)
+        except BaseException:   # an exception cannot cross into C; abort() follows anyway
+            pass
+
+    _abort_hook = ggml_abort_callback_t(on_abort)
+    lib.ggml_set_abort_callback(_abort_hook)
 
 
 class ContextHandle:

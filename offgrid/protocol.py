@@ -18,6 +18,9 @@ Front -> worker
 Worker -> front
     {"op": "ready", "info": {...}}      once, when the model and its sessions are loaded
     {"op": "failed", "error": ERR}      instead of "ready": the model did not load
+    {"op": "progress", "value": F}      while loading: the fraction libllama has read
+    {"op": "fatal", "error": ERR}       last words: ggml is aborting the process; the
+                                        requests running get ERR (an RpcUnavailable)
     {"op": "piece", "id": N, "text": TEXT[, "probs": PROBS]}
     {"op": "delta", "id": N, "delta": {"content"|"reasoning_content"|"tool_call": ...}
                                      [, "probs": PROBS]}

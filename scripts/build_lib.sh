@@ -13,17 +13,24 @@
 # benchmark compares the servers, not where each process's heap happened to
 # put a buffer (see the first patch).
 #
+# ggml is built with its RPC backend (ggml-rpc.h), which offgrid's --rpc uses,
+# and llama.cpp's ggml-rpc-server with it (README, "Several machines"); RPC=0
+# leaves both out.
+#
 # usage: scripts/build_lib.sh [DEST]        (PORTABLE=1 for run-time CPU variants)
+#        scripts/build_lib.sh --rpc-server [DEST]
+#                                            the same, and ggml-rpc-server beside
+#                                            the libraries it loads
 #        scripts/build_lib.sh --server       llama-server and llama-bench from the
 #                                            same source, for benchmarks and golden
 #                                            files; prints the folder holding them
 set -euo pipefail
 
-if [ "${1:-}" = "--server" ]; then
-    MODE=server; shift
-else
-    MODE=lib
-fi
+case "${1:-}" in
+    --server) MODE=server; shift ;;
+    --rpc-server) MODE=rpc-server; shift ;;
+    *) MODE=lib ;;
+esac
 
 PKG_VERSION=0.3.36
 PKG_SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
@@ -31,7 +38,8 @@ SHORT=${PKG_SHA256:0:12}
 CACHE=${OFFGRID_CACHE:-$HOME/.cache/offgrid}
 DEST=${1:-lib}
 PORTABLE=${PORTABLE:-0}
-FLAVOUR=$([ "$PORTABLE" = 1 ] && echo portable || echo native)
+RPC=${RPC:-1}
+FLAVOUR=$([ "$PORTABLE" = 1 ] && echo portable || echo native)$([ "$RPC" = 1 ] && echo -rpc)
 
 SDIST_DIR=$CACHE/llama-cpp-python-$PKG_VERSION-$SHORT
 SDIST=$SDIST_DIR/llama_cpp_python-$PKG_VERSION.tar.gz
@@ -99,22 +107,36 @@ build() {
     else
         cpu_flags="-DGGML_NATIVE=ON"
     fi
+    # ggml's RPC backend (ggml-rpc.h) and its ggml-rpc-server, which lives
+    # under tools/: configuring tools needs common, but only the targets
+    # named below are built
+    local rpc_flags targets=(llama)
+    if [ "$RPC" = 1 ]; then
+        rpc_flags="-DGGML_RPC=ON -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TOOLS=ON"
+        targets+=(ggml-rpc-server)
+    else
+        rpc_flags="-DGGML_RPC=OFF -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_TOOLS=OFF"
+    fi
     log "configuring ($FLAVOUR) in $BUILD"
     # shellcheck disable=SC2086
     cmake -S "$LIB_SRC" -B "$BUILD/cmake" -DCMAKE_BUILD_TYPE=Release \
-        -DBUILD_SHARED_LIBS=ON -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_TESTS=OFF \
-        -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+        -DBUILD_SHARED_LIBS=ON -DLLAMA_BUILD_TESTS=OFF $rpc_flags \
+        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
         -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DGGML_OPENMP=OFF \
         -DCMAKE_INSTALL_RPATH='$ORIGIN' -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON \
         $cpu_flags >"$BUILD.configure.log" 2>&1 \
       || { tail -30 "$BUILD.configure.log"; exit 1; }
     # the llama target pulls in ggml and, with PORTABLE=1, every CPU variant
-    log "building (about 2 minutes on 2 cores; 15 or more with PORTABLE=1)"
-    cmake --build "$BUILD/cmake" --target llama -j "$(nproc)" >"$BUILD.build.log" 2>&1 \
+    log "building (a few minutes on 2 cores; 15 or more with PORTABLE=1)"
+    cmake --build "$BUILD/cmake" --target "${targets[@]}" -j "$(nproc)" >"$BUILD.build.log" 2>&1 \
       || { tail -30 "$BUILD.build.log"; exit 1; }
     rm -rf "$INSTALLED"; mkdir -p "$INSTALLED"
     find "$BUILD/cmake/bin" -maxdepth 1 \( -name 'libllama.so*' -o -name 'libggml*.so*' \) \
         -exec cp -a {} "$INSTALLED/" \;
+    if [ "$RPC" = 1 ]; then
+        mkdir -p "$INSTALLED/bin"
+        cp "$BUILD/cmake/bin/ggml-rpc-server" "$INSTALLED/bin/"
+    fi
     touch "$INSTALLED/.done"
 }
 
@@ -146,7 +168,13 @@ if [ "$MODE" = server ]; then
 fi
 build
 mkdir -p "$DEST"
-rm -f "$DEST"/libllama.so* "$DEST"/libggml*.so*
+rm -f "$DEST"/libllama.so* "$DEST"/libggml*.so* "$DEST"/ggml-rpc-server
 cp -a "$INSTALLED"/lib*.so* "$DEST/"
+if [ "$MODE" = rpc-server ]; then
+    [ -x "$INSTALLED/bin/ggml-rpc-server" ] || { log "no ggml-rpc-server in a build with RPC=0"; exit 1; }
+    # beside the libraries: its run path is $ORIGIN, and a portable build's
+    # ggml looks there for its CPU variants
+    cp "$INSTALLED/bin/ggml-rpc-server" "$DEST/"
+fi
 ln -sfn "$SRC" "$CACHE/llama.cpp"   # stable path to the pinned source (llama.h, models/)
 log "installed into $DEST: $(cd "$DEST" && ls lib*.so* | tr '\n' ' ')"

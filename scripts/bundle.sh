@@ -6,7 +6,8 @@
 #
 #   offgrid/        the package, as in this checkout
 #   lib/            a portable libllama (`make lib PORTABLE=1`): no -march=native;
-#                   ggml loads the best libggml-cpu-<variant>.so for the CPU at run time
+#                   ggml loads the best libggml-cpu-<variant>.so for the CPU at run time;
+#                   and llama.cpp's ggml-rpc-server, for the other machines of --rpc
 #   __main__.py     so that `python3 -I <folder>` runs offgrid in isolated mode
 #   LICENSES/       the notices of what the libraries are built from
 #   README.txt      how to run it, and the oldest glibc and libstdc++ it runs on,
@@ -52,9 +53,9 @@ mkdir -p "$STAGE" "$DIST" "$CACHE"
 # --- the portable libraries ---------------------------------------------------
 # One portable build at a time per cache: two would share its cmake folder.
 if command -v flock >/dev/null; then
-    flock "$CACHE/.portable.lock" env PORTABLE=1 bash scripts/build_lib.sh "$STAGE/lib"
+    flock "$CACHE/.portable.lock" env PORTABLE=1 bash scripts/build_lib.sh --rpc-server "$STAGE/lib"
 else
-    PORTABLE=1 bash scripts/build_lib.sh "$STAGE/lib"
+    PORTABLE=1 bash scripts/build_lib.sh --rpc-server "$STAGE/lib"
 fi
 SRC=$(readlink -f "$CACHE/llama.cpp")   # build_lib.sh links the pinned source here
 
@@ -194,7 +195,10 @@ Contents
 --------
 offgrid/      the Python package
 __main__.py   lets \`python3 -I <this folder>\` run the package
-lib/          libllama and ggml, built portable (no -march=native) with glibc $HOST_GLIBC
+lib/          libllama and ggml, built portable (no -march=native) with glibc $HOST_GLIBC,
+              and ggml-rpc-server: run it on another machine with this folder to lend
+              that machine's memory and cores to a model (--rpc; offgrid's README,
+              "Several machines")
               from llama.cpp as vendored in the llama-cpp-python 0.3.36 sdist, with
               offgrid's patches (scripts/patches in its source; one aligns a buffer)
 LICENSES/     llama.cpp's MIT license (it covers ggml) and the notices of code in lib/

@@ -14,3 +14,10 @@ def test_bench_help_runs():
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "--rounds" in out.stdout and "--only" in out.stdout
+
+
+def test_rpc_bench_help_runs():
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "rpc.py"), "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "--servers" in out.stdout and "--rounds" in out.stdout

@@ -66,7 +66,8 @@ def function_type(restype, argtypes, name=""):
 
 def c_program(tables, callbacks):
     """C source with one function-pointer initialisation per bound function."""
-    lines = ['#include "llama.h"', '#include "ggml-backend.h"', '#include "ggml-cpu.h"', ""]
+    lines = ['#include "llama.h"', '#include "ggml-backend.h"', '#include "ggml-cpu.h"',
+             '#include "ggml-rpc.h"', ""]
     for table in tables:
         for name, (restype, argtypes) in sorted(table.items()):
             lines.append("static %s = %s;" % (function_type(restype, argtypes,
@@ -93,7 +94,8 @@ def compile_errors(source, tmp_path):
 
 
 TABLES = (libllama._PROTOTYPES, libllama._GGML_PROTOTYPES, libllama._PROC_PROTOTYPES)
-CALLBACKS = (libllama.ggml_log_callback, libllama.llama_progress_callback)
+CALLBACKS = (libllama.ggml_log_callback, libllama.llama_progress_callback,
+             libllama.ggml_abort_callback_t)
 
 
 def test_every_bound_function_has_llama_h_types(tmp_path):

@@ -11,6 +11,7 @@ import threading
 
 from .. import libllama
 from ..errors import InvalidToken, ModelLoadError
+from . import rpc
 
 
 def _terminal_progress(name):
@@ -48,9 +49,11 @@ class Model:
       meta                GGUF metadata, key -> value as a string
       chat_template       the model's Jinja template text, or None
       vocab_only          loaded without weights: it tokenizes but cannot generate
+      devices             where its layers are: [{"name", "layers", ...}], the CPU first,
+                          then each --rpc device ("endpoint", "free" and "total" bytes)
     """
 
-    def __init__(self, handle, path):
+    def __init__(self, handle, path, devices=(), n_gpu_layers=None, tensor_split=None):
         self._handle = handle
         self.lib = handle.lib
         self.path = str(path)
@@ -73,6 +76,7 @@ class Model:
 
         self.meta = handle.meta()
         self.chat_template = handle.chat_template()
+        self.devices = self._placement(devices, n_gpu_layers, tensor_split)
 
         # Per-token caches, filled lazily: generation asks for the same few
         # thousand tokens over and over, and a dict lookup beats a C call.
@@ -83,15 +87,28 @@ class Model:
         self._grammar_facts = None
 
     @classmethod
-    def load(cls, path, lib_path=None, progress=True, verbose=False, vocab_only=False):
-        """Load a GGUF file.  Raises ModelLoadError (or LibraryError).
+    def load(cls, path, lib_path=None, progress=True, verbose=False, vocab_only=False,
+             rpc_endpoints=(), n_gpu_layers=None, tensor_split=None, repack=True,
+             on_rpc_stall=None):
+        """Load a GGUF file.  Raises ModelLoadError (or LibraryError, RpcUnavailable).
 
         With ``vocab_only`` only the tokenizer and metadata are loaded (no
         weights): the model can tokenize but cannot back a ChatSession.
+
+        ``rpc_endpoints`` ("host:port" of rpc-servers) put its layers on their
+        devices (engine/rpc.py): ``n_gpu_layers`` of them (None: all), split
+        by ``tensor_split`` (one proportion per device; None: by free memory).
+        ``repack`` False: no repacked CPU weights (libllama.ModelHandle).
+        ``on_rpc_stall``: rpc.connect's ``on_stall``.
         """
         lib = libllama.load(lib_path, verbose=verbose)
         if not os.path.isfile(path):
             raise ModelLoadError("model file not found: %s" % path)
+        devices = (rpc.connect(lib, list(rpc_endpoints), on_rpc_stall)
+                   if rpc_endpoints and not vocab_only else [])
+        if tensor_split and len(tensor_split) > len(devices):
+            raise ModelLoadError("--tensor-split gives %d proportions for %d devices"
+                                 % (len(tensor_split), len(devices)))
         # progress: True draws a bar on a terminal; a callable gets each fraction too
         bar = _terminal_progress(os.path.basename(str(path))) if progress else None
         show = bar
@@ -100,15 +117,33 @@ class Model:
                 progress(fraction)
                 if bar is not None:
                     bar(fraction)
-        handle = libllama.ModelHandle(lib, path, show, vocab_only=vocab_only)
+        handle = libllama.ModelHandle(lib, path, show, vocab_only=vocab_only, devices=devices,
+                                      n_gpu_layers=n_gpu_layers, tensor_split=tensor_split,
+                                      repack=repack)
         if not handle.ptr:
             raise ModelLoadError("libllama could not load the model %s "
                                  "(not a GGUF file, or an unsupported architecture)" % path)
         try:
-            return cls(handle, path)
+            return cls(handle, path, devices, n_gpu_layers, tensor_split)
         except BaseException:
             handle.close()
             raise
+
+    def _placement(self, devices, n_gpu_layers, tensor_split):
+        """The ``devices`` attribute: how many layers each device got (engine/rpc.py)."""
+        try:
+            n_layer = int(self.meta.get("%s.block_count" % self.meta.get("general.architecture")))
+        except (TypeError, ValueError):
+            n_layer = 0
+        weights = list(tensor_split or ()) + [0.0] * (len(devices) - len(tensor_split or ()))
+        if not any(weights):
+            weights = [d.free for d in devices]
+        counts = rpc.layer_split(n_layer, len(devices), n_gpu_layers, weights)
+        out = [{"name": "CPU", "layers": counts[0]}]
+        for d, n in zip(devices, counts[1:]):
+            out.append({"name": d.name, "endpoint": d.endpoint, "description": d.description,
+                        "free": d.free, "total": d.total, "layers": n})
+        return out
 
     # -- lifetime ------------------------------------------------------------
     def close(self):

@@ -30,7 +30,7 @@ import signal
 import sys
 import threading
 
-from .. import protocol
+from .. import libllama, protocol
 from ..chat.gbnf import check_grammar
 from ..chat.prompt import prepare_chat
 from ..chat.reply import Delta as ReplyDelta, ReplyStream, parse_reply
@@ -41,6 +41,7 @@ from ..errors import InvalidRequest, OffgridError
 from ..request import RequestCancel
 from .embed import POOLING, Embedder, model_pooling, to_le
 from .infill import build_infill_prompt
+from . import rpc
 from .model import Model
 from .session import ChatSession, decode_threads, take_turns_with
 
@@ -62,6 +63,12 @@ def parse_args(argv=None):
     p.add_argument("--pooling", choices=sorted(POOLING), default=None,
                    help="embedding pooling (default: the model's, else engine/embed.py's)")
     p.add_argument("--lib", default=None)
+    # the model's layers on rpc-servers (engine/rpc.py); the front checked the values
+    p.add_argument("--rpc", default=None, help="HOST:PORT[,HOST:PORT...]")
+    p.add_argument("--n-gpu-layers", type=int, default=None, help="layers on the --rpc "
+                   "devices (default: all)")
+    p.add_argument("--tensor-split", default=None, help="a proportion per --rpc device")
+    p.add_argument("--no-repack", action="store_true")
     p.add_argument("--decode-lock", default=None,
                    help="a file every worker of one server flocks around each decode")
     # chat defaults a request may override (llama-server's --reasoning, --reasoning-format)
@@ -107,9 +114,12 @@ class Loaded:
         self.embedder = embedder or Embedder.for_model(model, n_ctx=sessions[0].n_ctx)
 
     @classmethod
-    def load(cls, args, progress=True):
+    def load(cls, args, progress=True, on_rpc_stall=None):
+        split = [float(x) for x in args.tensor_split.split(",")] if args.tensor_split else None
         model = Model.load(args.model, lib_path=args.lib, verbose=args.verbose,
-                           progress=progress)
+                           progress=progress, rpc_endpoints=rpc.split_endpoints(args.rpc),
+                           n_gpu_layers=args.n_gpu_layers, tensor_split=split,
+                           repack=not args.no_repack, on_rpc_stall=on_rpc_stall)
         sessions = []
         threads = decode_threads(model, args.threads, args.threads_batch)
         try:
@@ -153,6 +163,8 @@ class Loaded:
             "n_embd_out": m.n_embd_out, "pooling": self.embedder.pooling,
             "pooling_from": self.embedder.pooling_from, "embd_max_tokens": self.embedder.max_tokens,
             "embd_batch": self.embedder.n_batch, "rank_head": model_pooling(m) == POOLING["rank"],
+            # where its layers are: the CPU, then each --rpc device
+            "devices": m.devices,
         }
 
     def kv_bytes(self):
@@ -176,7 +188,7 @@ class Loaded:
 class Worker:
     """Answers the front's frames for one Loaded model."""
 
-    def __init__(self, loaded, out, reasoning="auto", reasoning_format="auto"):
+    def __init__(self, loaded, out, reasoning="auto", reasoning_format="auto", out_lock=None):
         self.loaded = loaded
         self.model = loaded.model
         # what a chat request that does not say gets: enable_thinking (None: as
@@ -184,7 +196,7 @@ class Worker:
         self.enable_thinking = {"on": True, "off": False}.get(reasoning)
         self.reasoning_format = reasoning_format
         self._out = out
-        self._out_lock = threading.Lock()
+        self._out_lock = out_lock or threading.Lock()
         self._cancels = {}              # request id -> RequestCancel of a running generation
         self._lock = threading.Lock()
 
@@ -489,26 +501,51 @@ def main(argv=None):
         logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                             format="offgrid worker %(process)d: %(message)s")
     shown = [-1]
+    out_lock = threading.Lock()     # frames from the loader, the requests, and an abort
 
     def progress(fraction):
         # the front shows it in GET /models while the model loads: whole percents only
         pct = int(fraction * 100)
         if pct != shown[0]:
             shown[0] = pct
-            out.write(protocol.encode({"op": "progress", "value": pct / 100.0}))
-            out.flush()
+            with out_lock:
+                out.write(protocol.encode({"op": "progress", "value": pct / 100.0}))
+                out.flush()
 
+    def stalled(err):
+        # an rpc-server that never answers the handshake: ggml would wait for
+        # good, so the load fails from here, and the process with it
+        if out_lock.acquire(timeout=1.0):
+            out.write(protocol.encode({"op": "failed", "error": protocol.encode_error(err)}))
+            out.flush()
+        os._exit(1)
+
+    if args.rpc:
+        endpoints = rpc.split_endpoints(args.rpc)
+
+        def last_word(message):
+            # ggml aborts (an rpc-server went away): tell the front which one,
+            # so it answers 503 naming it rather than "SIGABRT"
+            err = rpc.abort_error(message, endpoints)
+            if err is not None and out_lock.acquire(timeout=1.0):
+                out.write(protocol.encode({"op": "fatal", "error": protocol.encode_error(err)}))
+                out.flush()
+        try:
+            libllama.on_ggml_abort(libllama.load(args.lib, verbose=args.verbose), last_word)
+        except OffgridError:
+            pass        # Loaded.load says what is wrong with the library
     try:
-        loaded = Loaded.load(args, progress)
+        loaded = Loaded.load(args, progress, stalled)
     except Exception as e:
-        out.write(protocol.encode({"op": "failed", "error": protocol.encode_error(e)}))
-        out.flush()
+        with out_lock:
+            out.write(protocol.encode({"op": "failed", "error": protocol.encode_error(e)}))
+            out.flush()
         return 1
     # The vocabulary scans grammar checks and ignore_eos need (about 2 s on
     # a 262k vocabulary) run now, as part of loading: off the first request's
     # path, and before anyone measures what a loaded worker holds.
     loaded.model.grammar_facts
-    worker = Worker(loaded, out, args.reasoning, args.reasoning_format)
+    worker = Worker(loaded, out, args.reasoning, args.reasoning_format, out_lock)
     worker.send({"op": "ready", "info": loaded.info()})
     worker.serve(inp)
     # The front is gone.  Requests may still be running on other threads

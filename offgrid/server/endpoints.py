@@ -104,6 +104,8 @@ def props(h, _body):
         "is_sleeping": e.worker is None,
         "infill": svc.fim.has_fim,
         "threads": _threads_of(e),
+        # where the model's layers are: the CPU here, then each --rpc device
+        "devices": info.get("devices") or [],
     })
 
 

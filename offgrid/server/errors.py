@@ -80,6 +80,8 @@ def to_http_error(exc):
         return BadRequest(str(exc), type="exceed_context_size_error")
     if isinstance(exc, errors.InvalidRequest):
         return BadRequest(str(exc))
+    if isinstance(exc, errors.RpcUnavailable):
+        return Unavailable(str(exc))
     if isinstance(exc, errors.DecodeError):
         return HTTPError("inference failed: %s; the session was reset" % exc)
     if isinstance(exc, errors.OffgridError):

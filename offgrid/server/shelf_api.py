@@ -120,6 +120,15 @@ def metric_lines(shelf, label):
         out += ["# HELP %s %s" % (name, help_text), "# TYPE %s %s" % (name, kind)]
         for e in entries:
             out.append('%s{model="%s"} %s' % (name, label(e.id), value(e)))
+    # where each loaded model's layers are (engine/rpc.py): the CPU, the --rpc devices
+    out += ["# HELP offgrid_model_device_layers Layers of the model on each device (CPU: "
+            "this machine; RPCn: an rpc-server at endpoint).",
+            "# TYPE offgrid_model_device_layers gauge"]
+    for e in entries:
+        for d in ((e.info or {}).get("devices") or []) if e.status == "loaded" else []:
+            out.append('offgrid_model_device_layers{model="%s",device="%s",endpoint="%s"} %d'
+                       % (label(e.id), label(d["name"]), label(d.get("endpoint") or ""),
+                          d["layers"]))
     return out
 
 

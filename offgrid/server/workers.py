@@ -20,6 +20,13 @@ noticed at once by EOF on its pipe: every request it was serving fails with
 WorkerDied saying how, and the worker is started again with backoff while
 requests for the model wait (``wait_ready``).  A worker whose front dies
 sees EOF on its stdin and exits.
+
+A worker may say why before it dies: a "fatal" frame carries the error its
+requests get instead of WorkerDied (an rpc-server that went away is an
+RpcUnavailable, a 503 naming it).  While a restart cannot load the model
+because an rpc-server is down (its "failed" frame says RpcUnavailable), the
+restarts go on with backoff, so the model comes back with the endpoint,
+and requests get that 503 at once instead of waiting for them.
 """
 
 import itertools
@@ -33,7 +40,7 @@ import threading
 import time
 
 from .. import protocol
-from ..errors import ModelLoadError, WorkerDied
+from ..errors import ModelLoadError, RpcUnavailable, WorkerDied
 from .errors import Unavailable
 
 log = logging.getLogger("offgrid.workers")
@@ -126,6 +133,11 @@ class WorkerClient:
         self.on_progress = None             # fraction -> None, while the model loads
         self.state = "loading"              # loading, ready, failed, closed
         self.error = None                   # why it failed to load
+        # while restarts cannot load the model for an rpc-server that is down:
+        # the RpcUnavailable message requests get at once (None otherwise)
+        self.unavailable = None
+        self._said_waiting = False          # the log said so once per outage
+        self._fatal = None                  # the error a dying worker said its requests get
         self.starts = 0
         self.deaths = 0
         self.last_death = None
@@ -144,10 +156,13 @@ class WorkerClient:
         """Start the worker and wait until its model is loaded.
 
         Raises ModelLoadError if the model does not load (the worker says
-        why, or dies saying nothing).
+        why, or dies saying nothing), Unavailable (503) naming the --rpc
+        endpoint that does not answer: that is no fault of the model.
         """
         self._spawn()
         if not self.wait_ready(timeout or self.ready_timeout, raise_unavailable=False):
+            if self.unavailable:
+                raise Unavailable(self.unavailable)
             raise ModelLoadError(self.error or "the worker for %s did not start" % self.name)
         return self
 
@@ -156,6 +171,7 @@ class WorkerClient:
         with self._cond:
             self._proc = proc
             self._killed_for = None
+            self._fatal = None
             self.state = "loading"
             self.starts += 1
             self._started_at = time.monotonic()
@@ -173,9 +189,11 @@ class WorkerClient:
     def wait_ready(self, timeout=None, raise_unavailable=True):
         """Wait for a loaded worker; True if ready, else False or Unavailable."""
         with self._cond:
-            self._cond.wait_for(lambda: self.state != "loading", timeout)
+            self._cond.wait_for(lambda: self.state != "loading" or self.unavailable, timeout)
             if self.state == "ready":
                 return True
+            if self.unavailable and raise_unavailable:
+                raise Unavailable(self.unavailable)
         if raise_unavailable:
             if self.state == "failed":
                 raise Unavailable("model %s failed to load: %s" % (self.name, self.error))
@@ -243,8 +261,11 @@ class WorkerClient:
                 op = frame.get("op")
                 if op == "ready":
                     with self._cond:
+                        if self.unavailable:
+                            sys.stderr.write("offgrid: model %s is back\n" % self.name)
                         self.info = frame["info"]
                         self.state = "ready"
+                        self.unavailable, self._said_waiting = None, False
                         self._cond.notify_all()
                     continue
                 if op == "progress":
@@ -252,9 +273,16 @@ class WorkerClient:
                     if self.on_progress is not None:
                         self.on_progress(frame.get("value", 0.0))
                     continue
-                if op == "failed":
+                if op in ("failed", "fatal"):
+                    # failed: the model did not load; fatal: the worker is about to
+                    # abort, and says what its requests should get
                     with self._cond:
                         self.error = frame["error"].get("message")
+                        if op == "fatal":
+                            self._fatal = frame["error"]
+                        if frame["error"].get("kind") == RpcUnavailable.__name__:
+                            self.unavailable = self.error
+                            self._cond.notify_all()
                     continue
                 with self._cond:
                     p = self._pending.get(frame.get("id"))
@@ -273,6 +301,12 @@ class WorkerClient:
             loaded = self.info is not None
             pending = list(self._pending.values())
             self._pending.clear()
+            fatal = self._fatal
+            started = self._started_at
+            # a restart that found an rpc-server down: no news, it retries below
+            waiting = self.unavailable is not None and fatal is None
+            say_waiting = waiting and not self._said_waiting
+            self._said_waiting = self._said_waiting or waiting
             # in the same critical section: no request may open on a dead worker
             if not closing:
                 self.deaths += 1
@@ -284,21 +318,26 @@ class WorkerClient:
                     self.error = self.error or "the worker ended while loading (%s)" % how
             self._cond.notify_all()
         for p in pending:
-            p.queue.put({"op": "died", "how": how})
+            p.queue.put({"op": "died", "how": how, "error": fatal})
         if closing:
             return
         if not loaded:
             # it never loaded: the model (or the library) is at fault, not a request
             log.error("model %s failed to load: %s", self.name, self.error)
             return
-        running = ", ".join(p.what for p in pending) or "nothing"
-        sys.stderr.write("offgrid: the worker for %s died (%s) while running: %s; "
-                         "restarting it\n" % (self.name, how, running))
         with self._cond:
-            if time.monotonic() - self._started_at > self.restart_reset:
+            if time.monotonic() - started > self.restart_reset:
                 self._failures = 0
             delay = self.backoff[min(self._failures, len(self.backoff) - 1)]
             self._failures += 1
+        if not waiting:
+            running = ", ".join(p.what for p in pending) or "nothing"
+            sys.stderr.write("offgrid: the worker for %s died (%s) while running: %s; "
+                             "restarting it\n" % (self.name, fatal and fatal.get("message") or how,
+                                                   running))
+        elif say_waiting:
+            sys.stderr.write("offgrid: model %s waits: %s; retrying every %g s at most\n"
+                             % (self.name, self.unavailable, self.backoff[-1]))
         threading.Thread(target=self._restart, args=(delay,), daemon=True,
                          name="worker-restart-%s" % self.name).start()
 
@@ -373,7 +412,7 @@ class WorkerClient:
         op = frame["op"]
         if op == "result":
             return frame["value"]
-        if op == "error":
+        if op == "error" or frame.get("error"):
             raise protocol.decode_error(frame["error"])
         raise WorkerDied("the worker of model %s died (%s) during this request; it is being "
                          "restarted" % (self.name, frame.get("how")), how=frame.get("how"))
