@@ -7,7 +7,10 @@
 #   offgrid/        the package, as in this checkout
 #   lib/            a portable libllama (`make lib PORTABLE=1`): no -march=native;
 #                   ggml loads the best libggml-cpu-<variant>.so for the CPU at run time;
-#                   and llama.cpp's ggml-rpc-server, for the other machines of --rpc
+#                   with BUNDLE_RPC=1 also ggml's RPC backend and llama.cpp's
+#                   ggml-rpc-server, for the other machines of --rpc (off by default:
+#                   a portable build takes some 16 minutes on 2 cores, and one
+#                   without RPC is already in most caches)
 #   __main__.py     so that `python3 -I <folder>` runs offgrid in isolated mode
 #   LICENSES/       the notices of what the libraries are built from
 #   README.txt      how to run it, and the oldest glibc and libstdc++ it runs on,
@@ -52,12 +55,24 @@ mkdir -p "$STAGE" "$DIST" "$CACHE"
 
 # --- the portable libraries ---------------------------------------------------
 # One portable build at a time per cache: two would share its cmake folder.
+BUNDLE_RPC=${BUNDLE_RPC:-0}
+LIB_MODE=$([ "$BUNDLE_RPC" = 1 ] && echo --rpc-server || true)
 if command -v flock >/dev/null; then
-    flock "$CACHE/.portable.lock" env PORTABLE=1 bash scripts/build_lib.sh --rpc-server "$STAGE/lib"
+    # shellcheck disable=SC2086
+    flock "$CACHE/.portable.lock" env PORTABLE=1 RPC="$BUNDLE_RPC" \
+        bash scripts/build_lib.sh $LIB_MODE "$STAGE/lib"
 else
-    PORTABLE=1 bash scripts/build_lib.sh --rpc-server "$STAGE/lib"
+    # shellcheck disable=SC2086
+    PORTABLE=1 RPC="$BUNDLE_RPC" bash scripts/build_lib.sh $LIB_MODE "$STAGE/lib"
 fi
 SRC=$(readlink -f "$CACHE/llama.cpp")   # build_lib.sh links the pinned source here
+RPC_NOTE=""
+if [ "$BUNDLE_RPC" = 1 ]; then
+    RPC_NOTE=",
+              and ggml-rpc-server: run it on another machine with this folder to lend
+              that machine's memory and cores to a model (--rpc; offgrid's README,
+              \"Several machines\")"
+fi
 
 variants=$(cd "$STAGE/lib" && for f in libggml-cpu-*.so; do [ ! -e "$f" ] || echo "$f"; done \
     | sed 's/^libggml-cpu-//; s/\.so$//' | tr '\n' ' ')
@@ -195,10 +210,7 @@ Contents
 --------
 offgrid/      the Python package
 __main__.py   lets \`python3 -I <this folder>\` run the package
-lib/          libllama and ggml, built portable (no -march=native) with glibc $HOST_GLIBC,
-              and ggml-rpc-server: run it on another machine with this folder to lend
-              that machine's memory and cores to a model (--rpc; offgrid's README,
-              "Several machines")
+lib/          libllama and ggml, built portable (no -march=native) with glibc $HOST_GLIBC$RPC_NOTE
               from llama.cpp as vendored in the llama-cpp-python 0.3.36 sdist, with
               offgrid's patches (scripts/patches in its source; one aligns a buffer)
 LICENSES/     llama.cpp's MIT license (it covers ggml) and the notices of code in lib/
