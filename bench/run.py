@@ -260,14 +260,16 @@ def continuation_variants(args):
     """{variant: (server, Config)}: offgrid without and with ngram-simple, llama-server
     without speculation and with each of SPEC_TYPES."""
     cfg = Config(args.code_model, args.threads, args.ctx, 1, 512, 512)
-    out = {"offgrid": ("offgrid", cfg),
-           "offgrid+ngram-simple": ("offgrid", dataclasses.replace(
-               cfg, extra=("--spec-type", "ngram-simple")))}
+
+    def spec(t):
+        return dataclasses.replace(cfg, extra=("--spec-type", t))
+    # offgrid's "none" is explicit: its default may turn speculation on
+    out = {"offgrid": ("offgrid", spec("none")),
+           "offgrid+ngram-simple": ("offgrid", spec("ngram-simple"))}
     if "llama_server" in args.servers:
         out["llama_server"] = ("llama_server", cfg)
         for t in SPEC_TYPES:
-            out["llama_server+" + t] = ("llama_server", dataclasses.replace(
-                cfg, extra=("--spec-type", t)))
+            out["llama_server+" + t] = ("llama_server", spec(t))
     return {k: v for k, v in out.items() if v[0] in args.servers}
 
 

@@ -68,7 +68,7 @@ def test_continuation_runs_each_speculation_variant_on_the_code_model(bench):
     (ph,) = bench.selected_phases(args, None)
     flags = {k: cfg.extra for k, (server, cfg) in ph.variants.items()}
     assert flags == {
-        "offgrid": (), "offgrid+ngram-simple": ("--spec-type", "ngram-simple"),
+        "offgrid": ("--spec-type", "none"), "offgrid+ngram-simple": ("--spec-type", "ngram-simple"),
         "llama_server": (), "llama_server+ngram-mod": ("--spec-type", "ngram-mod"),
         "llama_server+ngram-simple": ("--spec-type", "ngram-simple"),
         "llama_server+ngram-map-k": ("--spec-type", "ngram-map-k")}
