@@ -564,7 +564,7 @@ def table(result):
         lines.append("")
         lines.append("goals (issues #18 and #20):")
         for what, value, bound, met in g:
-            lines.append("  %-74s %8s  %-8s %s" % (what, fmt(value), bound,
+            lines.append("  %-74s %8s  %-8s %s" % (what, "%.2f" % value, bound,
                                                     "met" if met else "NOT met"))
     return "\n".join(lines)
 
