@@ -82,12 +82,15 @@ bundle:
 
 # offgrid against llama-server on the same model: a table on the terminal and
 # bench/results/latest.json.  bench/run.py gets llama-server and llama-bench
-# from scripts/build_lib.sh --server (built once, cached).  BENCH_ARGS passes
-# flags to it, e.g. BENCH_ARGS="--rounds 1 --only editor".
-# The README's table is measured on gemma-3-270m (BENCH_MODEL), not MODEL.
+# from scripts/build_lib.sh --server and a stock llama-server from
+# --stock-server (each built once, cached).  BENCH_ARGS passes flags to it,
+# e.g. BENCH_ARGS="--rounds 1 --only editor".  The README's table is measured
+# on gemma-3-270m (BENCH_MODEL) and, for code continuation and the editor
+# replay, Qwen2.5-Coder-0.5B (BENCH_CODE_MODEL).
 BENCH_MODEL ?= models/gemma-3-270m-q4_k_m.gguf
-bench: lib/libllama.so $(BENCH_MODEL)
-	$(PYTHON) bench/run.py --model $(BENCH_MODEL) $(BENCH_ARGS)
+BENCH_CODE_MODEL ?= models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+bench: lib/libllama.so $(BENCH_MODEL) $(BENCH_CODE_MODEL)
+	$(PYTHON) bench/run.py --model $(BENCH_MODEL) --code-model $(BENCH_CODE_MODEL) $(BENCH_ARGS)
 
 # Single-stream generation with the model's layers on rpc-servers over loopback
 # (--rpc) beside the same offgrid with every layer local: a table and

@@ -55,10 +55,10 @@ def hogs(n):
             p.wait()
 
 
-def _generation(kind, cfg, bindir, reps, n_hogs, first=None):
+def _generation(kind, cfg, bins, reps, n_hogs, first=None):
     """Median tok/s of ``reps`` streams after the first one under the hog; that
     first stream (which pays for -t auto finding the load) goes to ``first``."""
-    with SERVERS[kind](cfg, bindir) as server:
+    with SERVERS[kind](cfg, bins) as server:
         scenarios.warm_up(server.port)      # on the idle machine, as a server starts
         with hogs(n_hogs):
             got = scenarios.generation(server.port, reps + 1, n_predict=BUSY_GEN_TOKENS)
@@ -67,8 +67,8 @@ def _generation(kind, cfg, bindir, reps, n_hogs, first=None):
     return statistics.median(got["client_tps"][1:])
 
 
-def _editor(cfg, bindir, keys, n_hogs):
-    with SERVERS["offgrid"](cfg, bindir) as server:
+def _editor(cfg, bins, keys, n_hogs):
+    with SERVERS["offgrid"](cfg, bins) as server:
         scenarios.warm_up(server.port)
         editor.warm(server.port)            # the file was open before the machine got busy
         with hogs(n_hogs):
@@ -76,7 +76,7 @@ def _editor(cfg, bindir, keys, n_hogs):
     return statistics.median(out["latency_ms"])
 
 
-def run(args, bindir, fim, log):
+def run(args, bins, fim, log):
     """Every variant once; {figure: value}.  A variant that fails is left out."""
     cores = os.cpu_count() or 1
     n_hogs = args.busy_hogs or max(1, cores - 1)
@@ -97,16 +97,16 @@ def run(args, bindir, fim, log):
         return Config(args.model, threads, args.ctx, 1, 512, 512)
 
     first = []
-    measure("offgrid_auto_tok_s", _generation, "offgrid", gen_cfg(None), bindir, args.reps,
+    measure("offgrid_auto_tok_s", _generation, "offgrid", gen_cfg(None), bins, args.reps,
             n_hogs, first)
     if first:
         out["offgrid_auto_first_tok_s"] = first[0]
-    measure("offgrid_fixed_tok_s", _generation, "offgrid", gen_cfg(cores), bindir, args.reps,
+    measure("offgrid_fixed_tok_s", _generation, "offgrid", gen_cfg(cores), bins, args.reps,
             n_hogs)
-    measure("llama_server_default_tok_s", _generation, "llama_server", gen_cfg(None), bindir,
+    measure("llama_server_default_tok_s", _generation, "llama_server", gen_cfg(None), bins,
             args.reps, n_hogs)
     for k in range(1, cores + 1):
-        measure("llama_server_t%d_tok_s" % k, _generation, "llama_server", gen_cfg(k), bindir,
+        measure("llama_server_t%d_tok_s" % k, _generation, "llama_server", gen_cfg(k), bins,
                 args.reps, n_hogs)
     fixed = {k: out.get("llama_server_t%d_tok_s" % k) for k in range(1, cores + 1)}
     fixed = {k: v for k, v in fixed.items() if v}
@@ -117,8 +117,8 @@ def run(args, bindir, fim, log):
     if fim is not None:
         def editor_cfg(threads):
             return Config(str(fim), threads, args.ctx, 1, 2048, 512)
-        measure("editor_auto_p50_ms", _editor, editor_cfg(None), bindir, BUSY_KEYS, n_hogs)
-        measure("editor_fixed_p50_ms", _editor, editor_cfg(cores), bindir, BUSY_KEYS, n_hogs)
+        measure("editor_auto_p50_ms", _editor, editor_cfg(None), bins, BUSY_KEYS, n_hogs)
+        measure("editor_fixed_p50_ms", _editor, editor_cfg(cores), bins, BUSY_KEYS, n_hogs)
     return out, errors
 
 

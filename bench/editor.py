@@ -45,7 +45,8 @@ N_LINES = 4             # lines taken out (more than N_KEYS characters' worth)
 N_PREFIX, N_SUFFIX = 256, 64
 N_CHUNKS, CHUNK_LINES, ROTATE_EVERY = 6, 16, 3
 T_MAX_PROMPT_MS, T_MAX_PREDICT_MS = 500, 500
-ANSWER_TIMEOUT_S = 120.0
+ANSWER_TIMEOUT_S = 300.0    # an answer at a pause; a server this slow gets no figure
+FIRST_TIMEOUT_S = 600.0     # the first request evaluates the whole ~3,000-token prompt
 
 
 class Document:
@@ -100,8 +101,9 @@ class ChunkRing:
 class InFlight:
     """One /infill request on its own connection, answered or dropped."""
 
-    def __init__(self, port, body):
+    def __init__(self, port, body, timeout=ANSWER_TIMEOUT_S):
         self.port = port
+        self.timeout = timeout
         self.data = json.dumps(body).encode()
         self.t_sent = time.perf_counter()
         self.t_answer = None
@@ -114,7 +116,7 @@ class InFlight:
         self.thread.start()
 
     def _run(self):
-        conn = http.client.HTTPConnection(HOST, self.port, timeout=ANSWER_TIMEOUT_S)
+        conn = http.client.HTTPConnection(HOST, self.port, timeout=self.timeout)
         with self._lock:
             if self._dropped:
                 return
@@ -166,10 +168,17 @@ def warm(port):
     replay on a busy machine starts from a cache filled while it was idle."""
     doc = Document((DATA / "typed_file.py.txt").read_text("utf-8"))
     ring = ChunkRing((DATA / "context_files.py.txt").read_text("utf-8"))
-    first = InFlight(port, body_for(doc, ring, 0))
-    first.thread.join(ANSWER_TIMEOUT_S)
+    _first(port, doc, ring)
+
+
+def _first(port, doc, ring):
+    """The request for the file as it is, answered before typing starts."""
+    first = InFlight(port, body_for(doc, ring, 0), FIRST_TIMEOUT_S)
+    first.thread.join(FIRST_TIMEOUT_S)
     if first.answer is None:
-        raise RuntimeError("editor: the first /infill request failed: %r" % (first.error,))
+        raise RuntimeError("editor: the first /infill request failed: %s"
+                           % (repr(first.error) if first.error else
+                              "no answer within %.0f s" % FIRST_TIMEOUT_S))
 
 
 def replay(port, n_keys=N_KEYS):
@@ -183,10 +192,7 @@ def replay(port, n_keys=N_KEYS):
            "evaluated": [], "predicted_n": [], "requests": 0, "pauses": 0}
     # The file was open before typing started: its first request has been
     # answered, so the cache holds the file as it was (not counted).
-    warm = InFlight(port, body_for(doc, ring, 0))
-    warm.thread.join(ANSWER_TIMEOUT_S)
-    if warm.answer is None:
-        raise RuntimeError("editor: the first /infill request failed: %r" % (warm.error,))
+    _first(port, doc, ring)
     all_requests = []
     current = None
     since_pause = 0
@@ -208,7 +214,9 @@ def replay(port, n_keys=N_KEYS):
         if last or (since_pause >= MIN_BURST and ch in " (\n,."):
             current.thread.join(ANSWER_TIMEOUT_S)
             if current.answer is None:
-                raise RuntimeError("editor: no answer at a pause: %r" % (current.error,))
+                raise RuntimeError("editor: no answer at a pause: %s"
+                                   % (repr(current.error) if current.error else
+                                      "none within %.0f s" % ANSWER_TIMEOUT_S))
             t = current.answer["timings"]
             out["latency_ms"].append(current.latency_s * 1000.0)
             out["own_ms"].append(t["prompt_ms"] + t["predicted_ms"])

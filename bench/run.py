@@ -3,31 +3,50 @@
     python3 bench/run.py [--rounds 3] [--keys 100] [--only editor] ...
 
 Builds (or finds cached) llama-server and llama-bench from the pinned
-llama.cpp source via ``scripts/build_lib.sh --server``, makes the FIM copy of
-the model for the editor replay (fimmodel.py), then runs every scenario on
-both servers, one server process at a time, and writes a table to the
-terminal and ``bench/results/latest.json``.
+llama.cpp source with our patch (``scripts/build_lib.sh --server``) and a
+stock llama-server from the same source without it (``--stock-server``: what
+users run), makes the FIM copy of gemma for its editor replay (fimmodel.py),
+then runs every phase on the servers, and writes a table to the terminal and
+``bench/results/latest.json``.
 
-Rounds and alternation: the scenarios are grouped into phases, one server
-configuration each.  Each round runs every phase on both servers, and the
-server that goes first alternates from round to round (ABBA), so load that
-drifts during a run hits both.  The single-stream phase goes further: both
-servers are up at once and its generation and prompt samples alternate
-request by request (A B B A ...), because this VM's speed wanders by several
-per cent within a minute, and a ratio near 1 is only meaningful if both
-sides see the same machine.  Figures are medians over all samples of all
-rounds (the editor's p50/p95 over all pauses of all rounds).
+Rounds and alternation: each phase is one server configuration.  Each round
+runs every phase on every server, and the server that goes first alternates
+from round to round (ABBA), so load that drifts during a run hits all alike.
+The "together" phases go further: all their servers are up at once and
+their samples alternate request by request (A B C C B A ...), because this
+VM's speed wanders by several per cent within a minute, and a ratio near 1
+is only meaningful if both sides see the same machine.  Figures are medians
+over all samples of all rounds (the editor's p50/p95 over all pauses).
+Phases cost differently, so each has its own number of rounds; ``--rounds N``
+gives every phase N.
 
-    phase     server flags (both)                     scenarios
-    single    -np 1 -c CTX -b 512 -ub 512             generation, prompt, overhead, RSS
-    parallel  -np 2 -c CTX (per slot) -b 512          4 clients x 8 requests
-    editor    FIM copy, -np 1 -c CTX -b 2048 -ub 512  /infill typing replay
+    phase          model  server flags                          rounds  scenarios
+    single         gemma  -np 1 -b 512, together, + stock       3       generation, prompt,
+                                                                        overhead, RSS
+    continuation   code   -np 1 -b 512, together, speculation   2       code continuation
+                          variants (see below)
+    batched        gemma  -np 4, then -np 8, -b 512             1       1, 4 and 8 clients
+                                                                        x 8 requests x 64
+    stall          gemma  -np 2 -b 512                          1       a 2,000-token prompt
+                                                                        during a stream
+    editor         code   -np 1 -b 1024 -ub 1024                1       /infill typing replay
+    editor-gemma   gemma FIM copy, -np 1 -b 2048 -ub 512        1       the same, faster
+    busy           see busy.py                                  once
 
-The editor phase uses llama-server's default batch (2048, ubatch 512) for
-both servers: /infill keeps 3/4 of the batch for the prefix and 1/4 for the
-suffix, so this gives the ~1500-token prefix and ~500-token suffix an
-editor's request has.  Benchmarks report; they never fail on a figure.
+"code" is --code-model (Qwen2.5-Coder-0.5B), "gemma" --model.  The stock
+llama-server joins the single phase (the no-regression figures: generation,
+prompt, overhead); the others compare offgrid with the patched build.  The
+continuation phase runs offgrid without and with ``--spec-type
+ngram-simple`` and llama-server without speculation and with each of
+``--spec-type ngram-mod``, ``ngram-simple`` and ``ngram-map-k`` (the best is
+reported), all up at once.  The Qwen editor replay gets ``-b 1024 -ub 1024``
+as issue #18's measurement did (/infill keeps 3/4 of the batch for the
+prefix, 1/4 for the suffix); the gemma one llama-server's default batch
+(2048, ubatch 512), as the earlier tables.  Benchmarks report; they never
+fail on a figure, but the goals of issues #18 and #20 are printed under the
+table with the ratios that meet them or not.
 """
+
 
 import argparse
 import contextlib
@@ -42,6 +61,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -52,7 +72,22 @@ import scenarios  # noqa: E402
 from servers import SERVERS, Config, CpuMeter  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-NAMES = {"offgrid": "offgrid", "llama_server": "llama-server"}
+NAMES = {"offgrid": "offgrid", "llama_server": "llama-server",
+         "llama_server_stock": "llama-server-stock"}
+SPEC_TYPES = ("ngram-mod", "ngram-simple", "ngram-map-k")      # llama-server's n-gram drafts
+
+def _editor_rows(key, model):
+    return [
+        (key + "_p50_ms", "ms", False,
+         "editor replay (%s): last keystroke to answer at a pause, p50" % model),
+        (key + "_p95_ms", "ms", False,
+         "editor replay (%s): last keystroke to answer at a pause, p95" % model),
+        (key + "_own_p50_ms", "ms", False,
+         "editor replay (%s): those answers' own prompt_ms + predicted_ms, p50" % model),
+        (key + "_cached_fraction", "", True,
+         "editor replay (%s): mean cached fraction of the prompt" % model),
+    ]
+
 
 # name -> (unit, higher_is_better, what); the order of the table
 ROWS = [
@@ -61,16 +96,29 @@ ROWS = [
     ("generation_tok_s_timings", "tok/s", True, "generation, by the servers' timings"),
     ("prompt_tok_s", "tok/s", True, "prompt: 500 tokens, n_predict 1, cache off (timings)"),
     ("prompt_tok_s_client", "tok/s", True, "prompt, by request wall time"),
-    ("editor_p50_ms", "ms", False, "editor replay: last keystroke to answer at a pause, p50"),
-    ("editor_p95_ms", "ms", False, "editor replay: last keystroke to answer at a pause, p95"),
-    ("editor_own_p50_ms", "ms", False,
-     "editor replay: those answers' own prompt_ms + predicted_ms, p50"),
-    ("editor_cached_fraction", "", True, "editor replay: mean cached fraction of the prompt"),
     ("overhead_p50_ms", "ms", False, "request overhead: n_predict 0 on a cached prompt, p50"),
     ("overhead_outside_p50_ms", "ms", False,
      "request overhead outside the engine (wall - prompt_ms - predicted_ms), p50"),
-    ("parallel_tok_s", "tok/s", True, "parallel: 4 clients x 8 requests x 32 tokens, -np 2"),
     ("peak_rss_mib", "MiB", False, "peak RSS (VmHWM) after the single-stream scenarios"),
+    ("continuation_tok_s", "tok/s", True,
+     "code continuation: 128 tokens after 60 lines of a source file, greedy, no speculation"),
+    ("continuation_spec_tok_s", "tok/s", True,
+     "code continuation, n-gram speculation (offgrid ngram-simple; llama-server its best)"),
+] + [("continuation_%s_tok_s" % t, "tok/s", True,
+      "code continuation, llama-server --spec-type %s" % t) for t in SPEC_TYPES] + \
+    _editor_rows("editor", "code model") + _editor_rows("editor_gemma", "gemma FIM copy") + [
+    ("batched_1_tok_s", "tok/s", True, "batched: 1 client x 8 requests x 64 tokens, -np 4"),
+    ("batched_4_tok_s", "tok/s", True, "batched: 4 clients x 8 requests x 64 tokens, -np 4"),
+    ("batched_4_gain", "x", True, "batched: 4 clients' tok/s / 1 client's, -np 4"),
+    ("batched_8_tok_s", "tok/s", True, "batched: 8 clients x 8 requests x 64 tokens, -np 8"),
+    ("batched_8_gain", "x", True, "batched: 8 clients' tok/s / 1 client's (on -np 4)"),
+    ("stall_alone_tok_s", "tok/s", True, "stall: a 384-token stream alone, -np 2"),
+    ("stall_during_tok_s", "tok/s", True,
+     "stall: that stream while another session's 2,000-token prompt is evaluated"),
+    ("stall_kept", "x", True, "stall: the stream's rate during the prompt / alone"),
+    ("stall_max_gap_ms", "ms", False, "stall: the stream's longest wait for a token then"),
+    ("stall_prompt_alone_s", "s", False, "stall: the 2,000-token prompt's wall time alone"),
+    ("stall_prompt_during_s", "s", False, "stall: its wall time during the stream"),
 ]
 
 
@@ -125,13 +173,19 @@ def load():
 
 # -- llama-server / llama-bench ----------------------------------------------------
 
-def llama_bin(path):
-    if path:
-        return Path(path)
-    log("building or finding llama-server (scripts/build_lib.sh --server)")
-    out = subprocess.check_output(["bash", "scripts/build_lib.sh", "--server"], cwd=str(ROOT),
-                                  text=True, timeout=3600)
-    return Path(out.strip().splitlines()[-1])
+def llama_bins(args):
+    """{server name: folder with its llama-server}, built (once, cached) where not given."""
+    def build(flag, given):
+        if given:
+            return Path(given)
+        log("building or finding llama-server (scripts/build_lib.sh %s)" % flag)
+        out = subprocess.check_output(["bash", "scripts/build_lib.sh", flag], cwd=str(ROOT),
+                                      text=True, timeout=3600)
+        return Path(out.strip().splitlines()[-1])
+    bins = {"llama_server": build("--server", args.llama_bin)}
+    if "llama_server_stock" in args.servers:
+        bins["llama_server_stock"] = build("--stock-server", args.stock_bin)
+    return bins
 
 
 def llama_bench(bindir, model, threads, reps):
@@ -152,24 +206,42 @@ def llama_bench(bindir, model, threads, reps):
 IDLE_GAP_S = 1.0       # before each paired sample: the other server's threads go to sleep
 
 
-def run_single(servers, order, reps):
+@dataclasses.dataclass
+class Phase:
+    """One server configuration and what runs on it.
+
+    ``run(port, reps, rnd)`` measures one server; a "together" phase instead
+    has ``variants`` ({key: (server name, Config)}, all started at once) and
+    ``run(servers, order, reps, rnd)`` gets them all.  Either returns
+    {server name: {scenario: samples}} or, for one server, {scenario: samples}.
+    """
+    name: str                   # what --only selects (several phases may share one)
+    label: str                  # in the log
+    rounds: int
+    cfg: Optional[Config] = None
+    run: Callable = None
+    servers: Sequence[str] = ("offgrid", "llama_server")
+    variants: Optional[dict] = None
+
+
+def quiet(fn, *a, **kw):
+    """fn after IDLE_GAP_S: after a decode, ggml's worker threads keep polling for
+    the next one for a while (up to a few hundred ms here) before they sleep, and
+    another server's must not be spinning while this one is measured."""
+    time.sleep(IDLE_GAP_S)
+    return fn(*a, **kw)
+
+
+def run_single(servers, order, reps, rnd):
     """The single-stream scenarios on servers that are all up at once.
 
     Generation and prompt samples alternate between the servers one request
     at a time (A B B A ...), so a sample of one is never more than a few
-    seconds from a sample of the other.  Before each, a pause: after a
-    decode, ggml's worker threads keep polling for the next one for a while
-    (up to a few hundred ms here) before they sleep, and the other server's
-    must not be spinning while this one is measured.
+    seconds from a sample of the other.
     """
     out = {name: {} for name in servers}
     for name in order:
         scenarios.warm_up(servers[name].port)
-
-    def quiet(fn, *a, **kw):
-        time.sleep(IDLE_GAP_S)
-        return fn(*a, **kw)
-
     for i in range(reps + 1):
         for name in (order if i % 2 == 0 else order[::-1]):
             port = servers[name].port
@@ -179,22 +251,80 @@ def run_single(servers, order, reps):
             merge(out[name], got)
     for name in order:
         merge(out[name], {"overhead": quiet(scenarios.overhead, servers[name].port)})
+    for name, server in servers.items():
+        out[name]["rss"] = {"peak_mib": [server.peak_rss_mb()]}
     return out
 
 
-def run_parallel(port, reps):
+def continuation_variants(args):
+    """{variant: (server, Config)}: offgrid without and with ngram-simple, llama-server
+    without speculation and with each of SPEC_TYPES."""
+    cfg = Config(args.code_model, args.threads, args.ctx, 1, 512, 512)
+
+    def spec(t):
+        return dataclasses.replace(cfg, extra=("--spec-type", t))
+    # offgrid's "none" is explicit: its default may turn speculation on
+    out = {"offgrid": ("offgrid", spec("none")),
+           "offgrid+ngram-simple": ("offgrid", spec("ngram-simple"))}
+    if "llama_server" in args.servers:
+        out["llama_server"] = ("llama_server", cfg)
+        for t in SPEC_TYPES:
+            out["llama_server+" + t] = ("llama_server", spec(t))
+    return {k: v for k, v in out.items() if v[0] in args.servers}
+
+
+def run_continuation(servers, order, reps, rnd):
+    """Code continuation on every variant, samples alternating (ABC..CBA)."""
+    out = {}
+    for key in order:
+        scenarios.warm_up(servers[key].port)
+    for i in range(reps):
+        for key in (order if i % 2 == 0 else order[::-1]):
+            server, _, spec = key.partition("+")
+            scen = "continuation" + ("" if not spec else
+                                     "_spec" if server == "offgrid" else "_" + spec)
+            got = quiet(scenarios.continuation, servers[key].port, 1, first=rnd * reps + i)
+            merge(out.setdefault(server, {}), {scen: got})
+    return out
+
+
+def run_batched(port, reps, rnd, clients):
     scenarios.warm_up(port)
-    return {"concurrent": scenarios.concurrent(port)}
+    out = {}
+    for n in clients:
+        out["batched_%d" % n] = scenarios.concurrent(port, n)
+    return out
+
+
+def run_editor(key, keys):
+    def run(port, reps, rnd):
+        return {key: editor.replay(port, keys)}
+    return run
 
 
 def phases(args, fim):
-    """(name, server config, what to run on one server's port); None: run_paired."""
+    """Every phase, in the order they run."""
+    def cfg(parallel, batch=512, ubatch=512, model=None):
+        return Config(model or args.model, args.threads, args.ctx, parallel, batch, ubatch)
     return [
-        ("single", Config(args.model, args.threads, args.ctx, 1, 512, 512), None),
-        ("parallel", Config(args.model, args.threads, args.ctx, 2, 512, 512), run_parallel),
-        ("editor", Config(str(fim), args.threads, args.ctx, 1, 2048, 512),
-         lambda port, reps: {"editor": editor.replay(port, args.keys)}),
+        Phase("single", "single", 3, cfg(1), run_single, servers=args.servers,
+              variants={name: (name, cfg(1)) for name in args.servers}),
+        Phase("continuation", "continuation", 2, run=run_continuation,
+              variants=continuation_variants(args)),
+        Phase("batched", "batched-np4", 1, cfg(4),
+              lambda port, reps, rnd: run_batched(port, reps, rnd, (1, 4))),
+        Phase("batched", "batched-np8", 1, cfg(8),
+              lambda port, reps, rnd: run_batched(port, reps, rnd, (8,))),
+        Phase("stall", "stall", 1, cfg(2),
+              lambda port, reps, rnd: {"stall": scenarios.stall(port, reps)}),
+        Phase("editor", "editor", 1, cfg(1, 1024, 1024, args.code_model),
+              run_editor("editor", args.keys)),
+        Phase("editor-gemma", "editor-gemma", 1, cfg(1, 2048, 512, str(fim) if fim else None),
+              run_editor("editor_gemma", args.keys)),
     ]
+
+
+PHASES = ("single", "continuation", "batched", "stall", "editor", "editor-gemma", "busy")
 
 
 def for_server(cfg, name, args):
@@ -216,68 +346,83 @@ def merge(into, new):
                 dst[k] = dst.get(k, 0) + v
 
 
-def run_paired(rnd, args, cfg, bindir, order, samples, busy, errors):
-    """Round ``rnd`` of the single-stream phase: every server up at once."""
-    servers = {name: SERVERS[name](for_server(cfg, name, args), bindir) for name in order}
-    l0 = load()
-    t0 = time.monotonic()
-    try:
-        with contextlib.ExitStack() as stack:
-            for server in servers.values():
-                stack.enter_context(server)
-            meter = CpuMeter(*(server.proc.pid for server in servers.values()))
+class Rounds:
+    """Runs phases and keeps their samples, the CPU others took, and failures."""
+
+    def __init__(self, args, bins):
+        self.args, self.bins = args, bins
+        self.samples = {s: {} for s in args.servers}
+        self.busy, self.errors = [], []
+
+    def _measured(self, rnd, phase, names, pids, fn):
+        """Merges fn()'s {server: {scenario: samples}}, metering pids(); a failure is
+        logged and kept, and the next phase runs."""
+        l0 = load()
+        t0 = time.monotonic()
+        try:
+            meter = CpuMeter(*pids())
             meter.start()
-            got = run_single(servers, order, args.reps)
-            for name, server in servers.items():
-                got[name]["rss"] = {"peak_mib": [server.peak_rss_mb()]}
+            got = fn()
             others = meter.others()
-    except Exception as e:
-        log("round %d single FAILED: %s" % (rnd + 1, e))
-        errors.append("round %d single: %s" % (rnd + 1, e))
-        return
-    for name in order:
-        busy.append({"round": rnd + 1, "phase": "single", "server": name,
-                     "load": l0, "others_cpu": round(others, 3)})
-        merge(samples[name], got[name])
-    log("round %d/%d %-8s %-12s %5.1f s  load %.2f, other processes %2.0f%% CPU"
-        % (rnd + 1, args.rounds, "single", "+".join(NAMES[n] for n in order),
-           time.monotonic() - t0, l0, 100 * others))
+        except Exception as e:      # one failed phase must not lose the others
+            log("round %d %s %s FAILED: %s" % (rnd + 1, phase.label, names, e))
+            self.errors.append("round %d %s %s: %s" % (rnd + 1, phase.label, names, e))
+            return
+        for name, scen in got.items():
+            merge(self.samples[name], scen)
+        self.busy.append({"round": rnd + 1, "phase": phase.label, "server": names,
+                          "load": l0, "others_cpu": round(others, 3)})
+        log("round %d/%d %-13s %-26s %6.1f s  load %.2f, other processes %2.0f%% CPU"
+            % (rnd + 1, self.rounds(phase), phase.label, names, time.monotonic() - t0, l0,
+               100 * others))
 
+    def rounds(self, phase):
+        return self.args.rounds if self.args.rounds else phase.rounds
 
-def run_all(args, bindir, fim):
-    samples = {s: {} for s in args.servers}
-    busy, errors = [], []
-    for rnd in range(args.rounds):
-        order = args.servers if rnd % 2 == 0 else list(reversed(args.servers))
-        for phase, cfg, fn in phases(args, fim):
-            if args.only and phase not in args.only:
-                continue
-            if fn is None:
-                run_paired(rnd, args, cfg, bindir, order, samples, busy, errors)
-                continue
-            for name in order:
-                server = SERVERS[name](for_server(cfg, name, args), bindir)
-                l0 = load()
-                t0 = time.monotonic()
-                try:
-                    with server:
-                        meter = CpuMeter(server.proc.pid)
-                        meter.start()
-                        got = fn(server.port, args.reps)
-                        key = "rss" if phase == "single" else "rss_" + phase
-                        got[key] = {"peak_mib": [server.peak_rss_mb()]}
-                        others = meter.others()
-                except Exception as e:      # one failed phase must not lose the others
-                    log("round %d %s %s FAILED: %s" % (rnd + 1, phase, NAMES[name], e))
-                    errors.append("round %d %s %s: %s" % (rnd + 1, phase, name, e))
+    def together(self, rnd, phase):
+        """Round ``rnd`` of a phase whose variants are all up at once."""
+        keys = list(phase.variants)
+        order = keys if rnd % 2 == 0 else keys[::-1]
+        servers = {k: SERVERS[name](for_server(cfg, name, self.args), self.bins)
+                   for k, (name, cfg) in phase.variants.items()}
+        try:
+            with contextlib.ExitStack() as stack:
+                for server in servers.values():
+                    stack.enter_context(server)
+                self._measured(rnd, phase, ", ".join(NAMES.get(k, k) for k in order),
+                               lambda: [s.proc.pid for s in servers.values()],
+                               lambda: phase.run(servers, order, self.args.reps, rnd))
+        except Exception as e:      # a server that did not start
+            log("round %d %s FAILED: %s" % (rnd + 1, phase.label, e))
+            self.errors.append("round %d %s: %s" % (rnd + 1, phase.label, e))
+
+    def one_by_one(self, rnd, phase):
+        order = [s for s in self.args.servers if s in phase.servers]
+        for name in (order if rnd % 2 == 0 else order[::-1]):
+            server = SERVERS[name](for_server(phase.cfg, name, self.args), self.bins)
+
+            def measure():
+                got = phase.run(server.port, self.args.reps, rnd)
+                got["rss_" + phase.label] = {"peak_mib": [server.peak_rss_mb()]}
+                return {name: got}
+            try:
+                with server:
+                    self._measured(rnd, phase, NAMES[name], lambda: [server.proc.pid],
+                                   measure)
+            except Exception as e:
+                log("round %d %s %s FAILED: %s" % (rnd + 1, phase.label, NAMES[name], e))
+                self.errors.append("round %d %s %s: %s" % (rnd + 1, phase.label, name, e))
+
+    def run(self, todo):
+        """Round 1 of every phase, then round 2 of those that have one, and so on."""
+        for rnd in range(max((self.rounds(p) for p in todo), default=0)):
+            for phase in todo:
+                if rnd >= self.rounds(phase):
                     continue
-                busy.append({"round": rnd + 1, "phase": phase, "server": name,
-                             "load": l0, "others_cpu": round(others, 3)})
-                log("round %d/%d %-8s %-12s %5.1f s  load %.2f, other processes %2.0f%% CPU"
-                    % (rnd + 1, args.rounds, phase, NAMES[name], time.monotonic() - t0, l0,
-                       100 * others))
-                merge(samples[name], got)
-    return samples, busy, errors
+                if phase.variants is not None:
+                    self.together(rnd, phase)
+                else:
+                    self.one_by_one(rnd, phase)
 
 
 # -- figures -----------------------------------------------------------------------
@@ -302,55 +447,151 @@ def figures(s):
             return statistics.median(s[scen][key])
         return None
 
+    def ratio(a, b):
+        return a / b if a is not None and b else None
+
     f["generation_tok_s"] = med("generation", "client_tps")
     f["generation_tok_s_timings"] = med("generation", "server_tps")
     f["prompt_tok_s"] = med("prompt", "server_tps")
     f["prompt_tok_s_client"] = med("prompt", "client_tps")
-    if "editor" in s:
-        e = s["editor"]
-        f["editor_p50_ms"] = percentile(e["latency_ms"], 50)
-        f["editor_p95_ms"] = percentile(e["latency_ms"], 95)
-        f["editor_own_p50_ms"] = percentile(e["own_ms"], 50)
-        f["editor_cached_fraction"] = statistics.mean(e["cached_fraction"])
     f["overhead_p50_ms"] = med("overhead", "wall_ms")
     f["overhead_outside_p50_ms"] = med("overhead", "outside_ms")
-    f["parallel_tok_s"] = med("concurrent", "tps")
     f["peak_rss_mib"] = med("rss", "peak_mib")
+    f["continuation_tok_s"] = med("continuation", "client_tps")
+    f["continuation_spec_tok_s"] = med("continuation_spec", "client_tps")
+    spec = {t: med("continuation_" + t, "client_tps") for t in SPEC_TYPES}
+    for t, v in spec.items():
+        f["continuation_%s_tok_s" % t] = v
+    spec = {t: v for t, v in spec.items() if v is not None}
+    if spec:                        # llama-server: its best n-gram option
+        f["continuation_spec_tok_s"] = max(spec.values())
+    for key in ("editor", "editor_gemma"):
+        if key in s:
+            e = s[key]
+            f[key + "_p50_ms"] = percentile(e["latency_ms"], 50)
+            f[key + "_p95_ms"] = percentile(e["latency_ms"], 95)
+            f[key + "_own_p50_ms"] = percentile(e["own_ms"], 50)
+            f[key + "_cached_fraction"] = statistics.mean(e["cached_fraction"])
+    for n in (1, 4, 8):
+        f["batched_%d_tok_s" % n] = med("batched_%d" % n, "tps")
+    for n in (4, 8):
+        f["batched_%d_gain" % n] = ratio(f["batched_%d_tok_s" % n], f["batched_1_tok_s"])
+    f["stall_alone_tok_s"] = med("stall", "alone_tps")
+    f["stall_during_tok_s"] = med("stall", "during_tps")
+    f["stall_kept"] = ratio(f["stall_during_tok_s"], f["stall_alone_tok_s"])
+    f["stall_max_gap_ms"] = med("stall", "max_gap_ms")
+    f["stall_prompt_alone_s"] = med("stall", "prompt_alone_s")
+    f["stall_prompt_during_s"] = med("stall", "prompt_during_s")
     return {k: v for k, v in f.items() if v is not None}
+
+
+def best_spec_type(s):
+    """The --spec-type whose continuation ran fastest on llama-server's samples."""
+    meds = {t: statistics.median(s["continuation_" + t]["client_tps"])
+            for t in SPEC_TYPES if s.get("continuation_" + t, {}).get("client_tps")}
+    return max(meds, key=meds.get) if meds else None
+
+
+def goals(result):
+    """(what, ratio or figure, goal, met) for the goals of issues #18 and #20."""
+    sc = result["scenarios"]
+
+    def get(row, server):
+        return sc.get(row, {}).get(server)
+
+    def ratio(a, b):
+        return a / b if a is not None and b else None
+
+    out = []
+
+    def goal(what, value, op, bound):
+        if value is not None:
+            out.append((what, value, "%s %g" % (op, bound),
+                        value <= bound if op == "<=" else value >= bound if op == ">=" else
+                        value < bound))
+
+    goal("#18 editor replay (code model) p50, offgrid / llama-server",
+         get("editor_p50_ms", "ratio"), "<=", 0.07)
+    goal("#18 editor replay (code model) p95, offgrid / llama-server",
+         get("editor_p95_ms", "ratio"), "<=", 0.15)
+    best = [v for v in (get("continuation_tok_s", "offgrid"),
+                        get("continuation_spec_tok_s", "offgrid")) if v is not None]
+    best = max(best) if best else None
+    goal("#18 continuation, offgrid's best / llama-server without speculation",
+         ratio(best, get("continuation_tok_s", "llama_server")), ">=", 1.5)
+    goal("#18 continuation, offgrid's best / llama-server's best n-gram (%s)"
+         % result.get("llama_server_best_spec_type"),
+         ratio(best, get("continuation_spec_tok_s", "llama_server")), ">=", 1.1)
+    for row, what in (("generation_tok_s", "generation"), ("prompt_tok_s", "prompt")):
+        goal("#18 %s, offgrid / llama-server" % what, get(row, "ratio"), ">=", 0.98)
+        goal("#18 %s, offgrid / llama-server-stock" % what, get(row, "ratio_stock"),
+             ">=", 0.98)
+    goal("#18 request overhead outside the engine, offgrid (ms)",
+         get("overhead_outside_p50_ms", "offgrid"), "<", 2)
+    goal("#18 request overhead, offgrid, p50 wall (ms)", get("overhead_p50_ms", "offgrid"),
+         "<", 2)
+    for n in (4, 8):
+        goal("#20 batched %d clients, offgrid / its own single stream" % n,
+             get("batched_%d_gain" % n, "offgrid"), ">=", 1.5)
+        goal("#20 batched %d clients, offgrid / llama-server" % n,
+             get("batched_%d_tok_s" % n, "ratio"), ">=", 1.0)
+    goal("#20 stall: offgrid's stream during another's 2,000-token prompt / alone",
+         get("stall_kept", "offgrid"), ">=", 0.5)
+    return out
+
+
+COLUMNS = [("offgrid", "offgrid"), ("llama_server", "llama-server"), ("ratio", "ratio"),
+           ("llama_server_stock", "stock"), ("ratio_stock", "ratio")]
 
 
 def table(result):
     sc = result["scenarios"]
-    lines = ["%-26s %12s %13s %7s  %-6s %s" % ("scenario", "offgrid", "llama-server", "ratio",
-                                              "unit", "")]
+    cols = [c for c in COLUMNS if any(c[0] in r and r[c[0]] is not None for r in sc.values())]
+    head = "%-" + str(max(len(r[0]) for r in ROWS)) + "s" + " %12s" * len(cols) + "  %-6s %s"
+    lines = [head % (("scenario",) + tuple(t for _, t in cols) + ("unit", ""))]
     for name, unit, higher, what in ROWS:
         if name not in sc:
             continue
         r = sc[name]
-        ratio = "%.2f" % r["ratio"] if r.get("ratio") is not None else "-"
-        lines.append("%-26s %12s %13s %7s  %-6s %s" % (
-            name, fmt(r.get("offgrid")), fmt(r.get("llama_server")), ratio, unit,
-            ("higher is better" if higher else "lower is better")))
+        lines.append(head % ((name,) + tuple(cell(r, k) for k, _ in cols) + (
+            unit, "higher is better" if higher else "lower is better")))
     lb = result.get("llama_bench")
     if lb:
         lines.append("llama-bench (-t %d): %s" % (result["settings"]["threads"], ", ".join(
             "%s %.1f ± %.1f tok/s" % (k, v["tok_s"], v["stddev"]) for k, v in sorted(lb.items()))))
+    g = goals(result)
+    if g:
+        lines.append("")
+        lines.append("goals (issues #18 and #20):")
+        for what, value, bound, met in g:
+            lines.append("  %-74s %8s  %-8s %s" % (what, "%.2f" % value, bound,
+                                                    "met" if met else "NOT met"))
     return "\n".join(lines)
 
 
 def markdown(result):
     """The table as Markdown, for README's Performance section."""
-    lines = ["| scenario | offgrid | llama-server | offgrid / llama-server |",
-             "| --- | ---: | ---: | ---: |"]
+    sc = result["scenarios"]
+    cols = [c for c in COLUMNS if any(c[0] in r and r[c[0]] is not None for r in sc.values())]
+    titles = {"ratio": "offgrid / llama-server", "ratio_stock": "offgrid / stock",
+              "llama_server_stock": "llama-server (stock)"}
+    lines = ["| scenario | %s |" % " | ".join(titles.get(k, t) for k, t in cols),
+             "| --- |%s" % (" ---: |" * len(cols))]
     for name, unit, higher, what in ROWS:
-        r = result["scenarios"].get(name)
+        r = sc.get(name)
         if r is None:
             continue
         label = "%s (%s)" % (what, unit) if unit else what
-        ratio = "%.2f" % r["ratio"] if r.get("ratio") is not None else "-"
-        lines.append("| %s | %s | %s | %s |" % (label, fmt(r.get("offgrid")),
-                                              fmt(r.get("llama_server")), ratio))
+        lines.append("| %s | %s |" % (label, " | ".join(cell(r, k) for k, _ in cols)))
     return "\n".join(lines)
+
+
+def cell(row, key):
+    """One table cell: ratios with two decimals, figures by their size."""
+    x = row.get(key)
+    if x is not None and key.startswith("ratio"):
+        return "%.2f" % x
+    return fmt(x)
 
 
 def fmt(x):
@@ -371,14 +612,19 @@ def log(msg):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="models/gemma-3-270m-q4_k_m.gguf")
+    p.add_argument("--model", default="models/gemma-3-270m-q4_k_m.gguf",
+                   help="the model of the single, batched, stall, editor-gemma and busy phases")
+    p.add_argument("--code-model", default="models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+                   help="the model of the continuation and editor phases (with FIM tokens)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ctx", type=int, default=4096, help="context per session/slot")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of every phase on both servers")
-    p.add_argument("--reps", type=int, default=2, help="generation/prompt samples per round")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="rounds of every phase (default: each phase's own, 1 to 3)")
+    p.add_argument("--reps", type=int, default=2,
+                   help="samples per round (generation/prompt, continuation, stall)")
     p.add_argument("--keys", type=int, default=editor.N_KEYS,
                    help="keystrokes (= /infill requests) per editor replay (>= 60)")
-    p.add_argument("--only", action="append", choices=["single", "parallel", "editor", "busy"],
+    p.add_argument("--only", action="append", choices=PHASES,
                    help="run only these phases (repeatable)")
     p.add_argument("--no-busy", action="store_true",
                    help="leave out the busy-machine phase (bench/busy.py, ~10 minutes)")
@@ -387,9 +633,13 @@ def parse_args(argv=None):
                    "llama-server's; auto: offgrid's default)")
     p.add_argument("--busy-hogs", type=int, default=0, metavar="N",
                    help="CPU-bound processes in the busy phase (default: one per core but one)")
-    p.add_argument("--servers", default="offgrid,llama_server")
-    p.add_argument("--llama-bin", help="folder with llama-server and llama-bench "
+    p.add_argument("--servers", default="offgrid,llama_server,llama_server_stock",
+                   help="comma list of offgrid, llama_server (patched), llama_server_stock "
+                   "(the stock build is in the single phase only)")
+    p.add_argument("--llama-bin", help="folder with the patched llama-server and llama-bench "
                    "(default: scripts/build_lib.sh --server)")
+    p.add_argument("--stock-bin", help="folder with the stock llama-server "
+                   "(default: scripts/build_lib.sh --stock-server)")
     p.add_argument("--no-llama-bench", action="store_true")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "latest.json"))
     p.add_argument("--markdown", action="store_true", help="also print the table as Markdown")
@@ -397,11 +647,18 @@ def parse_args(argv=None):
     args.servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     for s in args.servers:
         if s not in SERVERS:
-            p.error("unknown server %r (offgrid, llama_server)" % s)
+            p.error("unknown server %r (%s)" % (s, ", ".join(SERVERS)))
     args.model = os.path.abspath(args.model)
+    args.code_model = os.path.abspath(args.code_model)
     if args.keys < 60:
         p.error("--keys: the replay needs at least 60 keystrokes (requests)")
+    if args.rounds is not None and args.rounds < 1:
+        p.error("--rounds: at least 1")
     return args
+
+
+def selected_phases(args, fim):
+    return [ph for ph in phases(args, fim) if not args.only or ph.name in args.only]
 
 
 def main(argv=None):
@@ -409,41 +666,49 @@ def main(argv=None):
     # SIGTERM unwinds like Ctrl-C, so the server being measured is stopped too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t_start = time.monotonic()
-    bindir = llama_bin(args.llama_bin)
+    bins = llama_bins(args)
     fim = None
     run_busy = not args.no_busy and (not args.only or "busy" in args.only)
-    if not args.only or "editor" in args.only or run_busy:
+    if not args.only or "editor-gemma" in args.only or run_busy:
         log("FIM copy of the model (cached): ...")
         fim = fimmodel.fim_copy(args.model)
         log("  %s" % fim)
     load_start = load()
     source_at_start = source_hash()
-    samples, busy, errors = run_all(args, bindir, fim)
+    rounds = Rounds(args, bins)
+    rounds.run(selected_phases(args, fim))
+    samples, busy, errors = rounds.samples, rounds.busy, rounds.errors
     busy_figs = {}
     if run_busy:
-        busy_figs, busy_errors = busy_phase.run(args, bindir, fim, log)
+        busy_figs, busy_errors = busy_phase.run(args, bins, fim, log)
         errors += busy_errors
     if source_hash() != source_at_start:
         errors.append("offgrid/ changed during the run: the rounds measured different code")
     lb = {}
     if not args.no_llama_bench:
         log("llama-bench pp512 / tg128, -t %d" % args.threads)
-        lb = llama_bench(bindir, args.model, args.threads, 3)
+        lb = llama_bench(bins["llama_server"], args.model, args.threads, 3)
     load_end = load()
 
     figs = {name: figures(samples[name]) for name in args.servers}
+
+    def rel(path):
+        return os.path.relpath(path, str(ROOT)) if path.startswith(str(ROOT)) else path
+
     result = {
         "machine": machine(),
-        "model": os.path.relpath(args.model, str(ROOT)) if args.model.startswith(str(ROOT))
-        else args.model,
+        "model": rel(args.model),
+        "code_model": rel(args.code_model),
         "fim_model": str(fim) if fim else None,
         "revision": git_revision(),
         "offgrid_source": source_at_start,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
         "settings": {"threads": args.threads, "ctx_per_session": args.ctx,
                      "llama_server_ctx": "ctx x parallel (its -c is shared by its slots)",
-                     "rounds": args.rounds, "reps": args.reps, "editor_keys": args.keys,
-                     "llama_server_flags": "--swa-full --cache-reuse 256 --metrics"},
+                     "rounds": {ph.label: rounds.rounds(ph) for ph in phases(args, fim)},
+                     "reps": args.reps, "editor_keys": args.keys,
+                     "llama_server_flags": "--swa-full --cache-reuse 256 --metrics",
+                     "llama_server_bins": {k: str(v) for k, v in bins.items()}},
         # load average (counts the bench itself) and the CPU share other
         # processes took while each server was measured (see CpuMeter)
         "load": {"start": load_start, "end": load_end,
@@ -453,6 +718,7 @@ def main(argv=None):
                  "phases": busy},
         "runtime_s": round(time.monotonic() - t_start, 1),
         "scenarios": {},
+        "llama_server_best_spec_type": best_spec_type(samples.get("llama_server", {})),
         "llama_bench": lb,
         "busy_machine": busy_figs,
         "errors": errors,
@@ -462,10 +728,11 @@ def main(argv=None):
         vals = {s: figs[s].get(name) for s in args.servers}
         if all(v is None for v in vals.values()):
             continue
-        a, b = vals.get("offgrid"), vals.get("llama_server")
+        a, b, c = vals.get("offgrid"), vals.get("llama_server"), vals.get("llama_server_stock")
         result["scenarios"][name] = {
-            "offgrid": a, "llama_server": b,
+            "offgrid": a, "llama_server": b, "llama_server_stock": c,
             "ratio": a / b if a is not None and b else None,
+            "ratio_stock": a / c if a is not None and c else None,
             "unit": unit, "higher_is_better": higher, "what": what}
 
     out = Path(args.out)
@@ -476,17 +743,20 @@ def main(argv=None):
 
     m = result["machine"]
     print()
-    print("offgrid vs llama-server, %s, %d threads; %s (%s cores)"
-          % (result["model"], args.threads, m["cpu"], m["nproc"]))
+    print("offgrid vs llama-server, %s (code: %s), %d threads; %s (%s cores)"
+          % (result["model"], result["code_model"], args.threads, m["cpu"], m["nproc"]))
     if busy:
         print("load average %.2f -> %.2f; other processes took %.0f%% of the CPU (median "
               "over phases, max %.0f%%)" % (load_start, load_end,
                                              100 * result["load"]["others_cpu_median"],
                                              100 * result["load"]["others_cpu_max"]))
     print("llama-server gets -c %d x np (its context is shared by its slots), --swa-full "
-          "--cache-reuse 256" % args.ctx)
-    if fim:
-        print("editor replay on %s: gemma-3-270m whose metadata names FIM tokens "
+          "--cache-reuse 256; stock: the same flags, built without our patch" % args.ctx)
+    if result["llama_server_best_spec_type"]:
+        print("code continuation: llama-server's best n-gram option here was --spec-type %s"
+              % result["llama_server_best_spec_type"])
+    if fim and "editor_gemma_p50_ms" in result["scenarios"]:
+        print("editor-gemma replay on %s: gemma-3-270m whose metadata names FIM tokens "
               "(<unused0..2>); its completions are not trained FIM output" % fim.name)
     print(table(result))
     if busy_figs:

@@ -26,8 +26,14 @@ DATA = Path(__file__).resolve().parent / "data"
 GEN_TOKENS = 128
 PROMPT_TOKENS = 500
 OVERHEAD_REQUESTS = 30
-CLIENTS, REQUESTS_PER_CLIENT, CONCURRENT_PREDICT = 4, 8, 32
-CONCURRENT_DEADLINE_S = 300     # a server this slow gets no figure, not a hung bench
+REQUESTS_PER_CLIENT, CONCURRENT_PREDICT = 8, 64
+CONCURRENT_DEADLINE_S = 600     # a server this slow gets no figure, not a hung bench
+STALL_GEN_TOKENS = 384          # the generating stream; outlasts the other's prompt
+STALL_LEAD_TOKENS = 16          # streamed before the long prompt arrives
+STALL_PROMPT_TOKENS = 2000
+CONT_TOKENS = 128
+CONT_CONTEXT_LINES = 60         # lines of the file before the cut: ~600 tokens
+CONT_CUTS = (114, 168, 234, 277, 304, 191)    # 0-based lines where a sample's prompt ends
 
 
 def rate(n, ms):
@@ -54,31 +60,39 @@ def generation(port, reps, first=0, n_predict=GEN_TOKENS):
         body = {"prompt": "Here is a long story about a lighthouse keeper named %d:" % i,
                 "n_predict": n_predict, "temperature": 0, "ignore_eos": True,
                 "cache_prompt": False}
-        events = stream(port, "/completion", body)
-        pieces = [t for t, e in events if not e.get("stop") and e.get("content")]
-        final = events[-1][1]
-        t = final["timings"]
-        n = t["predicted_n"]
-        if n != n_predict or not pieces:
-            raise RuntimeError("generation: %d tokens, %d pieces (wanted %d tokens)"
-                               % (n, len(pieces), n_predict))
-        out["client_tps"].append((n - 1) / (events[-1][0] - pieces[0]))
-        out["server_tps"].append(rate(n, t["predicted_ms"]))
-        out["predicted_n"].append(n)
+        merge_samples(out, stream_rate(port, body, "generation"))
+    return out
+
+
+def stream_rate(port, body, what):
+    """One streamed /completion of exactly body["n_predict"] tokens: its rates."""
+    events = stream(port, "/completion", body)
+    pieces = [t for t, e in events if not e.get("stop") and e.get("content")]
+    t = events[-1][1]["timings"]
+    n = t["predicted_n"]
+    if n != body["n_predict"] or not pieces:
+        raise RuntimeError("%s: %d tokens, %d pieces (wanted %d tokens)"
+                           % (what, n, len(pieces), body["n_predict"]))
+    out = {"client_tps": (n - 1) / (events[-1][0] - pieces[0]),
+           "server_tps": rate(n, t["predicted_ms"]), "predicted_n": n}
+    for k in ("draft_n", "draft_n_accepted"):      # with speculation, both servers
+        if k in t:
+            out[k] = t[k]
+    return out
+
+
+def merge_samples(out, one):
+    for k, v in one.items():
+        out.setdefault(k, []).append(v)
     return out
 
 
 # -- 2. prompt ------------------------------------------------------------------
 
-_PROMPT_TEXT = None
-
-
 def prompt_tokens(port):
     """Token ids of the bench's long text (both servers tokenize it alike)."""
-    global _PROMPT_TEXT
-    if _PROMPT_TEXT is None:
-        _PROMPT_TEXT = (DATA / "context_files.py.txt").read_text("utf-8")
-    obj, _ = post(port, "/tokenize", {"content": _PROMPT_TEXT})
+    obj, _ = post(port, "/tokenize", {"content": (DATA / "context_files.py.txt").read_text(
+        "utf-8")})
     return obj["tokens"]
 
 
@@ -132,30 +146,31 @@ def overhead(port, n=OVERHEAD_REQUESTS):
 
 # -- 5. concurrent clients ------------------------------------------------------
 
-def concurrent(port):
-    """CLIENTS clients x REQUESTS_PER_CLIENT requests each, all at once: total tok/s.
+def concurrent(port, clients, requests=REQUESTS_PER_CLIENT, n_predict=CONCURRENT_PREDICT):
+    """``clients`` clients x ``requests`` requests each, all at once: total tok/s.
 
     Each client sends its requests one after another on new connections;
-    greedy, ignore_eos, CONCURRENT_PREDICT tokens each.  Throughput is all
-    generated tokens over the wall time from the start to the last answer.
+    greedy, ignore_eos, n_predict tokens each.  Throughput is all generated
+    tokens over the wall time from the start to the last answer; one client
+    gives the single-stream rate on the same server, with the same requests.
     """
-    results = [[] for _ in range(CLIENTS)]
+    results = [[] for _ in range(clients)]
     errors = []
-    start = threading.Barrier(CLIENTS + 1)
+    start = threading.Barrier(clients + 1)
 
     def client(c):
         try:
             start.wait(60)
-            for i in range(REQUESTS_PER_CLIENT):
+            for i in range(requests):
                 body = {"prompt": "Client %d, question %d: describe a city you would like "
                                   "to visit, and why." % (c, i),
-                        "n_predict": CONCURRENT_PREDICT, "temperature": 0, "ignore_eos": True}
+                        "n_predict": n_predict, "temperature": 0, "ignore_eos": True}
                 obj, wall = post(port, "/completion", body, timeout=CONCURRENT_DEADLINE_S)
                 results[c].append((obj["timings"]["predicted_n"], wall))
         except Exception as e:      # reported after the join
             errors.append(e)
 
-    threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(CLIENTS)]
+    threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(clients)]
     for th in threads:
         th.start()
     start.wait(60)
@@ -174,3 +189,97 @@ def concurrent(port):
     return {"tps": [tokens / elapsed], "tokens": [tokens], "elapsed_s": [elapsed],
             "request_p50_s": [statistics.median(walls)]}
 
+
+# -- 6. a long prompt arriving while another session generates ------------------
+
+def stall(port, reps):
+    """Does one session's long prompt stall another session's stream?  (-np 2)
+
+    Alone: a STALL_GEN_TOKENS-token stream, tok/s on the client's clock.
+    With: the same stream; once STALL_LEAD_TOKENS pieces have arrived, a
+    second client sends a STALL_PROMPT_TOKENS-token prompt (token ids, cache
+    off, n_predict 1), so its answer comes when its prompt is evaluated.  The
+    window is from that send to its answer (or the stream's end, if sooner);
+    the stream's rate in the window is the pieces that arrived in it over its
+    length.  A server that runs the sessions one after another shows a full
+    rate here and a long wait on the prompt instead, so the prompt's wall time
+    alone and during the stream is kept too, and the stream's longest gap.
+    """
+    ids = prompt_tokens(port)[:STALL_PROMPT_TOKENS]
+    if len(ids) < STALL_PROMPT_TOKENS:
+        raise RuntimeError("stall: the text has only %d tokens" % len(ids))
+    out = {"alone_tps": [], "during_tps": [], "window_s": [], "max_gap_ms": [],
+           "prompt_alone_s": [], "prompt_during_s": []}
+
+    def gen_body(i):
+        return {"prompt": "Here is a long story about a lighthouse keeper named %d:" % i,
+                "n_predict": STALL_GEN_TOKENS, "temperature": 0, "ignore_eos": True,
+                "cache_prompt": False}
+
+    def long_prompt(i):
+        # a different start each time, so no cache on either server helps
+        return {"prompt": ids[i:] + ids[:i], "n_predict": 1, "temperature": 0,
+                "cache_prompt": False}
+
+    for i in range(reps):
+        out["alone_tps"].append(stream_rate(port, gen_body(i), "stall")["client_tps"])
+        out["prompt_alone_s"].append(post(port, "/completion", long_prompt(7 * i + 1))[1])
+        origin = time.perf_counter()        # one clock for both clients
+        span = {}
+
+        def second(body):
+            try:
+                t0 = time.perf_counter() - origin
+                post(port, "/completion", body, timeout=CONCURRENT_DEADLINE_S)
+                span["s"] = (t0, time.perf_counter() - origin)
+            except Exception as e:      # reported below
+                span["error"] = e
+
+        sender = threading.Thread(target=second, args=(long_prompt(7 * i + 2),), daemon=True)
+
+        def on_event(n):
+            if n == STALL_LEAD_TOKENS:
+                sender.start()
+
+        events = stream(port, "/completion", gen_body(100 + i), on_event=on_event,
+                        origin=origin)
+        sender.join(CONCURRENT_DEADLINE_S)
+        if "s" not in span:
+            raise RuntimeError("stall: the long prompt failed or never started: %r"
+                               % (span.get("error"),))
+        arrivals = [t for t, e in events if not e.get("stop") and e.get("content")]
+        w0, w1 = span["s"][0], min(span["s"][1], arrivals[-1])
+        inside = [t for t in arrivals if w0 <= t <= w1]
+        # the longest wait for a token that overlaps the window
+        edges = [w0] + inside + [w1]
+        before = [t for t in arrivals if t < w0]
+        if before:
+            edges[0] = before[-1]
+        out["during_tps"].append(len(inside) / (w1 - w0) if w1 > w0 else 0.0)
+        out["window_s"].append(w1 - w0)
+        out["max_gap_ms"].append(1000.0 * max(b - a for a, b in zip(edges, edges[1:])))
+        out["prompt_during_s"].append(span["s"][1] - span["s"][0])
+    return out
+
+
+# -- 7. code continuation ---------------------------------------------------------
+
+def continuation(port, reps, first=0):
+    """/completion continuing a real source file: CONT_TOKENS tokens, greedy.
+
+    Each sample's prompt is the CONT_CONTEXT_LINES lines of
+    bench/data/typed_file.py.txt before one of CONT_CUTS (a different cut per
+    sample, so no server answers from a cache or from n-grams of an identical
+    earlier request), as text, cache on.  tok/s on the client's clock from the
+    first streamed piece to the last, as generation's, which is what n-gram
+    speculation changes; the servers' timings and draft counts are kept.
+    """
+    lines = (DATA / "typed_file.py.txt").read_text("utf-8").split("\n")
+    out = {}
+    for i in range(first, first + reps):
+        cut = CONT_CUTS[i % len(CONT_CUTS)]
+        text = "".join(ln + "\n" for ln in lines[max(0, cut - CONT_CONTEXT_LINES):cut])
+        body = {"prompt": text, "n_predict": CONT_TOKENS, "temperature": 0,
+                "ignore_eos": True, "cache_prompt": True}
+        merge_samples(out, stream_rate(port, body, "continuation"))
+    return out

@@ -1,15 +1,18 @@
-"""The two servers under test, started the same way, and a small HTTP client.
+"""The servers under test, started the same way, and a small HTTP client.
 
 ``Server`` runs one server process on a free loopback port, waits until it
-answers ``/health`` with 200, and stops it with SIGTERM.  ``offgrid()`` and
-``llama_server()`` build the command lines from one ``Config`` so the two get
-the same model, threads, batch and context:
+answers ``/health`` with 200, and stops it with SIGTERM.  ``offgrid()``,
+``llama_server()`` (built from our patched source) and ``llama_server_stock()``
+(the pinned source as it ships: what users run) build the command lines from
+one ``Config`` so they get the same model, threads, batch and context:
 
 * offgrid's ``-c`` is per session; llama-server's ``-c`` is the total its
   ``-np`` slots share, so llama-server gets ``-c ctx * parallel``.
 * offgrid always keeps a full-size sliding-window cache (prefix reuse on
   gemma-3 needs it); llama-server gets ``--swa-full`` to match, and
   ``--cache-reuse 256`` as llama.vscode's docs recommend for FIM.
+* ``Config.extra`` holds flags for one server only (a speculation type), so a
+  scenario can start variants of the same server.
 
 Every wait here is bounded; a server that does not come up within its
 startup timeout is killed and its log tail shown.
@@ -62,7 +65,7 @@ class Config:
     parallel: int = 1
     batch: int = 512
     ubatch: int = 512
-    extra: tuple = ()           # more offgrid flags (bench/rpc.py: --rpc)
+    extra: tuple = ()           # flags for this server only (--spec-type; rpc.py: --rpc)
 
 
 def free_port():
@@ -206,8 +209,8 @@ def _threads(cfg, *flags):
     return [] if cfg.threads is None else [x for f in flags for x in (f, str(cfg.threads))]
 
 
-def offgrid(cfg, bindir=None):
-    """``python -m offgrid`` from this checkout (bindir is llama-server's; unused)."""
+def offgrid(cfg, bins=None):
+    """``python -m offgrid`` from this checkout (bins, llama-server's folders, unused)."""
     def argv(port):
         return [sys.executable, "-m", "offgrid", "-m", cfg.model, "--host", HOST,
                 "--port", str(port)] + _threads(cfg, "-t") + [
@@ -216,18 +219,30 @@ def offgrid(cfg, bindir=None):
     return Server("offgrid", argv, ready_line="listening on http://")
 
 
-def llama_server(cfg, bindir):
-    """llama-server from ``bindir``, with the flags that match offgrid's setup."""
+def _llama_server(name, bindir, cfg):
     def argv(port):
         return [str(Path(bindir) / "llama-server"), "-m", cfg.model, "--host", HOST,
                 "--port", str(port)] + _threads(cfg, "-t", "-tb") + [
                 "-c", str(cfg.ctx * cfg.parallel), "-np", str(cfg.parallel),
                 "-b", str(cfg.batch), "-ub", str(cfg.ubatch),
-                "--swa-full", "--cache-reuse", "256", "--metrics", "--no-webui"]
-    return Server("llama-server", argv)
+                "--swa-full", "--cache-reuse", "256", "--metrics", "--no-webui"] + [
+                str(x) for x in cfg.extra]
+    return Server(name, argv)
 
 
-SERVERS = {"offgrid": offgrid, "llama_server": llama_server}
+def llama_server(cfg, bins):
+    """llama-server built from our patched source (bins["llama_server"]), with the
+    flags that match offgrid's setup."""
+    return _llama_server("llama-server", bins["llama_server"], cfg)
+
+
+def llama_server_stock(cfg, bins):
+    """llama-server built from the unpatched pinned source (bins["llama_server_stock"])."""
+    return _llama_server("llama-server-stock", bins["llama_server_stock"], cfg)
+
+
+SERVERS = {"offgrid": offgrid, "llama_server": llama_server,
+           "llama_server_stock": llama_server_stock}
 
 
 # -- HTTP client ---------------------------------------------------------------
@@ -258,11 +273,16 @@ def post(port, path, body, timeout=300):
     return obj, wall
 
 
-def stream(port, path, body, timeout=300):
-    """POST a streaming request; returns [(arrival seconds from send, event JSON)]."""
+def stream(port, path, body, timeout=300, on_event=None, origin=None):
+    """POST a streaming request; returns [(arrival seconds, event JSON)].
+
+    Arrivals are seconds from the send, or from ``origin`` (a perf_counter
+    reading) to share a clock with another client; ``on_event(n)`` is called
+    after the n-th event arrives.
+    """
     conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
     try:
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if origin is None else origin
         conn.request("POST", path, body=json.dumps(dict(body, stream=True)).encode(),
                      headers={"Content-Type": "application/json"})
         r = conn.getresponse()
@@ -282,6 +302,8 @@ def stream(port, path, body, timeout=300):
             events.append((time.perf_counter() - t0, json.loads(data)))
             if events[-1][1].get("stop"):
                 break
+            if on_event is not None:
+                on_event(len(events))
         return events
     finally:
         conn.close()

@@ -24,11 +24,16 @@
 #        scripts/build_lib.sh --server       llama-server and llama-bench from the
 #                                            same source, for benchmarks and golden
 #                                            files; prints the folder holding them
+#        scripts/build_lib.sh --stock-server llama-server from the pinned source
+#                                            without our patches (what users run),
+#                                            for the benchmark's third column;
+#                                            prints the folder holding it
 set -euo pipefail
 
 case "${1:-}" in
     --server) MODE=server; shift ;;
     --rpc-server) MODE=rpc-server; shift ;;
+    --stock-server) MODE=stock; shift ;;
     *) MODE=lib ;;
 esac
 
@@ -141,14 +146,15 @@ build() {
 }
 
 # llama-server and llama-bench, statically linked against their own build of
-# the same patched source, so they never pick up lib/ by accident.
+# SOURCE (the patched copy, or for --stock-server the pinned source as it
+# ships), so they never pick up lib/ by accident.  usage: build_server SOURCE DIR
 build_server() {
-    local dir=$CACHE/llama-server-$PKG_VERSION-$SHORT-p$PATCH_ID
+    local src=$1 dir=$2
     if [ -x "$dir/bin/llama-server" ] && [ -x "$dir/bin/llama-bench" ]; then
         echo "$dir/bin"; return
     fi
     log "configuring llama-server in $dir (about 6 minutes on 2 cores)"
-    cmake -S "$LIB_SRC" -B "$dir/cmake" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+    cmake -S "$src" -B "$dir/cmake" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
         -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF \
         -DLLAMA_OPENSSL=OFF -DGGML_OPENMP=OFF -DGGML_NATIVE=ON >"$dir.configure.log" 2>&1 \
@@ -161,9 +167,14 @@ build_server() {
 }
 
 fetch_source
+if [ "$MODE" = stock ]; then
+    # keyed by the sdist's hash alone: no patches, whatever scripts/patches holds
+    build_server "$SRC" "$CACHE/llama-server-stock-$PKG_VERSION-$SHORT"
+    exit 0
+fi
 patch_source
 if [ "$MODE" = server ]; then
-    build_server
+    build_server "$LIB_SRC" "$CACHE/llama-server-$PKG_VERSION-$SHORT-p$PATCH_ID"
     exit 0
 fi
 build

@@ -1,19 +1,36 @@
 """bench/ is not run by `make test` (it needs an idle machine), so this checks
-that its modules still import and its command line parses: a broken merge
-once left `make bench` failing at import for a whole session."""
+that its modules still import, its command line parses, its phases are the
+ones the README lists, and its figures and goals come out of samples as the
+table says: a broken merge once left `make bench` failing at import for a
+whole session.  No server is started here."""
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_run", ROOT / "bench" / "run.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)        # puts bench/ on sys.path, as running it does
+    return mod
 
 
 def test_bench_help_runs():
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--help"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert "--rounds" in out.stdout and "--only" in out.stdout
+    for flag in ("--rounds", "--only", "--code-model", "--stock-bin", "--no-busy",
+                 "--busy-hogs", "--servers"):
+        assert flag in out.stdout, flag
+    for phase in ("single", "continuation", "batched", "stall", "editor-gemma", "busy"):
+        assert phase in out.stdout, phase
 
 
 def test_rpc_bench_help_runs():
@@ -21,3 +38,95 @@ def test_rpc_bench_help_runs():
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "--servers" in out.stdout and "--rounds" in out.stdout
+
+
+def test_every_phase_can_run_alone(bench):
+    for name in bench.PHASES:
+        args = bench.parse_args(["--only", name])
+        chosen = bench.selected_phases(args, fim=Path("/nonexistent/fim.gguf"))
+        assert all(ph.name == name for ph in chosen)
+        assert chosen or name == "busy"     # busy runs after the rounds (busy.py)
+
+
+def test_the_stock_server_is_a_default_server_of_the_single_phase_only(bench):
+    args = bench.parse_args([])
+    assert args.servers == ["offgrid", "llama_server", "llama_server_stock"]
+    by_label = {ph.label: ph for ph in bench.phases(args, None)}
+    assert "llama_server_stock" in by_label["single"].variants
+    for label in ("batched-np4", "stall", "editor"):
+        assert "llama_server_stock" not in by_label[label].servers
+
+
+def test_batched_phases_are_np4_and_np8(bench):
+    args = bench.parse_args(["--only", "batched"])
+    chosen = bench.selected_phases(args, None)
+    assert [ph.cfg.parallel for ph in chosen] == [4, 8]
+
+
+def test_continuation_runs_each_speculation_variant_on_the_code_model(bench):
+    args = bench.parse_args(["--only", "continuation"])
+    (ph,) = bench.selected_phases(args, None)
+    flags = {k: cfg.extra for k, (server, cfg) in ph.variants.items()}
+    assert flags == {
+        "offgrid": ("--spec-type", "none"), "offgrid+ngram-simple": ("--spec-type", "ngram-simple"),
+        "llama_server": (), "llama_server+ngram-mod": ("--spec-type", "ngram-mod"),
+        "llama_server+ngram-simple": ("--spec-type", "ngram-simple"),
+        "llama_server+ngram-map-k": ("--spec-type", "ngram-map-k")}
+    assert all(cfg.model.endswith("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
+               for _, cfg in ph.variants.values())
+
+
+def test_rounds_given_apply_to_every_phase(bench):
+    args = bench.parse_args(["--rounds", "1"])
+    rounds = bench.Rounds(args, bins={})
+    assert {rounds.rounds(ph) for ph in bench.phases(args, None)} == {1}
+    default = bench.Rounds(bench.parse_args([]), bins={})
+    assert default.rounds(bench.phases(args, None)[0]) == 3
+
+
+@pytest.mark.parametrize("argv", [["--servers", "offgrid,vllm"], ["--rounds", "0"],
+                                  ["--keys", "10"], ["--only", "parallel"]])
+def test_bad_arguments_are_refused(bench, argv):
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(argv)
+    assert e.value.code == 2
+
+
+def test_figures_give_gains_and_llama_servers_best_ngram(bench):
+    llama = {"batched_1": {"tps": [20.0]}, "batched_4": {"tps": [50.0]},
+             "continuation": {"client_tps": [30.0]},
+             "continuation_ngram-mod": {"client_tps": [40.0, 42.0]},
+             "continuation_ngram-simple": {"client_tps": [35.0]},
+             "stall": {"alone_tps": [40.0], "during_tps": [10.0], "max_gap_ms": [900.0],
+                       "prompt_alone_s": [2.0], "prompt_during_s": [2.5]}}
+    f = bench.figures(llama)
+    assert f["batched_4_gain"] == 2.5
+    assert f["continuation_spec_tok_s"] == 41.0
+    assert f["stall_kept"] == 0.25
+    assert "batched_8_gain" not in f
+    assert bench.best_spec_type(llama) == "ngram-mod"
+
+
+def test_goals_say_which_are_met(bench):
+    result = {"llama_server_best_spec_type": "ngram-mod", "scenarios": {
+        "continuation_tok_s": {"offgrid": 40.0, "llama_server": 30.0},
+        "continuation_spec_tok_s": {"offgrid": 60.0, "llama_server": 50.0},
+        "prompt_tok_s": {"ratio": 0.99, "ratio_stock": 0.97}}}
+    got = {what: met for what, value, bound, met in bench.goals(result)}
+    assert got["#18 continuation, offgrid's best / llama-server without speculation"]
+    assert got["#18 continuation, offgrid's best / llama-server's best n-gram (ngram-mod)"]
+    assert got["#18 prompt, offgrid / llama-server"]
+    assert not got["#18 prompt, offgrid / llama-server-stock"]
+    assert not any("editor" in what for what in got)       # no figure, no line
+
+
+def test_table_has_a_stock_column_when_the_stock_server_ran(bench):
+    row = {"offgrid": 40.0, "llama_server": 39.0, "ratio": 40 / 39,
+           "llama_server_stock": 38.0, "ratio_stock": 40 / 38}
+    result = {"settings": {"threads": 2}, "scenarios": {"generation_tok_s": row}}
+    head, line = bench.table(result).splitlines()[:2]
+    assert head.split()[1:6] == ["offgrid", "llama-server", "ratio", "stock", "ratio"]
+    assert line.split()[1:6] == ["40.0", "39.0", "1.03", "38.0", "1.05"]
+    assert "| llama-server (stock) | offgrid / stock |" in bench.markdown(result)
+    del row["llama_server_stock"], row["ratio_stock"]
+    assert "stock" not in bench.table(result).splitlines()[0]
