@@ -919,12 +919,13 @@ class ContextHandle:
 
     def __init__(self, lib, model, n_ctx, n_batch, n_ubatch, n_threads, n_threads_batch,
                  swa_full=True, n_seq_max=1, token_seqs=(0,), embeddings=False,
-                 pooling=LLAMA_POOLING_TYPE_UNSPECIFIED):
+                 pooling=LLAMA_POOLING_TYPE_UNSPECIFIED, seq_width=1):
         """``n_seq_max`` sequences share one unified cache (so extra ones cost
         no memory); decode() puts each token in the sequences ``token_seqs``
         unless told otherwise.  ``embeddings`` makes a context whose decodes
         output hidden states (every token of a batch), pooled per sequence as
-        ``pooling`` says (a LLAMA_POOLING_TYPE_*; UNSPECIFIED: the model's)."""
+        ``pooling`` says (a LLAMA_POOLING_TYPE_*; UNSPECIFIED: the model's).
+        ``seq_width``: how many sequences one token of a batch may go into."""
         self.lib = lib
         params = lib.llama_context_default_params()
         params.embeddings = embeddings
@@ -961,7 +962,8 @@ class ContextHandle:
         # slice assignment rather than one ctypes call per token.
         cap = self.n_batch
         self._token_seqs = tuple(token_seqs)
-        self.batch = lib.llama_batch_init(cap, 0, max(len(self._token_seqs), 1))
+        self.batch = lib.llama_batch_init(cap, 0, max(len(self._token_seqs), seq_width, 1))
+        self._row_seqs = [None] * cap   # the sequences each batch row holds (decode_parts)
         b = self.batch
         self._tokens = (llama_token * cap).from_address(ctypes.cast(b.token, c_void_p).value)
         self._pos = (llama_pos * cap).from_address(ctypes.cast(b.pos, c_void_p).value)
@@ -1019,6 +1021,7 @@ class ContextHandle:
     # -- decoding ----------------------------------------------------------
     def _set_seqs(self, n, seqs):
         seq_id = self.batch.seq_id
+        self._row_seqs[0:n] = [tuple(seqs)] * n
         for i in range(n):
             self._n_seq[i] = len(seqs)
             row = seq_id[i]
@@ -1071,6 +1074,40 @@ class ContextHandle:
             return self.lib.llama_decode(self.ptr, self.batch)
         finally:
             self._set_seqs(n, self._token_seqs)
+
+    # what decode_parts keeps of each part's tokens
+    OUT_NONE, OUT_LAST, OUT_ALL = 0, 1, 2
+
+    def decode_parts(self, parts):
+        """Decode several sequences' tokens in one batch: a shared context's step.
+
+        ``parts`` are (tokens, start_pos, seqs, outputs), at most n_batch
+        tokens in all, laid out in order (part i's first token at the batch
+        index the sum of the earlier parts' lengths): each token goes into the
+        sequences ``seqs`` (at most as many as the batch was made for), and
+        ``outputs`` (OUT_NONE, OUT_LAST, OUT_ALL) says which tokens' logits
+        are kept.  Returns llama_decode's status.
+        """
+        seq_id = self.batch.seq_id
+        rows = self._row_seqs
+        n = 0
+        for tokens, start, seqs, outputs in parts:
+            k = len(tokens)
+            self._tokens[n:n + k] = tokens
+            self._pos[n:n + k] = range(start, start + k)
+            self._logits[n:n + k] = (b"\x01" if outputs == self.OUT_ALL else b"\x00") * k
+            if outputs == self.OUT_LAST:
+                self._logits[n + k - 1] = 1
+            for i in range(n, n + k):
+                if rows[i] != seqs:     # rows keep their sequences between steps
+                    rows[i] = seqs
+                    self._n_seq[i] = len(seqs)
+                    row = seq_id[i]
+                    for j, s in enumerate(seqs):
+                        row[j] = s
+            n += k
+        self.batch.n_tokens = n
+        return self.lib.llama_decode(self.ptr, self.batch)
 
     def embedding_seq(self, seq, n):
         """The pooled output of sequence ``seq`` in the last decode: (n,) float32

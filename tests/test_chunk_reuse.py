@@ -6,6 +6,7 @@ recomputed, and the cache ends up exactly as long as the prompt, with every
 position present, so the next request builds on it like any other.
 """
 
+import contextlib
 import pytest
 
 from offgrid.engine.session import ChatSession, GenerationParams
@@ -131,12 +132,21 @@ def test_the_decode_that_rotates_moved_keys_is_never_aborted(session, fim_model)
     session.evaluate(prefix + line + suffix + [fim_model.fim_mid])
     _, typed, _ = layout(fim_model, "    w = 12")
     second = prefix + typed + suffix + [fim_model.fim_mid]
-    session._ctx.request_abort()        # a cancel lands just as the request starts
+    decoder = session.decoder
+    turn = decoder._turn
+
+    @contextlib.contextmanager
+    def aborting_turn():                # a cancel lands just as the decode starts
+        with turn():
+            decoder.ctx.request_abort()
+            yield
+    decoder._turn = aborting_turn
     try:
         session.evaluate(second, cache_reuse=16)
     finally:
-        session._ctx.clear_abort()
-    assert not session._shift_pending   # the rotating decode ran to the end
+        decoder._turn = turn
+        decoder.ctx.clear_abort()
+    assert not decoder._shift           # the rotating decode ran to the end
     assert session.evaluate(second, cache_reuse=16) >= len(second) - len(typed) - 2
     assert positions(session) == (0, len(second) - 1)
 

@@ -1,0 +1,191 @@
+"""Batched generation across a model's sessions (engine/batch.py, session.py).
+
+Sessions made by shared_decoder share one context; their decodes go in one
+batch per step.  Greedy output of each session in a batch must be what the
+same request gives alone.  A decode of several sequences may differ from a
+lone one in the last bits of a logit; where a greedy pick flips, the test
+demands that it was a near-tie and reports it.
+"""
+
+import math
+import threading
+
+import pytest
+
+from offgrid.engine.session import ChatSession, shared_decoder
+from offgrid.request import GenerationParams, RequestCancel, SamplingParams
+
+NEAR_TIE = 0.25     # nats between the two most likely tokens
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea,",
+    "The three primary colors are",
+]
+
+
+def _greedy(n, **kw):
+    return GenerationParams(n_predict=n, sampling=SamplingParams(temperature=0.0),
+                            cache_prompt=False, **kw)
+
+
+def _sessions(model, n, n_ctx=512, **kw):
+    decoder = shared_decoder(model, n, n_ctx=n_ctx, n_batch=256, n_threads=1, **kw)
+    return decoder, [ChatSession(model, decoder=decoder) for _ in range(n)]
+
+
+def _close(decoder, sessions):
+    for s in sessions:
+        s.close()
+    decoder.close()
+
+
+def _together(sessions, jobs):
+    """Run jobs[i]() on sessions[i]'s thread, all at once; their results in order."""
+    out = [None] * len(jobs)
+    errors = []
+    start = threading.Barrier(len(jobs))
+
+    def run(i):
+        try:
+            start.wait()
+            out[i] = jobs[i]()
+        except BaseException as e:     # pragma: no cover - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    return out
+
+
+def _same_or_near_tie(model, alone, batched, tokens):
+    """Equal token lists, or a first difference where the lone decode's pick was a near-tie."""
+    if alone.tokens == batched.tokens:
+        return None
+    i = next((i for i in range(min(len(alone.tokens), len(batched.tokens)))
+              if alone.tokens[i] != batched.tokens[i]), None)
+    assert i is not None, "one output is a prefix of the other"
+    with ChatSession(model, n_ctx=512, n_threads=1) as s:
+        probe = s.complete(tokens + alone.tokens[:i], _greedy(1, with_probs=True, n_probs=2))
+    top = probe.probs[0].top
+    assert {top[0].id, top[1].id} == {alone.tokens[i], batched.tokens[i]}
+    margin = math.log(top[0].prob) - math.log(top[1].prob)
+    print("token %d differs, a near-tie of %.3f nats" % (i, margin))
+    assert margin < NEAR_TIE, (i, margin)
+    return margin
+
+
+@pytest.mark.parametrize("name", ["smollm", "gemma"])
+def test_greedy_output_in_a_batch_is_the_output_alone(request, name):
+    # gemma-3 has sliding-window attention: its sessions pin their cells (SEQ_PIN)
+    model = request.getfixturevalue(name)
+    prompts = [model.tokenize(p, add_special=True) for p in PROMPTS]
+    with ChatSession(model, n_ctx=512, n_threads=1) as alone:
+        expected = [alone.complete(t, _greedy(24)) for t in prompts]
+    decoder, sessions = _sessions(model, 4)
+    try:
+        got = _together(sessions, [lambda s=s, t=t: s.complete(t, _greedy(24))
+                                   for s, t in zip(sessions, prompts)])
+        assert decoder.n_shared_steps > 0, "the sessions never decoded together"
+        ties = [_same_or_near_tie(model, a, b, t) for a, b, t in zip(expected, got, prompts)]
+        print("near-ties: %d of %d outputs" % (sum(m is not None for m in ties), len(ties)))
+        for c in got:
+            assert c.usage.completion_tokens == 24
+    finally:
+        _close(decoder, sessions)
+
+
+def test_a_session_after_another_keeps_its_cache_apart(smollm):
+    # the same prompt on two sessions of one context: each its own cells
+    decoder, (a, b) = _sessions(smollm, 2)
+    try:
+        t = smollm.tokenize(PROMPTS[0], add_special=True)
+        cached = GenerationParams(n_predict=8, sampling=SamplingParams(temperature=0.0))
+        first = a.complete(t, cached)
+        again = a.complete(t, cached)
+        assert again.usage.cached_tokens == len(t) - 1      # a's cache kept
+        other = b.complete(t, cached)
+        assert other.usage.cached_tokens == 0               # b's is its own
+        assert first.tokens == again.tokens == other.tokens
+        b.reset()
+        assert a.common_prefix(t) == len(t)                 # b's reset left a alone
+    finally:
+        _close(decoder, [a, b])
+
+
+def test_a_cancel_mid_prompt_leaves_the_others_outputs_unchanged(smollm):
+    long = smollm.tokenize("Numbers: " + ", ".join(str(i) for i in range(300)),
+                           add_special=True)
+    prompts = [smollm.tokenize(p, add_special=True) for p in PROMPTS[:3]]
+    with ChatSession(smollm, n_ctx=2048, n_threads=1) as alone:
+        expected = [alone.complete(t, _greedy(32)) for t in prompts]
+    decoder, sessions = _sessions(smollm, 4, n_ctx=2048)
+    cancel = RequestCancel()
+    seen = []
+
+    def progress(p):
+        seen.append(p["processed"])
+        if len(seen) == 2:
+            cancel.cancel("test")       # part way through the long prompt
+
+    try:
+        jobs = [lambda s=s, t=t: s.complete(t, _greedy(32)) for s, t in zip(sessions, prompts)]
+        jobs.append(lambda: sessions[3].complete(long, _greedy(32), cancel=cancel,
+                                                 on_progress=progress))
+        got = _together(sessions, jobs)
+        assert got[3].finish_reason.value == "cancelled"
+        assert 0 < got[3].usage.evaluated < len(long)
+        for a, b, t in zip(expected, got[:3], prompts):
+            _same_or_near_tie(smollm, a, b, t)
+        # the cancelled session is usable again, and its cache holds what it did
+        assert len(sessions[3].cached) == got[3].usage.evaluated
+        again = sessions[3].complete(prompts[0], _greedy(32))
+        _same_or_near_tie(smollm, expected[0], again, prompts[0])
+    finally:
+        _close(decoder, sessions)
+
+
+def test_generation_goes_on_while_another_session_evaluates_a_long_prompt(smollm):
+    # the long prompt is decoded in shares beside the generating session's tokens
+    long = smollm.tokenize("Numbers: " + ", ".join(str(i) for i in range(600)),
+                           add_special=True)
+    decoder, (gen, big) = _sessions(smollm, 2, n_ctx=4096)
+    started = threading.Event()
+    during = []         # tokens the generating session got while the prompt ran
+    prompt_done = threading.Event()
+
+    def on_piece(text):
+        started.set()
+        if not prompt_done.is_set():
+            during.append(text)
+
+    def long_prompt():
+        started.wait(60)
+        c = big.complete(long, GenerationParams(n_predict=1,
+                                                sampling=SamplingParams(temperature=0.0)),
+                         on_progress=lambda p: None)
+        prompt_done.set()
+        return c
+
+    try:
+        a, b = _together([gen, big], [
+            lambda: gen.complete(smollm.tokenize(PROMPTS[2], add_special=True),
+                                 _greedy(200, ignore_eos=True), on_piece=on_piece),
+            long_prompt])
+        assert b.usage.prompt_tokens == len(long)
+        assert len(during) > 5, "generation stalled while the other prompt was evaluated"
+        assert decoder.n_shared_steps > 5
+    finally:
+        _close(decoder, [gen, big])
+
+
+def test_a_lone_session_owns_and_frees_its_context(smollm):
+    s = ChatSession(smollm, n_ctx=256, n_threads=1)
+    ctx = s.decoder.ctx
+    s.close()
+    s.close()
+    assert ctx.ptr is None
