@@ -189,3 +189,59 @@ def test_a_lone_session_owns_and_frees_its_context(smollm):
     s.close()
     s.close()
     assert ctx.ptr is None
+
+
+# -- over HTTP ------------------------------------------------------------------
+
+import json          # noqa: E402
+import random        # noqa: E402
+import socket        # noqa: E402
+
+try:
+    from .serverproc import ServerProcess
+except ImportError:
+    from serverproc import ServerProcess
+
+
+def _cut_stream(srv, prompt, chunks):
+    """Stream a completion and hang up after ``chunks`` events (0: at once)."""
+    body = json.dumps({"prompt": prompt, "n_predict": 64, "ignore_eos": True,
+                       "stream": True}).encode()
+    with socket.create_connection((srv.host, srv.port), timeout=240) as sock:
+        sock.sendall(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                     b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        got = b""
+        while got.count(b"data: ") < chunks:
+            data = sock.recv(4096)
+            if not data:
+                break
+            got += data
+
+
+def test_fifty_clients_cutting_streams_leave_every_session_free(smollm_path):
+    with ServerProcess(smollm_path, "-np", "4", threads=1) as srv:
+        def greedy(p):
+            return srv.post("/completion", {"prompt": p, "n_predict": 16, "temperature": 0,
+                                            "cache_prompt": False})[2]["content"]
+        expected = [greedy(p) for p in PROMPTS]
+        rng = random.Random(20)
+        cuts = [(PROMPTS[i % 4] + " " * (i % 3), rng.randrange(0, 12)) for i in range(50)]
+        calls = [threading.Thread(target=_cut_stream, args=(srv,) + c) for c in cuts]
+        for c in calls:
+            c.start()
+        for c in calls:
+            c.join(300)
+        m = srv.wait_idle(timeout=60)
+        assert m["offgrid_sessions_busy"] == 0 and m["offgrid_queue_length"] == 0
+        slots = srv.get("/slots")[2]
+        assert len(slots) == 4 and not any(s["is_processing"] for s in slots)
+        assert sum(v for k, v in m.items() if k.startswith("offgrid_batched_steps_total")) > 0
+        # and the sessions still answer as before, together
+        out = [None] * 4
+        ts = [threading.Thread(target=lambda i=i: out.__setitem__(i, greedy(PROMPTS[i])))
+              for i in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(120)
+        assert out == expected

@@ -274,6 +274,11 @@ class Worker:
         """How many tokens each session's cache holds now (a request may be running)."""
         return [len(s.cached) for s in self.loaded.sessions]
 
+    def call_batching(self):
+        """Decode steps made so far, and how many of them carried several sessions' work."""
+        d = self.loaded.decoder
+        return {"steps": d.n_steps if d else 0, "shared_steps": d.n_shared_steps if d else 0}
+
     def call_threads(self):
         """The thread counts decodes use now and how often they changed (engine/threads.py)."""
         return self.loaded.sessions[0].threads.snapshot()

@@ -59,10 +59,15 @@ def _status(entry):
 def _threads_of(entry):
     """The worker's thread counts now (engine/threads.py snapshot), or None
     while it is not there to ask."""
+    return _ask(entry, "threads")
+
+
+def _ask(entry, op):
+    """A loaded model's worker's answer to ``op``, or None while it is not there to ask."""
     if entry.state != "ready":
         return None
     try:
-        return entry.call("threads", "threads")
+        return entry.call(op, op)
     except (OffgridError, Unavailable):
         return None         # it died just now
 
@@ -218,6 +223,15 @@ def metrics(h, _body):
             "# TYPE offgrid_thread_switches_total counter"]
     for e, t in threads:
         out.append('offgrid_thread_switches_total{model="%s"} %d' % (_label(e.id), t["switches"]))
+    batching = [(e, _ask(e, "batching")) for e, _ in threads]
+    for name, key, help_text in (
+            ("offgrid_decode_steps_total", "steps", "Decode steps of a model's sessions."),
+            ("offgrid_batched_steps_total", "shared_steps",
+             "Decode steps that carried several sessions' tokens in one batch.")):
+        out += ["# HELP %s %s" % (name, help_text), "# TYPE %s counter" % name]
+        for e, b in batching:
+            if b is not None:
+                out.append('%s{model="%s"} %d' % (name, _label(e.id), b[key]))
     # llama-server's header: when the counters started, for rates across restarts
     h.send_text(200, "\n".join(out) + "\n",
                 headers={"Process-Start-Time-Unix": str(int(m.started))})
