@@ -183,6 +183,28 @@ def test_generation_goes_on_while_another_session_evaluates_a_long_prompt(smollm
         _close(decoder, [gen, big])
 
 
+def test_sessions_that_speculate_share_steps_and_keep_plain_output(smollm):
+    # drafts (1 + k tokens, every logit kept) of two sessions in one batch
+    block = "def add_%d(a, b):\n    return a + b\n\n"
+    prompts = [smollm.tokenize("".join(block % i for i in range(k, k + 10)), add_special=True)
+               for k in (0, 50)]
+    with ChatSession(smollm, n_ctx=1024, n_threads=1) as alone:
+        expected = [alone.complete(t, _greedy(40)) for t in prompts]
+    decoder = shared_decoder(smollm, 2, n_ctx=1024, n_batch=256, n_threads=1)
+    sessions = [ChatSession(smollm, decoder=decoder, draft_max=8) for _ in range(2)]
+    for s in sessions:
+        s.draft_probation = 10 ** 6     # draft all the way: this checks the output
+    try:
+        got = _together(sessions, [lambda s=s, t=t: s.complete(t, _greedy(40, speculate=True))
+                                   for s, t in zip(sessions, prompts)])
+        assert decoder.n_shared_steps > 0
+        for a, b, t in zip(expected, got, prompts):
+            assert b.usage.draft_tokens > 0
+            _same_or_near_tie(smollm, a, b, t)
+    finally:
+        _close(decoder, sessions)
+
+
 def test_a_lone_session_owns_and_frees_its_context(smollm):
     s = ChatSession(smollm, n_ctx=256, n_threads=1)
     ctx = s.decoder.ctx
