@@ -127,7 +127,7 @@ class BatchDecoder:
         self.threads = threads
         self._turn = turn
         self.lock = threading.Lock()        # llama_decode and every memory operation
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.Lock())     # the queue and the step
         self._pending = []
         self._running = None                # the parts of the decode under way
         self._holding = 0                   # members reading their last logits
@@ -185,7 +185,6 @@ class BatchDecoder:
             return
         self._running = step
         self.ctx.clear_abort()
-        shifted = self._shift
         status = -1000          # an exception out of the decode: every part fails
         self._cond.release()
         try:
@@ -193,6 +192,7 @@ class BatchDecoder:
                        p.outputs if b == len(p.tokens) else OUT_NONE) for p, a, b in step]
             n = sum(b - a for _, a, b in step)
             with self._turn(), self.lock:
+                shifted = self._shift       # read under the lock moved() is called in
                 started = self.threads.before(self.ctx, n)
                 if shifted:
                     self.ctx.set_abortable(False)

@@ -125,12 +125,11 @@ def shared_decoder(model, n_sessions, n_ctx=4096, n_batch=512, n_ubatch=None, sw
     if threads is None:
         threads = decode_threads(model, n_threads, n_threads_batch)
     n_ctx = _context_size(model, n_ctx)
-    pin = swa_full and model.n_swa > 0
     n_gen, n_batch_threads = threads.generation.max_threads, threads.batch.max_threads
     ctx = libllama.ContextHandle(
         model.lib, model.handle, n_ctx * n_sessions, n_batch, n_ubatch or n_batch, n_gen,
         n_batch_threads, swa_full=swa_full, n_seq_max=SEQS_PER_SESSION * n_sessions,
-        token_seqs=(SEQ_PROMPT, SEQ_PIN) if pin else (SEQ_PROMPT,), seq_width=2)
+        seq_width=2)
     if not ctx.ptr:
         raise ContextError("libllama could not create a context of %d tokens "
                            "(not enough memory?)" % (n_ctx * n_sessions))
