@@ -1037,13 +1037,13 @@ class ContextHandle:
     """
 
     def __init__(self, lib, model, n_ctx, n_batch, n_ubatch, n_threads, n_threads_batch,
-                 swa_full=True, n_seq_max=1, token_seqs=(0,), embeddings=False,
-                 pooling=LLAMA_POOLING_TYPE_UNSPECIFIED):
+                 swa_full=True, n_seq_max=1, embeddings=False,
+                 pooling=LLAMA_POOLING_TYPE_UNSPECIFIED, seq_width=1):
         """``n_seq_max`` sequences share one unified cache (so extra ones cost
-        no memory); decode() puts each token in the sequences ``token_seqs``
-        unless told otherwise.  ``embeddings`` makes a context whose decodes
+        no memory).  ``embeddings`` makes a context whose decodes
         output hidden states (every token of a batch), pooled per sequence as
-        ``pooling`` says (a LLAMA_POOLING_TYPE_*; UNSPECIFIED: the model's)."""
+        ``pooling`` says (a LLAMA_POOLING_TYPE_*; UNSPECIFIED: the model's).
+        ``seq_width``: how many sequences one token of a batch may go into."""
         self.lib = lib
         params = lib.llama_context_default_params()
         params.embeddings = embeddings
@@ -1079,14 +1079,13 @@ class ContextHandle:
         # below are typed views over its C buffers, so filling a chunk is a
         # slice assignment rather than one ctypes call per token.
         cap = self.n_batch
-        self._token_seqs = tuple(token_seqs)
-        self.batch = lib.llama_batch_init(cap, 0, max(len(self._token_seqs), 1))
+        self.batch = lib.llama_batch_init(cap, 0, max(seq_width, 1))
+        self._row_seqs = [None] * cap   # the sequences each batch row holds (decode_parts)
         b = self.batch
         self._tokens = (llama_token * cap).from_address(ctypes.cast(b.token, c_void_p).value)
         self._pos = (llama_pos * cap).from_address(ctypes.cast(b.pos, c_void_p).value)
         self._logits = (c_int8 * cap).from_address(ctypes.cast(b.logits, c_void_p).value)
         self._n_seq = (c_int32 * cap).from_address(ctypes.cast(b.n_seq_id, c_void_p).value)
-        self._set_seqs(cap, self._token_seqs)
 
     # -- abort flag --------------------------------------------------------
     def request_abort(self):
@@ -1136,37 +1135,6 @@ class ContextHandle:
             self.attach_threadpool(pool, pool_batch)
 
     # -- decoding ----------------------------------------------------------
-    def _set_seqs(self, n, seqs):
-        seq_id = self.batch.seq_id
-        for i in range(n):
-            self._n_seq[i] = len(seqs)
-            row = seq_id[i]
-            for j, s in enumerate(seqs):
-                row[j] = s
-
-    def decode(self, tokens, start_pos, want_last_logits, seq=None, all_logits=False):
-        """Decode ``tokens`` (at most n_batch) at positions start_pos...
-
-        Each token goes into the sequences ``token_seqs``, or into ``seq``
-        alone when given.  ``all_logits``: every token's logits are kept
-        (output i is token i's; a speculative draft is verified from them).
-        Returns llama_decode's status: 0 ok, 1 no KV slot, 2 aborted, <0 error.
-        """
-        n = len(tokens)
-        self._tokens[0:n] = tokens
-        self._pos[0:n] = range(start_pos, start_pos + n)
-        self._logits[0:n] = (b"\x01" if all_logits else b"\x00") * n
-        if want_last_logits:
-            self._logits[n - 1] = 1
-        self.batch.n_tokens = n
-        if seq is None:
-            return self.lib.llama_decode(self.ptr, self.batch)
-        self._set_seqs(n, (seq,))
-        try:
-            return self.lib.llama_decode(self.ptr, self.batch)
-        finally:
-            self._set_seqs(n, self._token_seqs)
-
     def decode_sequences(self, parts):
         """Decode several sequences in one batch, every token an output: an
         embedding context's step.
@@ -1174,22 +1142,42 @@ class ContextHandle:
         ``parts`` are (seq_id, tokens, start_pos), at most n_batch tokens in
         all, each token in its one sequence.  Returns llama_decode's status.
         """
+        return self.decode_parts([(tokens, start, (seq,), self.OUT_ALL)
+                                  for seq, tokens, start in parts])
+
+    # what decode_parts keeps of each part's tokens
+    OUT_NONE, OUT_LAST, OUT_ALL = 0, 1, 2
+
+    def decode_parts(self, parts):
+        """Decode several sequences' tokens in one batch: a shared context's step.
+
+        ``parts`` are (tokens, start_pos, seqs, outputs), at most n_batch
+        tokens in all, laid out in order (part i's first token at the batch
+        index the sum of the earlier parts' lengths): each token goes into the
+        sequences ``seqs`` (at most as many as the batch was made for), and
+        ``outputs`` (OUT_NONE, OUT_LAST, OUT_ALL) says which tokens' logits
+        are kept.  Returns llama_decode's status.
+        """
         seq_id = self.batch.seq_id
+        rows = self._row_seqs
         n = 0
-        for seq, tokens, start in parts:
+        for tokens, start, seqs, outputs in parts:
             k = len(tokens)
             self._tokens[n:n + k] = tokens
             self._pos[n:n + k] = range(start, start + k)
+            self._logits[n:n + k] = (b"\x01" if outputs == self.OUT_ALL else b"\x00") * k
+            if outputs == self.OUT_LAST:
+                self._logits[n + k - 1] = 1
             for i in range(n, n + k):
-                seq_id[i][0] = seq
+                if rows[i] != seqs:     # rows keep their sequences between steps
+                    rows[i] = seqs
+                    self._n_seq[i] = len(seqs)
+                    row = seq_id[i]
+                    for j, s in enumerate(seqs):
+                        row[j] = s
             n += k
-        self._n_seq[0:n] = [1] * n
-        self._logits[0:n] = b"\x01" * n
         self.batch.n_tokens = n
-        try:
-            return self.lib.llama_decode(self.ptr, self.batch)
-        finally:
-            self._set_seqs(n, self._token_seqs)
+        return self.lib.llama_decode(self.ptr, self.batch)
 
     def embedding_seq(self, seq, n):
         """The pooled output of sequence ``seq`` in the last decode: (n,) float32
@@ -1211,14 +1199,6 @@ class ContextHandle:
         """Whether tokens attend only to earlier ones (a decoder), so a sequence
         may be decoded in several batches."""
         return bool(self.lib.llama_get_causal_attn(self.ptr))
-
-    def decode_one(self, token, pos):
-        """The per-token path of generation, kept to a few ctypes calls."""
-        self._tokens[0] = token
-        self._pos[0] = pos
-        self._logits[0] = 1
-        self.batch.n_tokens = 1
-        return self.lib.llama_decode(self.ptr, self.batch)
 
     def logits(self, idx=-1):
         """Address of the (n_vocab,) float32 logits of output ``idx`` of the last decode."""

@@ -283,18 +283,18 @@ def lazy_run(model, grammar, triggers, forced, n):
     sampler = build_sampler(model.lib, params, model.n_vocab, 512, vocab=model.handle.vocab)
     try:
         prompt = model.tokenize("Question: what is the weather in Paris?\nAnswer:")
-        assert ctx.decode(prompt, 0, True) == 0
+        assert ctx.decode_parts([(prompt, 0, (0,), ctx.OUT_LAST)]) == 0
         out = model.tokenize(forced, add_special=False) if forced else []
         for t in out:
             sampler.accept(t)
-            assert ctx.decode_one(t, len(prompt)) == 0
+            assert ctx.decode_parts([([t], len(prompt), (0,), ctx.OUT_LAST)]) == 0
             prompt.append(t)
         for _ in range(n):
             t = sampler.sample(ctx)
             if model.is_eog(t):
                 break
             out.append(t)
-            assert ctx.decode_one(t, len(prompt)) == 0
+            assert ctx.decode_parts([([t], len(prompt), (0,), ctx.OUT_LAST)]) == 0
             prompt.append(t)
         return model.detokenize(out)
     finally:

@@ -6,16 +6,32 @@ recomputed, and the cache ends up exactly as long as the prompt, with every
 position present, so the next request builds on it like any other.
 """
 
+import contextlib
 import pytest
 
-from offgrid.engine.session import ChatSession, GenerationParams
+from offgrid.engine.session import ChatSession, GenerationParams, shared_decoder
 from offgrid.engine.sampling import SamplingParams
 
 
-@pytest.fixture()
-def session(fim_model):
-    with ChatSession(fim_model, n_ctx=2048, n_batch=64, n_threads=2) as s:
-        yield s
+@pytest.fixture(params=["alone", "second of two"])
+def session(request, fim_model):
+    """A session with a context of its own, or the second session of a shared
+    context (its sequences numbered from 3) beside one that holds a prompt."""
+    if request.param == "alone":
+        with ChatSession(fim_model, n_ctx=2048, n_batch=64, n_threads=2) as s:
+            yield s
+        return
+    decoder = shared_decoder(fim_model, 2, n_ctx=2048, n_batch=64, n_threads=2)
+    first, second = (ChatSession(fim_model, decoder=decoder) for _ in range(2))
+    held = text_tokens(fim_model, "class Neighbour:\n    pass\n" * 20)
+    first.evaluate(held)
+    try:
+        yield second
+        assert first.cached == held and positions(first) == (0, len(held) - 1)
+    finally:
+        first.close()
+        second.close()
+        decoder.close()
 
 
 def text_tokens(model, text):
@@ -30,7 +46,7 @@ def layout(model, middle):
 
 def positions(session):
     mem = session._ctx.memory
-    return mem.seq_pos_min(0), mem.seq_pos_max(0)
+    return mem.seq_pos_min(session._seq), mem.seq_pos_max(session._seq)
 
 
 def test_typed_line_before_the_suffix_reuses_the_suffix(session, fim_model):
@@ -131,12 +147,21 @@ def test_the_decode_that_rotates_moved_keys_is_never_aborted(session, fim_model)
     session.evaluate(prefix + line + suffix + [fim_model.fim_mid])
     _, typed, _ = layout(fim_model, "    w = 12")
     second = prefix + typed + suffix + [fim_model.fim_mid]
-    session._ctx.request_abort()        # a cancel lands just as the request starts
+    decoder = session.decoder
+    turn = decoder._turn
+
+    @contextlib.contextmanager
+    def aborting_turn():                # a cancel lands just as the decode starts
+        with turn():
+            decoder.ctx.request_abort()
+            yield
+    decoder._turn = aborting_turn
     try:
         session.evaluate(second, cache_reuse=16)
     finally:
-        session._ctx.clear_abort()
-    assert not session._shift_pending   # the rotating decode ran to the end
+        decoder._turn = turn
+        decoder.ctx.clear_abort()
+    assert not decoder._shift           # the rotating decode ran to the end
     assert session.evaluate(second, cache_reuse=16) >= len(second) - len(typed) - 2
     assert positions(session) == (0, len(second) - 1)
 

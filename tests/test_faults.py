@@ -354,22 +354,23 @@ def test_out_of_kv_space_is_400_for_that_request_and_the_session_is_reset(inproc
 def test_decode_failure_is_500_for_that_request_and_the_session_is_reused(inproc, plain_model):
     srv, session = inproc
     ctx = session._ctx
-    real = ctx.decode_one
+    real = ctx.decode_parts
     calls = []
 
-    def decode_one(token, pos):
+    def decode_parts(parts):
         # drop cache cells under the session's feet: libllama refuses the next
         # batch (positions no longer follow on), as it would after a real fault
+        (_, pos, seqs, _), = parts
         calls.append(pos)
         if len(calls) == 5:
-            ctx.memory.seq_rm(0, pos - 3, -1)
-        return real(token, pos)
+            ctx.memory.seq_rm(seqs[0], pos - 3, -1)
+        return real(parts)
 
-    ctx.decode_one = decode_one
+    ctx.decode_parts = decode_parts
     try:
         status, _, body = srv.post("/completion", {"prompt": "hello there", "n_predict": 50})
     finally:
-        del ctx.decode_one
+        del ctx.decode_parts
     assert status == 500 and body["error"]["type"] == "server_error"
     assert "the session was reset" in body["error"]["message"]
     first = srv.post("/completion", {"prompt": "hello there", "n_predict": 4})[2]

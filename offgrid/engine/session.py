@@ -10,6 +10,12 @@ The generation loop is plain Python around three C calls per token
 (llama_decode, llama_sampler_sample, a cached token->bytes lookup); with a
 grammar, sampling takes a few more (see sampling.py).
 
+Sessions of one worker share one llama_context (engine/batch.py): each is
+three sequences of its unified KV cache, and their decodes go through the
+BatchDecoder, which packs the sessions that generate at the same time into
+one batch per step.  A session made alone (tests, tools) gets a context of
+its own.
+
 Threading: a session is used by one thread at a time (the server's pool
 hands it out); ``RequestCancel.cancel()`` may be called from any thread.
 """
@@ -22,6 +28,7 @@ from . import cachereuse
 from ..errors import ContextError, ContextFull, DecodeError, InvalidRequest
 from ..request import (Completion, FinishReason, GenerationParams, RequestCancel,  # noqa: F401
                        SamplingParams, TokenProb, Usage)
+from .batch import OUT_ALL, OUT_LAST, OUT_NONE, SEQS_PER_SESSION, BatchDecoder
 from .sampling import ProbsReader, build_sampler
 from .textstream import TextAssembler, TokenLedger
 from .lookup import PromptLookup
@@ -74,8 +81,9 @@ def decode_threads(model, n_threads=None, n_threads_batch=None):
     return DecodeThreads(lambda n: shared_pool(model.lib, n), n_threads, n_threads_batch)
 
 
-# The sequences of a session's cache.  They share cells: a cell holds one
-# position's keys and values for every sequence it belongs to.
+# The sequences of a session's cache, numbered from the session's first
+# (SEQS_PER_SESSION per session in a shared context).  They share cells: a
+# cell holds one position's keys and values for every sequence it belongs to.
 SEQ_PROMPT = 0  # the prompt and generated tokens, at positions 0..len(cached)-1
 SEQ_GAP = 1     # scratch for text inserted before a reused run (_evaluate_gap)
 # Every cell of SEQ_PROMPT, in a model with sliding-window attention and a
@@ -92,47 +100,76 @@ SEQ_GAP = 1     # scratch for text inserted before a reused run (_evaluate_gap)
 SEQ_PIN = 2
 
 
+def _context_size(model, n_ctx):
+    if not n_ctx or n_ctx <= 0:     # 0: the model's own context, as llama-server's -c 0
+        n_ctx = model.n_ctx_train if model.n_ctx_train > 0 else 4096
+    return min(n_ctx, model.n_ctx_train) if model.n_ctx_train > 0 else n_ctx
+
+
+def shared_decoder(model, n_sessions, n_ctx=4096, n_batch=512, n_ubatch=None, swa_full=True,
+                   threads=None, n_threads=None, n_threads_batch=None):
+    """The BatchDecoder of ``n_sessions`` sessions of ``n_ctx`` tokens each: one
+    context whose unified cache holds n_sessions * n_ctx cells, which its
+    sessions (ChatSession(..., decoder=it)) share.
+
+    swa_full: models with sliding-window attention (gemma-3) otherwise keep
+    only the last window of keys, and llama_memory_seq_rm cannot cut such a
+    cache at an earlier position: every request would re-evaluate its whole
+    prompt.  The full cache costs memory (n_ctx keys for every layer instead
+    of a window) and buys reuse.
+    """
+    if model.vocab_only:
+        # libllama makes the context, then aborts the process at the first decode
+        raise ContextError("%s was loaded vocab-only: it can tokenize but not generate"
+                           % model.name)
+    if threads is None:
+        threads = decode_threads(model, n_threads, n_threads_batch)
+    n_ctx = _context_size(model, n_ctx)
+    n_gen, n_batch_threads = threads.generation.max_threads, threads.batch.max_threads
+    ctx = libllama.ContextHandle(
+        model.lib, model.handle, n_ctx * n_sessions, n_batch, n_ubatch or n_batch, n_gen,
+        n_batch_threads, swa_full=swa_full, n_seq_max=SEQS_PER_SESSION * n_sessions,
+        seq_width=2)
+    if not ctx.ptr:
+        raise ContextError("libllama could not create a context of %d tokens "
+                           "(not enough memory?)" % (n_ctx * n_sessions))
+    ctx.attach_threadpool(shared_pool(model.lib, n_gen), shared_pool(model.lib, n_batch_threads))
+    decoder = BatchDecoder(ctx, threads, decode_turn)
+    decoder.n_ctx_session = n_ctx if n_sessions > 1 else ctx.n_ctx
+    decoder.swa_full = swa_full
+    return decoder
+
+
 class ChatSession:
-    """One llama_context with its KV cache, serving one request at a time."""
+    """A share of a llama_context (its sequences of the KV cache), serving one request at a time."""
 
     def __init__(self, model, n_ctx=4096, n_batch=512, n_ubatch=None, n_threads=None,
                  n_threads_batch=None, swa_full=True, threads=None, draft_max=0,
-                 context_shift=False):
-        """``threads``: the worker's DecodeThreads, shared by its sessions; without
-        it the session has its own, from n_threads / n_threads_batch (None or
-        "auto": adaptive, engine/threads.py).  ``draft_max``: speculative
-        drafts of up to this many tokens from the request's own text (0: none;
-        --spec-type ngram-simple).  ``context_shift``: a full context drops
-        part of its past instead of ending the reply (--context-shift)."""
-        if model.vocab_only:
-            # libllama makes the context, then aborts the process at the first decode
-            raise ContextError("%s was loaded vocab-only: it can tokenize but not generate"
-                               % model.name)
-        if threads is None:
-            threads = decode_threads(model, n_threads, n_threads_batch)
-        if not n_ctx or n_ctx <= 0:     # 0: the model's own context, as llama-server's -c 0
-            n_ctx = model.n_ctx_train if model.n_ctx_train > 0 else 4096
-        n_ctx = min(n_ctx, model.n_ctx_train) if model.n_ctx_train > 0 else n_ctx
-        # swa_full: models with sliding-window attention (gemma-3) otherwise
-        # keep only the last window of keys, and llama_memory_seq_rm cannot
-        # cut such a cache at an earlier position: every request would
-        # re-evaluate its whole prompt.  The full cache costs memory
-        # (n_ctx keys for every layer instead of a window) and buys reuse.
+                 context_shift=False, decoder=None):
+        """``decoder``: the BatchDecoder (shared_decoder) this session is one
+        member of; without it the session has a context of its own, made from
+        n_ctx, n_batch, n_ubatch, swa_full and threads (the worker's
+        DecodeThreads) or n_threads / n_threads_batch (None or "auto":
+        adaptive, engine/threads.py).  ``draft_max``: speculative drafts of up
+        to this many tokens from the request's own text (0: none; --spec-type
+        ngram-simple).  ``context_shift``: a full context drops part of its
+        past instead of ending the reply (--context-shift)."""
+        self._owns_decoder = decoder is None
+        if decoder is None:
+            decoder = shared_decoder(model, 1, n_ctx, n_batch, n_ubatch, swa_full, threads,
+                                     n_threads, n_threads_batch)
         self.model = model
-        self.threads = threads
+        self.decoder = decoder
+        self._member = decoder.member()
+        self.threads = decoder.threads
         self.draft_max = draft_max
-        pin = swa_full and model.n_swa > 0
-        self._prompt_seqs = (SEQ_PROMPT, SEQ_PIN) if pin else (SEQ_PROMPT,)
-        n_gen, n_batch_threads = threads.generation.max_threads, threads.batch.max_threads
-        self._ctx = libllama.ContextHandle(
-            model.lib, model.handle, n_ctx, n_batch, n_ubatch or n_batch, n_gen,
-            n_batch_threads, swa_full=swa_full, n_seq_max=3, token_seqs=self._prompt_seqs)
-        if not self._ctx.ptr:
-            raise ContextError("libllama could not create a context of %d tokens "
-                               "(not enough memory?)" % n_ctx)
-        self._ctx.attach_threadpool(shared_pool(model.lib, n_gen),
-                                    shared_pool(model.lib, n_batch_threads))
-        self.n_ctx = self._ctx.n_ctx
+        self._ctx = decoder.ctx
+        base = SEQS_PER_SESSION * self._member.index
+        self._seq, self._gap, self._pin = base + SEQ_PROMPT, base + SEQ_GAP, base + SEQ_PIN
+        pin = decoder.swa_full and model.n_swa > 0
+        self._prompt_seqs = (self._seq, self._pin) if pin else (self._seq,)
+        self._mem = _SessionMemory(decoder, (self._seq, self._gap, self._pin))
+        self.n_ctx = decoder.n_ctx_session
         self.n_batch = self._ctx.n_batch
         # chunk reuse moves cached keys to new positions: only where the
         # memory can re-rotate them (not recurrent state, for one)
@@ -140,19 +177,22 @@ class ChatSession:
         # libllama.Candidates for grammar sampling and token probabilities, made on first use
         self._candidates = None
         self.cached = []        # tokens whose KV is in the cache, at positions 0..len-1
-        self._shift_pending = False     # keys moved, rotation not yet applied by a decode
         self.n_decodes = 0              # llama_decode calls so far (for /metrics)
         # a full context drops the older half of what follows n_keep and goes on
         # (llama-server's --context-shift), where the memory can move keys
         self.context_shift = context_shift and self._can_shift
         self._progress = None           # _Progress of the prompt being evaluated, if asked
+        self._out = -1                  # batch index of the last decode's (first) output
         self.closed = False
 
     # -- lifetime ------------------------------------------------------------
     def close(self):
+        """Done with the session; a context of its own is freed (a shared one
+        is its decoder's owner's to close)."""
         if not self.closed:
             self.closed = True
-            self._ctx.close()
+            if self._owns_decoder:
+                self.decoder.close()
 
     def __enter__(self):
         return self
@@ -169,8 +209,7 @@ class ChatSession:
     def reset(self):
         """Forget the KV cache (after a failure, the cache may be inconsistent)."""
         self._check_open()
-        self._shift_pending = False
-        self._ctx.memory.clear(True)
+        self._mem.rm(-1, -1)
         self.cached = []
 
     def common_prefix(self, tokens):
@@ -180,11 +219,11 @@ class ChatSession:
     def _prepare_cache(self, tokens, cache_prompt, min_run, need_logits=True):
         """Cut and rearrange the cache for ``tokens``; returns the ReusePlan applied.
 
-        Afterwards sequence 0 holds the plan's kept prefix at positions
+        Afterwards SEQ_PROMPT holds the plan's kept prefix at positions
         0..keep-1 and each reused run at its new position; every other cell
         is gone.  Any step libllama refuses falls back to an empty cache.
         """
-        mem = self._ctx.memory
+        mem = self._mem
         if not cache_prompt or not self.cached:
             return self._clear_plan()
         if min_run > 0 and not self._can_shift:
@@ -193,13 +232,13 @@ class ChatSession:
         if plan.keep == 0 and not plan.runs:
             return self._clear_plan()
         # drop what the plan does not keep, from the cached tokens' positions
-        # (sequence -1: every sequence, i.e. SEQ_PROMPT and SEQ_PIN alike)
+        # (in every sequence of the session, SEQ_PROMPT and SEQ_PIN alike)
         cursor = plan.keep
         for _, old, n in plan.runs:
-            if old > cursor and not mem.seq_rm(-1, cursor, old):
+            if old > cursor and not mem.rm(cursor, old):
                 return self._clear_plan()
             cursor = old + n
-        if not mem.seq_rm(-1, cursor, -1):
+        if not mem.rm(cursor, -1):
             return self._clear_plan()   # this memory cannot be cut in the middle
         # Move the runs (SEQ_PIN shares the cells, so it moves with them).
         # Runs keep their order, so a run moving left never lands on one not
@@ -208,8 +247,7 @@ class ChatSession:
         left = [r for r in plan.runs if r[0] < r[1]]
         right = [r for r in plan.runs if r[0] > r[1]]
         for new, old, n in left + right[::-1]:
-            mem.seq_add(0, old, old + n, new - old)
-            self._shift_pending = True
+            mem.seq_add(self._seq, old, old + n, new - old)
         if not self._window_intact(plan, len(tokens)):
             return self._clear_plan()
         self.cached = list(tokens[:plan.keep])
@@ -229,21 +267,37 @@ class ChatSession:
         if not gaps or plan.reused == 0:
             return True         # nothing to evaluate, or nothing reused
         n_swa = self.model.n_swa
-        pos_min = self._ctx.memory.seq_pos_min(SEQ_PROMPT)
+        pos_min = self._mem.seq_pos_min(self._seq)
         limit = max(0, gaps[0][0] - n_swa + 1) if n_swa > 0 else 0
         return 0 <= pos_min <= limit
 
     def _clear_plan(self):
-        self._shift_pending = False
         # cells only, as llama-server's seq_rm: an empty cell is masked out,
         # and zeroing 72 MiB of gemma's cache took ~1 ms per cold request
-        self._ctx.memory.clear(False)
+        self._mem.rm(-1, -1)
         self.cached = []
         return cachereuse.ReusePlan(0)
 
     # -- running a request ---------------------------------------------------
     def evaluate(self, tokens, cancel=None, cache_prompt=True, cache_reuse=0, need_logits=True,
                  on_progress=None):
+        """Bring the KV cache to ``tokens`` (see _evaluate); returns how many came
+        from the cache.  A cancel (``cancel``, a RequestCancel or anything with
+        ``.cancelled``) is seen between batches."""
+        self._check_open()
+        watch = isinstance(cancel, RequestCancel)
+        if watch:
+            self._member.watch(cancel)
+        try:
+            return self._evaluate(tokens, cancel, cache_prompt, cache_reuse, need_logits,
+                                  on_progress)
+        finally:
+            if watch:
+                self._member.unwatch()
+            self._member.release()
+
+    def _evaluate(self, tokens, cancel=None, cache_prompt=True, cache_reuse=0, need_logits=True,
+                  on_progress=None):
         """Bring the KV cache to ``tokens``; returns how many came from the cache.
 
         ``cache_reuse`` > 0 also reuses cached runs of at least that many
@@ -284,47 +338,25 @@ class ChatSession:
         return plan.reused
 
     def _decode(self, chunk, pos, want_logits, seq=None):
+        """A prompt chunk's decode into the prompt sequences (or ``seq`` alone);
+        returns llama_decode's status (the logits, if asked: batch index _out)."""
         self.n_decodes += 1
-        with _DECODE_LOCK:
-            started = self.threads.before(self._ctx, len(chunk))
-            if not self._shift_pending:
-                status = self._ctx.decode(chunk, pos, want_logits, seq)
-            else:
-                # the decode that applies moved keys' rotation must not be cut
-                # short (see ContextHandle.set_abortable); later ones may
-                self._ctx.set_abortable(False)
-                try:
-                    status = self._ctx.decode(chunk, pos, want_logits, seq)
-                finally:
-                    self._ctx.set_abortable(True)
-                if status == 0:
-                    self._shift_pending = False
-            if status == 0:
-                self.threads.after(len(chunk), started)
-            return status
+        seqs = self._prompt_seqs if seq is None else (seq,)
+        status, self._out = self._member.decode(chunk, pos, seqs,
+                                                OUT_LAST if want_logits else OUT_NONE, True)
+        return status
 
     def _decode_one(self, token, pos, draft=()):
         """One generated token's decode, with a speculative draft after it (every
-        output kept then); the first decode after a context shift is not abortable."""
+        output kept then); the token's logits are at batch index _out, the
+        draft's after it."""
         self.n_decodes += 1
-        n = 1 + len(draft)
-        with _DECODE_LOCK:
-            started = self.threads.before(self._ctx, n)
-            shifted = self._shift_pending
-            if shifted:
-                self._ctx.set_abortable(False)
-            try:
-                if draft:
-                    status = self._ctx.decode([token] + list(draft), pos, True, all_logits=True)
-                else:
-                    status = self._ctx.decode_one(token, pos)
-            finally:
-                if shifted:
-                    self._ctx.set_abortable(True)
-            if status == 0:
-                self._shift_pending = False
-                self.threads.after(n, started)
-            return status
+        if draft:
+            status, self._out = self._member.decode([token] + list(draft), pos,
+                                                    self._prompt_seqs, OUT_ALL)
+        else:
+            status, self._out = self._member.decode([token], pos, self._prompt_seqs, OUT_LAST)
+        return status
 
     def _shift_context(self, params, n_prompt):
         """Make room in a full context, as llama-server's context shift: keep the first
@@ -339,18 +371,17 @@ class ChatSession:
         n_discard = max(0, min(n_discard, n_left - 1))
         if n_discard <= 0:
             return False
-        mem = self._ctx.memory
-        if not mem.seq_rm(-1, n_keep, n_keep + n_discard):
+        mem = self._mem
+        if not mem.rm(n_keep, n_keep + n_discard):
             return False
-        # SEQ_PIN shares the cells of sequence 0, so it moves with them
-        mem.seq_add(0, n_keep + n_discard, len(self.cached), -n_discard)
-        self._shift_pending = True
+        # SEQ_PIN shares the cells of SEQ_PROMPT, so it moves with them
+        mem.seq_add(self._seq, n_keep + n_discard, len(self.cached), -n_discard)
         del self.cached[n_keep:n_keep + n_discard]
         return True
 
     def _evaluate_tail(self, tokens, start, cancel):
-        """Decode tokens[start:] in sequence 0; False if cancelled part way."""
-        mem = self._ctx.memory
+        """Decode tokens[start:] in SEQ_PROMPT; False if cancelled part way."""
+        mem = self._mem
         pos = start
         while pos < len(tokens):
             if cancel is not None and cancel.cancelled:
@@ -363,7 +394,7 @@ class ChatSession:
                 # token's first sequence only, whichever it takes that to be
                 kept = min(mem.seq_pos_max(s) for s in self._prompt_seqs) + 1
                 kept = max(pos, min(kept, pos + len(chunk)))
-                mem.seq_rm(-1, kept, -1)
+                mem.rm(kept, -1)
                 self.cached = list(tokens[:kept])
                 return False
             if status != 0:
@@ -375,10 +406,10 @@ class ChatSession:
         return True
 
     def _evaluate_gap(self, tokens, start, end, cancel):
-        """Decode tokens[start:end], which lie before a reused run, into sequence 0.
+        """Decode tokens[start:end], which lie before a reused run, into SEQ_PROMPT.
 
         libllama only appends to a sequence (a batch must start at the
-        sequence's last position + 1), and sequence 0 already holds the run
+        sequence's last position + 1), and SEQ_PROMPT already holds the run
         after the gap.  So the gap is decoded in SEQ_GAP, which first gets
         every cell before the gap (shared, not copied), then its new cells
         are added to SEQ_PROMPT and SEQ_GAP is emptied again.
@@ -386,8 +417,8 @@ class ChatSession:
         The gap's cells are pinned after each ubatch (see SEQ_PIN): a gap
         longer than the attention window would otherwise lose its start.
         """
-        mem = self._ctx.memory
-        mem.seq_cp(SEQ_PROMPT, SEQ_GAP, 0, start)
+        mem = self._mem
+        mem.seq_cp(self._seq, self._gap, 0, start)
         step = min(self.n_batch, self._ctx.n_ubatch)
         pos, status = start, 0
         try:
@@ -396,25 +427,25 @@ class ChatSession:
                     status = 2
                     break
                 chunk = tokens[pos:min(pos + step, end)]
-                status = self._decode(chunk, pos, False, seq=SEQ_GAP)
+                status = self._decode(chunk, pos, False, seq=self._gap)
                 if status != 0:
                     break
-                if SEQ_PIN in self._prompt_seqs:
-                    mem.seq_cp(SEQ_GAP, SEQ_PIN, pos, pos + len(chunk))
+                if self._pin in self._prompt_seqs:
+                    mem.seq_cp(self._gap, self._pin, pos, pos + len(chunk))
                 pos += len(chunk)
                 if self._progress is not None:
                     self._progress.advance(len(chunk))
             if status == 0:
-                mem.seq_cp(SEQ_GAP, SEQ_PROMPT, start, end)
+                mem.seq_cp(self._gap, self._seq, start, end)
             else:
-                mem.seq_rm(SEQ_PIN, start, end)
+                mem.seq_rm(self._pin, start, end)
         finally:
-            mem.seq_rm(SEQ_GAP, -1, -1)
+            mem.seq_rm(self._gap, -1, -1)
         if status == 0:
             return True
         if status != 2:
             self._fail(status)
-        # Cancelled: sequence 0 still holds the prefix and the moved runs,
+        # Cancelled: SEQ_PROMPT still holds the prefix and the moved runs,
         # with a hole where the gap was; the caller records the hole, and
         # the next request reuses the runs again.  Editors cancel requests
         # all the time, often right here.
@@ -434,16 +465,15 @@ class ChatSession:
         params = params or GenerationParams()
         params.sampling.validate()
         cancel = cancel or RequestCancel()
-        ctx = self._ctx
+        self._check_open()
         usage = Usage(prompt_tokens=len(tokens))
 
-        ctx.clear_abort()
-        cancel.attach(ctx.request_abort)
+        self._member.watch(cancel)
         sampler = reader = None
         n_decodes = self.n_decodes
         try:
             t0 = time.perf_counter()
-            usage.cached_tokens = self.evaluate(tokens, cancel, params.cache_prompt,
+            usage.cached_tokens = self._evaluate(tokens, cancel, params.cache_prompt,
                                                 params.cache_reuse,
                                                 need_logits=params.n_predict != 0,
                                                 on_progress=on_progress)
@@ -480,8 +510,8 @@ class ChatSession:
             return self._generate(tokens, params, sampler, on_piece, cancel, usage, reader)
         finally:
             usage.n_decode = self.n_decodes - n_decodes
-            cancel.detach(ctx.request_abort)
-            ctx.clear_abort()
+            self._member.unwatch()
+            self._member.release()
             if sampler is not None:
                 sampler.close()
             if reader is not None:
@@ -500,10 +530,10 @@ class ChatSession:
         limit = params.n_predict if params.n_predict > 0 else None
         n_eog = 0
         # Speculation (see _speculation): ``pending`` holds the drafted tokens
-        # decoded after the last kept one, not yet checked; ``idx`` is the output
-        # of the last decode the sampler reads (-1: its only one).
+        # decoded after the last kept one, not yet checked; ``idx`` is the batch
+        # index of the output of the last decode the sampler reads.
         lookup = self._speculation(prompt, params, reader)
-        pending, idx = [], -1
+        pending, idx = [], self._out
         drafted = accepted = 0
 
         while True:
@@ -522,7 +552,7 @@ class ChatSession:
                 else:
                     # wrong from here on: drop the rest of the draft's cells
                     self._drop_after(n_past)
-                    pending, idx = [], -1
+                    pending = []
             if token is None:
                 # the grammar allows nothing the samplers would pick: the
                 # end of what can be generated (libllama would have aborted)
@@ -546,7 +576,7 @@ class ChatSession:
                     cancel.cancel("client")
                     break
             else:
-                ledger.add(piece, self._token_prob(reader, token, piece))
+                ledger.add(piece, self._token_prob(reader, token, piece, idx))
                 got = ledger.release(text.sent, len(text.text) if stopped else None)
                 if (released or got) and on_piece is not None \
                         and on_piece(released, got) is False:
@@ -569,7 +599,7 @@ class ChatSession:
                     # a shift keeps only cells it moves: this token (and any
                     # draft after it) is decoded again after the shift
                     self._drop_after(n_past)
-                    pending, idx, in_cache = [], -1, False
+                    pending, in_cache = [], False
                 if not self._shift_context(params, len(prompt)):
                     break
                 n_past = len(self.cached)
@@ -589,10 +619,10 @@ class ChatSession:
                 self._fail(status)
             n_past += 1
             self.cached.append(token)
-            idx = -1            # the sampler reads this decode's outputs now
+            idx = self._out     # the sampler reads this decode's outputs now
             if draft:
                 self.cached += draft
-                pending, idx = list(draft), 0
+                pending = list(draft)
                 drafted += len(draft)
                 if drafted >= self.draft_probation and accepted < self.draft_keep * drafted:
                     lookup = None   # too few drafts come true here to pay for checking them
@@ -639,14 +669,15 @@ class ChatSession:
 
     def _drop_after(self, n):
         """Forget the cache past its first n positions (a draft's wrong tokens)."""
-        if not self._ctx.memory.seq_rm(-1, n, -1):
+        if not self._mem.rm(n, -1):
             self.reset()        # cannot happen where _speculation allows drafts
             raise DecodeError("libllama could not drop a draft's cells", -1)
         del self.cached[n:]
 
-    def _token_prob(self, reader, token, piece):
-        """The TokenProb of ``token``, just sampled (before the next decode)."""
-        p, top = reader.read(self._ctx, token)
+    def _token_prob(self, reader, token, piece, idx):
+        """The TokenProb of ``token``, just sampled from output ``idx`` (before the
+        next decode)."""
+        p, top = reader.read(self._ctx, token, idx)
         token_bytes = self.model.token_bytes
         return TokenProb(token, piece, p, [TokenProb(t, token_bytes(t), q) for t, q in top])
 
@@ -661,6 +692,44 @@ class ChatSession:
         if status == 1:
             raise ContextFull("no room left in the KV cache for this request")
         raise DecodeError("llama_decode failed with status %d" % status, status)
+
+
+class _SessionMemory:
+    """A session's view of the shared cache: its own sequences, each operation
+    under the decoder's lock (no cell changes while a decode runs)."""
+
+    def __init__(self, decoder, seqs):
+        self._decoder = decoder
+        self._memory = decoder.ctx.memory
+        self._lock = decoder.lock
+        self._seqs = seqs
+
+    def rm(self, p0, p1):
+        """Remove [p0, p1) from every sequence of the session; False where the
+        memory cannot cut there."""
+        with self._lock:
+            return all([self._memory.seq_rm(s, p0, p1) for s in self._seqs])
+
+    def seq_rm(self, seq, p0, p1):
+        with self._lock:
+            return self._memory.seq_rm(seq, p0, p1)
+
+    def seq_cp(self, src, dst, p0, p1):
+        with self._lock:
+            self._memory.seq_cp(src, dst, p0, p1)
+
+    def seq_add(self, seq, p0, p1, delta):
+        with self._lock:
+            self._memory.seq_add(seq, p0, p1, delta)
+            self._decoder.moved()
+
+    def seq_pos_min(self, seq):
+        with self._lock:
+            return self._memory.seq_pos_min(seq)
+
+    def seq_pos_max(self, seq):
+        with self._lock:
+            return self._memory.seq_pos_max(seq)
 
 
 class _Progress:
@@ -681,7 +750,7 @@ class _Progress:
 
 
 def _with_holes(tokens, plan, unfinished):
-    """What sequence 0 holds after a cancelled gap: ``tokens`` up to the last
+    """What SEQ_PROMPT holds after a cancelled gap: ``tokens`` up to the last
     moved run, with None at the positions of the gaps not evaluated.
 
     None matches no token, so the next plan keeps the part before the first

@@ -43,7 +43,7 @@ from .embed import POOLING, Embedder, model_pooling, to_le
 from .infill import build_infill_prompt
 from . import rpc
 from .model import Model
-from .session import ChatSession, decode_threads, take_turns_with
+from .session import ChatSession, decode_threads, shared_decoder, take_turns_with
 
 
 def parse_args(argv=None):
@@ -105,9 +105,10 @@ class Loaded:
     """The model, its sessions, its chat template (what chat.select keeps on it) and
     its Embedder (whose context is made on the first embedding request)."""
 
-    def __init__(self, model, sessions, chat_template=None, embedder=None):
+    def __init__(self, model, sessions, chat_template=None, embedder=None, decoder=None):
         self.model = model
         self.sessions = sessions
+        self.decoder = decoder      # the sessions' shared context (engine/batch.py)
         self.chat_template = chat_template
         self.template = None
         template_for(self)      # a template that cannot be used fails the load
@@ -121,13 +122,16 @@ class Loaded:
                            n_gpu_layers=args.n_gpu_layers, tensor_split=split,
                            repack=not args.no_repack, on_rpc_stall=on_rpc_stall)
         sessions = []
+        decoder = None
         threads = decode_threads(model, args.threads, args.threads_batch)
         try:
+            # one context for every session, whose decodes are batched together
+            decoder = shared_decoder(model, max(1, args.parallel), n_ctx=args.ctx_size,
+                                     n_batch=args.batch_size, n_ubatch=args.ubatch_size,
+                                     swa_full=not args.no_swa_full, threads=threads)
             for _ in range(max(1, args.parallel)):
                 sessions.append(ChatSession(
-                    model, n_ctx=args.ctx_size, n_batch=args.batch_size,
-                    n_ubatch=args.ubatch_size, swa_full=not args.no_swa_full,
-                    threads=threads, context_shift=args.context_shift,
+                    model, decoder=decoder, context_shift=args.context_shift,
                     draft_max=args.spec_draft_n_max if args.spec_type == "ngram-simple" else 0))
             # the embedding context learns its thread counts on its own: its
             # decodes (every token an output) run at another speed than a prompt's
@@ -135,10 +139,12 @@ class Loaded:
                 model, args.pooling, n_ctx=sessions[0].n_ctx, n_batch=args.batch_size,
                 n_ubatch=args.ubatch_size,
                 threads=decode_threads(model, args.threads, args.threads_batch))
-            return cls(model, sessions, args.chat_template, embedder)
+            return cls(model, sessions, args.chat_template, embedder, decoder)
         except BaseException:
             for s in sessions:
                 s.close()
+            if decoder is not None:
+                decoder.close()
             model.close()
             raise
 
@@ -146,6 +152,8 @@ class Loaded:
         self.embedder.close()
         for s in self.sessions:
             s.close()
+        if self.decoder is not None:
+            self.decoder.close()
         self.model.close()
 
     def info(self):
@@ -277,6 +285,11 @@ class Worker:
     def call_slots(self):
         """How many tokens each session's cache holds now (a request may be running)."""
         return [len(s.cached) for s in self.loaded.sessions]
+
+    def call_batching(self):
+        """Decode steps made so far, and how many of them carried several sessions' work."""
+        d = self.loaded.decoder
+        return {"steps": d.n_steps if d else 0, "shared_steps": d.n_shared_steps if d else 0}
 
     def call_threads(self):
         """The thread counts decodes use now and how often they changed (engine/threads.py)."""

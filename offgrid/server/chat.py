@@ -9,6 +9,9 @@ The template, the grammar and the reading of the reply are the worker's
 (``chat/prompt.py``, ``chat/reply.py``); this module parses and formats.
 """
 
+import copy
+import functools
+
 from ..protocol import encode_messages, encode_tools
 from ..request import FinishReason, PromptProgress
 from . import formats
@@ -22,7 +25,7 @@ REASONING_FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")
 # -- the request ------------------------------------------------------------------------
 
 def _n_choices(f):
-    """OpenAI's ``n`` (llama-server's ``n_cmpl``): choices to generate, each in turn."""
+    """OpenAI's ``n`` (llama-server's ``n_cmpl``): choices to generate, at once where they can."""
     if f.int("best_of", 1) != 1:
         raise BadRequest("'best_of' must be 1: offgrid does not rank several completions")
     name = "n" if f.has("n") else "n_cmpl"
@@ -190,20 +193,19 @@ def chat_completions(h, body):
     what = "POST /v1/chat/completions"
     base_seed = gen.sampling.seed
 
-    def seed_for(index):
-        # each further choice its own seed, as llama-server's child tasks
+    def gen_for(index):
+        # each further choice its own seed, as llama-server's child tasks; its
+        # own copy, since choices run at once (Service.run_choices)
+        g = copy.deepcopy(gen)
         if base_seed is not None:
-            gen.sampling.seed = base_seed + index
+            g.sampling.seed = base_seed + index
+        return g
 
     if not stream:
-        done = []
-        for index in range(n):
-            seed_for(index)
-            c = svc.generate(entry, tokens, gen, id_slot, sock=h.connection, chat=chat,
-                             what=what)
-            done.append(c)
-            if c.finish_reason is FinishReason.CANCELLED:
-                break
+        done = svc.run_choices(entry, [
+            functools.partial(svc.generate, entry, tokens, gen_for(index), id_slot,
+                              sock=h.connection, chat=chat, what=what)
+            for index in range(n)], id_slot)
         out = formats.oai_chat(done[0], entry.id, cid, created, message=_message(done[0].reply),
                                finish=_finish(done[0]), post=post)
         for index, c in enumerate(done[1:], 1):
@@ -220,9 +222,8 @@ def chat_completions(h, body):
 
     include_usage = include_usage_from(f)
     es = h.event_stream()
-    done = []
-    for index in range(n):
-        seed_for(index)
+
+    def choice(index):
         opened = []
 
         def open_stream(index=index, opened=opened):
@@ -248,13 +249,13 @@ def chat_completions(h, body):
             return es.send(formats.oai_chat_chunk(_delta_json(d), entry.id, cid, created,
                                                   probs=probs, post=post, index=index))
 
-        c = svc.generate(entry, tokens, gen, id_slot, on_delta, sock=h.connection, chat=chat,
-                         what=what)
-        done.append(c)
+        c = svc.generate(entry, tokens, gen_for(index), id_slot, on_delta, sock=h.connection,
+                         chat=chat, what=what)
         open_stream()
         es.send(formats.oai_chat_chunk({}, entry.id, cid, created, _finish(c), index=index))
-        if c.finish_reason is FinishReason.CANCELLED:
-            break
+        return c
+
+    done = svc.run_choices(entry, [functools.partial(choice, i) for i in range(n)], id_slot)
     if include_usage:
         chunk = formats.oai_usage_chunk(done[0], "chat.completion.chunk", entry.id, cid, created)
         if len(done) > 1:

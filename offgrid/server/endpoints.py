@@ -6,11 +6,13 @@ Service and writes the response (``formats``).  Errors are raised, never
 written here.
 """
 
+import copy
+import functools
 from collections import namedtuple
 
 from .. import __version__
 from ..errors import OffgridError
-from ..request import FinishReason, GenerationParams, InfillRequest, PromptProgress
+from ..request import GenerationParams, InfillRequest, PromptProgress
 from . import anthropic, chat, embeddings, formats, ollama, ollama_models, responses
 from . import shelf_api
 from .errors import BadRequest, HTTPError, Unavailable
@@ -59,10 +61,15 @@ def _status(entry):
 def _threads_of(entry):
     """The worker's thread counts now (engine/threads.py snapshot), or None
     while it is not there to ask."""
+    return _ask(entry, "threads")
+
+
+def _ask(entry, op):
+    """A loaded model's worker's answer to ``op``, or None while it is not there to ask."""
     if entry.state != "ready":
         return None
     try:
-        return entry.call("threads", "threads")
+        return entry.call(op, op)
     except (OffgridError, Unavailable):
         return None         # it died just now
 
@@ -220,6 +227,15 @@ def metrics(h, _body):
             "# TYPE offgrid_thread_switches_total counter"]
     for e, t in threads:
         out.append('offgrid_thread_switches_total{model="%s"} %d' % (_label(e.id), t["switches"]))
+    batching = [(e, _ask(e, "batching")) for e, _ in threads]
+    for name, key, help_text in (
+            ("offgrid_decode_steps_total", "steps", "Decode steps of a model's sessions."),
+            ("offgrid_batched_steps_total", "shared_steps",
+             "Decode steps that carried several sessions' tokens in one batch.")):
+        out += ["# HELP %s %s" % (name, help_text), "# TYPE %s counter" % name]
+        for e, b in batching:
+            if b is not None:
+                out.append('%s{model="%s"} %d' % (name, _label(e.id), b[key]))
     # llama-server's header: when the counters started, for rates across restarts
     h.send_text(200, "\n".join(out) + "\n",
                 headers={"Process-Start-Time-Unix": str(int(m.started))})
@@ -307,8 +323,10 @@ def _run_native(h, f, entry, jobs, gen, endpoint):
     """Run /completion or /infill: one result, or an array for several prompts or n_cmpl > 1.
 
     ``jobs``: (prompt tokens, prompt text) per prompt.  Each prompt runs
-    ``n_cmpl`` times, in turn; results are numbered as llama-server's: the
-    prompts in order, each followed by its further completions.
+    ``n_cmpl`` times, all of them at once where the model has the sessions
+    (Service.run_choices: decoded in one batch); results are numbered as
+    llama-server's: the prompts in order, each followed by its further
+    completions.
     """
     svc = h.service
     svc.metrics.request(endpoint)
@@ -320,35 +338,40 @@ def _run_native(h, f, entry, jobs, gen, endpoint):
     gen.return_progress = stream and f.bool("return_progress", False)
     timings_per_token = f.bool("timings_per_token", False)
     es = h.event_stream() if stream else None
-    results = []
     base_seed = gen.sampling.seed
-    for index, (tokens, prompt_text, k) in enumerate(
-            (t, p, k) for t, p in jobs for k in range(n_cmpl)):
+    finals = {}     # index -> the final object of that result
+
+    def job(index, tokens, prompt_text, k):
+        g = copy.deepcopy(gen)      # its own seed: jobs may run at once
         if base_seed is not None:
-            gen.sampling.seed = base_seed + k
+            g.sampling.seed = base_seed + k
         counter = {"n": 0}
 
-        def on_piece(text, probs=None, index=index, counter=counter, tokens=tokens):
+        def on_piece(text, probs=None):
             if isinstance(text, PromptProgress):    # return_progress
                 return es.send(formats.native_progress(text, index, id_slot, len(tokens),
                                                        timings_per_token))
             counter["n"] += len(probs) if probs else 1
             return es.send(formats.native_partial(text, index, id_slot, counter["n"],
-                                                  len(tokens), probs, gen.post_sampling_probs))
+                                                  len(tokens), probs, g.post_sampling_probs))
 
-        c = svc.generate(entry, tokens, gen, id_slot, on_piece if stream else None,
+        c = svc.generate(entry, tokens, g, id_slot, on_piece if stream else None,
                          sock=h.connection, what="POST /" + endpoint)
-        obj = formats.native_final(c, entry.id, gen, entry.n_ctx, id_slot, prompt_text,
+        obj = formats.native_final(c, entry.id, g, entry.n_ctx, id_slot, prompt_text,
                                    index=index, stream=stream, return_tokens=return_tokens)
         if stream:
             obj["content"] = ""     # the pieces already carried it, as in llama-server
         if fields:
             obj = formats.select_fields(obj, fields)
-        results.append(obj)
         if stream:
             es.send(obj)
-        if c.finish_reason is FinishReason.CANCELLED:
-            break
+        finals[index] = obj
+        return c
+
+    jobs = [functools.partial(job, index, tokens, prompt_text, k)
+            for index, (tokens, prompt_text, k)
+            in enumerate((t, p, k) for t, p in jobs for k in range(n_cmpl))]
+    results = [finals[i] for i in range(len(svc.run_choices(entry, jobs, id_slot)))]
     if stream:
         es.end()
     else:
@@ -408,28 +431,31 @@ def v1_completions(h, body):
     cid, created = formats.new_id("cmpl"), formats.now()
     es = h.event_stream() if stream else None
     base_seed = gen.sampling.seed
-    done = []
-    # each prompt n times, numbered in that order (llama-server's child tasks)
-    for index, (tokens, k) in enumerate((t, k) for t in prompts for k in range(n)):
+
+    def choice(index, tokens, k):
+        g = copy.deepcopy(gen)      # its own seed: choices may run at once
         if base_seed is not None:
-            gen.sampling.seed = base_seed + k
+            g.sampling.seed = base_seed + k
         offset = [0]        # where the next token starts in the completion's text
 
-        def on_piece(text, probs=None, index=index, offset=offset):
+        def on_piece(text, probs=None):
             lp = None
             if probs is not None:
                 lp, offset[0] = formats.oai_completion_logprobs(probs, offset[0])
             return es.send(formats.oai_completion_chunk(text, entry.id, cid, created,
                                                         logprobs=lp, index=index))
 
-        c = svc.generate(entry, tokens, gen, id_slot, on_piece if stream else None,
+        c = svc.generate(entry, tokens, g, id_slot, on_piece if stream else None,
                          sock=h.connection, what="POST /v1/completions")
-        done.append(c)
         if stream:
             es.send(formats.oai_completion_chunk("", entry.id, cid, created,
                                                  formats.finish_reason(c), index=index))
-        if c.finish_reason is FinishReason.CANCELLED:
-            break
+        return c
+
+    # each prompt n times, numbered in that order (llama-server's child tasks)
+    done = svc.run_choices(entry, [
+        functools.partial(choice, index, tokens, k) for index, (tokens, k)
+        in enumerate((t, k) for t in prompts for k in range(n))], id_slot)
     prompt_tokens = sum(len(t) for t in prompts)
     if not stream:
         h.send_json(200, formats.oai_completion(done, entry.id, cid, created, prompt_tokens))

@@ -90,6 +90,8 @@ class _ChunkedStream:
         self.started = False
         self.broken = False
         self.chunked = handler.request_version != "HTTP/1.0"
+        # several choices of one request may stream at once (Service.run_choices)
+        self._lock = threading.Lock()
 
     def start(self):
         h = self.handler
@@ -120,17 +122,18 @@ class _ChunkedStream:
             self._write(b"0\r\n\r\n")
 
     def _write(self, data):
-        if self.broken:
-            return False
-        try:
-            if not self.started:
-                self.start()
-            self.handler.wfile.write(data)
-            return True
-        except OSError:             # gone, or stopped reading for `timeout` seconds
-            self.broken = True
-            self.handler.close_connection = True
-            return False
+        with self._lock:
+            if self.broken:
+                return False
+            try:
+                if not self.started:
+                    self.start()
+                self.handler.wfile.write(data)
+                return True
+            except OSError:             # gone, or stopped reading for `timeout` seconds
+                self.broken = True
+                self.handler.close_connection = True
+                return False
 
 
 class EventStream(_ChunkedStream):

@@ -20,7 +20,7 @@ from .errors import BadRequest
 MAX_STOP_STRINGS = 64
 MAX_STOP_LEN = 1024
 MAX_N_CMPL = 16
-# prompts in one /completion or /v1/completions request (each runs in turn)
+# prompts in one /completion or /v1/completions request (run at once where they can)
 MAX_PROMPTS = 64
 # logit_bias entries given as text: each is tokenized by the model's worker
 MAX_LOGIT_BIAS_TEXTS = 1024

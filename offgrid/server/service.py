@@ -270,6 +270,44 @@ class Service:
         return shelf.use(entry, self._scope())
 
     # -- running a request --------------------------------------------------
+    def run_choices(self, entry, jobs, id_slot=-1):
+        """Run the ``jobs`` of one request (callables returning a Completion: its
+        choices, or its prompts) and return their Completions in order, up to
+        and including the first one cancelled.
+
+        They run at once, each on a session of its own, so the worker decodes
+        them in one batch (engine/batch.py), unless they would take turns
+        anyway: one session, or an ``id_slot`` (each would supersede the last).
+        """
+        pool = entry.pool
+        if len(jobs) == 1 or id_slot >= 0 or pool is None or len(pool.sessions) < 2:
+            done = []
+            for job in jobs:
+                done.append(job())
+                if done[-1].finish_reason is FinishReason.CANCELLED:
+                    break
+            return done
+        done = [None] * len(jobs)
+        errors = []
+
+        def run(i):
+            try:
+                done[i] = jobs[i]()
+            except BaseException as e:
+                errors.append((i, e))
+        threads = [threading.Thread(target=run, args=(i,), daemon=True,
+                                    name="choice-%d" % i) for i in range(len(jobs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise min(errors, key=lambda e: e[0])[1]
+        for i, c in enumerate(done):
+            if c.finish_reason is FinishReason.CANCELLED:
+                return done[:i + 1]
+        return done
+
     def generate(self, entry, tokens, gen, id_slot=-1, on_piece=None, sock=None, cancel=None,
                  chat=None, what=""):
         """Run one generation request from start to finish; returns a Completion.

@@ -1,0 +1,302 @@
+"""BatchDecoder: the one llama_context of a model's sessions, and the decodes they share.
+
+Each ChatSession of a worker is a few sequences of one context (session.py:
+its prompt, a scratch sequence, the sliding-window pin), in one unified KV
+cache sized for all of them.  Each decode step packs the work of every
+session that has some into one llama_batch: the next token (and draft) of
+each generating session and a bounded share of the prompt of each one that
+is evaluating (continuous batching: a session joins at the next step and
+leaves when it stops asking).  On a CPU a step of four tokens costs little
+more than a step of one, since the weights are read once per step.
+
+Threads: each session runs on its own thread and calls ``Member.decode``,
+which queues its part and waits.  Whoever finds the context free becomes
+the leader: it takes every queued part, makes the decode, hands each part
+its status and the batch index of its logits, and wakes the others.  There
+is no scheduler thread, so a lone session decodes with no hand-over.
+
+The rules that keep libllama safe and the batches full:
+- A part's logits live in the context's output buffer until the next
+  decode, so no decode starts while a member still reads its last ones
+  (``holding``).  A member stops holding when it asks for its next decode
+  or calls ``release``; generating members therefore all ask again before
+  the next step starts, and their next tokens go in one batch, with no
+  timer.
+- Every memory operation of a session (cutting, copying, moving cells) and
+  every llama_decode take ``lock``: they touch the one cache.
+- The abort flag belongs to the context: it is set only when a member of the
+  decode under way is cancelled.  The others' parts of an aborted step are
+  dropped from the cache and decoded again in the next step, not lost.
+- A decode that applies moved keys' rotation must not be cut short (see
+  ContextHandle.set_abortable); a session that moved keys says so with
+  ``moved()``, and the next step runs without the abort callback.
+"""
+
+import threading
+import time
+
+from ..libllama import ContextHandle
+
+OUT_NONE, OUT_LAST, OUT_ALL = ContextHandle.OUT_NONE, ContextHandle.OUT_LAST, ContextHandle.OUT_ALL
+
+# Sequences per session (session.py: SEQ_PROMPT, SEQ_GAP, SEQ_PIN).
+SEQS_PER_SESSION = 3
+
+
+class _Part:
+    """One member's tokens waiting for (or in) a decode step."""
+
+    __slots__ = ("member", "tokens", "pos", "seqs", "outputs", "prompt", "done_n",
+                 "status", "offset", "done")
+
+    def __init__(self, member, tokens, pos, seqs, outputs, prompt):
+        self.member = member
+        self.tokens = tokens
+        self.pos = pos
+        self.seqs = seqs
+        self.outputs = outputs
+        self.prompt = prompt        # prompt work: may be split over several steps
+        self.done_n = 0             # tokens decoded so far
+        self.status = 0
+        self.offset = -1            # batch index of the part's first output
+        self.done = False
+
+
+class Member:
+    """One session's place at a BatchDecoder: its sequences' decodes and its cancel."""
+
+    def __init__(self, decoder, index):
+        self.decoder = decoder
+        self.index = index
+        self.holding = False        # reads the logits of its last decode
+        self.cancelled = False
+        self._cancel = None
+
+    def decode(self, tokens, pos, seqs, outputs, prompt=False):
+        """Decode ``tokens`` at positions pos... into ``seqs`` in the next step(s).
+
+        ``outputs``: OUT_NONE, OUT_LAST or OUT_ALL.  ``prompt``: the tokens are
+        prompt work, which the decoder may split over several steps so that
+        generating members keep their pace.  Returns (llama_decode's status,
+        the batch index of the first kept output); the logits stay readable
+        until this member decodes again or calls release().  A member whose
+        request is cancelled gets status 2, as an aborted decode.
+        """
+        return self.decoder._decode(_Part(self, tokens, pos, seqs, outputs, prompt))
+
+    def release(self):
+        """Done reading the last decode's logits (the next step may start)."""
+        d = self.decoder
+        with d._cond:
+            if self.holding:
+                self.holding = False
+                d._holding -= 1
+                d._cond.notify_all()
+
+    def watch(self, cancel):
+        """Tie this member's decodes to ``cancel`` (a RequestCancel) until unwatch()."""
+        self.cancelled = False
+        self._cancel = cancel
+        cancel.attach(self._on_cancel)
+
+    def unwatch(self):
+        cancel, self._cancel = self._cancel, None
+        if cancel is not None:
+            cancel.detach(self._on_cancel)
+        self.cancelled = False
+
+    def _on_cancel(self):
+        self.decoder._abort(self)
+
+
+class BatchDecoder:
+    """Owns the shared ContextHandle of a model's sessions and makes their decode steps."""
+
+    # Prompt tokens a step takes beside generating members' tokens, until the
+    # decoder has measured both: then as many as cost about one generation
+    # step, so a generating stream keeps at least half its pace while another
+    # session evaluates a long prompt.
+    first_prompt_share = 16
+    min_prompt_share = 4
+
+    def __init__(self, ctx, threads, turn):
+        """``ctx``: the ContextHandle (owned from here on); ``threads``: the
+        DecodeThreads of its decodes; ``turn()``: the lock every decode of the
+        process takes (session.decode_turn), looked up at each step."""
+        self.ctx = ctx
+        self.threads = threads
+        self._turn = turn
+        self.lock = threading.Lock()        # llama_decode and every memory operation
+        self._cond = threading.Condition(threading.Lock())     # the queue and the step
+        self._pending = []
+        self._running = None                # the parts of the decode under way
+        self._holding = 0                   # members reading their last logits
+        self._shift = False                 # keys moved: the next decode applies them
+        self._members = 0
+        self._gen_step = None               # seconds of a step of generation only
+        self._prompt_token = None           # seconds a prompt token adds to a step
+        self.n_steps = 0                    # decode steps made (for tests and /metrics)
+        self.n_shared_steps = 0             # steps that held several members' parts
+        self.closed = False
+
+    def member(self):
+        """A new Member (a session's place; its sequences are its own)."""
+        m = Member(self, self._members)
+        self._members += 1
+        return m
+
+    def moved(self):
+        """Keys were moved (llama_memory_seq_add): the next decode rotates them."""
+        self._shift = True
+
+    def close(self):
+        if not self.closed:
+            self.closed = True
+            self.ctx.close()
+
+    # -- the step ----------------------------------------------------------
+    def _decode(self, part):
+        member = part.member
+        with self._cond:
+            if member.holding:
+                member.holding = False
+                self._holding -= 1
+            if member.cancelled:
+                return 2, -1
+            self._pending.append(part)
+            while not part.done:
+                if member.cancelled and not self._is_running(member):
+                    self._pending.remove(part)
+                    return 2, -1
+                if self._running is None and self._holding == 0 and self._pending:
+                    self._lead()
+                else:
+                    self._cond.wait()
+            return part.status, part.offset
+
+    def _is_running(self, member):
+        return self._running is not None and any(p.member is member for p, _, _ in self._running)
+
+    def _lead(self):
+        """Make one decode step of the queued parts (called holding _cond, which
+        it lets go of during the decode)."""
+        step = self._take()
+        if not step:
+            return
+        self._running = step
+        self.ctx.clear_abort()
+        status = -1000          # an exception out of the decode: every part fails
+        self._cond.release()
+        try:
+            layout = [(p.tokens[a:b], p.pos + a, p.seqs,
+                       p.outputs if b == len(p.tokens) else OUT_NONE) for p, a, b in step]
+            n = sum(b - a for _, a, b in step)
+            with self._turn(), self.lock:
+                shifted = self._shift       # read under the lock moved() is called in
+                started = self.threads.before(self.ctx, n)
+                if shifted:
+                    self.ctx.set_abortable(False)
+                try:
+                    status = self.ctx.decode_parts(layout)
+                finally:
+                    if shifted:
+                        self.ctx.set_abortable(True)
+                if status == 0:
+                    self.threads.after(n, started)
+                    self._learn(step, time.perf_counter() - started[1])
+                    if shifted:
+                        self._shift = False
+                elif status == 2:
+                    self._undo(step)
+        finally:
+            self._cond.acquire()
+            self._finish(step, status)
+            self._running = None
+            self._cond.notify_all()
+
+    def _learn(self, step, seconds):
+        """Keep the cost of a generation step and of a prompt token beside it
+        (moving averages), which size the prompt's share of the next steps."""
+        n_prompt = sum(b - a for p, a, b in step if p.prompt)
+        n_gen = len(step) - sum(1 for p, _, _ in step if p.prompt)
+        if n_prompt == 0:
+            self._gen_step = _average(self._gen_step, seconds)
+        elif n_gen == 0:
+            self._prompt_token = _average(self._prompt_token, seconds / n_prompt)
+        elif self._gen_step is not None:
+            extra = max(seconds - self._gen_step, 0.0)
+            self._prompt_token = _average(self._prompt_token, extra / n_prompt)
+
+    def _take(self):
+        """The slices (part, start, end) of the next step: every generating
+        member's tokens that fit, then a share of the prompt work."""
+        cap = self.ctx.n_batch
+        step = []
+        gen = [p for p in self._pending if not p.prompt and not p.member.cancelled]
+        for p in gen:
+            if len(p.tokens) <= cap:
+                step.append((p, 0, len(p.tokens)))
+                cap -= len(p.tokens)
+        share = cap if not step else min(cap, self._prompt_share())
+        for p in self._pending:
+            if p.prompt and not p.member.cancelled and share > 0:
+                k = min(len(p.tokens) - p.done_n, share)
+                step.append((p, p.done_n, p.done_n + k))
+                share -= k
+        return step
+
+    def _prompt_share(self):
+        if self._gen_step is None or self._prompt_token is None:
+            return self.first_prompt_share
+        return max(self.min_prompt_share, int(self._gen_step / max(self._prompt_token, 1e-6)))
+
+    def _undo(self, step):
+        """After an aborted step: drop what it left of every part from the cache
+        (held lock), so a part decoded again starts where it did."""
+        mem = self.ctx.memory
+        for part, a, _ in step:
+            if not part.member.cancelled:
+                for s in part.seqs:
+                    mem.seq_rm(s, part.pos + a, -1)
+
+    def _finish(self, step, status):
+        self.n_steps += 1
+        if len({id(p.member) for p, _, _ in step}) > 1:
+            self.n_shared_steps += 1
+        for part, a, b in step:
+            if status == 2 and not part.member.cancelled:
+                continue                    # decoded again in the next step
+            if status != 0:
+                part.status, part.done = status, True
+                self._pending.remove(part)
+                continue
+            part.done_n = b
+            if b < len(part.tokens):
+                continue
+            part.done = True
+            self._pending.remove(part)
+            if part.outputs != OUT_NONE:
+                part.offset = self._offset_in(step, part)
+                if not part.member.holding:
+                    part.member.holding = True
+                    self._holding += 1
+
+    @staticmethod
+    def _offset_in(step, part):
+        n = 0
+        for p, a, b in step:
+            if p is part:
+                return n + (b - a - 1 if part.outputs == OUT_LAST else 0)
+            n += b - a
+        return -1
+
+    def _abort(self, member):
+        with self._cond:
+            member.cancelled = True
+            if self._is_running(member):
+                self.ctx.request_abort()
+            self._cond.notify_all()
+
+
+def _average(old, new, weight=0.3):
+    return new if old is None else old + weight * (new - old)

@@ -1,0 +1,315 @@
+"""Batched generation across a model's sessions (engine/batch.py, session.py).
+
+Sessions made by shared_decoder share one context; their decodes go in one
+batch per step.  Greedy output of each session in a batch must be what the
+same request gives alone.  A decode of several sequences may differ from a
+lone one in the last bits of a logit; where a greedy pick flips, the test
+demands that it was a near-tie and reports it.
+"""
+
+import math
+import threading
+
+import pytest
+
+from offgrid.engine.session import ChatSession, shared_decoder
+from offgrid.request import GenerationParams, RequestCancel, SamplingParams
+
+NEAR_TIE = 0.25     # nats between the two most likely tokens
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea,",
+    "The three primary colors are",
+]
+
+
+def _greedy(n, **kw):
+    return GenerationParams(n_predict=n, sampling=SamplingParams(temperature=0.0),
+                            cache_prompt=False, **kw)
+
+
+def _sessions(model, n, n_ctx=512, **kw):
+    decoder = shared_decoder(model, n, n_ctx=n_ctx, n_batch=256, n_threads=1, **kw)
+    return decoder, [ChatSession(model, decoder=decoder) for _ in range(n)]
+
+
+def _close(decoder, sessions):
+    for s in sessions:
+        s.close()
+    decoder.close()
+
+
+def _together(sessions, jobs):
+    """Run jobs[i]() on sessions[i]'s thread, all at once; their results in order."""
+    out = [None] * len(jobs)
+    errors = []
+    start = threading.Barrier(len(jobs))
+
+    def run(i):
+        try:
+            start.wait()
+            out[i] = jobs[i]()
+        except BaseException as e:     # pragma: no cover - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    return out
+
+
+def _same_or_near_tie(model, alone, batched, tokens):
+    """Equal token lists, or a first difference where the lone decode's pick was a near-tie."""
+    if alone.tokens == batched.tokens:
+        return None
+    i = next((i for i in range(min(len(alone.tokens), len(batched.tokens)))
+              if alone.tokens[i] != batched.tokens[i]), None)
+    assert i is not None, "one output is a prefix of the other"
+    with ChatSession(model, n_ctx=512, n_threads=1) as s:
+        probe = s.complete(tokens + alone.tokens[:i], _greedy(1, with_probs=True, n_probs=2))
+    top = probe.probs[0].top
+    assert {top[0].id, top[1].id} == {alone.tokens[i], batched.tokens[i]}
+    margin = math.log(top[0].prob) - math.log(top[1].prob)
+    print("token %d differs, a near-tie of %.3f nats" % (i, margin))
+    assert margin < NEAR_TIE, (i, margin)
+    return margin
+
+
+@pytest.mark.parametrize("name", ["smollm", "gemma"])
+def test_greedy_output_in_a_batch_is_the_output_alone(request, name):
+    # gemma-3 has sliding-window attention: its sessions pin their cells (SEQ_PIN)
+    model = request.getfixturevalue(name)
+    prompts = [model.tokenize(p, add_special=True) for p in PROMPTS]
+    with ChatSession(model, n_ctx=512, n_threads=1) as alone:
+        expected = [alone.complete(t, _greedy(24)) for t in prompts]
+    decoder, sessions = _sessions(model, 4)
+    try:
+        got = _together(sessions, [lambda s=s, t=t: s.complete(t, _greedy(24))
+                                   for s, t in zip(sessions, prompts)])
+        assert decoder.n_shared_steps > 0, "the sessions never decoded together"
+        ties = [_same_or_near_tie(model, a, b, t) for a, b, t in zip(expected, got, prompts)]
+        print("near-ties: %d of %d outputs" % (sum(m is not None for m in ties), len(ties)))
+        for c in got:
+            assert c.usage.completion_tokens == 24
+    finally:
+        _close(decoder, sessions)
+
+
+def test_a_session_after_another_keeps_its_cache_apart(smollm):
+    # the same prompt on two sessions of one context: each its own cells
+    decoder, (a, b) = _sessions(smollm, 2)
+    try:
+        t = smollm.tokenize(PROMPTS[0], add_special=True)
+        cached = GenerationParams(n_predict=8, sampling=SamplingParams(temperature=0.0))
+        first = a.complete(t, cached)
+        again = a.complete(t, cached)
+        assert again.usage.cached_tokens == len(t) - 1      # a's cache kept
+        other = b.complete(t, cached)
+        assert other.usage.cached_tokens == 0               # b's is its own
+        assert first.tokens == again.tokens == other.tokens
+        b.reset()
+        assert a.common_prefix(t) == len(t)                 # b's reset left a alone
+    finally:
+        _close(decoder, [a, b])
+
+
+def test_a_cancel_mid_prompt_leaves_the_others_outputs_unchanged(smollm):
+    long = smollm.tokenize("Numbers: " + ", ".join(str(i) for i in range(300)),
+                           add_special=True)
+    prompts = [smollm.tokenize(p, add_special=True) for p in PROMPTS[:3]]
+    with ChatSession(smollm, n_ctx=2048, n_threads=1) as alone:
+        expected = [alone.complete(t, _greedy(32)) for t in prompts]
+    decoder, sessions = _sessions(smollm, 4, n_ctx=2048)
+    cancel = RequestCancel()
+    seen = []
+
+    def progress(p):
+        seen.append(p["processed"])
+        if len(seen) == 2:
+            cancel.cancel("test")       # part way through the long prompt
+
+    try:
+        jobs = [lambda s=s, t=t: s.complete(t, _greedy(32)) for s, t in zip(sessions, prompts)]
+        jobs.append(lambda: sessions[3].complete(long, _greedy(32), cancel=cancel,
+                                                 on_progress=progress))
+        got = _together(sessions, jobs)
+        assert got[3].finish_reason.value == "cancelled"
+        assert 0 < got[3].usage.evaluated < len(long)
+        for a, b, t in zip(expected, got[:3], prompts):
+            _same_or_near_tie(smollm, a, b, t)
+        # the cancelled session is usable again, and its cache holds what it did
+        assert len(sessions[3].cached) == got[3].usage.evaluated
+        again = sessions[3].complete(prompts[0], _greedy(32))
+        _same_or_near_tie(smollm, expected[0], again, prompts[0])
+    finally:
+        _close(decoder, sessions)
+
+
+def test_generation_goes_on_while_another_session_evaluates_a_long_prompt(smollm):
+    # the long prompt is decoded in shares beside the generating session's tokens
+    long = smollm.tokenize("Numbers: " + ", ".join(str(i) for i in range(600)),
+                           add_special=True)
+    decoder, (gen, big) = _sessions(smollm, 2, n_ctx=4096)
+    started = threading.Event()
+    during = []         # tokens the generating session got while the prompt ran
+    prompt_done = threading.Event()
+
+    def on_piece(text):
+        started.set()
+        if not prompt_done.is_set():
+            during.append(text)
+
+    def long_prompt():
+        started.wait(60)
+        c = big.complete(long, GenerationParams(n_predict=1,
+                                                sampling=SamplingParams(temperature=0.0)),
+                         on_progress=lambda p: None)
+        prompt_done.set()
+        return c
+
+    try:
+        a, b = _together([gen, big], [
+            lambda: gen.complete(smollm.tokenize(PROMPTS[2], add_special=True),
+                                 _greedy(200, ignore_eos=True), on_piece=on_piece),
+            long_prompt])
+        assert b.usage.prompt_tokens == len(long)
+        assert len(during) > 5, "generation stalled while the other prompt was evaluated"
+        assert decoder.n_shared_steps > 5
+    finally:
+        _close(decoder, [gen, big])
+
+
+def test_sessions_that_speculate_share_steps_and_keep_plain_output(smollm):
+    # drafts (1 + k tokens, every logit kept) of two sessions in one batch
+    block = "def add_%d(a, b):\n    return a + b\n\n"
+    prompts = [smollm.tokenize("".join(block % i for i in range(k, k + 10)), add_special=True)
+               for k in (0, 50)]
+    with ChatSession(smollm, n_ctx=1024, n_threads=1) as alone:
+        expected = [alone.complete(t, _greedy(40)) for t in prompts]
+    decoder = shared_decoder(smollm, 2, n_ctx=1024, n_batch=256, n_threads=1)
+    sessions = [ChatSession(smollm, decoder=decoder, draft_max=8) for _ in range(2)]
+    for s in sessions:
+        s.draft_probation = 10 ** 6     # draft all the way: this checks the output
+    try:
+        got = _together(sessions, [lambda s=s, t=t: s.complete(t, _greedy(40, speculate=True))
+                                   for s, t in zip(sessions, prompts)])
+        assert decoder.n_shared_steps > 0
+        for a, b, t in zip(expected, got, prompts):
+            assert b.usage.draft_tokens > 0
+            _same_or_near_tie(smollm, a, b, t)
+    finally:
+        _close(decoder, sessions)
+
+
+def test_a_lone_session_owns_and_frees_its_context(smollm):
+    s = ChatSession(smollm, n_ctx=256, n_threads=1)
+    ctx = s.decoder.ctx
+    s.close()
+    s.close()
+    assert ctx.ptr is None
+
+
+# -- over HTTP ------------------------------------------------------------------
+
+import json          # noqa: E402
+import random        # noqa: E402
+import socket        # noqa: E402
+
+try:
+    from .serverproc import ServerProcess
+except ImportError:
+    from serverproc import ServerProcess
+
+
+def _cut_stream(srv, prompt, chunks):
+    """Stream a completion and hang up after ``chunks`` events (0: at once)."""
+    body = json.dumps({"prompt": prompt, "n_predict": 64, "ignore_eos": True,
+                       "stream": True}).encode()
+    with socket.create_connection((srv.host, srv.port), timeout=240) as sock:
+        sock.sendall(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                     b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        got = b""
+        while got.count(b"data: ") < chunks:
+            data = sock.recv(4096)
+            if not data:
+                break
+            got += data
+
+
+def test_fifty_clients_cutting_streams_leave_every_session_free(smollm_path):
+    with ServerProcess(smollm_path, "-np", "4", threads=1) as srv:
+        def greedy(p):
+            body = srv.post("/completion", {"prompt": p, "n_predict": 16, "temperature": 0,
+                                            "cache_prompt": False, "n_probs": 2})[2]
+            return body["completion_probabilities"]
+        expected = [greedy(p) for p in PROMPTS]
+        rng = random.Random(20)
+        cuts = [(PROMPTS[i % 4] + " " * (i % 3), rng.randrange(0, 12)) for i in range(50)]
+        calls = [threading.Thread(target=_cut_stream, args=(srv,) + c) for c in cuts]
+        for c in calls:
+            c.start()
+        for c in calls:
+            c.join(300)
+        m = srv.wait_idle(timeout=60)
+        assert m["offgrid_sessions_busy"] == 0 and m["offgrid_queue_length"] == 0
+        slots = srv.get("/slots")[2]
+        assert len(slots) == 4 and not any(s["is_processing"] for s in slots)
+        assert sum(v for k, v in m.items() if k.startswith("offgrid_batched_steps_total")) > 0
+        # and the sessions still answer as before, together
+        out = [None] * 4
+        ts = [threading.Thread(target=lambda i=i: out.__setitem__(i, greedy(PROMPTS[i])))
+              for i in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(120)
+        for alone, together in zip(expected, out):
+            _same_or_near_tie_over_http(alone, together)
+
+
+def _same_or_near_tie_over_http(alone, together):
+    """Two completion_probabilities lists: the same tokens, or a first
+    difference where the lone run's two likeliest tokens were a near-tie."""
+    a, b = [t["id"] for t in alone], [t["id"] for t in together]
+    if a == b:
+        return
+    i = next(i for i in range(min(len(a), len(b))) if a[i] != b[i])
+    top = alone[i]["top_logprobs"]
+    assert {top[0]["id"], top[1]["id"]} == {a[i], b[i]}, (i, top)
+    margin = top[0]["logprob"] - top[1]["logprob"]
+    print("token %d differs, a near-tie of %.3f nats" % (i, margin))
+    assert margin < NEAR_TIE, (i, margin)
+
+
+def test_the_choices_of_one_request_are_decoded_together(smollm_path):
+    # n_cmpl (llama.vscode asks for several completions) and OpenAI's n
+    with ServerProcess(smollm_path, "-np", "3", threads=1) as srv:
+        def steps():
+            m = srv.metrics()
+            return (sum(v for k, v in m.items() if k.startswith("offgrid_batched_steps_total")),
+                    sum(v for k, v in m.items() if k.startswith("offgrid_decode_steps_total")))
+        before = steps()
+        status, _, body = srv.post("/completion", {"prompt": "Once upon a time", "n_cmpl": 3,
+                                                   "n_predict": 12, "ignore_eos": True,
+                                                   "temperature": 0})
+        assert status == 200 and [b["index"] for b in body] == [0, 1, 2]
+        assert len({b["content"] for b in body}) == 1       # greedy: the same text thrice
+        shared, total = (a - b for a, b in zip(steps(), before))
+        assert shared >= 10 and total < 3 * 13, (shared, total)
+        status, _, body = srv.post("/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "Say hi"}], "n": 3, "max_tokens": 8,
+            "temperature": 0.9, "seed": 5})
+        assert status == 200 and [c["index"] for c in body["choices"]] == [0, 1, 2]
+        assert all(c["message"]["content"] and c["finish_reason"] in ("stop", "length")
+                   for c in body["choices"])
+        assert 3 <= body["usage"]["completion_tokens"] <= 24
+        events = srv.stream("/v1/completions", {"prompt": "Hello", "n": 2, "max_tokens": 6,
+                                                "stream": True, "temperature": 0})[1]
+        finished = [e["choices"][0]["index"] for e in events
+                    if isinstance(e, dict) and e["choices"] and e["choices"][0]["finish_reason"]]
+        assert sorted(finished) == [0, 1]
+        assert events[-1] == "[DONE]"
