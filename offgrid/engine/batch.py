@@ -263,8 +263,11 @@ class BatchDecoder:
         self.n_steps += 1
         if len({id(p.member) for p, _, _ in step}) > 1:
             self.n_shared_steps += 1
+        # an abort nobody in the step asked for: give it to them all, rather
+        # than decode the step again and again
+        redo = status == 2 and any(p.member.cancelled for p, _, _ in step)
         for part, a, b in step:
-            if status == 2 and not part.member.cancelled:
+            if redo and not part.member.cancelled:
                 continue                    # decoded again in the next step
             if status != 0:
                 part.status, part.done = status, True
