@@ -40,8 +40,8 @@ from ..chat.template import ReplyFormat, new_tool_call_id
 from ..errors import InvalidRequest, OffgridError
 from ..request import RequestCancel
 from .embed import POOLING, Embedder, model_pooling, to_le
-from .infill import build_infill_prompt
-from . import rpc
+from . import cachereuse, promptfit, rpc
+from .infill import layout_infill
 from .model import Model
 from .session import ChatSession, decode_threads, take_turns_with
 
@@ -199,6 +199,9 @@ class Worker:
         self._out_lock = out_lock or threading.Lock()
         self._cancels = {}              # request id -> RequestCancel of a running generation
         self._lock = threading.Lock()
+        # the prompt speed decodes show, for FIM's t_max_prompt_ms (engine/promptfit.py)
+        first = loaded.sessions[0]
+        self.prompt_rate = promptfit.PromptRate(self.model, first.threads.batch.max_threads)
 
     # -- frames out ---------------------------------------------------------------
     def send(self, obj):
@@ -348,11 +351,38 @@ class Worker:
         scores, counts = self.loaded.embedder.scores(lists)
         return {"scores": scores, "n_tokens": counts}
 
-    def call_prepare_infill(self, request, reserve, schema=None, grammar=None):
+    def call_prepare_infill(self, request, reserve, schema=None, grammar=None,
+                            t_max_prompt_ms=0, id_slot=-1, cache_reuse=0):
+        """The FIM prompt's tokens and checked grammar; with ``t_max_prompt_ms``
+        fitted into that budget (``dropped`` says what went, or is None)."""
         s = self.loaded.sessions[0]
-        tokens = build_infill_prompt(self.model, protocol.decode_infill(request), s.n_ctx,
-                                     s.n_batch, reserve)
-        return {"tokens": tokens, "grammar": self._constraint(schema, grammar)}
+        req = protocol.decode_infill(request)
+
+        def layout(r):
+            return layout_infill(self.model, r, s.n_ctx, s.n_batch, reserve)
+        if t_max_prompt_ms > 0:
+            tokens, dropped = promptfit.fit(self.model, req, layout,
+                                            self._plan_for(id_slot, cache_reuse),
+                                            self.prompt_rate, t_max_prompt_ms)
+        else:
+            tokens, dropped = layout(req)[0], None
+        return {"tokens": tokens, "grammar": self._constraint(schema, grammar),
+                "dropped": dropped}
+
+    def _plan_for(self, id_slot, cache_reuse):
+        """plan_of(tokens): the cache plan of the session most likely to serve
+        them: the one asked for, else the one sharing the longest prefix (the
+        pool's choice among free sessions)."""
+        sessions = self.loaded.sessions
+
+        def plan_of(tokens):
+            if 0 <= id_slot < len(sessions):
+                cached = list(sessions[id_slot].cached)
+            else:
+                cached = max((list(x.cached) for x in sessions),
+                             key=lambda c: cachereuse.common_prefix(c, tokens))
+            return cachereuse.plan(cached, tokens, cache_reuse)
+        return plan_of
 
     def _constraint(self, schema, grammar):
         """llama-server's ``json_schema`` or ``grammar``, as checked GBNF (or None)."""
@@ -436,6 +466,8 @@ class Worker:
             c = session.complete(frame["tokens"], gen, on_piece, cancel, on_progress)
         finally:
             cached = list(session.cached) if not session.closed else []
+        self.prompt_rate.observe(c.usage)
+        c.usage.dropped = gen.prompt_dropped
         out = {"completion": protocol.encode_completion(c), "cached": cached}
         if rs is not None:
             if stream:
