@@ -275,7 +275,8 @@ class SuffixStop:
     def _cut(self, text, p):
         """Where the kept text ends, for a repeat from the line starting at p:
         its trailing blank lines go, but for those the suffix does not begin with."""
-        kept = text[:p]
+        first = len(text) - len(text[p:].lstrip())      # the repeat's first character
+        kept = text[:text.rfind("\n", 0, first) + 1]
         body = kept.rstrip()
         keep_nl = max(0, kept.count("\n", len(body)) - self.gap_newlines)
         cut = len(body)
