@@ -128,7 +128,7 @@ class Loaded:
                     model, n_ctx=args.ctx_size, n_batch=args.batch_size,
                     n_ubatch=args.ubatch_size, swa_full=not args.no_swa_full,
                     threads=threads, context_shift=args.context_shift,
-                    draft_max=args.spec_draft_n_max if args.spec_type == "ngram-simple" else 0))
+                    draft_max=args.spec_draft_n_max if args.spec_type != "none" else 0))
             # the embedding context learns its thread counts on its own: its
             # decodes (every token an output) run at another speed than a prompt's
             embedder = Embedder.for_model(
@@ -188,9 +188,13 @@ class Loaded:
 class Worker:
     """Answers the front's frames for one Loaded model."""
 
-    def __init__(self, loaded, out, reasoning="auto", reasoning_format="auto", out_lock=None):
+    def __init__(self, loaded, out, reasoning="auto", reasoning_format="auto", out_lock=None,
+                 spec_type="none"):
         self.loaded = loaded
         self.model = loaded.model
+        # --spec-type auto: chat replies do not draft (their text repeats the
+        # prompt's far less than code does)
+        self.chat_drafts = spec_type != "auto"
         # what a chat request that does not say gets: enable_thinking (None: as
         # the template does by default) and how its reasoning is returned
         self.enable_thinking = {"on": True, "off": False}.get(reasoning)
@@ -436,6 +440,7 @@ class Worker:
         rs = None
         held = []       # chat: token probabilities not yet sent with a delta
         if chat is not None:
+            gen.speculate = gen.speculate and self.chat_drafts
             fmt = _reply_format(chat["fmt"])
             rs = ReplyStream(fmt, chat["id_length"])
             if stream:
@@ -577,7 +582,8 @@ def main(argv=None):
     # a 262k vocabulary) run now, as part of loading: off the first request's
     # path, and before anyone measures what a loaded worker holds.
     loaded.model.grammar_facts
-    worker = Worker(loaded, out, args.reasoning, args.reasoning_format, out_lock)
+    worker = Worker(loaded, out, args.reasoning, args.reasoning_format, out_lock,
+                    args.spec_type)
     worker.send({"op": "ready", "info": loaded.info()})
     worker.serve(inp)
     # The front is gone.  Requests may still be running on other threads
