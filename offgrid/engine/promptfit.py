@@ -27,6 +27,8 @@ the request.  Nothing here touches libllama: the worker hands in the
 tokenizer, the layout function and the plan.
 """
 
+import collections
+import statistics
 
 # The share of the budget an estimate aims at: the speed it rests on is the
 # last requests', and a machine that got busier since then is slower.
@@ -48,11 +50,13 @@ class PromptRate:
     """A worker's prompt speed, in token-equivalents per second.
 
     ``observe(usage)`` after each request (any endpoint) with a long enough
-    evaluation; the estimate follows the recent ones (a moving average), so
-    a machine that gets busier is seen within a request or two.
+    evaluation; the estimate is the median of the last few, so that a
+    machine that stays busier is seen within a request or two, and one slow
+    request (a page fault, a neighbour's burst) does not make the next ones
+    drop what they need not.
     """
 
-    alpha = 0.5     # weight of the newest observation
+    recent = 5      # observations the median is taken over
 
     def __init__(self, model, n_threads):
         meta, arch = model.meta, model.meta.get("general.architecture", "")
@@ -63,6 +67,7 @@ class PromptRate:
         self.p_half = max(256.0, 2.0 * weights / attention)
         self.prior = n_threads * PRIOR_FLOPS_PER_THREAD / (2.0 * weights)
         self.rate = None        # measured; None until a prompt was
+        self._rates = collections.deque(maxlen=self.recent)
 
     def cost(self, start, end):
         """Token-equivalents of evaluating positions start..end-1."""
@@ -78,9 +83,8 @@ class PromptRate:
             return
         # the evaluated tokens are taken to be the prompt's last ones
         end = usage.prompt_tokens
-        rate = self.cost(end - n, end) / (usage.prompt_ms / 1000.0)
-        self.rate = rate if self.rate is None else (
-            self.alpha * rate + (1 - self.alpha) * self.rate)
+        self._rates.append(self.cost(end - n, end) / (usage.prompt_ms / 1000.0))
+        self.rate = statistics.median(self._rates)
 
     def ms(self, cost):
         """Milliseconds ``cost`` token-equivalents take at the current estimate."""
