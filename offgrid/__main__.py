@@ -117,10 +117,12 @@ def parse_args(argv=None):
                         "some (README, \"Threads\")")
     p.add_argument("-tb", "--threads-batch", type=thread_count, default=None,
                    help="threads for prompt evaluation, likewise (default: as --threads)")
-    p.add_argument("--spec-type", choices=("none", "ngram-simple"), default="none",
+    p.add_argument("--spec-type", choices=("none", "auto", "ngram-simple"), default="none",
                    help="speculative decoding: ngram-simple drafts tokens from the "
                         "request's own text (prompt lookup) and checks them in one decode; "
-                        "the output is the same (default none)")
+                        "the output is the same; a request stops drafting where it does "
+                        "not pay.  auto: ngram-simple for /completion and fill-in-the-middle, "
+                        "none for chat (default none)")
     p.add_argument("--spec-draft-n-max", type=int, default=8, metavar="N",
                    help="most tokens drafted at once (default 8, at most 64)")
     p.add_argument("-np", "--parallel", type=int, default=1,

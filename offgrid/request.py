@@ -182,6 +182,9 @@ class Usage:
     # of them came true (llama-server's draft_n and draft_n_accepted)
     draft_tokens: int = 0
     draft_accepted: int = 0
+    # FIM under t_max_prompt_ms: what was left out of the prompt to fit the
+    # budget (engine/promptfit.py), None when nothing was
+    dropped: Optional[dict] = None
     n_decode: int = 0               # llama_decode calls for this request (prompt and tokens)
 
     @property
@@ -201,12 +204,19 @@ class GenerationParams:
     ignore_eos: bool = False
     cache_prompt: bool = True
     t_max_predict_ms: int = 0           # FIM: stop at a newline once this much time passed
+    t_max_prompt_ms: int = 0            # FIM: fit the prompt's evaluation into this (promptfit.py)
+    prompt_dropped: Optional[dict] = None   # ... and what was dropped for it (Usage.dropped)
     # control tokens whose text is kept in the output (a template's tool-call
     # markers such as <|python_tag|>, which otherwise render as nothing)
     preserved_tokens: FrozenSet[int] = frozenset()
     cache_reuse: int = 0                # reuse cached runs of at least this many tokens
                                         # after the common prefix (0: prefix only)
     n_indent: int = 0                   # FIM: stop at a line indented less than this
+    # FIM: the text after the cursor (None: not FIM) and the indentation of the
+    # cursor's line; generation stops where it meets the suffix
+    # (engine/textstream.SuffixStop); set by server/prompts.py
+    fim_suffix: Optional[str] = None
+    fim_indent: int = 0
     # context shift (a server started with --context-shift): tokens kept at the
     # start (-1: the whole prompt), and dropped after them (0: half the rest)
     n_keep: int = 0

@@ -17,19 +17,90 @@ def test_lookup_drafts_what_followed_the_last_occurrence():
     t = [1, 2, 3, 4, 5, 9, 9, 1, 2, 3]
     lk = PromptLookup(t)
     # the end (2, 3) and (1, 2, 3) last came before 4, 5, 9, ...
-    assert lk.draft(3) == [4, 5, 9]
+    assert lk.lookup(3) == [4, 5, 9]
     lk.append(4)
-    assert lk.draft(2) == [5, 9]        # (2, 3, 4) was followed by 5
+    assert lk.lookup(2) == [5, 9]       # (2, 3, 4) was followed by 5
     lk.append(7)                        # a new turn: (3, 4, 7) and (4, 7) never seen
-    assert lk.draft(4) == []
+    assert lk.lookup(4) == []
 
 
 def test_lookup_takes_the_latest_occurrence_and_falls_back_to_shorter_ngrams():
     lk = PromptLookup([5, 6, 1, 8, 6, 1, 2, 0, 6, 1])
-    assert lk.draft(1) == [2]           # (6, 1) latest before the end: followed by 2
+    assert lk.lookup(1) == [2]          # (6, 1) latest before the end: followed by 2
     lk = PromptLookup([4, 1, 7, 3, 1])
-    assert lk.draft(2) == []            # (3, 1) never came before: no 1-gram drafts (n_min 2)
+    assert lk.lookup(2) == []           # (3, 1) never came before: no 1-gram drafts (n_min 2)
     assert lk.draft(0) == []
+
+
+class _Clock:
+    t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def _generate(lk, truth, step_cost, n_steps=40):
+    """Drive ``lk`` as the session does: draft() before each decode (which
+    costs step_cost(draft length) seconds), append() for each token the step
+    gives (the drafted ones that match ``truth``, then one more)."""
+    clock = lk.clock
+    pos, lengths = len(lk.tokens), []
+    for _ in range(n_steps):
+        d = lk.draft(8)
+        lengths.append(len(d))
+        clock.t += step_cost(len(d))
+        hits = 0
+        while hits < len(d) and pos + hits < len(truth) and truth[pos + hits] == d[hits]:
+            hits += 1
+        for t in truth[pos:pos + hits + 1]:
+            lk.append(t)
+        pos += hits + 1
+    return lengths
+
+
+def test_drafts_grow_while_they_come_true():
+    block = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]
+    truth = block * 40
+    lk = PromptLookup(truth[:len(block) * 2], clock=_Clock())
+    lengths = _generate(lk, truth, lambda n: 1 + 0.1 * n, n_steps=12)
+    assert lengths[:3] == [2, 4, 8]
+    assert {n for n in lengths[3:] if n} == {8}      # (a few plain steps are timed)
+    assert lk.paying
+
+
+def test_a_failed_draft_shrinks_the_next_one():
+    lk = PromptLookup([1, 2, 3, 4, 5, 6, 1, 2], clock=_Clock())
+    lk.k = 8
+    assert lk.draft(8) == [3, 4, 5, 6, 1, 2]
+    for t in (3, 4, 99):             # two came true, then the model went elsewhere
+        lk.append(t)
+    lk.append(1)
+    lk.append(2)
+    assert lk.draft(8) == [3, 4, 99]     # (1, 2) then (3, 4, 99): one more than came true
+
+
+def test_drafting_stops_where_it_does_not_beat_plain_decoding():
+    """A busy CPU: a verify decode costs as much per token as single decodes,
+    and half the drafts fail: drafting loses, and stops for the request."""
+    truth = ([1, 2, 3, 4, 5, 6, 7, 8] + [50 + i for i in range(8)]) * 30
+    lk = PromptLookup(truth[:16], clock=_Clock())
+    lengths = _generate(lk, truth, lambda n: 1.0 + 1.0 * n, n_steps=60)
+    assert not lk.paying
+    assert lengths[-10:] == [0] * 10
+    drafted_steps = sum(1 for n in lengths if n)
+    assert drafted_steps < 20
+
+
+def test_drafting_goes_on_where_it_pays():
+    """An idle CPU: a verify decode of 1 + k tokens costs little more than
+    one; with most drafts coming true, drafting keeps going (plain steps are
+    timed by skipping a few drafts once)."""
+    truth = ([1, 2, 3, 4, 5, 6, 7, 8] + [50 + i for i in range(8)]) * 30
+    lk = PromptLookup(truth[:16], clock=_Clock())
+    lengths = _generate(lk, truth, lambda n: 1.0 + 0.15 * n, n_steps=60)
+    assert lk.paying
+    assert sum(1 for n in lengths[-20:] if n) >= 18
+    assert lk._seen[False][0] >= lk.judge_after      # it did time plain steps
 
 
 # -- on the real code model --------------------------------------------------
@@ -57,8 +128,11 @@ def _greedy(session, tokens, n, speculate, **kw):
 def sessions(qwen):
     plain = ChatSession(qwen, n_ctx=2048, n_threads=1)
     spec = ChatSession(qwen, n_ctx=2048, n_threads=1, draft_max=8)
-    spec.draft_probation = 10 ** 6      # draft all the way: this checks the output
+    # draft all the way, whatever it costs on this machine: this checks the output
+    spec.draft_probation = 10 ** 6
+    judge, PromptLookup.judge_after = PromptLookup.judge_after, 10 ** 6
     yield plain, spec
+    PromptLookup.judge_after = judge
     plain.close()
     spec.close()
 
@@ -98,7 +172,7 @@ def test_drafts_come_true_on_repeating_code(qwen, sessions):
     assert b.usage.draft_accepted > 0.6 * b.usage.draft_tokens > 0, b.usage
 
 
-def test_speculation_stops_when_drafts_do_not_pay(qwen):
+def test_speculation_stops_when_drafts_do_not_pay(qwen, monkeypatch):
     """After draft_probation drafted tokens below the draft_keep rate, no more drafts.
 
     The rate is made unreachable (draft_keep above 1) on a text whose drafts do
@@ -106,6 +180,9 @@ def test_speculation_stops_when_drafts_do_not_pay(qwen):
     """
     s = ChatSession(qwen, n_ctx=2048, n_threads=1, draft_max=8)
     s.draft_keep = 1.01
+    # the session's rule alone: the timing judge and short first drafts aside
+    monkeypatch.setattr(PromptLookup, "judge_after", 10 ** 6)
+    monkeypatch.setattr(PromptLookup, "k_start", 8)
     try:
         block = "def add_%d(a, b):\n    return a + b\n\n"
         tokens = qwen.tokenize("".join(block % i for i in range(12)), add_special=True,
@@ -133,8 +210,30 @@ def test_server_reports_drafts_in_timings(qwen_path):
         t = out["timings"]
         assert 0 < t["draft_n_accepted"] <= t["draft_n"]
         spec_text = out["content"]
-    with ServerProcess(qwen_path, threads=1) as server:
+    with ServerProcess(qwen_path, threads=1) as server:       # the default: none
         status, _, out = server.post("/completion", body)
         assert status == 200
         assert "draft_n" not in out["timings"]      # llama-server's shape without drafts
         assert out["content"] == spec_text
+
+
+def test_spec_type_auto_drafts_for_completions_and_not_for_chat(qwen_path):
+    try:
+        from .serverproc import ServerProcess
+    except ImportError:
+        from serverproc import ServerProcess
+    block = "def add_%d(a, b):\n    return a + b\n\n"
+    code = "".join(block % i for i in range(12))
+    with ServerProcess(qwen_path, "--spec-type", "auto", threads=1) as server:
+        status, _, out = server.post("/completion", {"prompt": code, "n_predict": 16,
+                                                     "temperature": 0})
+        assert status == 200 and out["timings"]["draft_n"] > 0
+        # llama-server's per-request limit: 0 drafts nothing
+        status, _, out = server.post("/completion", {"prompt": code, "n_predict": 16,
+                                                     "temperature": 0, "cache_prompt": False,
+                                                     "speculative.n_max": 0})
+        assert status == 200 and "draft_n" not in out["timings"]
+        status, _, out = server.post("/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "Repeat this code:\n" + code}],
+            "max_tokens": 16, "temperature": 0})
+        assert status == 200 and "draft_n" not in out["timings"]

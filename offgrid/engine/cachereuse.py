@@ -76,7 +76,7 @@ def plan(cached, prompt, min_run=0, need_logits=True):
     """
     keep = min(common_prefix(cached, prompt), len(prompt) - (1 if need_logits else 0))
     result = ReusePlan(max(keep, 0))
-    if min_run <= 0 or keep < 0:
+    if min_run <= 0 or keep < 0 or not cached:
         return result
     last = len(prompt) - 1          # runs must end before the last token
     # Where each short key (the first few tokens of a possible run) starts in

@@ -12,15 +12,28 @@ fill what is left of the context, keeping their end.  ``spm_infill`` puts the
 suffix first (SPM order), for models trained that way.
 """
 
+import threading
+
 from ..errors import NotSupported
 from ..request import InfillRequest  # noqa: F401
 
 # llama-server's chunk separator when the model has no FIM_SEP token
-_CHUNK_PREFIX = "\n\n--- snippet ---\n\n"
+CHUNK_PREFIX = "\n\n--- snippet ---\n\n"
 
 
 def build_infill_prompt(model, req, n_ctx, n_batch, n_predict=-1):
     """Token ids of the FIM prompt for ``req``; raises NotSupported without FIM tokens."""
+    return layout_infill(model, req, n_ctx, n_batch, n_predict)[0]
+
+
+def layout_infill(model, req, n_ctx, n_batch, n_predict=-1):
+    """(tokens, spans) of the FIM prompt for ``req``.
+
+    ``spans`` says where each part landed in ``tokens``, as (start, end):
+    ``chunks`` one per input_extra chunk (empty where the window cut it),
+    ``prefix``, ``prompt`` and ``suffix`` (their text's tokens, as cut to
+    fit); engine/promptfit.py weighs the parts with them.
+    """
     missing = [name for name, tok in (("prefix", model.fim_pre), ("suffix", model.fim_suf),
                                       ("middle", model.fim_mid)) if tok is None]
     if missing:
@@ -30,15 +43,12 @@ def build_infill_prompt(model, req, n_ctx, n_batch, n_predict=-1):
     def tok(text):
         return model.tokenize(text, add_special=False, parse_special=False)
 
-    extra = []
+    extra, chunk_ends = [], []
     if model.fim_rep is not None:
         extra += [model.fim_rep] + tok("myproject\n")
     for filename, text in req.input_extra:
-        if model.fim_sep is not None:
-            extra += [model.fim_sep] + tok(filename + "\n")
-        else:
-            extra += tok(_CHUNK_PREFIX)
-        extra += tok(text)
+        extra += _chunk_tokens(model, filename, text)
+        chunk_ends.append(len(extra))
     if model.fim_sep is not None:
         extra += [model.fim_sep] + tok("filename\n")
 
@@ -50,8 +60,48 @@ def build_infill_prompt(model, req, n_ctx, n_batch, n_predict=-1):
     n_suffix_take = min(len(suffix), max(0, n_batch // 4 - (2 + len(prompt))))
     n_extra_take = min(max(0, n_ctx - n_batch - 2 * n_predict), len(extra))
 
-    prefix = [model.fim_pre] + prefix[len(prefix) - n_prefix_take:] + prompt
-    suffix = [model.fim_suf] + suffix[:n_suffix_take]
-    first, second = (suffix, prefix) if req.spm_infill else (prefix, suffix)
     head = [model.bos] if model.add_bos and model.bos is not None else []
-    return extra[len(extra) - n_extra_take:] + head + first + second + [model.fim_mid]
+    cut = len(extra) - n_extra_take
+    tokens = extra[cut:] + head
+    spans = {"chunks": [], "prefix": None, "prompt": None, "suffix": None}
+    start = 0
+    for end in chunk_ends:
+        spans["chunks"].append((max(0, start - cut), max(0, end - cut)))
+        start = end
+    parts = [("prefix", [model.fim_pre], prefix[len(prefix) - n_prefix_take:]),
+             ("prompt", [], prompt), ("suffix", [model.fim_suf], suffix[:n_suffix_take])]
+    if req.spm_infill:
+        parts = parts[2:] + parts[:2]
+    for name, marker, part in parts:
+        tokens += marker
+        spans[name] = (len(tokens), len(tokens) + len(part))
+        tokens += part
+    tokens.append(model.fim_mid)
+    return tokens, spans
+
+
+def _chunk_tokens(model, filename, text):
+    """An extra chunk's tokens, header included.  Editors send the same chunks
+    with every request (a ring of the last files seen), so they are kept."""
+    key = (model.path, filename, text)
+    with _CHUNKS_LOCK:
+        hit = _CHUNKS.get(key)
+    if hit is None:
+        if model.fim_sep is not None:
+            hit = [model.fim_sep] + model.tokenize(filename + "\n", add_special=False,
+                                                   parse_special=False)
+        else:
+            hit = model.tokenize(CHUNK_PREFIX, add_special=False, parse_special=False)
+        hit = tuple(hit + model.tokenize(text, add_special=False, parse_special=False))
+        with _CHUNKS_LOCK:
+            if len(_CHUNKS) >= _CHUNKS_MAX:
+                _CHUNKS.pop(next(iter(_CHUNKS)))        # the oldest
+            _CHUNKS[key] = hit
+    return list(hit)
+
+
+# chunk tokens by (model, filename, text): a ring of 16 (llama.vim's,
+# llama.vscode's default) a few times over
+_CHUNKS = {}
+_CHUNKS_MAX = 64
+_CHUNKS_LOCK = threading.Lock()     # prepare calls run on threads of their own

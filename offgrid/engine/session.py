@@ -519,7 +519,7 @@ class ChatSession:
 
     def _generate(self, prompt, params, sampler, on_piece, cancel, usage, reader=None):
         model, ctx = self.model, self._ctx
-        text = TextAssembler(params.stop, params.n_indent)
+        text = TextAssembler(params.stop, params.n_indent, params.fim_suffix, params.fim_indent)
         # token probabilities: only with a reader; the plain path does no more work
         ledger = TokenLedger() if reader is not None else None
         out_tokens = []
@@ -634,7 +634,9 @@ class ChatSession:
             if tail and on_piece is not None and finish is not FinishReason.CANCELLED:
                 on_piece(tail)
         else:
-            got = ledger.finish() if text.stop_word is None and not text.indent_stop else []
+            # FIM: the text may end before a repeat of the suffix, at len(text.text)
+            got = (ledger.finish(len(text.text)) if text.stop_word is None
+                   and not text.indent_stop else [])
             if (tail or got) and on_piece is not None and finish is not FinishReason.CANCELLED:
                 on_piece(tail, got)
         usage.completion_tokens = len(out_tokens) + n_eog

@@ -40,8 +40,8 @@ from ..chat.template import ReplyFormat, new_tool_call_id
 from ..errors import InvalidRequest, OffgridError
 from ..request import RequestCancel
 from .embed import POOLING, Embedder, model_pooling, to_le
-from .infill import build_infill_prompt
-from . import rpc
+from . import cachereuse, promptfit, rpc
+from .infill import layout_infill
 from .model import Model
 from .session import ChatSession, decode_threads, shared_decoder, take_turns_with
 
@@ -132,7 +132,7 @@ class Loaded:
             for _ in range(max(1, args.parallel)):
                 sessions.append(ChatSession(
                     model, decoder=decoder, context_shift=args.context_shift,
-                    draft_max=args.spec_draft_n_max if args.spec_type == "ngram-simple" else 0))
+                    draft_max=args.spec_draft_n_max if args.spec_type != "none" else 0))
             # the embedding context learns its thread counts on its own: its
             # decodes (every token an output) run at another speed than a prompt's
             embedder = Embedder.for_model(
@@ -196,9 +196,13 @@ class Loaded:
 class Worker:
     """Answers the front's frames for one Loaded model."""
 
-    def __init__(self, loaded, out, reasoning="auto", reasoning_format="auto", out_lock=None):
+    def __init__(self, loaded, out, reasoning="auto", reasoning_format="auto", out_lock=None,
+                 spec_type="none"):
         self.loaded = loaded
         self.model = loaded.model
+        # --spec-type auto: chat replies do not draft (their text repeats the
+        # prompt's far less than code does)
+        self.chat_drafts = spec_type != "auto"
         # what a chat request that does not say gets: enable_thinking (None: as
         # the template does by default) and how its reasoning is returned
         self.enable_thinking = {"on": True, "off": False}.get(reasoning)
@@ -207,6 +211,9 @@ class Worker:
         self._out_lock = out_lock or threading.Lock()
         self._cancels = {}              # request id -> RequestCancel of a running generation
         self._lock = threading.Lock()
+        # the prompt speed decodes show, for FIM's t_max_prompt_ms (engine/promptfit.py)
+        first = loaded.sessions[0]
+        self.prompt_rate = promptfit.PromptRate(self.model, first.threads.batch.max_threads)
 
     # -- frames out ---------------------------------------------------------------
     def send(self, obj):
@@ -361,11 +368,38 @@ class Worker:
         scores, counts = self.loaded.embedder.scores(lists)
         return {"scores": scores, "n_tokens": counts}
 
-    def call_prepare_infill(self, request, reserve, schema=None, grammar=None):
+    def call_prepare_infill(self, request, reserve, schema=None, grammar=None,
+                            t_max_prompt_ms=0, id_slot=-1, cache_reuse=0):
+        """The FIM prompt's tokens and checked grammar; with ``t_max_prompt_ms``
+        fitted into that budget (``dropped`` says what went, or is None)."""
         s = self.loaded.sessions[0]
-        tokens = build_infill_prompt(self.model, protocol.decode_infill(request), s.n_ctx,
-                                     s.n_batch, reserve)
-        return {"tokens": tokens, "grammar": self._constraint(schema, grammar)}
+        req = protocol.decode_infill(request)
+
+        def layout(r):
+            return layout_infill(self.model, r, s.n_ctx, s.n_batch, reserve)
+        if t_max_prompt_ms > 0:
+            tokens, dropped = promptfit.fit(self.model, req, layout,
+                                            self._plan_for(id_slot, cache_reuse),
+                                            self.prompt_rate, t_max_prompt_ms)
+        else:
+            tokens, dropped = layout(req)[0], None
+        return {"tokens": tokens, "grammar": self._constraint(schema, grammar),
+                "dropped": dropped}
+
+    def _plan_for(self, id_slot, cache_reuse):
+        """plan_of(tokens): the cache plan of the session most likely to serve
+        them: the one asked for, else the one sharing the longest prefix (the
+        pool's choice among free sessions)."""
+        sessions = self.loaded.sessions
+
+        def plan_of(tokens):
+            if 0 <= id_slot < len(sessions):
+                cached = list(sessions[id_slot].cached)
+            else:
+                cached = max((list(x.cached) for x in sessions),
+                             key=lambda c: cachereuse.common_prefix(c, tokens))
+            return cachereuse.plan(cached, tokens, cache_reuse)
+        return plan_of
 
     def _constraint(self, schema, grammar):
         """llama-server's ``json_schema`` or ``grammar``, as checked GBNF (or None)."""
@@ -419,6 +453,7 @@ class Worker:
         rs = None
         held = []       # chat: token probabilities not yet sent with a delta
         if chat is not None:
+            gen.speculate = gen.speculate and self.chat_drafts
             fmt = _reply_format(chat["fmt"])
             rs = ReplyStream(fmt, chat["id_length"])
             if stream:
@@ -449,6 +484,8 @@ class Worker:
             c = session.complete(frame["tokens"], gen, on_piece, cancel, on_progress)
         finally:
             cached = list(session.cached) if not session.closed else []
+        self.prompt_rate.observe(c.usage)
+        c.usage.dropped = gen.prompt_dropped
         out = {"completion": protocol.encode_completion(c), "cached": cached}
         if rs is not None:
             if stream:
@@ -558,7 +595,8 @@ def main(argv=None):
     # a 262k vocabulary) run now, as part of loading: off the first request's
     # path, and before anyone measures what a loaded worker holds.
     loaded.model.grammar_facts
-    worker = Worker(loaded, out, args.reasoning, args.reasoning_format, out_lock)
+    worker = Worker(loaded, out, args.reasoning, args.reasoning_format, out_lock,
+                    args.spec_type)
     worker.send({"op": "ready", "info": loaded.info()})
     worker.serve(inp)
     # The front is gone.  Requests may still be running on other threads

@@ -44,6 +44,9 @@ def timings(usage):
     if usage.draft_tokens:
         # as llama-server, only where the request drafted (engine/lookup.py)
         out.update(draft_n=usage.draft_tokens, draft_n_accepted=usage.draft_accepted)
+    if usage.dropped:
+        # FIM under t_max_prompt_ms: what the prompt left out (engine/promptfit.py)
+        out["dropped"] = dict(usage.dropped)
     return out
 
 

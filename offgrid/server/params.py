@@ -229,6 +229,10 @@ def generation_from(f, n_vocab, n_predict_default=-1, max_tokens_names=("n_predi
     g.ignore_eos = f.bool("ignore_eos", False)
     g.cache_prompt = f.bool("cache_prompt", True)
     g.t_max_predict_ms = f.int("t_max_predict_ms", 0, lo=0, hi=MAX_N_PREDICT)
+    # llama-server's default is -1 (none), as any value <= 0 here
+    g.t_max_prompt_ms = f.int("t_max_prompt_ms", 0, lo=-1, hi=MAX_N_PREDICT)
+    # llama-server's per-request draft limit: 0 turns speculation off for the request
+    g.speculate = f.int("speculative.n_max", 16, lo=0, hi=MAX_N_PREDICT) > 0
     g.n_indent = f.int("n_indent", 0, lo=0, hi=MAX_N_PREDICT)
     g.n_keep = f.int("n_keep", 0, lo=-1, hi=MAX_N_PREDICT)
     g.n_discard = f.int("n_discard", 0, lo=0, hi=MAX_N_PREDICT)

@@ -7,7 +7,7 @@ all come here, so they get the same prompt for the same text.
 """
 
 from .. import protocol
-from .params import output_schema_from
+from .params import id_slot_from, output_schema_from
 
 # Room kept free for generation when a FIM request fits extra context into
 # the window and sets no n_predict.
@@ -17,12 +17,23 @@ INFILL_GENERATION_RESERVE = 256
 def infill_tokens(f, entry, req, gen, what):
     """The FIM prompt of ``req`` (laid out by the worker), and its grammar set on ``gen``.
 
+    With ``gen.t_max_prompt_ms`` (not for a warm-up, ``n_predict`` 0) the
+    worker drops what does not fit the budget (engine/promptfit.py) and says
+    what in ``gen.prompt_dropped``.
+
     ``f`` holds the request's output-format fields (``json_schema``, ``grammar``,
     ``response_format``) as ``params.output_schema_from`` reads them.
     """
     reserve = gen.n_predict if gen.n_predict > 0 else INFILL_GENERATION_RESERVE
     schema, grammar = output_schema_from(f)
     out = entry.call("prepare_infill", what, request=protocol.encode_infill(req),
-                     reserve=reserve, schema=schema, grammar=grammar)
+                     reserve=reserve, schema=schema, grammar=grammar,
+                     t_max_prompt_ms=gen.t_max_prompt_ms if gen.n_predict != 0 else 0,
+                     id_slot=id_slot_from(f), cache_reuse=gen.cache_reuse)
     gen.sampling.grammar = out["grammar"]
+    gen.prompt_dropped = out.get("dropped")
+    # stop where the completion meets the suffix (engine/textstream.SuffixStop)
+    gen.fim_suffix = req.input_suffix
+    line = (req.input_prefix + req.prompt).rsplit("\n", 1)[-1]
+    gen.fim_indent = len(line) - len(line.lstrip(" \t"))
     return out["tokens"]
