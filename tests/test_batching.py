@@ -9,6 +9,7 @@ demands that it was a near-tie and reports it.
 
 import math
 import threading
+import time
 
 import pytest
 
@@ -203,6 +204,34 @@ def test_sessions_that_speculate_share_steps_and_keep_plain_output(smollm):
             _same_or_near_tie(smollm, a, b, t)
     finally:
         _close(decoder, sessions)
+
+
+def test_a_cancelled_member_that_held_logits_lets_the_next_step_start(smollm):
+    # A holds its last logits (no step may start); its request is cancelled and
+    # its next decode returns at once: B, waiting for that step, must go on
+    from offgrid.engine.batch import OUT_LAST
+    decoder = shared_decoder(smollm, 2, n_ctx=256, n_batch=64, n_threads=1)
+    a, b = decoder.member(), decoder.member()
+    t = smollm.tokenize(PROMPTS[0], add_special=True)
+    try:
+        assert a.decode(t, 0, (0,), OUT_LAST, True)[0] == 0 and a.holding
+        got = []
+        waiting = threading.Thread(target=lambda: got.append(b.decode(t, 0, (3,), OUT_LAST,
+                                                                      True)), daemon=True)
+        waiting.start()
+        waiting.join(0.5)
+        assert waiting.is_alive(), "B decoded while A still read its logits"
+        cancel = RequestCancel()
+        a.watch(cancel)
+        cancel.cancel("test")           # wakes B, which finds A still holding
+        time.sleep(0.3)
+        assert a.decode([t[0]], len(t), (0,), OUT_LAST)[0] == 2
+        waiting.join(30)
+        assert got and got[0][0] == 0, "B never got its step"
+        a.unwatch()
+        b.release()
+    finally:
+        decoder.close()
 
 
 def test_a_lone_session_owns_and_frees_its_context(smollm):

@@ -163,6 +163,7 @@ class BatchDecoder:
             if member.holding:
                 member.holding = False
                 self._holding -= 1
+                self._cond.notify_all()     # a leader may wait for these logits to go
             if member.cancelled:
                 return 2, -1
             self._pending.append(part)
