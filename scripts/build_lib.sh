@@ -44,7 +44,7 @@ CACHE=${OFFGRID_CACHE:-$HOME/.cache/offgrid}
 DEST=${1:-lib}
 PORTABLE=${PORTABLE:-0}
 RPC=${RPC:-1}
-FLAVOUR=$([ "$PORTABLE" = 1 ] && echo portable || echo native)$([ "$RPC" = 1 ] && echo -rpc)
+FLAVOUR=$([ "$PORTABLE" = 1 ] && echo portable || echo native)$([ "$RPC" = 1 ] && echo -rpc || true)
 
 SDIST_DIR=$CACHE/llama-cpp-python-$PKG_VERSION-$SHORT
 SDIST=$SDIST_DIR/llama_cpp_python-$PKG_VERSION.tar.gz

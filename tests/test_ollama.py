@@ -96,8 +96,8 @@ def test_ps_lists_the_running_model_and_its_context(client):
 def test_generate_with_suffix_fills_in_the_middle(client):
     r = client.generate(model="qwen2.5-coder:0.5b", prompt="def add(a, b):\n    return ",
                         suffix="\n", options=GREEDY)
-    assert "a + b" in r.response
-    assert r.done and r.done_reason == "length" and r.eval_count == 8
+    assert r.response.strip() == "a + b"        # it stops before the next function
+    assert r.done and r.done_reason == "stop" and 0 < r.eval_count <= 8
     assert r.model == "qwen2.5-coder:0.5b"      # the name asked for, as Ollama answers
 
 
@@ -291,8 +291,8 @@ def test_the_readme_example_answers_as_the_readme_says(srv):
     body = json.loads(re.search(r"curl http://127\.0\.0\.1:8080/api/generate -d '(.*)'",
                                 section).group(1))
     status, _, r = srv.post("/api/generate", body)
-    assert status == 200 and r["response"].startswith("a + b")
-    assert r["done"] and r["done_reason"] == "length" and r["eval_count"] == 8
+    assert status == 200 and r["response"] == "a + b"
+    assert r["done"] and r["done_reason"] == "stop" and 0 < r["eval_count"] <= 8
 
 
 # -- streams that end early ---------------------------------------------------------
