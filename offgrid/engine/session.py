@@ -39,7 +39,8 @@ from .threads import DecodeThreads
 # while they wait at a barrier; two contexts decoding at once on the same
 # cores starve each other's spinning threads, and measured here two 2-thread
 # decodes on 2 cores ran 50 to 100 times slower than one.  Taking turns keeps
-# each decode at full speed; sessions interleave per token.
+# each decode at full speed; a model's sessions share each step instead
+# (batch.py), and its embedding context and other models take turns with it.
 _DECODE_LOCK = threading.Lock()
 
 
