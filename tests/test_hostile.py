@@ -43,10 +43,10 @@ from offgrid.engine.model import Model
 
 try:
     from . import rawhttp
-    from .serverproc import ServerProcess
+    from .serverproc import ServerProcess, TEST_THREADS
 except ImportError:
     import rawhttp
-    from serverproc import ServerProcess
+    from serverproc import ServerProcess, TEST_THREADS
 
 # two servers and fifty rows, each with its own checks: minutes, not seconds
 pytestmark = pytest.mark.slow
@@ -57,7 +57,8 @@ HEALTH_TIMEOUT = 1.0         # /health must answer within this, all along
 HEALTH_EVERY = 0.2           # seconds between two /health polls
 RSS_GROWTH = 200 << 20       # bytes the process tree may grow by over its start
 N_PREDICT = 16               # tokens a hostile completion may run to
-COMPANION_TOKENS = 200       # the second client's stream: long enough to span a row
+COMPANION_TOKENS = 1500      # the second client's stream: outlasts any row, then it is cut
+COMPANION_AFTER = 8          # pieces it must still get once the row and its check are done
 SILENT_SOCKETS = 600
 
 PROMPT = "The capital of France is"
@@ -426,7 +427,12 @@ class Watch:
 
 
 class Companion(threading.Thread):
-    """A second client's long greedy stream, under way before a hostile request arrives."""
+    """A second client's long greedy stream, under way before a hostile request arrives.
+
+    It must go on through the row: once the row and the completion after it
+    are answered, it must still get COMPANION_AFTER pieces, then the test
+    hangs up (waiting for all its tokens cost seconds a row).
+    """
 
     def __init__(self, srv):
         super().__init__(daemon=True)
@@ -434,38 +440,62 @@ class Companion(threading.Thread):
         self.status = None
         self.final = None
         self.error = ""
+        self.pieces = 0
         self.started = threading.Event()
+        self._cond = threading.Condition()
+        self._conn = None
+        self._cut = False
 
     def run(self):
-        c = http.client.HTTPConnection(self.srv.host, self.srv.port, timeout=120)
+        c = self._conn = http.client.HTTPConnection(self.srv.host, self.srv.port, timeout=120)
         try:
             c.request("POST", "/completion", body=json.dumps({
                 "prompt": "Once upon a time", "n_predict": COMPANION_TOKENS, "temperature": 0,
-                "stream": True}).encode(), headers={"Content-Type": "application/json"})
+                "ignore_eos": True, "stream": True}).encode(),
+                headers={"Content-Type": "application/json"})
             r = c.getresponse()
             self.status = r.status
             for line in r:
                 if line.startswith(b"data: "):
-                    self.started.set()
                     event = json.loads(line[len(b"data: "):])
-                    if event.get("stop"):
-                        self.final = event
+                    with self._cond:
+                        self.pieces += 1
+                        if event.get("stop"):
+                            self.final = event
+                        self._cond.notify_all()
+                    self.started.set()
         except (OSError, http.client.HTTPException, ValueError) as e:
-            self.error = "%s: %s" % (type(e).__name__, e)
+            if not self._cut:
+                self.error = "%s: %s" % (type(e).__name__, e)
         finally:
             c.close()
+            with self._cond:
+                self._cond.notify_all()
             self.started.set()
 
     def problem(self):
-        self.join(180)
-        if self.is_alive():
-            return "the second client's stream did not finish within 180 s"
-        if self.status != 200 or self.final is None:
+        """None if the stream went on after the row; then it is cut."""
+        with self._cond:
+            seen = self.pieces
+            self._cond.wait_for(lambda: self.pieces >= seen + COMPANION_AFTER
+                                or not self.is_alive(), 60)
+            # (a row that outlasts the whole stream: its end, checked below, is enough)
+            went_on = self.pieces >= seen + COMPANION_AFTER or self.final is not None
+            self._cut = True
+        try:
+            self._conn.sock.shutdown(socket.SHUT_RDWR)
+        except (OSError, AttributeError):
+            pass
+        self.join(30)
+        if self.status != 200 or self.error:
             return "the second client's stream broke: status %s, %s" % (self.status, self.error)
-        if (self.final.get("stop_type") != "limit"
-                or self.final.get("tokens_predicted") != COMPANION_TOKENS):
+        if self.final is not None and (self.final.get("stop_type") != "limit"
+                                       or self.final.get("tokens_predicted") != COMPANION_TOKENS):
             return "the second client's stream ended early: stop_type %r after %r tokens" \
                 % (self.final.get("stop_type"), self.final.get("tokens_predicted"))
+        if not went_on:
+            return "the second client's stream stalled: %d pieces in 60 s after the row" \
+                % (self.pieces - seen)
         return None
 
 
@@ -548,7 +578,8 @@ def vocab(lib, gemma_path):
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["np1", "np2"])
 def served(request, gemma_path, fim_model_path):
-    s = Served(request.param, gemma_path, "--fim-model", fim_model_path, threads=2, ctx=2048)
+    s = Served(request.param, gemma_path, "--fim-model", fim_model_path, threads=TEST_THREADS,
+               ctx=2048)
     try:
         yield s
     finally:
