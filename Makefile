@@ -18,6 +18,13 @@ PORTABLE ?= 0
 RPC      ?= 1
 ARGS     ?=
 PYTEST_ARGS ?=
+# pytest workers (pytest-xdist) for `make test` and `make test-fast`: the
+# suite waits on servers and sockets as much as it computes, so two run well
+# on two cores; each test's server then decodes on one thread
+# (tests/serverproc.py, TEST_THREADS).  Tests marked serial run after, alone.
+TEST_JOBS ?= 2
+PYTEST   = $(VENV)/bin/python -m pytest -q -ra
+XDIST    = $(if $(filter 1,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadfile)
 
 export PORTABLE RPC
 
@@ -54,8 +61,8 @@ run: lib/libllama.so $(MODEL)
 # standard library.
 $(VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check "pytest>=7" "openai>=1.66" \
-		"anthropic>=0.50" "ollama>=0.5" "langchain-ollama>=1.0"
+	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check "pytest>=7" \
+		"pytest-xdist>=3" "openai>=1.66" "anthropic>=0.50" "ollama>=0.5" "langchain-ollama>=1.0"
 	touch $@
 
 # llama-server's test suite needs a few more (requests, wget, aiohttp, ...):
@@ -66,13 +73,19 @@ $(VENV)/.conformance-ready: $(VENV)/.ready tests/conformance/run.py
 
 venv: $(VENV)/.ready
 
+# Files go to workers whole (--dist loadfile), so a file's module-scoped server
+# serves all its tests; both runs report, and either failing fails the target
+# (pytest's 5, nothing selected, is no failure).
 test: lib/libllama.so $(MODELS) $(VENV)/.ready $(VENV)/.conformance-ready
-	$(VENV)/bin/python -m pytest -q -ra $(PYTEST_ARGS) tests
+	@r=0; $(PYTEST) $(XDIST) -m "not serial" $(PYTEST_ARGS) tests || r=1; \
+	$(PYTEST) -m serial $(PYTEST_ARGS) tests; s=$$?; [ $$s -eq 0 -o $$s -eq 5 ] || r=1; exit $$r
 
 # The suite less the tests marked slow (a portable libllama build, minute-long
 # fault and debugger runs): a few minutes once the cache is warm.
 test-fast: lib/libllama.so $(MODELS) $(VENV)/.ready
-	$(VENV)/bin/python -m pytest -q -ra -m "not slow" $(PYTEST_ARGS) tests
+	@r=0; $(PYTEST) $(XDIST) -m "not slow and not serial" $(PYTEST_ARGS) tests \
+	|| r=1; $(PYTEST) -m "serial and not slow" $(PYTEST_ARGS) tests; s=$$?; \
+	[ $$s -eq 0 -o $$s -eq 5 ] || r=1; exit $$r
 
 # Air-gapped tarball dist/offgrid-<version>-linux-<arch>.tar.gz: offgrid, a
 # portable libllama (built apart from lib/), licenses, README; serves with only

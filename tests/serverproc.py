@@ -20,6 +20,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# Threads a test's server or session decodes with.  `make test` runs two
+# pytest workers at once (pytest-xdist) on this 2-core machine: two
+# processes of two ggml threads each would spin at every barrier waiting for
+# a thread the other holds (the busy-machine collapse of issue 19), so under
+# xdist each gets one.  Tests are about behaviour, not speed.
+TEST_THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
+
 
 def free_port():
     with socket.socket() as s:
@@ -30,7 +37,7 @@ def free_port():
 class ServerProcess:
     """``python -m offgrid`` with the given flags; use as a context manager."""
 
-    def __init__(self, model, *args, threads=2, ctx=2048, startup_timeout=120):
+    def __init__(self, model, *args, threads=TEST_THREADS, ctx=2048, startup_timeout=120):
         self.port = free_port()
         self.host = "127.0.0.1"
         self.args = ["-m", str(model), "--port", str(self.port), "-t", str(threads),

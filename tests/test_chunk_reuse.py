@@ -12,16 +12,21 @@ import pytest
 from offgrid.engine.session import ChatSession, GenerationParams, shared_decoder
 from offgrid.engine.sampling import SamplingParams
 
+try:
+    from .serverproc import TEST_THREADS
+except ImportError:
+    from serverproc import TEST_THREADS
+
 
 @pytest.fixture(params=["alone", "second of two"])
 def session(request, fim_model):
     """A session with a context of its own, or the second session of a shared
     context (its sequences numbered from 3) beside one that holds a prompt."""
     if request.param == "alone":
-        with ChatSession(fim_model, n_ctx=2048, n_batch=64, n_threads=2) as s:
+        with ChatSession(fim_model, n_ctx=2048, n_batch=64, n_threads=TEST_THREADS) as s:
             yield s
         return
-    decoder = shared_decoder(fim_model, 2, n_ctx=2048, n_batch=64, n_threads=2)
+    decoder = shared_decoder(fim_model, 2, n_ctx=2048, n_batch=64, n_threads=TEST_THREADS)
     first, second = (ChatSession(fim_model, decoder=decoder) for _ in range(2))
     held = text_tokens(fim_model, "class Neighbour:\n    pass\n" * 20)
     first.evaluate(held)
@@ -185,7 +190,7 @@ def test_a_windowed_cache_keeps_the_whole_prompt_through_an_editing_session(gemm
     suffix = text_tokens(gemma, code(200, 28))
     line = "    result = compute(alpha, beta, gamma) + other_value\n"
     greedy = GenerationParams(n_predict=16, sampling=SamplingParams(temperature=0), cache_reuse=64)
-    with ChatSession(gemma, n_ctx=4096, n_batch=512, n_threads=2) as session:
+    with ChatSession(gemma, n_ctx=4096, n_batch=512, n_threads=TEST_THREADS) as session:
         first = 0
         for k in range(14):
             rotated = k % 6 == 5

@@ -20,6 +20,11 @@ from offgrid.engine.infill import InfillRequest, build_infill_prompt
 from offgrid.engine.sampling import SamplingParams
 from offgrid.engine.session import ChatSession, FinishReason, GenerationParams, RequestCancel
 
+try:
+    from .serverproc import TEST_THREADS
+except ImportError:
+    from serverproc import TEST_THREADS
+
 STORY = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
 
 
@@ -33,7 +38,7 @@ def new_session():
     made = []
 
     def make(model, n_ctx=1024, n_batch=64, **kw):
-        session = ChatSession(model, n_ctx=n_ctx, n_batch=n_batch, n_threads=2, **kw)
+        session = ChatSession(model, n_ctx=n_ctx, n_batch=n_batch, n_threads=TEST_THREADS, **kw)
         made.append(session)
         return session
 
@@ -282,7 +287,7 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_libllama(gemma, new
 
 
 def test_a_closed_session_refuses_requests(gemma):
-    session = ChatSession(gemma, n_ctx=256, n_threads=2)
+    session = ChatSession(gemma, n_ctx=256, n_threads=TEST_THREADS)
     session.close()
     session.close()                         # closing twice is harmless
     with pytest.raises(ContextError):

@@ -19,6 +19,11 @@ from offgrid import libllama
 from offgrid.engine.session import ChatSession, FinishReason, GenerationParams
 from offgrid.engine.sampling import SamplingParams
 
+try:
+    from .serverproc import TEST_THREADS
+except ImportError:
+    from serverproc import TEST_THREADS
+
 STORY = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
 
 
@@ -35,7 +40,7 @@ def session_of():
 
     def make(model, **kw):
         kw.setdefault("n_ctx", 512)
-        session = ChatSession(model, n_batch=64, n_threads=2, **kw)
+        session = ChatSession(model, n_batch=64, n_threads=TEST_THREADS, **kw)
         made.append(session)
         return session
 

@@ -121,14 +121,14 @@ def test_token_probabilities_leave_out_the_tokens_of_a_cut_repeat():
 # -- on the real code model ------------------------------------------------------
 
 try:
-    from .serverproc import ServerProcess
+    from .serverproc import ServerProcess, TEST_THREADS
 except ImportError:
-    from serverproc import ServerProcess
+    from serverproc import ServerProcess, TEST_THREADS
 
 
 @pytest.fixture(scope="module")
 def server(qwen_path):
-    with ServerProcess(qwen_path, threads=2) as s:
+    with ServerProcess(qwen_path, threads=TEST_THREADS) as s:
         yield s
 
 

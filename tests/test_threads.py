@@ -177,6 +177,7 @@ def _wait_for(server, want, timeout):
 
 
 @pytest.mark.slow
+@pytest.mark.serial     # another test's server beside it would be a second hog
 @pytest.mark.skipif(usable_cores() < 2, reason="needs two cores to give one away")
 def test_server_gives_a_busy_core_back_and_takes_it_again(gemma_path):
     cores = usable_cores()

@@ -11,6 +11,11 @@ from offgrid.engine.sampling import SamplingParams
 from offgrid.engine.session import ChatSession, GenerationParams
 
 try:
+    from .serverproc import TEST_THREADS
+except ImportError:
+    from serverproc import TEST_THREADS
+
+try:
     from . import gguf, tinymodels
 except ImportError:  # tests/ is on sys.path rather than a package
     import gguf
@@ -168,7 +173,7 @@ def test_plain_model_has_no_fim_tokens(plain_model):
 def _greedy(m, prompt, n, n_batch):
     """Greedy continuation of ``prompt``, evaluated in chunks of ``n_batch`` tokens."""
     params = GenerationParams(n_predict=n, sampling=SamplingParams(temperature=0))
-    with ChatSession(m, n_ctx=256, n_batch=n_batch, n_threads=2) as session:
+    with ChatSession(m, n_ctx=256, n_batch=n_batch, n_threads=TEST_THREADS) as session:
         return session.complete(prompt, params).tokens
 
 
