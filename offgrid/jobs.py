@@ -16,11 +16,15 @@ import threading
 
 log = logging.getLogger("offgrid.jobs")
 
+# Idle threads a Threads keeps by default: more than the connections and
+# requests a few editors keep going at once, few enough to cost nothing.
+MAX_IDLE = 16
+
 
 class Threads:
     """Run ``fn(*args)`` on a thread now; a thread that is done waits for the next job."""
 
-    def __init__(self, name, max_idle=16):
+    def __init__(self, name, max_idle=MAX_IDLE):
         self.name = name
         self.max_idle = max_idle
         self._lock = threading.Lock()

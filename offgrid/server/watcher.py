@@ -69,8 +69,16 @@ class DisconnectWatcher:
     def stop(self):
         """End the thread (idempotent); watch and unwatch do nothing harmful after it."""
         with self._lock:
-            self._wake()            # the last wake-up: the thread sees _stop and closes the pipe
+            if self._stop.is_set():
+                return
+            # set first, then the last wake-up: a thread woken before the flag
+            # was set would poll again, for good
             self._stop.set()
+            if self._pipe_open:
+                try:
+                    os.write(self._wake_w, b"\0")
+                except OSError:
+                    pass
 
     def _wake(self):
         """Make the thread look again (under _lock); a no-op once stopped."""
