@@ -135,9 +135,16 @@ def decode_vector(text):
 
 
 def encode_gen(gen):
-    d = dataclasses.asdict(gen)
+    # field by field: dataclasses.asdict deep-copies every list on the way,
+    # a tenth of a millisecond of every request's front for nothing
+    d = _fields_of(gen)
+    d["sampling"] = _fields_of(gen.sampling)
     d["preserved_tokens"] = sorted(gen.preserved_tokens)
     return d
+
+
+def _fields_of(obj):
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
 
 
 def decode_gen(d):

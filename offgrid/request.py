@@ -18,6 +18,7 @@ front may use it.
 import enum
 import math
 import threading
+import dataclasses
 from dataclasses import dataclass, field
 from typing import FrozenSet, List, Optional, Tuple
 
@@ -234,6 +235,15 @@ class GenerationParams:
     # streamed requests: report the prompt's evaluation as it goes, a
     # PromptProgress before the first batch and after each (return_progress)
     return_progress: bool = False
+
+    def copy(self):
+        """A copy whose fields, and whose sampling's, can be set apart from this one's.
+
+        Lists inside (stop strings, logit_bias) are shared: nothing changes
+        them in place once a request is parsed.  (copy.deepcopy of these
+        cost a request 0.2 ms of the front's time.)
+        """
+        return dataclasses.replace(self, sampling=dataclasses.replace(self.sampling))
 
 
 @dataclass

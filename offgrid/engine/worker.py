@@ -8,12 +8,13 @@ model's requests in flight, not the server.  Frames (``offgrid/protocol.py``)
 come in on stdin and go out on stdout; stderr is the front's terminal.
 
 Threads:
-  main      reads frames: "call" and "generate" each run on a thread of their
-            own; "cancel" flips the request's RequestCancel at once, which sets
+  main      reads frames: "call" and "generate" each run on a request thread;
+            "cancel" flips the request's RequestCancel at once, which sets
             libllama's abort flag, so a decode in progress stops within one
             graph node
-  request   one per call or generation; answers with frames (under one lock,
-            so frames never interleave)
+  request   one per call or generation at a time, kept for the next one when
+            done (offgrid/jobs.py);
+            answers with frames (under one lock, so frames never interleave)
 When stdin ends the front is gone (or closed us): the process exits at once,
 whatever is running, so no worker outlives its front.  SIGINT and SIGTERM
 are ignored: a Ctrl-C or a service manager's SIGTERM to the whole process
@@ -31,6 +32,7 @@ import sys
 import threading
 
 from .. import libllama, protocol
+from ..jobs import Threads
 from ..chat.gbnf import check_grammar
 from ..chat.prompt import prepare_chat
 from ..chat.reply import Delta as ReplyDelta, ReplyStream, parse_reply
@@ -210,6 +212,7 @@ class Worker:
         self._out = out
         self._out_lock = out_lock or threading.Lock()
         self._cancels = {}              # request id -> RequestCancel of a running generation
+        self._jobs = Threads("request")
         self._lock = threading.Lock()
         # the prompt speed decodes show, for FIM's t_max_prompt_ms (engine/promptfit.py)
         first = loaded.sessions[0]
@@ -247,8 +250,7 @@ class Worker:
                 self._spawn(self._call, frame)
 
     def _spawn(self, fn, *args):
-        threading.Thread(target=fn, args=args, daemon=True,
-                         name="request-%s" % args[0].get("id")).start()
+        self._jobs.submit(fn, *args)
 
     def _answer(self, rid, fn, *args):
         try:

@@ -9,7 +9,6 @@ The template, the grammar and the reading of the reply are the worker's
 (``chat/prompt.py``, ``chat/reply.py``); this module parses and formats.
 """
 
-import copy
 import functools
 
 from ..protocol import encode_messages, encode_tools
@@ -196,7 +195,7 @@ def chat_completions(h, body):
     def gen_for(index):
         # each further choice its own seed, as llama-server's child tasks; its
         # own copy, since choices run at once (Service.run_choices)
-        g = copy.deepcopy(gen)
+        g = gen.copy()
         if base_seed is not None:
             g.sampling.seed = base_seed + index
         return g

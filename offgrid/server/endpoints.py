@@ -6,7 +6,6 @@ Service and writes the response (``formats``).  Errors are raised, never
 written here.
 """
 
-import copy
 import functools
 from collections import namedtuple
 
@@ -341,8 +340,10 @@ def _run_native(h, f, entry, jobs, gen, endpoint):
     base_seed = gen.sampling.seed
     finals = {}     # index -> the final object of that result
 
+    alone = len(jobs) * n_cmpl == 1
+
     def job(index, tokens, prompt_text, k):
-        g = copy.deepcopy(gen)      # its own seed: jobs may run at once
+        g = gen if alone else gen.copy()    # its own seed: jobs may run at once
         if base_seed is not None:
             g.sampling.seed = base_seed + k
         counter = {"n": 0}
@@ -433,7 +434,7 @@ def v1_completions(h, body):
     base_seed = gen.sampling.seed
 
     def choice(index, tokens, k):
-        g = copy.deepcopy(gen)      # its own seed: choices may run at once
+        g = gen.copy()      # its own seed: choices may run at once
         if base_seed is not None:
             g.sampling.seed = base_seed + k
         offset = [0]        # where the next token starts in the completion's text

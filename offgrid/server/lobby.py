@@ -5,7 +5,8 @@ connections that send nothing used to hold every slot of the cap, /health
 included, for ``--timeout`` seconds; reopened every 30 s they kept the server
 down at no cost.  Here the accepting thread hands each new connection to the
 lobby, one thread that polls them all, and a connection gets a handler thread
-(and counts against the cap) only once its first byte is in:
+(and counts against the cap) only once its first byte is in (one whose
+first byte is in when it is accepted, the usual case, goes straight on):
 
     accept -> Lobby.add -- first byte --> Server.admit -- yes --> handler thread
                 |                              |
@@ -22,7 +23,8 @@ So /health answers however many connections are held, and answering it can
 hold no thread: the lobby never blocks, and a guest that dawdles is dropped
 at its deadline.
 
-Threading: only the lobby thread touches a guest's socket.  ``add`` (the
+Threading: only the lobby thread touches a guest's socket (the accepting
+thread peeks at a connection before it is one).  ``add`` (the
 accepting thread) and ``stop`` hand over under the lock and wake it through a
 pipe; the server's policy (``admit``, ``start_handler``, ``reply_when_full``)
 is called from the lobby thread.  An exception in one turn is logged and the
@@ -51,6 +53,14 @@ def response_bytes(status, obj, server="offgrid", head_only=False):
             "Content-Length: %d\r\nConnection: close\r\n\r\n"
             % (status, http.HTTPStatus(status).phrase, server, len(body))).encode("latin-1")
     return head if head_only else head + body
+
+
+def _has_bytes(sock):
+    """Whether bytes wait on the socket now (never blocks)."""
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except OSError:         # BlockingIOError: nothing yet; others: the lobby sees them
+        return False
 
 
 def error_body(status, message, kind):
@@ -101,7 +111,23 @@ class Lobby:
 
     # -- from other threads -------------------------------------------------------
     def add(self, sock, addr):
-        """Seat a just-accepted connection (the accepting thread)."""
+        """Seat a just-accepted connection (the accepting thread).
+
+        One whose first bytes are in already (a client sends its request
+        right after the connect) and that gets a slot goes to its handler at
+        once, saving the hop through the lobby's thread; the lobby takes the
+        rest.  Looking costs one non-blocking recv: nothing here waits.
+        """
+        with self._lock:
+            if self._stopping:
+                _close(sock)
+                return
+        try:
+            if _has_bytes(sock) and self.server.admit(addr) is None:
+                self.server.start_handler(sock, addr)
+                return
+        except Exception:       # the lobby's turn meets it again, and survives it
+            log.exception("lobby: seating a connection at once failed; it waits instead")
         with self._lock:
             if self._stopping:
                 _close(sock)

@@ -94,6 +94,10 @@ class Shelf:
         self._cond = threading.Condition()
         self._closed = False
         self._reaper = None
+        # the reaper sleeps on this, not on _cond: every request's use and
+        # release notify _cond, and waking the reaper for each cost a request
+        # a thread switch (it only needs its tick, and close)
+        self._reaper_stop = threading.Event()
         self._clashes = set()       # files left out for a name already taken (warned once)
 
     # -- the table ----------------------------------------------------------------------
@@ -501,11 +505,10 @@ class Shelf:
         return self.sleep_idle - ((now or time.monotonic()) - entry.last_used), "sleeping"
 
     def _reap(self):
-        while True:
+        while not self._reaper_stop.wait(self.tick):
             with self._cond:
                 if self._closed:
                     return
-                self._cond.wait(self.tick)
                 now = time.monotonic()
                 due = []
                 for e in self._entries:
@@ -528,6 +531,7 @@ class Shelf:
             self._closed = True
             workers = [(e, e.detach("unloaded")) for e in self._entries if e.worker is not None]
             self._cond.notify_all()
+        self._reaper_stop.set()
         for e, w in workers:
             w.close()
 
