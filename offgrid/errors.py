@@ -69,6 +69,22 @@ class ContextFull(InvalidRequest):
     """The prompt, with room to generate, does not fit the session's context."""
 
 
+class PromptTooLong(InvalidRequest):
+    """The prompt alone fills the context: llama-server's exceed_context_size_error.
+
+    Raised by a worker that prepared the prompt itself (the front checks
+    prompts it was given as tokens); ``fields`` travel with it.
+    """
+
+    def __init__(self, message="", n_prompt_tokens=0, n_ctx=0):
+        super().__init__(message or "the prompt has %d tokens and the context holds %d"
+                         % (n_prompt_tokens, n_ctx))
+        self.n_prompt_tokens, self.n_ctx = n_prompt_tokens, n_ctx
+
+    def fields(self):
+        return {"n_prompt_tokens": self.n_prompt_tokens, "n_ctx": self.n_ctx}
+
+
 class InvalidToken(InvalidRequest):
     """A token id outside ``[0, n_vocab)`` was given."""
 

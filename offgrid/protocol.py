@@ -13,6 +13,10 @@ Front -> worker
      "stream": BOOL, "chat": {...} or null}
         run a prompt on session I; with "stream", pieces (or chat deltas)
         come back as they are final
+    {"op": "generate", ..., "tokens": null, "prepare": {"method": NAME, "args": {...}}}
+        the same, the prompt made first by the call NAME (prepare_completion,
+        prepare_infill), whose grammar and dropped parts go into gen: one
+        round trip where the front needs no tokens to pick the session
     {"op": "cancel", "id": N, "reason": TEXT}
         stop request N; a running decode stops within one graph node
 Worker -> front
@@ -36,9 +40,11 @@ on this project's 2-core machine), per vector, on both sides of the pipe.
 PROBS (only when the request asked for token probabilities) is
 encode_probs() of the TokenProbs of the tokens whose text that frame
 completes.
-ERR is {"kind": NAME, "message": TEXT, "type": TEXT}: NAME is a class of
-``offgrid.errors``, so the front raises the same exception the engine did
-and maps it to HTTP in its one place (``server/errors.py``).
+ERR is {"kind": NAME, "message": TEXT, "type": TEXT[, "fields": {...}]}:
+NAME is a class of ``offgrid.errors``, so the front raises the same
+exception the engine did and maps it to HTTP in its one place
+(``server/errors.py``); "fields" are attributes it carries (PromptTooLong's
+sizes).
 
 Each request id belongs to the front; the worker forgets it with its
 "result" or "error".
@@ -104,7 +110,10 @@ def encode_error(exc):
         kind, message = "OffgridError", "internal error: %s: %s" % (type(exc).__name__, exc)
     else:
         message = str(exc)
-    return {"kind": kind, "message": message, "type": getattr(exc, "http_type", None)}
+    err = {"kind": kind, "message": message, "type": getattr(exc, "http_type", None)}
+    if hasattr(exc, "fields"):
+        err["fields"] = exc.fields()        # e.g. PromptTooLong's two sizes
+    return err
 
 
 def decode_error(err):
@@ -115,6 +124,9 @@ def decode_error(err):
     exc = cls(err.get("message", ""))
     if err.get("type"):
         exc.http_type = err["type"]
+    for k, v in (err.get("fields") or {}).items():
+        if hasattr(exc, k):
+            setattr(exc, k, v)
     return exc
 
 

@@ -39,7 +39,7 @@ from ..chat.reply import Delta as ReplyDelta, ReplyStream, parse_reply
 from ..chat.jsonschema import schema_to_grammar
 from ..chat.select import template_for
 from ..chat.template import ReplyFormat, new_tool_call_id
-from ..errors import InvalidRequest, OffgridError
+from ..errors import InvalidRequest, OffgridError, PromptTooLong
 from ..request import RequestCancel
 from .embed import POOLING, Embedder, model_pooling, to_le
 from . import cachereuse, promptfit, rpc
@@ -445,10 +445,30 @@ class Worker:
             with self._lock:
                 self._cancels.pop(rid, None)
 
+    # the calls a generate frame may ask to make its prompt (protocol.py)
+    _PREPARE = ("prepare_completion", "prepare_infill")
+
+    def _prepared(self, prep, gen, session):
+        """The prompt a generate frame's "prepare" makes; its grammar and dropped
+        parts set on ``gen``, its size checked as the front checks given tokens."""
+        if prep.get("method") not in self._PREPARE:
+            raise OffgridError("no prepare method %r" % prep.get("method"))
+        out = getattr(self, "call_" + prep["method"])(**prep.get("args", {}))
+        gen.sampling.grammar = out["grammar"]
+        if "dropped" in out:
+            gen.prompt_dropped = out["dropped"]
+        tokens = out["tokens"]
+        if len(tokens) >= session.n_ctx:
+            raise PromptTooLong(n_prompt_tokens=len(tokens), n_ctx=session.n_ctx)
+        return tokens
+
     def _run(self, frame, cancel):
         rid = frame["id"]
         session = self.loaded.sessions[frame["session"]]
         gen = protocol.decode_gen(frame["gen"])
+        tokens = frame.get("tokens")
+        if frame.get("prepare") is not None:
+            tokens = self._prepared(frame["prepare"], gen, session)
         chat = frame.get("chat")
         stream = frame.get("stream", False)
         on_piece = None
@@ -483,7 +503,7 @@ class Worker:
             def on_progress(p):
                 self.send({"op": op, "id": rid, key: empty, "progress": p})
         try:
-            c = session.complete(frame["tokens"], gen, on_piece, cancel, on_progress)
+            c = session.complete(tokens, gen, on_piece, cancel, on_progress)
         finally:
             cached = list(session.cached) if not session.closed else []
         self.prompt_rate.observe(c.usage)

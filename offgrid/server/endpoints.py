@@ -15,7 +15,7 @@ from ..request import GenerationParams, InfillRequest, PromptProgress
 from . import anthropic, chat, embeddings, formats, ollama, ollama_models, responses
 from . import shelf_api
 from .errors import BadRequest, HTTPError, Unavailable
-from .prompts import infill_tokens
+from .prompts import infill_prepare, infill_tokens
 from .params import (Fields, completion_probs_from, include_usage_from, generation_from,
                      id_slot_from, infill_from, native_probs_from, output_schema_from,
                      prompt_from, prompts_from, response_fields_from, text_tokenizer,
@@ -293,10 +293,15 @@ def completion(h, body):
     schema, grammar = output_schema_from(f)
     jobs = []
     for prompt in prompts:
-        out = entry.call("prepare_completion", "POST /completion", parts=prompt.parts,
-                         add_special=True, schema=schema, grammar=grammar)
+        args = dict(parts=prompt.parts, add_special=True, schema=schema, grammar=grammar)
+        text = prompt.parts[0] if prompt.is_text else ""
+        if svc.deferred_prepare(entry, len(prompts) * _n_cmpl(f), f.bool("stream", False)):
+            # the worker makes the prompt as it starts: one round trip, not two
+            jobs.append((None, text, ("prepare_completion", args)))
+            break
+        out = entry.call("prepare_completion", "POST /completion", **args)
         gen.sampling.grammar = out["grammar"]
-        jobs.append((out["tokens"], prompt.parts[0] if prompt.is_text else ""))
+        jobs.append((out["tokens"], text, None))
     _run_native(h, f, entry, jobs, gen, "completion")
 
 
@@ -309,8 +314,16 @@ def infill(h, body):
                           sampling_default=svc.sampling_default, tokenize=text_tokenizer(entry))
     native_probs_from(f, gen, entry.n_vocab)
     gen.cache_reuse = _cache_reuse(f, svc)
-    tokens = infill_tokens(f, entry, req, gen, "POST /infill")
-    _run_native(h, f, entry, [(tokens, "")], gen, "infill")
+    if svc.deferred_prepare(entry, _n_cmpl(f), f.bool("stream", False)):
+        # the worker lays out the prompt as it starts: one round trip, not two
+        job = (None, "", ("prepare_infill", infill_prepare(f, req, gen)))
+    else:
+        job = (infill_tokens(f, entry, req, gen, "POST /infill"), "", None)
+    _run_native(h, f, entry, [job], gen, "infill")
+
+
+def _n_cmpl(f):
+    return f.int("n_cmpl" if f.has("n_cmpl") else "n", 1, lo=1, hi=MAX_N_CMPL)
 
 
 def _cache_reuse(f, svc):
@@ -321,7 +334,9 @@ def _cache_reuse(f, svc):
 def _run_native(h, f, entry, jobs, gen, endpoint):
     """Run /completion or /infill: one result, or an array for several prompts or n_cmpl > 1.
 
-    ``jobs``: (prompt tokens, prompt text) per prompt.  Each prompt runs
+    ``jobs``: (prompt tokens, prompt text, prepare) per prompt; ``prepare``
+    (then tokens is None) is the (method, args) call with which the worker
+    makes the prompt itself (Service.deferred_prepare).  Each prompt runs
     ``n_cmpl`` times, all of them at once where the model has the sessions
     (Service.run_choices: decoded in one batch); results are numbered as
     llama-server's: the prompts in order, each followed by its further
@@ -333,7 +348,7 @@ def _run_native(h, f, entry, jobs, gen, endpoint):
     id_slot = id_slot_from(f)
     fields = response_fields_from(f)
     return_tokens = f.bool("return_tokens", False)
-    n_cmpl = f.int("n_cmpl" if f.has("n_cmpl") else "n", 1, lo=1, hi=MAX_N_CMPL)
+    n_cmpl = _n_cmpl(f)
     gen.return_progress = stream and f.bool("return_progress", False)
     timings_per_token = f.bool("timings_per_token", False)
     es = h.event_stream() if stream else None
@@ -342,7 +357,7 @@ def _run_native(h, f, entry, jobs, gen, endpoint):
 
     alone = len(jobs) * n_cmpl == 1
 
-    def job(index, tokens, prompt_text, k):
+    def job(index, tokens, prompt_text, prepare, k):
         g = gen if alone else gen.copy()    # its own seed: jobs may run at once
         if base_seed is not None:
             g.sampling.seed = base_seed + k
@@ -357,7 +372,7 @@ def _run_native(h, f, entry, jobs, gen, endpoint):
                                                   len(tokens), probs, g.post_sampling_probs))
 
         c = svc.generate(entry, tokens, g, id_slot, on_piece if stream else None,
-                         sock=h.connection, what="POST /" + endpoint)
+                         sock=h.connection, what="POST /" + endpoint, prepare=prepare)
         obj = formats.native_final(c, entry.id, g, entry.n_ctx, id_slot, prompt_text,
                                    index=index, stream=stream, return_tokens=return_tokens)
         if stream:
@@ -369,9 +384,9 @@ def _run_native(h, f, entry, jobs, gen, endpoint):
         finals[index] = obj
         return c
 
-    jobs = [functools.partial(job, index, tokens, prompt_text, k)
-            for index, (tokens, prompt_text, k)
-            in enumerate((t, p, k) for t, p in jobs for k in range(n_cmpl))]
+    jobs = [functools.partial(job, index, tokens, prompt_text, prepare, k)
+            for index, (tokens, prompt_text, prepare, k)
+            in enumerate((t, p, q, k) for t, p, q in jobs for k in range(n_cmpl))]
     results = [finals[i] for i in range(len(svc.run_choices(entry, jobs, id_slot)))]
     if stream:
         es.end()

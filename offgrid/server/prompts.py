@@ -24,16 +24,22 @@ def infill_tokens(f, entry, req, gen, what):
     ``f`` holds the request's output-format fields (``json_schema``, ``grammar``,
     ``response_format``) as ``params.output_schema_from`` reads them.
     """
-    reserve = gen.n_predict if gen.n_predict > 0 else INFILL_GENERATION_RESERVE
-    schema, grammar = output_schema_from(f)
-    out = entry.call("prepare_infill", what, request=protocol.encode_infill(req),
-                     reserve=reserve, schema=schema, grammar=grammar,
-                     t_max_prompt_ms=gen.t_max_prompt_ms if gen.n_predict != 0 else 0,
-                     id_slot=id_slot_from(f), cache_reuse=gen.cache_reuse)
+    out = entry.call("prepare_infill", what, **infill_prepare(f, req, gen))
     gen.sampling.grammar = out["grammar"]
     gen.prompt_dropped = out.get("dropped")
+    return out["tokens"]
+
+
+def infill_prepare(f, req, gen):
+    """The worker's prepare_infill arguments for ``req``; sets on ``gen`` the suffix
+    stop's text and indent.  (The worker sets the grammar and what was dropped,
+    from its answer, on its own copy when it prepares as it generates.)"""
+    reserve = gen.n_predict if gen.n_predict > 0 else INFILL_GENERATION_RESERVE
+    schema, grammar = output_schema_from(f)
     # stop where the completion meets the suffix (engine/textstream.SuffixStop)
     gen.fim_suffix = req.input_suffix
     line = (req.input_prefix + req.prompt).rsplit("\n", 1)[-1]
     gen.fim_indent = len(line) - len(line.lstrip(" \t"))
-    return out["tokens"]
+    return dict(request=protocol.encode_infill(req), reserve=reserve, schema=schema,
+                grammar=grammar, t_max_prompt_ms=gen.t_max_prompt_ms if gen.n_predict != 0 else 0,
+                id_slot=id_slot_from(f), cache_reuse=gen.cache_reuse)

@@ -22,6 +22,7 @@ import time
 from ..request import (Completion, FinishReason, PromptProgress, RequestCancel, SamplingParams,
                        Usage)
 from .. import protocol
+from ..errors import PromptTooLong
 from .errors import BadRequest, Unavailable
 from .metrics import Metrics
 from .pool import ChatPool, SessionSlot, Supersede
@@ -309,7 +310,7 @@ class Service:
         return done
 
     def generate(self, entry, tokens, gen, id_slot=-1, on_piece=None, sock=None, cancel=None,
-                 chat=None, what=""):
+                 chat=None, what="", prepare=None):
         """Run one generation request from start to finish; returns a Completion.
 
         ``on_piece`` gets each streamed piece of text, or with ``chat`` each
@@ -319,11 +320,16 @@ class Service:
         Completion's ``reply`` is the parsed reply.  A request superseded
         or disconnected while waiting returns an empty CANCELLED completion
         without ever touching a session.
+
+        ``prepare`` (a model of one session only: no prompt tokens are
+        needed to choose it): ``tokens`` is None and the worker makes the
+        prompt with this (method, args) call as the generation starts, one
+        round trip instead of two (``deferred_prepare``).
         """
         if self.state != "ready":
             raise Unavailable("server is shutting down")
         self.shelf.use(entry, self._scope())     # held already when it came from entry_for
-        if len(tokens) >= entry.n_ctx:
+        if tokens is not None and len(tokens) >= entry.n_ctx:
             # refuse before queueing: waiting for a session only to fail wastes the wait
             raise ContextExceeded(len(tokens), entry.n_ctx)
         cancel = cancel or RequestCancel()
@@ -340,13 +346,14 @@ class Service:
             pool, worker = entry.pool, entry.worker
             if pool is None or worker is None:
                 raise Unavailable("model %s was unloaded" % entry.id)
-            session = pool.acquire(tokens, cancel)
+            session = pool.acquire(tokens or [], cancel)
             if session is None:
                 c = Completion("", [], FinishReason.CANCELLED, "none", "",
-                               Usage(prompt_tokens=len(tokens)))
+                               Usage(prompt_tokens=len(tokens or [])))
             else:
                 try:
-                    c = self._run(worker, session, tokens, gen, on_piece, cancel, chat, what)
+                    c = self._run(worker, session, tokens, gen, on_piece, cancel, chat, what,
+                                  prepare)
                 finally:
                     pool.release(session)
             self.metrics.completion(c)
@@ -359,7 +366,7 @@ class Service:
             with self._lock:
                 self._running.discard(cancel)
 
-    def _run(self, worker, session, tokens, gen, on_piece, cancel, chat, what):
+    def _run(self, worker, session, tokens, gen, on_piece, cancel, chat, what, prepare=None):
         on_event = None
         if on_piece is not None:
             def on_event(frame):
@@ -371,8 +378,10 @@ class Service:
                 return on_piece(payload)
         try:
             out = worker.generate(session.index, tokens, gen, cancel,
-                                        stream=on_piece is not None, chat=chat,
-                                        on_event=on_event, what=what)
+                                  stream=on_piece is not None, chat=chat,
+                                  on_event=on_event, what=what, prepare=prepare)
+        except PromptTooLong as e:      # a prompt the worker made (prepare): nothing ran
+            raise ContextExceeded(e.n_prompt_tokens, e.n_ctx)
         except BaseException:
             # the worker's cache is unknown now (reset, or a new worker)
             session.cached = []
@@ -382,6 +391,15 @@ class Service:
         c.reply = out.get("reply")
         c.n_cached = len(out["cached"])
         return c
+
+    @staticmethod
+    def deferred_prepare(entry, n_jobs, stream):
+        """Whether a request's one prompt may be made by the worker as its
+        generation starts (``generate``'s ``prepare``): one job, not streamed
+        (stream pieces report the prompt's size), and a model of one session,
+        so no prompt tokens are needed to choose where it runs."""
+        pool = entry.pool
+        return n_jobs == 1 and not stream and pool is not None and len(pool.sessions) == 1
 
     # -- shutdown -----------------------------------------------------------
     def shutdown(self):

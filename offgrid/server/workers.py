@@ -380,11 +380,13 @@ class WorkerClient:
             self._forget(rid)
 
     def generate(self, session, tokens, gen, cancel, stream=False, chat=None, on_event=None,
-                 what=""):
+                 what="", prepare=None):
         """Run a generation on ``session``; returns the worker's result dict.
 
         ``on_event(frame)`` gets each "piece" or "delta" frame; returning
         False cancels.  ``cancel`` reaches the worker as a cancel frame.
+        ``prepare`` instead of ``tokens``: (method, args) of the call that
+        makes the prompt, run by the worker first (protocol.py).
         """
         self.wait_ready(self.ready_timeout)
         rid, p = self._open(what or "generate")
@@ -392,8 +394,11 @@ class WorkerClient:
         def hook():
             self._send({"op": "cancel", "id": rid, "reason": cancel.reason})
         try:
-            self._send({"op": "generate", "id": rid, "session": session, "tokens": tokens,
-                        "gen": protocol.encode_gen(gen), "stream": stream, "chat": chat})
+            frame = {"op": "generate", "id": rid, "session": session, "tokens": tokens,
+                     "gen": protocol.encode_gen(gen), "stream": stream, "chat": chat}
+            if prepare is not None:
+                frame["prepare"] = {"method": prepare[0], "args": prepare[1]}
+            self._send(frame)
             cancel.attach(hook)
             try:
                 while True:
