@@ -163,3 +163,20 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("figures")
         for line in lines:
             terminalreporter.write_line(line)
+
+
+# The files that take longest (a quiet run's durations, longest first; the
+# bundle's first, since on a machine without its cached portable libllama it
+# builds one for about 16 minutes while the other worker runs the rest).  Under
+# `make test`'s pytest workers a file runs whole on one worker, in collection
+# order: started last, a long file ran alone for minutes while the other
+# worker sat idle.  Only the order of files changes; no test depends on it.
+LONGEST_FILES = ["test_bundle.py", "test_speculation.py", "test_batching.py", "test_embeddings.py",
+                 "test_conformance_subset.py", "test_infill_budget.py", "test_rpc.py",
+                 "test_shelf.py", "test_hostile.py", "test_workers.py", "test_engine.py",
+                 "test_faults.py"]
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(rank)))
