@@ -152,13 +152,24 @@ def run_file(name, target, tests_dir, python, binary, timeout, k=None, slow=Fals
             proc.wait()
             rc = "timeout"
     took = time.monotonic() - start
-    # what the table says of the run: exit status, seconds, mode, load average before/after
-    (out / ("test_%s.rc" % name)).write_text(json.dumps(
-        {"rc": rc, "seconds": round(took), "slow": slow, "load": [round(load, 1),
-         round(load_average(), 1)], "deselected": deselected(out / ("test_%s.log" % name)),
-         "k": k})
-        + "\n")
+    # what the table says of the run: the machine's load before and after, mode, when
+    record = {"rc": rc, "seconds": round(took), "slow": slow,
+              "load": [round(load, 1), round(load_average(), 1)],
+              "deselected": deselected(out / ("test_%s.log" % name)), "k": k,
+              "commit": commit(), "ended": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    (out / ("test_%s.rc" % name)).write_text(json.dumps(record) + "\n")
     return rc, took
+
+
+def commit():
+    """The checkout's commit, with "+" if it has changes git tracks; "?" outside git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=str(ROOT),
+                              capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=str(ROOT)).returncode
+    except OSError:
+        return "?"
+    return (head + ("+" if dirty else "")) if head else "?"
 
 
 def deselected(log):
@@ -284,6 +295,10 @@ def summarize(names):
         {f: sorted(t) for f, t in on_purpose.items()}
 
 
+def plural(n, word):
+    return "%d %s%s" % (n, word, "" if n == 1 else "s")
+
+
 def render(rows, gaps, dropped, on_purpose=None):
     def cell(row, key):
         v = row.get(key)
@@ -304,21 +319,23 @@ def render(rows, gaps, dropped, on_purpose=None):
     lines += ["", "Flags offgrid does not take (dropped by the launcher), by the number "
               "of tests that passed them:", ""]
     for flag, tests in sorted(dropped.items(), key=lambda kv: (-len(kv[1]), kv[0])):
-        lines.append("- dropped: %s, used by %d tests" % (flag, len(tests)))
+        lines.append("- dropped: %s, used by %s" % (flag, plural(len(tests), "test")))
     if not dropped:
         lines.append("- none")
     lines += ["", "Flags offgrid leaves aside on purpose (README \"Differences from "
               "llama-server\"), by the number of tests that passed them:", ""]
     for flag, tests in sorted((on_purpose or {}).items(), key=lambda kv: (-len(kv[1]), kv[0])):
-        lines.append("- on purpose: %s, used by %d tests" % (flag, len(tests)))
+        lines.append("- on purpose: %s, used by %s" % (flag, plural(len(tests), "test")))
     if not on_purpose:
         lines.append("- none")
-    lines += ["", "Runs: seconds, load average (1 min) before and after, `-k` if any:", ""]
+    lines += ["", "Runs: seconds, load average (1 min) before and after, when, at which "
+              "commit, `-k` if any:", ""]
     for row in rows:
         for target, info in sorted(row.get("runs", {}).items()):
-            lines.append("- %s on %s: %s s, load %s%s" % (
+            lines.append("- %s on %s: %s s, load %s, %s at %s%s" % (
                 row["name"], target,
                 int(info["seconds"]), " to ".join(str(x) for x in info.get("load", [])) or "?",
+                info.get("ended", "?"), info.get("commit", "?"),
                 ", -k %r" % info["k"] if info.get("k") else ""))
     table = "\n".join(lines) + "\n"
     gap_lines = ["# Gaps: pass on llama-server, fail on offgrid", ""]
