@@ -122,7 +122,8 @@ soak: lib/libllama.so $(MODEL)
 # and patched to use our models) against llama-server and against offgrid; a
 # table per file in tests/conformance/results/.  Installs the suite's test-only
 # packages into $(VENV).  Not part of `make test`.  CONFORMANCE_ARGS passes
-# flags, e.g. CONFORMANCE_ARGS="--only infill --target offgrid" or "--all".
+# flags, e.g. CONFORMANCE_ARGS="--only infill --target offgrid" or "--all";
+# tests marked slow are left out unless "--slow" (as llama.cpp's tests.sh).
 conformance: lib/libllama.so $(VENV)/.conformance-ready
 	$(VENV)/bin/python tests/conformance/run.py $(CONFORMANCE_ARGS)
 

@@ -7,7 +7,9 @@ With ``$CONFORMANCE_TARGET=llama-server`` this execs the real binary
 command line to ``python -m offgrid``'s and execs that, so the suite's
 SIGTERM reaches the server itself.  Both get ``--threads 1`` unless the test
 sets threads: the machine is shared, and the two servers should compete on
-equal terms.
+equal terms.  The suite's router preset (no model: llama-server lists what
+the suite downloaded into its Hugging Face cache) gets, on both, a
+``--models-preset`` of our stand-ins under the suite's model names.
 
 Nothing is dropped silently.  Each start appends one JSON line to
 ``$CONFORMANCE_LOG_FILE`` (the runner's, per test file): the test that started it
@@ -136,6 +138,11 @@ ROUTER_MODELS = [
 ]
 
 
+# a command line with none of these is the suite's router preset (no model)
+MODEL_FLAGS = {"-m", "--model", "--models-dir", "--models-preset", "-hf", "--hf-repo",
+               "-mu", "--model-url"}
+
+
 def router_preset():
     """A --models-preset file naming ROUTER_MODELS (written once, in the temp folder)."""
     import tempfile
@@ -182,6 +189,11 @@ def main(argv):
         argv = argv + ["--threads", "1"]
     if target == "llama-server":
         binary = os.environ["CONFORMANCE_LLAMA_SERVER"]
+        if not MODEL_FLAGS.intersection(a.split("=", 1)[0] for a in argv):
+            # the router preset: llama-server would list the suite's models from the
+            # Hugging Face cache that load_all() filled; offline, both servers get
+            # the same preset of our stand-ins
+            argv = argv + ["--models-preset", router_preset()]
         log(target, {"argv": argv})
         os.execv(binary, [binary] + argv)
     flags, dropped, as_default, on_purpose = offgrid_flags(argv)
@@ -196,7 +208,7 @@ def main(argv):
                                              "--reasoning-format") else 1)]
             if flag != "--no-metrics":
                 dropped.append(flag)
-    if "-m" not in flags and "--models-dir" not in flags and "--models-preset" not in flags:
+    if not MODEL_FLAGS.intersection(flags):
         # llama-server's router preset: no model, models picked per request from its
         # Hugging Face cache.  offgrid's router takes a preset: the suite's names
         # mapped to our files, as local_models.py maps them for the other presets.

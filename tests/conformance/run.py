@@ -17,13 +17,19 @@ is rebuilt from whatever XML is there, so files can be run one at a time
     both fail    fail on both (mostly tests that assert the words of the suite's
                  toy models, which our registry models do not say)
 
+Tests marked ``slow`` are left out unless ``--slow`` is given, as llama.cpp's
+own ``tools/server/tests/tests.sh`` leaves them out unless ``SLOW_TESTS=1``
+(most of test_tool_call: 196 of its 202 tests load a "real" model and ask it
+for a tool call, ~20 s each here); the table says which way each file ran.
+
 The table goes to ``results/table.md``, the gaps with their first failure line
 to ``results/gaps.md``, everything to ``results/summary.json``; the terminal
 gets the table.  Usage:
 
     tests/conformance/run.py                      the default files, both servers
+    tests/conformance/run.py --slow --only tool_call -k Qwen   slow tests too
     tests/conformance/run.py --only infill,tokenize --target offgrid
-    tests/conformance/run.py --all                every file the issue names
+    tests/conformance/run.py --all                the other issues' files too
     tests/conformance/run.py --table              rebuild the table, run nothing
 """
 
@@ -31,6 +37,7 @@ import argparse
 import fnmatch
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -47,12 +54,12 @@ DELIBERATE = HERE / "deliberate.txt"
 sys.path.insert(0, str(HERE))
 import suite  # noqa: E402
 
-# The files run by default: the ones offgrid means to match today.
-CORE = ["basic", "tokenize", "security", "infill", "completion", "chat_completion", "stream"]
-# The rest the issue names: listed in the table, run with --all or --only.
-OTHERS = ["tool_call", "template", "ctx_shift", "metrics", "embedding", "rerank",
-          "compat_anthropic", "compat_oai_responses", "router", "sleep", "speculative",
-          "slot_save"]
+# The files run by default: the ones offgrid means to match (issue 15's eleven).
+CORE = ["basic", "tokenize", "security", "infill", "completion", "chat_completion", "stream",
+        "tool_call", "template", "ctx_shift", "metrics"]
+# The files of endpoints other issues add: listed in the table, run with --all or --only.
+OTHERS = ["embedding", "rerank", "compat_anthropic", "compat_oai_responses", "router", "sleep",
+          "speculative", "slot_save"]
 TARGETS = ["llama-server", "offgrid"]
 
 # The suite's test-only packages (its requirements.txt), by import name; versions
@@ -100,8 +107,18 @@ def suite_env(target, log, binary=None):
     return env
 
 
-def run_file(name, target, tests_dir, python, binary, timeout, extra):
-    """pytest on unit/test_NAME.py with TARGET behind the launcher; (rc, seconds)."""
+def load_average():
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")
+
+
+def run_file(name, target, tests_dir, python, binary, timeout, k=None, slow=False):
+    """pytest on unit/test_NAME.py with TARGET behind the launcher; (rc, seconds).
+
+    Without ``slow``, tests marked slow are deselected (``-m "not slow"``) and the
+    suite's own ``is_slow_test_allowed()`` says no, as tests.sh does by default."""
     out = RESULTS / target
     out.mkdir(parents=True, exist_ok=True)
     xml, log = out / ("test_%s.xml" % name), out / ("test_%s.launches.jsonl" % name)
@@ -109,10 +126,15 @@ def run_file(name, target, tests_dir, python, binary, timeout, extra):
         if path.exists():
             path.unlink()
     env = suite_env(target, log, binary)
+    env.pop("SLOW_TESTS", None)
+    if slow:
+        env["SLOW_TESTS"] = "1"
     cmd = [python, "-m", "pytest", "unit/test_%s.py" % name, "-q", "-p", "no:cacheprovider",
-           "--junitxml", str(xml), "-o", "junit_family=xunit1"] + extra
+           "--junitxml", str(xml), "-o", "junit_family=xunit1"] + (["-k", k] if k else [])
+    if not slow:
+        cmd += ["-m", "not slow"]
     print("conformance: %s on %s" % ("test_%s.py" % name, target), flush=True)
-    start = time.monotonic()
+    start, load = time.monotonic(), load_average()
     with open(out / ("test_%s.log" % name), "w") as fh:
         proc = subprocess.Popen(cmd, cwd=str(tests_dir), env=env, stdout=fh,
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -130,8 +152,47 @@ def run_file(name, target, tests_dir, python, binary, timeout, extra):
             proc.wait()
             rc = "timeout"
     took = time.monotonic() - start
-    (out / ("test_%s.rc" % name)).write_text("%s %.0f\n" % (rc, took))
+    # what the table says of the run: the machine's load before and after, mode, when
+    record = {"rc": rc, "seconds": round(took), "slow": slow,
+              "load": [round(load, 1), round(load_average(), 1)],
+              "deselected": deselected(out / ("test_%s.log" % name)), "k": k,
+              "commit": commit(), "ended": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    (out / ("test_%s.rc" % name)).write_text(json.dumps(record) + "\n")
     return rc, took
+
+
+def commit():
+    """The checkout's commit, with "+" if it has changes git tracks; "?" outside git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=str(ROOT),
+                              capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=str(ROOT)).returncode
+    except OSError:
+        return "?"
+    return (head + ("+" if dirty else "")) if head else "?"
+
+
+def deselected(log):
+    """How many tests pytest's summary line says it deselected (the slow ones)."""
+    try:
+        tail = log.read_text(errors="replace").splitlines()[-3:]
+    except OSError:
+        return 0
+    found = [re.search(r"(\d+) deselected", line) for line in tail]
+    return next((int(m.group(1)) for m in reversed(found) if m), 0)
+
+
+def run_info(target, name):
+    """The .rc record of a file's last run (older runs wrote "RC SECONDS"); None if none."""
+    path = RESULTS / target / ("test_%s.rc" % name)
+    if not path.is_file():
+        return None
+    text = path.read_text().strip()
+    try:
+        return json.loads(text)
+    except ValueError:
+        rc, _, took = text.partition(" ")
+        return {"rc": rc, "seconds": float(took or 0), "slow": None, "load": [], "deselected": 0}
 
 
 # -- reading results ----------------------------------------------------------------
@@ -191,11 +252,22 @@ def summarize(names):
                 dropped[flag].add(record.get("test") or name)
             for flag in record.get("on_purpose", []):
                 on_purpose[flag].add(record.get("test") or name)
-        row = {"file": "test_%s.py" % name}
-        timed_out = [t for t in TARGETS if (RESULTS / t / ("test_%s.rc" % name)).is_file()
-                     and (RESULTS / t / ("test_%s.rc" % name)).read_text().startswith("timeout")]
+        file = "test_%s.py" % name
+        info = {t: run_info(t, name) for t in TARGETS}
+        row = {"name": file, "file": file, "runs": {t: i for t, i in info.items() if i}}
+        notes = []
+        timed_out = [t for t in TARGETS if info[t] and info[t]["rc"] == "timeout"]
         if timed_out:
-            row["file"] += " (timed out on %s)" % ", ".join(timed_out)
+            notes.append("timed out on %s" % ", ".join(timed_out))
+        if any(i and i["slow"] for i in info.values()):
+            notes.append("slow tests run" if all(i is None or i["slow"] for i in info.values())
+                         else "slow tests run on %s only" % ", ".join(
+                             t for t in TARGETS if info[t] and info[t]["slow"]))
+        left_out = max((i["deselected"] for i in info.values() if i), default=0)
+        if left_out:
+            notes.append("%d slow left out" % left_out)
+        if notes:
+            row["file"] += " (%s)" % "; ".join(notes)
         if got["llama-server"] is None and got["offgrid"] is None:
             rows.append(dict(row, run=False))
             continue
@@ -211,16 +283,20 @@ def summarize(names):
         if got["llama-server"] is not None and got["offgrid"] is not None:
             missing = [i for i in ids if get["llama-server"](i) == "pass"
                        and get["offgrid"](i) == "fail"]
-            file_gaps = [i for i in missing if not by_design(row["file"], i, patterns)]
+            file_gaps = [i for i in missing if not by_design(file, i, patterns)]
             row.update(gaps=len(file_gaps), by_design=len(missing) - len(file_gaps),
                        both_fail=sum(get["llama-server"](i) == "fail"
                                      and get["offgrid"](i) == "fail" for i in ids),
                        offgrid_only=sum(get["llama-server"](i) == "fail"
                                         and get["offgrid"](i) == "pass" for i in ids))
-            gaps[row["file"]] = [(i, got["offgrid"][i][1]) for i in file_gaps]
+            gaps[file] = [(i, got["offgrid"][i][1]) for i in file_gaps]
         rows.append(row)
     return rows, gaps, {f: sorted(t) for f, t in dropped.items()}, \
         {f: sorted(t) for f, t in on_purpose.items()}
+
+
+def plural(n, word):
+    return "%d %s%s" % (n, word, "" if n == 1 else "s")
 
 
 def render(rows, gaps, dropped, on_purpose=None):
@@ -243,15 +319,24 @@ def render(rows, gaps, dropped, on_purpose=None):
     lines += ["", "Flags offgrid does not take (dropped by the launcher), by the number "
               "of tests that passed them:", ""]
     for flag, tests in sorted(dropped.items(), key=lambda kv: (-len(kv[1]), kv[0])):
-        lines.append("- dropped: %s, used by %d tests" % (flag, len(tests)))
+        lines.append("- dropped: %s, used by %s" % (flag, plural(len(tests), "test")))
     if not dropped:
         lines.append("- none")
     lines += ["", "Flags offgrid leaves aside on purpose (README \"Differences from "
               "llama-server\"), by the number of tests that passed them:", ""]
     for flag, tests in sorted((on_purpose or {}).items(), key=lambda kv: (-len(kv[1]), kv[0])):
-        lines.append("- on purpose: %s, used by %d tests" % (flag, len(tests)))
+        lines.append("- on purpose: %s, used by %s" % (flag, plural(len(tests), "test")))
     if not on_purpose:
         lines.append("- none")
+    lines += ["", "Runs: seconds, load average (1 min) before and after, when, at which "
+              "commit, `-k` if any:", ""]
+    for row in rows:
+        for target, info in sorted(row.get("runs", {}).items()):
+            lines.append("- %s on %s: %s s, load %s, %s at %s%s" % (
+                row["name"], target,
+                int(info["seconds"]), " to ".join(str(x) for x in info.get("load", [])) or "?",
+                info.get("ended", "?"), info.get("commit", "?"),
+                ", -k %r" % info["k"] if info.get("k") else ""))
     table = "\n".join(lines) + "\n"
     gap_lines = ["# Gaps: pass on llama-server, fail on offgrid", ""]
     for file, items in gaps.items():
@@ -265,11 +350,14 @@ def render(rows, gaps, dropped, on_purpose=None):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", help="comma list of file names (infill, completion, ...)")
-    p.add_argument("--all", action="store_true", help="every file the issue names")
+    p.add_argument("--all", action="store_true",
+                   help="the files of endpoints other issues add, too (OTHERS)")
     p.add_argument("--target", choices=TARGETS + ["both"], default="both")
     p.add_argument("--table", action="store_true", help="rebuild the table from results/ only")
     p.add_argument("--timeout", type=float, default=1200, help="seconds per file and server")
     p.add_argument("-k", help="pytest -k expression")
+    p.add_argument("--slow", action="store_true",
+                   help="run the tests marked slow too (SLOW_TESTS=1; most of test_tool_call)")
     p.add_argument("--install", action="store_true",
                    help="only install the suite's test-only packages")
     args = p.parse_args(argv)
@@ -285,12 +373,15 @@ def main(argv=None):
         tests_dir = suite.prepare()
         targets = TARGETS if args.target == "both" else [args.target]
         binary = llama_server() if "llama-server" in targets else None
-        extra = ["-k", args.k] if args.k else []
+        began = time.monotonic()
         for name in names:
             for target in targets:
                 rc, took = run_file(name, target, tests_dir, python, binary, args.timeout,
-                                    extra)
+                                    args.k, args.slow)
                 print("conformance:   %s, %.0f s" % ("exit %s" % rc, took), flush=True)
+        print("conformance: %d file(s) on %s in %.0f s%s" % (
+            len(names), " and ".join(targets), time.monotonic() - began,
+            "" if args.slow else ", slow tests left out (--slow runs them)"), flush=True)
 
     rows, gaps, dropped, on_purpose = summarize(listed)
     table, gap_text = render(rows, gaps, dropped, on_purpose)
