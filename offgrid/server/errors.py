@@ -70,12 +70,29 @@ class Unavailable(HTTPError):
     status, type = 503, "unavailable_error"
 
 
+class ContextExceeded(BadRequest):
+    """llama-server's exceed_context_size_error, with the two sizes its body reports."""
+    type = "exceed_context_size_error"
+
+    def __init__(self, n_prompt_tokens, n_ctx):
+        super().__init__("the request exceeds the available context size: the prompt has "
+                         "%d tokens and the context holds %d" % (n_prompt_tokens, n_ctx))
+        self.n_prompt_tokens, self.n_ctx = n_prompt_tokens, n_ctx
+
+    def body(self):
+        out = super().body()
+        out["error"].update(n_prompt_tokens=self.n_prompt_tokens, n_ctx=self.n_ctx)
+        return out
+
+
 def to_http_error(exc):
     """Map any exception to the HTTPError the client should see."""
     if isinstance(exc, HTTPError):
         return exc
     if isinstance(exc, errors.NotSupported):
         return NotImplementedByModel(str(exc))
+    if isinstance(exc, errors.PromptTooLong):
+        return ContextExceeded(exc.n_prompt_tokens, exc.n_ctx)
     if isinstance(exc, errors.ContextFull):
         return BadRequest(str(exc), type="exceed_context_size_error")
     if isinstance(exc, errors.InvalidRequest):

@@ -23,7 +23,7 @@ from ..request import (Completion, FinishReason, PromptProgress, RequestCancel, 
                        Usage)
 from .. import protocol
 from ..errors import PromptTooLong
-from .errors import BadRequest, Unavailable
+from .errors import BadRequest, ContextExceeded, Unavailable
 from .metrics import Metrics
 from .pool import ChatPool, SessionSlot, Supersede
 from .shelf import Shelf
@@ -161,21 +161,6 @@ class ModelEntry:
         if w is None:
             raise Unavailable("model %s is not loaded" % self.id)
         return w.call(method, what, **args)
-
-
-class ContextExceeded(BadRequest):
-    """llama-server's exceed_context_size_error, with the two sizes its body reports."""
-    type = "exceed_context_size_error"
-
-    def __init__(self, n_prompt_tokens, n_ctx):
-        super().__init__("the request exceeds the available context size: the prompt has "
-                         "%d tokens and the context holds %d" % (n_prompt_tokens, n_ctx))
-        self.n_prompt_tokens, self.n_ctx = n_prompt_tokens, n_ctx
-
-    def body(self):
-        out = super().body()
-        out["error"].update(n_prompt_tokens=self.n_prompt_tokens, n_ctx=self.n_ctx)
-        return out
 
 
 class Service:
@@ -380,8 +365,8 @@ class Service:
             out = worker.generate(session.index, tokens, gen, cancel,
                                   stream=on_piece is not None, chat=chat,
                                   on_event=on_event, what=what, prepare=prepare)
-        except PromptTooLong as e:      # a prompt the worker made (prepare): nothing ran
-            raise ContextExceeded(e.n_prompt_tokens, e.n_ctx)
+        except PromptTooLong:       # a prompt the worker made (prepare): nothing ran,
+            raise                   # the cache is as it was (to_http_error answers it)
         except BaseException:
             # the worker's cache is unknown now (reset, or a new worker)
             session.cached = []
