@@ -519,24 +519,29 @@ class Served:
             problem = normal_completion(self.srv, timeout=WARMUP_TIMEOUT)
             assert problem is None, "a fresh server: %s; its output:\n%s" \
                 % (problem, "".join(self.srv.output[-8:]))
-            # and one grammar: libllama's first grammar sampling over a 262k
+            # and grammars: libllama's first grammar sampling over a 262k
             # vocabulary raises the worker's RSS by about 165 MB once (the
-            # decoded pieces of every candidate), whatever the grammar; that
-            # is a fixed cost of the model, not growth from hostile input
-            # (on every session at once: each request's thread may allocate in
-            # an arena of its own)
+            # decoded pieces of every candidate), and the first grammar that
+            # lets most candidates through (a JSON string) by 114 MB more
+            # (measured: a later one, of any maxLength, adds 2 MB); those are
+            # fixed costs of the model, not growth from hostile input (on
+            # every session at once: each request's thread may allocate in an
+            # arena of its own)
             statuses = []
 
             def warm():
                 statuses.append(self.srv.post("/completion", {
                     "prompt": "warm", "n_predict": 2, "temperature": 0,
                     "grammar": 'root ::= [a-z]+'}, timeout=WARMUP_TIMEOUT)[0])
+                statuses.append(self.srv.post("/completion", {
+                    "prompt": "warm", "n_predict": 2, "temperature": 0,
+                    "json_schema": {"type": "string"}}, timeout=WARMUP_TIMEOUT)[0])
             warmers = [threading.Thread(target=warm) for _ in range(self.parallel)]
             for t in warmers:
                 t.start()
             for t in warmers:
                 t.join()
-            assert statuses == [200] * self.parallel, "grammar warm-up: %s" % statuses
+            assert statuses == [200] * 2 * self.parallel, "grammar warm-up: %s" % statuses
             # and one embedding: the worker's embedding context is made on the
             # first (about 200 MB on gemma-3, the logits of a batch), once
             status = self.srv.post("/v1/embeddings", {"input": "warm"},
