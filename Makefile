@@ -13,6 +13,8 @@ MODELS   := models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf \
             models/gemma-3-270m-q4_k_m.gguf
 HOST     ?= 127.0.0.1
 PORT     ?= 8080
+# 0: lib/ built for this CPU; 1: portable, as the offline bundle's (ggml loads
+# the best of its CPU variants at start-up; prompts 5-7% slower here)
 PORTABLE ?= 0
 # 1: ggml with its RPC backend and ggml-rpc-server (--rpc); 0: without
 RPC      ?= 1
@@ -80,16 +82,16 @@ test: lib/libllama.so $(MODELS) $(VENV)/.ready $(VENV)/.conformance-ready
 	@r=0; $(PYTEST) $(XDIST) -m "not serial" $(PYTEST_ARGS) tests || r=1; \
 	$(PYTEST) -m serial $(PYTEST_ARGS) tests; s=$$?; [ $$s -eq 0 -o $$s -eq 5 ] || r=1; exit $$r
 
-# The suite less the tests marked slow (a portable libllama build, minute-long
-# fault and debugger runs): a few minutes once the cache is warm.
+# The suite less the tests marked slow (the bundle, minute-long fault, RPC and
+# debugger runs): a few minutes once the cache is warm.
 test-fast: lib/libllama.so $(MODELS) $(VENV)/.ready
 	@r=0; $(PYTEST) $(XDIST) -m "not slow and not serial" $(PYTEST_ARGS) tests \
 	|| r=1; $(PYTEST) -m "serial and not slow" $(PYTEST_ARGS) tests; s=$$?; \
 	[ $$s -eq 0 -o $$s -eq 5 ] || r=1; exit $$r
 
 # Air-gapped tarball dist/offgrid-<version>-linux-<arch>.tar.gz: offgrid, a
-# portable libllama (built apart from lib/), licenses, README; serves with only
-# python3.  `MODEL=path make bundle` puts that model in too.
+# portable libllama (built apart from lib/), ggml-rpc-server, licenses, README;
+# serves with only python3.  `MODEL=path make bundle` puts that model in too.
 bundle:
 	@PYTHON=$(PYTHON) bash scripts/bundle.sh $(if $(filter file,$(origin MODEL)),,$(MODEL))
 

@@ -13,11 +13,19 @@
 # benchmark compares the servers, not where each process's heap happened to
 # put a buffer (see the first patch).
 #
+# lib/ gets a build for this CPU (-march=native).  PORTABLE=1 builds the
+# offline bundle's instead: ggml's CPU backend compiled for the x86 feature
+# levels in CPU_VARIANTS, the best one for the CPU loaded at start-up
+# (scripts/patches/0002); CPU_VARIANTS=all builds ggml's whole list (14, some
+# 16 minutes on 2 cores).  Measured here, the portable build evaluates
+# prompts 5-7% slower than the native one, so it is not used for lib/
+# (README, "Offline install").
+#
 # ggml is built with its RPC backend (ggml-rpc.h), which offgrid's --rpc uses,
 # and llama.cpp's ggml-rpc-server with it (README, "Several machines"); RPC=0
 # leaves both out.
 #
-# usage: scripts/build_lib.sh [DEST]        (PORTABLE=1 for run-time CPU variants)
+# usage: scripts/build_lib.sh [DEST]
 #        scripts/build_lib.sh --rpc-server [DEST]
 #                                            the same, and ggml-rpc-server beside
 #                                            the libraries it loads
@@ -44,7 +52,21 @@ CACHE=${OFFGRID_CACHE:-$HOME/.cache/offgrid}
 DEST=${1:-lib}
 PORTABLE=${PORTABLE:-0}
 RPC=${RPC:-1}
-FLAVOUR=$([ "$PORTABLE" = 1 ] && echo portable || echo native)$([ "$RPC" = 1 ] && echo -rpc || true)
+# Which of ggml's variants (ggml/src/CMakeLists.txt) a portable build compiles:
+# the baseline x86-64 and SSE4.2 (any x86-64 machine runs one), AVX without
+# AVX2 (2011-2013), AVX2 (from 2013; this machine), AVX-VNNI without AVX-512
+# (Intel laptops since 2021), AVX-512 and AVX-512 with VNNI/VBMI (servers, Zen 4).
+# Left out, each served by the next one down: ivybridge, piledriver,
+# cannonlake, cascadelake, cooperlake, zen4, sapphirerapids.
+CPU_VARIANTS=${CPU_VARIANTS:-x64 sse42 sandybridge haswell alderlake skylakex icelake}
+if [ "$PORTABLE" != 1 ]; then
+    FLAVOUR=native
+elif [ "$CPU_VARIANTS" = all ]; then
+    FLAVOUR=portable
+else
+    FLAVOUR=portable-$(echo "$CPU_VARIANTS" | sha256sum | cut -c1-6)
+fi
+FLAVOUR=$FLAVOUR$([ "$RPC" = 1 ] && echo -rpc || true)
 
 SDIST_DIR=$CACHE/llama-cpp-python-$PKG_VERSION-$SHORT
 SDIST=$SDIST_DIR/llama_cpp_python-$PKG_VERSION.tar.gz
@@ -106,9 +128,22 @@ build() {
         log "cached build: $INSTALLED"
         return
     fi
+    # one build of a flavour at a time (`make lib` beside the bundle's or an
+    # RPC test's): the second waits, then finds it done
+    mkdir -p "$CACHE"
+    if command -v flock >/dev/null; then
+        exec 9>"$BUILD.lock"
+        flock 9
+        if [ -f "$INSTALLED/.done" ]; then
+            log "cached build: $INSTALLED"
+            return
+        fi
+    fi
     local cpu_flags
     if [ "$PORTABLE" = 1 ]; then
         cpu_flags="-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON"
+        # scripts/patches/0002: only these are compiled
+        [ "$CPU_VARIANTS" = all ] || cpu_flags="$cpu_flags -DGGML_CPU_VARIANTS=${CPU_VARIANTS// /;}"
     else
         cpu_flags="-DGGML_NATIVE=ON"
     fi
@@ -131,8 +166,8 @@ build() {
         -DCMAKE_INSTALL_RPATH='$ORIGIN' -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON \
         $cpu_flags >"$BUILD.configure.log" 2>&1 \
       || { tail -30 "$BUILD.configure.log"; exit 1; }
-    # the llama target pulls in ggml and, with PORTABLE=1, every CPU variant
-    log "building (a few minutes on 2 cores; 15 or more with PORTABLE=1)"
+    # the llama target pulls in ggml and, in a portable build, its CPU variants
+    log "building (about 4 minutes on 2 cores; 8 with PORTABLE=1, 16 with CPU_VARIANTS=all)"
     cmake --build "$BUILD/cmake" --target "${targets[@]}" -j "$(nproc)" >"$BUILD.build.log" 2>&1 \
       || { tail -30 "$BUILD.build.log"; exit 1; }
     rm -rf "$INSTALLED"; mkdir -p "$INSTALLED"

@@ -7,10 +7,8 @@
 #   offgrid/        the package, as in this checkout
 #   lib/            a portable libllama (`make lib PORTABLE=1`): no -march=native;
 #                   ggml loads the best libggml-cpu-<variant>.so for the CPU at run time;
-#                   with BUNDLE_RPC=1 also ggml's RPC backend and llama.cpp's
-#                   ggml-rpc-server, for the other machines of --rpc (off by default:
-#                   a portable build takes some 16 minutes on 2 cores, and one
-#                   without RPC is already in most caches)
+#                   with ggml's RPC backend and llama.cpp's ggml-rpc-server, for the
+#                   other machines of --rpc (RPC=0: without them)
 #   __main__.py     so that `python3 -I <folder>` runs offgrid in isolated mode
 #   LICENSES/       the notices of what the libraries are built from
 #   README.txt      how to run it, and the oldest glibc and libstdc++ it runs on,
@@ -22,8 +20,9 @@
 # On the target:  tar xf offgrid-*.tar.gz && cd offgrid-* && python3 -m offgrid -m MODEL.gguf
 #
 # The portable build is cached in ~/.cache/offgrid beside the native one; the
-# first one takes about 16 minutes on 2 cores (14 CPU variants).  The
-# checkout's lib/ (the native build the tests use) is not touched.
+# first one takes about 8 minutes on 2 cores (7 CPU variants, CPU_VARIANTS in
+# scripts/build_lib.sh).  The checkout's lib/ (the native build the tests use)
+# is not touched.
 #
 # usage: scripts/bundle.sh [MODEL]       DIST=folder for the output (default dist)
 #                                        PYTHON=python that builds the wheel (python3)
@@ -54,20 +53,13 @@ STAGE=$WORK/$NAME
 mkdir -p "$STAGE" "$DIST" "$CACHE"
 
 # --- the portable libraries ---------------------------------------------------
-# One portable build at a time per cache: two would share its cmake folder.
-BUNDLE_RPC=${BUNDLE_RPC:-0}
-LIB_MODE=$([ "$BUNDLE_RPC" = 1 ] && echo --rpc-server || true)
-if command -v flock >/dev/null; then
-    # shellcheck disable=SC2086
-    flock "$CACHE/.portable.lock" env PORTABLE=1 RPC="$BUNDLE_RPC" \
-        bash scripts/build_lib.sh $LIB_MODE "$STAGE/lib"
-else
-    # shellcheck disable=SC2086
-    PORTABLE=1 RPC="$BUNDLE_RPC" bash scripts/build_lib.sh $LIB_MODE "$STAGE/lib"
-fi
+RPC=${RPC:-1}
+LIB_MODE=$([ "$RPC" = 1 ] && echo --rpc-server || true)
+# shellcheck disable=SC2086
+PORTABLE=1 RPC="$RPC" bash scripts/build_lib.sh $LIB_MODE "$STAGE/lib"
 SRC=$(readlink -f "$CACHE/llama.cpp")   # build_lib.sh links the pinned source here
 RPC_NOTE=""
-if [ "$BUNDLE_RPC" = 1 ]; then
+if [ "$RPC" = 1 ]; then
     RPC_NOTE=",
               and ggml-rpc-server: run it on another machine with this folder to lend
               that machine's memory and cores to a model (--rpc; offgrid's README,

@@ -11,7 +11,7 @@ folder off sys.path.  Isolated mode runs the bundle folder itself instead,
 ``python3 -I <folder>``, through the ``__main__.py`` the bundle step writes.
 
 The portable libllama is cached under ~/.cache/offgrid.  When it is not,
-`make bundle` builds it first: about 16 minutes on 2 cores (14 CPU variants).
+`make bundle` builds it first: about 8 minutes on 2 cores (7 CPU variants).
 """
 
 import filecmp
@@ -54,7 +54,7 @@ def find_pythons():
     return [(v, found[v]) for v in sorted(set(ends))]
 
 
-# minutes: a whole `make bundle`, and 16 more to build the portable libllama when
+# minutes: a whole `make bundle`, and 8 more to build the portable libllama when
 # it is not cached
 pytestmark = pytest.mark.slow
 
@@ -148,8 +148,23 @@ def test_bundle_holds_package_portable_libraries_licenses_and_model(unpacked, pl
     variants = sorted(p.name for p in (unpacked / "lib").glob("libggml-cpu-*.so"))
     assert len(variants) >= 2, variants
     assert not (unpacked / "lib" / "libggml-cpu.so").exists(), "a CPU backend fixed at build time"
+    assert os.access(str(unpacked / "lib" / "ggml-rpc-server"), os.X_OK), "no rpc-server for --rpc"
     assert "MIT License" in (unpacked / "LICENSES" / "llama.cpp-LICENSE.txt").read_text()
     assert filecmp.cmp(str(unpacked / plain_model_path.name), str(plain_model_path), shallow=False)
+
+
+def test_bundle_holds_the_cpu_variants_the_build_names(unpacked):
+    # scripts/patches/0002: a portable build compiles CPU_VARIANTS, no more
+    # (unless the environment asks for others)
+    if "CPU_VARIANTS" in os.environ:
+        named = os.environ["CPU_VARIANTS"].split()
+    else:
+        script = (ROOT / "scripts" / "build_lib.sh").read_text()
+        named = re.search(r"^CPU_VARIANTS=\$\{CPU_VARIANTS:-([^}]*)\}", script, re.M).group(1).split()
+    if named != ["all"]:
+        built = sorted(p.name[len("libggml-cpu-"):-len(".so")]
+                       for p in (unpacked / "lib").glob("libggml-cpu-*.so"))
+        assert built == sorted(named)
 
 
 def test_readme_states_a_glibc_floor_this_machine_meets(unpacked):
