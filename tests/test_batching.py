@@ -81,6 +81,7 @@ def _same_or_near_tie(model, alone, batched, tokens):
 
 
 @pytest.mark.parametrize("name", ["smollm", "gemma"])
+@pytest.mark.slow
 def test_greedy_output_in_a_batch_is_the_output_alone(request, name):
     # gemma-3 has sliding-window attention: its sessions pin their cells (SEQ_PIN)
     model = request.getfixturevalue(name)
@@ -118,6 +119,7 @@ def test_a_session_after_another_keeps_its_cache_apart(smollm):
         _close(decoder, [a, b])
 
 
+@pytest.mark.slow
 def test_a_cancel_mid_prompt_leaves_the_others_outputs_unchanged(smollm):
     long = smollm.tokenize("Numbers: " + ", ".join(str(i) for i in range(300)),
                            add_special=True)
@@ -150,6 +152,7 @@ def test_a_cancel_mid_prompt_leaves_the_others_outputs_unchanged(smollm):
         _close(decoder, sessions)
 
 
+@pytest.mark.slow
 def test_generation_goes_on_while_another_session_evaluates_a_long_prompt(smollm):
     # the long prompt is decoded in shares beside the generating session's tokens
     # (891 tokens: about 9 s alone on one thread here, dozens of steps' shares)
@@ -185,6 +188,7 @@ def test_generation_goes_on_while_another_session_evaluates_a_long_prompt(smollm
         _close(decoder, [gen, big])
 
 
+@pytest.mark.slow
 def test_sessions_that_speculate_share_steps_and_keep_plain_output(smollm):
     # drafts (1 + k tokens, every logit kept) of two sessions in one batch
     block = "def add_%d(a, b):\n    return a + b\n\n"
@@ -270,6 +274,7 @@ def _cut_stream(srv, prompt, chunks):
             got += data
 
 
+@pytest.mark.slow
 def test_fifty_clients_cutting_streams_leave_every_session_free(smollm_path):
     with ServerProcess(smollm_path, "-np", "4", threads=1) as srv:
         def greedy(p):

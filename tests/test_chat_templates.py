@@ -92,6 +92,7 @@ except ImportError:
     from serverproc import ServerProcess
 
 
+@pytest.mark.slow
 def test_chat_template_flag_takes_a_file_a_name_or_chatml(gemma_path, templates_dir, tmp_path):
     msgs = {"messages": [{"role": "system", "content": "Be brief."},
                          {"role": "user", "content": "hi"}]}

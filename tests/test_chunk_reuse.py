@@ -175,6 +175,7 @@ def test_the_decode_that_rotates_moved_keys_is_never_aborted(session, fim_model)
     assert positions(session) == (0, len(second) - 1)
 
 
+@pytest.mark.slow
 def test_a_windowed_cache_keeps_the_whole_prompt_through_an_editing_session(gemma):
     # gemma-3 attends over a 512-token window in 5 of its 6 layers, and
     # libllama's windowed cache recycles cells a window behind a sequence's

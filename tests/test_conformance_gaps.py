@@ -286,6 +286,7 @@ def test_a_comma_list_of_hosts_listens_on_each(smollm_path):
 # -- --context-shift ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("shift", [False, True])
+@pytest.mark.slow
 def test_context_shift_lets_a_reply_run_past_a_full_context(smollm_path, shift):
     flags = ["--context-shift"] if shift else []
     with ServerProcess(smollm_path, *flags, threads=1, ctx=256) as s:

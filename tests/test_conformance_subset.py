@@ -16,6 +16,8 @@ import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "conformance"))
 import run as conformance   # noqa: E402
@@ -29,6 +31,7 @@ def passing_tests():
     return [line for line in lines if line]
 
 
+@pytest.mark.slow
 def test_the_conformance_tests_offgrid_passed_still_pass():
     tests = passing_tests()
     assert tests, "%s lists no test" % PASSING

@@ -246,6 +246,7 @@ def worker_cpu_seconds(srv):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+@pytest.mark.slow
 def test_a_client_that_hangs_up_stops_its_embedding_request(srv):
     # 2000 inputs, about 30000 tokens: minutes of work, sent as worker calls
     # of a few hundred tokens; the hang-up stops it after the call running
@@ -271,6 +272,7 @@ def test_a_client_that_hangs_up_stops_its_embedding_request(srv):
     assert len(vec) == DIMS
 
 
+@pytest.mark.slow
 def test_errors_name_the_input_by_its_index_in_the_request(srv):
     many = ["x" * 100] * 30 + [""]
     status, _, r = srv.post("/v1/embeddings", {"input": many})
@@ -444,6 +446,7 @@ def fox(smollm):
 
 
 @pytest.mark.parametrize("pooling", ["mean", "last", "cls"])
+@pytest.mark.slow
 def test_a_long_input_in_chunks_equals_it_in_one_batch(smollm, fox, pooling):
     assert len(fox) > 300
     small = Embedder(smollm, pooling, n_ctx=512, n_batch=64, n_threads=1)
@@ -459,6 +462,7 @@ def test_a_long_input_in_chunks_equals_it_in_one_batch(smollm, fox, pooling):
     assert cosine(a, b) > 0.999, cosine(a, b)
 
 
+@pytest.mark.slow
 def test_batches_equal_inputs_alone(smollm):
     lists = [smollm.tokenize(t, add_special=True) for t in (CAT, STOCKS, "hello")]
     e = Embedder(smollm, "mean", n_ctx=512, n_batch=256, n_threads=1)

@@ -107,6 +107,7 @@ def test_a_repeated_prompt_comes_from_the_cache_but_its_last_token(gemma, new_se
     assert again.text == first.text
 
 
+@pytest.mark.slow
 def test_a_prompt_extending_the_last_one_reuses_all_of_it(gemma, new_session):
     # Longer than gemma-3's 512-token attention window, which most layers use:
     # the session keeps the whole cache (swa_full) so that it can be cut.
@@ -129,6 +130,7 @@ def test_a_prompt_extending_the_last_one_reuses_all_of_it(gemma, new_session):
     assert result.text == fresh.complete(extended, greedy(12)).text
 
 
+@pytest.mark.slow
 def test_without_swa_full_long_prompts_still_run(gemma, new_session):
     # The windowed cache then holds about three windows, so libllama must
     # recycle its cells: the prompt must not be pinned there (SEQ_PIN), or a

@@ -250,6 +250,7 @@ def wait_for(srv, busy, queued, timeout=30):
     raise AssertionError("never reached %d busy, %d queued" % (busy, queued))
 
 
+@pytest.mark.slow
 def test_sigterm_under_load_answers_the_queue_503_lets_running_ones_end_and_exits_0(
         gemma_path):
     # gemma-3-270m here: its 4000 tokens take far longer than the grace period on

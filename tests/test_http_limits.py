@@ -132,6 +132,7 @@ def test_chunked_alone_is_still_read(srv):
 
 # -- connection slots -----------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_600_silent_connections_lock_out_neither_health_nor_completions(srv):
     pid = srv.proc.pid
     silent = [connect_from(srv.port) for _ in range(N_SILENT)]

@@ -236,6 +236,7 @@ def test_killing_an_rpc_server_mid_stream_fails_that_request_and_the_model_comes
         assert split.metrics()['offgrid_worker_deaths_total{model="%s"}' % SMOL.name] >= 1
 
 
+@pytest.mark.slow
 def test_an_rpc_endpoint_that_never_answers_the_handshake_is_an_error_naming_it(rpc_lib):
     # what an rpc-server busy with another client looks like: the connection is
     # taken (the listen backlog) and nothing comes back

@@ -182,6 +182,7 @@ def test_streaming_client_that_disconnects_frees_the_session(one):
     assert one.post("/completion", {"prompt": "Hi", "n_predict": 3})[2]["tokens_predicted"] == 3
 
 
+@pytest.mark.slow
 def test_client_that_disconnects_during_the_prompt_frees_the_session(one):
     prompt = long_prompt(1000)      # about 2900 tokens
     n_tokens = len(one.post("/tokenize", {"content": prompt})[2]["tokens"])

@@ -269,6 +269,7 @@ def test_models_max_evicts_the_least_recently_used_idle_model_never_the_pinned_o
     assert sorted(loaded) == sorted([qwen, "gemma-3-270m-q4_k_m"])
 
 
+@pytest.mark.slow
 def test_a_model_with_a_running_stream_is_never_evicted(srv):
     qwen = next(k for k, v in srv.models().items() if v["pinned"])
     c = srv.conn()

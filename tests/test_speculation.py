@@ -138,6 +138,7 @@ def sessions(qwen):
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+@pytest.mark.slow
 def test_greedy_speculation_is_plain_decoding(qwen, sessions, path):
     import math
     plain, spec = sessions
@@ -160,6 +161,7 @@ def test_greedy_speculation_is_plain_decoding(qwen, sessions, path):
     assert margin < NEAR_TIE, (path.name, i, margin)
 
 
+@pytest.mark.slow
 def test_drafts_come_true_on_repeating_code(qwen, sessions):
     """A file that repeats itself: most drafts are right, and the output is the same."""
     plain, spec = sessions
@@ -172,6 +174,7 @@ def test_drafts_come_true_on_repeating_code(qwen, sessions):
     assert b.usage.draft_accepted > 0.6 * b.usage.draft_tokens > 0, b.usage
 
 
+@pytest.mark.slow
 def test_speculation_stops_when_drafts_do_not_pay(qwen, monkeypatch):
     """After draft_probation drafted tokens below the draft_keep rate, no more drafts.
 
@@ -195,6 +198,7 @@ def test_speculation_stops_when_drafts_do_not_pay(qwen, monkeypatch):
         s.close()
 
 
+@pytest.mark.slow
 def test_server_reports_drafts_in_timings(qwen_path):
     try:
         from .serverproc import ServerProcess
@@ -217,6 +221,7 @@ def test_server_reports_drafts_in_timings(qwen_path):
         assert out["content"] == spec_text
 
 
+@pytest.mark.slow
 def test_spec_type_auto_drafts_for_completions_and_not_for_chat(qwen_path):
     try:
         from .serverproc import ServerProcess

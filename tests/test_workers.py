@@ -120,6 +120,7 @@ def srv(gemma_path, fim_model_path):
 
 @pytest.mark.parametrize("sig", [signal.SIGABRT, signal.SIGSEGV, signal.SIGKILL],
                          ids=["SIGABRT", "SIGSEGV", "SIGKILL"])
+@pytest.mark.slow
 def test_a_worker_killed_mid_stream_fails_its_request_and_only_its_request(
         srv, gemma_path, fim_model_path, sig):
     gemma_id = os.path.basename(str(gemma_path))
@@ -156,6 +157,7 @@ def test_a_worker_killed_mid_stream_fails_its_request_and_only_its_request(
     assert len(children(srv.proc.pid)) == 2, "one worker per model, no more"
 
 
+@pytest.mark.slow
 def test_a_worker_killed_in_a_long_prompt_answers_500_and_the_next_request_succeeds(
         srv, gemma_path):
     gemma_id = os.path.basename(str(gemma_path))
@@ -187,6 +189,7 @@ def test_a_worker_killed_in_a_long_prompt_answers_500_and_the_next_request_succe
     assert deaths(srv, gemma_id) == before + 1
 
 
+@pytest.mark.slow
 def test_health_and_slots_show_a_restarting_model_as_loading(srv, gemma_path):
     victim = worker_of(srv, gemma_path)
     os.kill(victim, signal.SIGKILL)
