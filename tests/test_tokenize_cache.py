@@ -1,0 +1,72 @@
+"""Model.tokenize keeps the tokens of recent long texts (an editor's prefix and
+suffix come again with every keystroke); a kept answer is libllama's own."""
+
+import pytest
+
+from offgrid.engine import model as model_mod
+from offgrid.engine.model import Model
+
+
+class Counting:
+    """The model's handle, counting tokenize calls that reach libllama."""
+
+    def __init__(self, handle):
+        self._handle = handle
+        self.calls = 0
+
+    def tokenize(self, *args):
+        self.calls += 1
+        return self._handle.tokenize(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._handle, name)
+
+
+@pytest.fixture()
+def qwen(lib, qwen_path):
+    m = Model.load(str(qwen_path), progress=False, vocab_only=True)
+    m._handle = Counting(m._handle)
+    try:
+        yield m
+    finally:
+        m._handle = m._handle._handle
+        m.close()
+
+
+def prefix(n):
+    return "".join("    total_%d = add(total_%d, %d)  # line %d\n" % (i, i - 1, i, i)
+                   for i in range(n))
+
+
+def test_a_long_text_again_is_not_tokenized_again_and_is_the_same(qwen):
+    text = prefix(40)
+    first = qwen.tokenize(text, add_special=False)
+    calls = qwen._handle.calls
+    second = qwen.tokenize(text, add_special=False)
+    assert second == first
+    assert qwen._handle.calls == calls, "the same long text went to libllama again"
+    second.append(-1)           # a caller's list is its own
+    assert qwen.tokenize(text, add_special=False) == first
+
+
+def test_the_flags_are_part_of_what_is_kept(qwen):
+    text = "<|fim_prefix|>" + prefix(40)
+    plain = qwen.tokenize(text, add_special=False, parse_special=False)
+    special = qwen.tokenize(text, add_special=False, parse_special=True)
+    assert special != plain and special[1:] == plain[len(plain) - len(special) + 1:]
+    assert qwen.tokenize(text, add_special=False, parse_special=True) == special
+
+
+def test_short_texts_are_not_kept_and_the_oldest_long_one_goes_first(qwen):
+    qwen.tokenize("def add(a, b):", add_special=False)
+    calls = qwen._handle.calls
+    qwen.tokenize("def add(a, b):", add_special=False)
+    assert qwen._handle.calls == calls + 1
+    texts = [prefix(40) + "# %d\n" % i for i in range(model_mod.TOKENIZED_KEPT + 1)]
+    for t in texts:
+        qwen.tokenize(t, add_special=False)
+    calls = qwen._handle.calls
+    qwen.tokenize(texts[-1], add_special=False)
+    assert qwen._handle.calls == calls
+    qwen.tokenize(texts[0], add_special=False)
+    assert qwen._handle.calls == calls + 1, "the least recently used text was still kept"
