@@ -15,6 +15,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 
 from . import __version__
 from .errors import ModelLoadError, OffgridError
@@ -494,22 +495,13 @@ def main(argv=None):
                 entry.pinned or (entry.preset or {}).get("load_on_startup")):
             shelf.load(entry, wait=False)
 
-    stop = threading.Event()
-
-    def on_signal(signum, _frame):
-        stop.set()
-        # a second Ctrl-C (or SIGTERM) ends the process at once, grace or not
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    stop = StopSignals()
+    stop.install()
     host, port = httpd.server_address[:2]
     print("listening on http://%s:%d" % (host if ":" not in host else "[%s]" % host, port),
           flush=True)
 
-    while not stop.wait(0.5):
-        pass
+    stop.wait()
     print("offgrid: shutting down", file=sys.stderr, flush=True)
     # Stop accepting first; requests on kept-alive connections still reach
     # the service and get 503 from here on, while running ones finish.
@@ -524,6 +516,35 @@ def main(argv=None):
     service.close()
     os.unlink(decode_lock)
     return 0
+
+
+class StopSignals:
+    """SIGINT and SIGTERM as a flag the main thread polls.
+
+    The handler takes no lock.  Python runs it in the main thread between two
+    bytecodes, which may be inside ``Event.wait`` with the event's own lock
+    held: an ``Event.set()`` here then waits for that lock forever.  That is
+    how a server once never noticed its SIGTERM (the test that stopped it
+    waited 60 s, then killed it).
+    """
+
+    def __init__(self):
+        self.received = []
+
+    def install(self):
+        signal.signal(signal.SIGINT, self.handler)
+        signal.signal(signal.SIGTERM, self.handler)
+
+    def handler(self, signum, _frame):
+        self.received.append(signum)
+        # a second Ctrl-C (or SIGTERM) ends the process at once, grace or not
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    def wait(self, poll=0.5):
+        """Return once a signal came (sleep is what a signal interrupts)."""
+        while not self.received:
+            time.sleep(poll)
 
 
 if __name__ == "__main__":
