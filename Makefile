@@ -14,7 +14,7 @@ MODELS   := models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf \
 HOST     ?= 127.0.0.1
 PORT     ?= 8080
 # 0: lib/ built for this CPU; 1: portable, as the offline bundle's (ggml loads
-# the best of its CPU variants at start-up; prompts 5-7% slower here)
+# the best of its CPU variants at start-up; prompts 4-9% slower here)
 PORTABLE ?= 0
 # 1: ggml with its RPC backend and ggml-rpc-server (--rpc); 0: without
 RPC      ?= 1

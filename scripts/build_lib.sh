@@ -18,7 +18,7 @@
 # levels in CPU_VARIANTS, the best one for the CPU loaded at start-up
 # (scripts/patches/0002); CPU_VARIANTS=all builds ggml's whole list (14, some
 # 16 minutes on 2 cores).  Measured here, the portable build evaluates
-# prompts 5-7% slower than the native one, so it is not used for lib/
+# prompts 4-9% slower than the native one, so it is not used for lib/
 # (README, "Offline install").
 #
 # ggml is built with its RPC backend (ggml-rpc.h), which offgrid's --rpc uses,
