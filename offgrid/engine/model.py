@@ -187,7 +187,7 @@ class Model:
                                          parse_special)
         # An editor sends the same long prefix and suffix with every keystroke
         # while the cursor stays on a line (what is typed goes in "prompt"):
-        # 256 lines took 11-22 ms to tokenize here, each time.  Kept whole, by
+        # 256 lines took about 20 ms to tokenize here, each time.  Kept whole, by
         # text, so a hit is exactly what libllama would give.
         key = (text, add_special, parse_special)
         with self._tokenized_lock:
