@@ -167,7 +167,7 @@ def pytest_terminal_summary(terminalreporter):
 
 # The files that take longest (a quiet run's durations, longest first; the
 # bundle's first, since on a machine without its cached portable libllama it
-# builds one for about 16 minutes while the other worker runs the rest).  Under
+# builds one for about 8 minutes while the other worker runs the rest).  Under
 # `make test`'s pytest workers a file runs whole on one worker, in collection
 # order: started last, a long file ran alone for minutes while the other
 # worker sat idle.  Only the order of files changes; no test depends on it.

@@ -12,8 +12,6 @@ fill what is left of the context, keeping their end.  ``spm_infill`` puts the
 suffix first (SPM order), for models trained that way.
 """
 
-import threading
-
 from ..errors import NotSupported
 from ..request import InfillRequest  # noqa: F401
 
@@ -82,26 +80,11 @@ def layout_infill(model, req, n_ctx, n_batch, n_predict=-1):
 
 def _chunk_tokens(model, filename, text):
     """An extra chunk's tokens, header included.  Editors send the same chunks
-    with every request (a ring of the last files seen), so they are kept."""
-    key = (model.path, filename, text)
-    with _CHUNKS_LOCK:
-        hit = _CHUNKS.get(key)
-    if hit is None:
-        if model.fim_sep is not None:
-            hit = [model.fim_sep] + model.tokenize(filename + "\n", add_special=False,
-                                                   parse_special=False)
-        else:
-            hit = model.tokenize(CHUNK_PREFIX, add_special=False, parse_special=False)
-        hit = tuple(hit + model.tokenize(text, add_special=False, parse_special=False))
-        with _CHUNKS_LOCK:
-            if len(_CHUNKS) >= _CHUNKS_MAX:
-                _CHUNKS.pop(next(iter(_CHUNKS)))        # the oldest
-            _CHUNKS[key] = hit
-    return list(hit)
-
-
-# chunk tokens by (model, filename, text): a ring of 16 (llama.vim's,
-# llama.vscode's default) a few times over
-_CHUNKS = {}
-_CHUNKS_MAX = 64
-_CHUNKS_LOCK = threading.Lock()     # prepare calls run on threads of their own
+    with every request (a ring of the last files seen), so the model keeps
+    their tokens whatever their length (Model.tokenize's ``keep``)."""
+    if model.fim_sep is not None:
+        head = [model.fim_sep] + model.tokenize(filename + "\n", add_special=False,
+                                                parse_special=False, keep=True)
+    else:
+        head = model.tokenize(CHUNK_PREFIX, add_special=False, parse_special=False, keep=True)
+    return head + model.tokenize(text, add_special=False, parse_special=False, keep=True)

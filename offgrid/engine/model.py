@@ -15,9 +15,10 @@ from ..errors import InvalidToken, ModelLoadError
 from . import rpc
 
 # Texts this long or longer have their tokens kept (Model.tokenize), the last
-# TOKENIZED_KEPT of them: a few editors' prefixes and suffixes, a few chats.
+# TOKENIZED_KEPT of them: a few editors' prefixes and suffixes and their rings
+# of extra chunks (16 in llama.vim and llama.vscode), a few chats.
 TOKENIZED_MIN_CHARS = 512
-TOKENIZED_KEPT = 32
+TOKENIZED_KEPT = 64
 
 
 def _terminal_progress(name):
@@ -175,14 +176,16 @@ class Model:
         return None not in (self.fim_pre, self.fim_suf, self.fim_mid)
 
     # -- tokens --------------------------------------------------------------
-    def tokenize(self, text, add_special=True, parse_special=False):
+    def tokenize(self, text, add_special=True, parse_special=False, keep=None):
         """Token ids of ``text``.
 
         ``add_special`` adds BOS (and EOS) where the model wants them;
         ``parse_special`` lets text such as ``<fim_prefix>`` become the special
         token rather than its letters, so only trusted prompt text should use it.
+        ``keep``: whether to keep the tokens for the same text's next time
+        (default: texts of TOKENIZED_MIN_CHARS or more).
         """
-        if len(text) < TOKENIZED_MIN_CHARS:
+        if not (keep if keep is not None else len(text) >= TOKENIZED_MIN_CHARS):
             return self._handle.tokenize(text.encode("utf-8", "surrogatepass"), add_special,
                                          parse_special)
         # An editor sends the same long prefix and suffix with every keystroke

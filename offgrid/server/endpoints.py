@@ -292,13 +292,14 @@ def completion(h, body):
     native_probs_from(f, gen, entry.n_vocab)
     schema, grammar = output_schema_from(f)
     jobs = []
+    # the worker makes a lone prompt as it starts: one round trip, not two
+    deferred = svc.deferred_prepare(entry, len(prompts) * _n_cmpl(f), f.bool("stream", False))
     for prompt in prompts:
         args = dict(parts=prompt.parts, add_special=True, schema=schema, grammar=grammar)
         text = prompt.parts[0] if prompt.is_text else ""
-        if svc.deferred_prepare(entry, len(prompts) * _n_cmpl(f), f.bool("stream", False)):
-            # the worker makes the prompt as it starts: one round trip, not two
+        if deferred:
             jobs.append((None, text, ("prepare_completion", args)))
-            break
+            continue
         out = entry.call("prepare_completion", "POST /completion", **args)
         gen.sampling.grammar = out["grammar"]
         jobs.append((out["tokens"], text, None))

@@ -23,7 +23,7 @@ from ..request import (Completion, FinishReason, PromptProgress, RequestCancel, 
                        Usage)
 from .. import protocol
 from ..errors import PromptTooLong
-from .errors import BadRequest, ContextExceeded, Unavailable
+from .errors import BadRequest, Unavailable
 from .metrics import Metrics
 from .pool import ChatPool, SessionSlot, Supersede
 from .shelf import Shelf
@@ -315,8 +315,9 @@ class Service:
             raise Unavailable("server is shutting down")
         self.shelf.use(entry, self._scope())     # held already when it came from entry_for
         if tokens is not None and len(tokens) >= entry.n_ctx:
-            # refuse before queueing: waiting for a session only to fail wastes the wait
-            raise ContextExceeded(len(tokens), entry.n_ctx)
+            # refuse before queueing: waiting for a session only to fail wastes the
+            # wait (the same error as the worker's for a prompt it made itself)
+            raise PromptTooLong(n_prompt_tokens=len(tokens), n_ctx=entry.n_ctx)
         cancel = cancel or RequestCancel()
         key = (entry.id, id_slot) if id_slot >= 0 else None
         with self._lock:
