@@ -57,16 +57,32 @@ def test_the_flags_are_part_of_what_is_kept(qwen):
     assert qwen.tokenize(text, add_special=False, parse_special=True) == special
 
 
-def test_short_texts_are_not_kept_and_the_oldest_long_one_goes_first(qwen):
-    qwen.tokenize("def add(a, b):", add_special=False)
-    calls = qwen._handle.calls
-    qwen.tokenize("def add(a, b):", add_special=False)
-    assert qwen._handle.calls == calls + 1
+def test_the_oldest_long_text_goes_first_and_short_ones_never_push_it_out(qwen):
     texts = [prefix(40) + "# %d\n" % i for i in range(model_mod.TOKENIZED_KEPT + 1)]
     for t in texts:
         qwen.tokenize(t, add_special=False)
+    # many short texts (an editor's typed line, once per keystroke) in between
+    for i in range(3 * model_mod.TOKENIZED_SHORT_KEPT):
+        qwen.tokenize("x = %d" % i, add_special=False)
     calls = qwen._handle.calls
     qwen.tokenize(texts[-1], add_special=False)
-    assert qwen._handle.calls == calls
+    qwen.tokenize(texts[1], add_special=False)
+    assert qwen._handle.calls == calls, "a short text pushed a long one out"
     qwen.tokenize(texts[0], add_special=False)
     assert qwen._handle.calls == calls + 1, "the least recently used text was still kept"
+
+
+def test_short_texts_are_kept_apart_the_last_few_of_them(qwen):
+    short = ["def add(a, b):", "def add(a, b):\n    return", "<|fim_prefix|>x"]
+    first = [qwen.tokenize(t, add_special=False, parse_special=True) for t in short]
+    calls = qwen._handle.calls
+    assert [qwen.tokenize(t, add_special=False, parse_special=True) for t in short] == first
+    assert qwen._handle.calls == calls, "a short text went to libllama again"
+    for i in range(model_mod.TOKENIZED_SHORT_KEPT):
+        qwen.tokenize("y = %d" % i, add_special=False)
+    calls = qwen._handle.calls
+    assert qwen.tokenize(short[0], add_special=False, parse_special=True) == first[0]
+    assert qwen._handle.calls == calls + 1, "more short texts were kept than the limit"
+    calls = qwen._handle.calls
+    qwen.tokenize(short[1], add_special=False, parse_special=True, keep=False)
+    assert qwen._handle.calls == calls + 1, "keep=False was kept"
