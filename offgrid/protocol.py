@@ -17,6 +17,12 @@ Front -> worker
         the same, the prompt made first by the call NAME (prepare_completion,
         prepare_infill), whose grammar and dropped parts go into gen: one
         round trip where the front needs no tokens to pick the session
+    A generate's result is {"completion": {...}, "n_cached": N, ...}: N tokens
+    are in the session's cache now.  With "want_cached" in the frame (a model
+    of several sessions: the front picks the warm one by them) it also has
+    "cached_prefix": K and "cached": [...], the tokens after the first K of
+    the frame's "tokens" (an editor's prompt of thousands of ids is not sent
+    back each keystroke).
     {"op": "cancel", "id": N, "reason": TEXT}
         stop request N; a running decode stops within one graph node
 Worker -> front
@@ -172,7 +178,7 @@ def decode_gen(d):
 def encode_completion(c):
     d = {"text": c.text, "tokens": c.tokens, "finish_reason": c.finish_reason.value,
          "stop_type": c.stop_type, "stopping_word": c.stopping_word,
-         "usage": dataclasses.asdict(c.usage), "truncated": c.truncated}
+         "usage": _fields_of(c.usage), "truncated": c.truncated}
     if c.probs is not None:
         d["probs"] = encode_probs(c.probs)
     return d

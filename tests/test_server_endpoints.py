@@ -95,6 +95,20 @@ def test_completion_returns_llama_server_fields(srv):
     assert body["truncated"] is False and body["stopping_word"] == ""
 
 
+def test_two_prompts_taking_turns_each_land_on_their_warm_session(srv):
+    # the front knows each session's cached tokens (the worker sends back
+    # only what follows the prompt) and gives a prompt the session that holds it
+    a = "def alpha(values):\n    total = 0\n    for v in values:\n        total += v\n"
+    b = "class Beta:\n    name = 'beta'\n    def greet(self):\n        return self.name\n"
+    # (b, b: a session handed out in turn would put the second b on the other one)
+    for i, prompt in enumerate([a, b, b, a, a, b]):
+        body = srv.post("/completion", {"prompt": prompt, "n_predict": 2, "temperature": 0})[2]
+        if i >= 2:
+            t = body["timings"]
+            assert t["cache_n"] == body["tokens_evaluated"] - 1, (i, t)
+            assert body["tokens_cached"] == body["tokens_evaluated"] + 1
+
+
 def test_completion_accepts_token_ids_and_mixed_prompts(srv):
     ids = srv.post("/tokenize", {"content": "x = 1"})[2]["tokens"]
     a = srv.post("/completion", {"prompt": ids, "n_predict": 4, "temperature": 0})[2]

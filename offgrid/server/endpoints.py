@@ -139,7 +139,7 @@ def slots(h, _body):
             continue        # not loaded: no sessions
         # live from the worker (a running request's cache grows); the front's
         # record from the last request while the worker is not there
-        n_cached = [len(s.cached) for s in e.pool.sessions]
+        n_cached = [s.n_cached for s in e.pool.sessions]
         if e.state == "ready":
             try:
                 n_cached = e.call("slots", "GET /slots")

@@ -449,9 +449,15 @@ class Handler(BaseHTTPRequestHandler):
             self.send_cors_headers()
             if self.close_connection:
                 self.send_header("Connection", "close")
-            self.end_headers()
-            if self.command != "HEAD":
+            if self.request_version == "HTTP/0.9":      # no head at all: GET only
                 self.wfile.write(body)
+                return
+            # the head and the body in one write: two would wake the client
+            # twice, once for the head, again for the body
+            self._headers_buffer.append(b"\r\n")
+            if self.command != "HEAD":
+                self._headers_buffer.append(body)
+            self.flush_headers()
         except OSError:
             self.close_connection = True
 

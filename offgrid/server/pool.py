@@ -29,7 +29,10 @@ class SessionSlot:
 
     def __init__(self, index):
         self.index = index
-        self.cached = []        # token ids in its KV cache (None: a hole left by a cancel)
+        # token ids in its KV cache (None: a hole left by a cancel); kept
+        # only in a pool of several sessions, where they pick the warm one
+        self.cached = []
+        self.n_cached = 0       # how many tokens its cache holds
 
     def common_prefix(self, tokens):
         """How many leading tokens of ``tokens`` the session has cached."""
@@ -63,10 +66,12 @@ class ChatPool:
         return session not in self._free
 
     # -- acquire / release ----------------------------------------------------
-    def acquire(self, tokens, cancel):
+    def acquire(self, tokens, cancel, on_wait=None):
         """Wait for a session; returns it, or None if ``cancel`` fired first.
 
-        Raises Unavailable once the pool is shutting down.
+        ``on_wait()`` is called once if no session is free at once (the
+        disconnect watcher starts looking then).  Raises Unavailable once
+        the pool is shutting down.
         """
         wake = self._notify
         cancel.attach(wake)     # outside the condition: see the lock order above
@@ -84,6 +89,9 @@ class ChatPool:
                             session = max(self._free, key=lambda s: s.common_prefix(tokens))
                             self._free.remove(session)
                             return session
+                        if on_wait is not None:
+                            on_wait()
+                            on_wait = None
                         self._cond.wait()
                 finally:
                     self._queue.remove(ticket)

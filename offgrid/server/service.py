@@ -3,6 +3,8 @@
     handler (http.py) --typed request--> Service.generate
         supersede.register(id_slot)          a newer request cancels this one
         watcher.watch(socket)                a closed connection cancels this one
+                                             (polled once the request waits or has
+                                             run WATCH_AFTER seconds)
         pool.acquire(prompt)                 wait for a session (FIFO, warm cache first)
         worker.generate(session, ...)        the model's worker process evaluates and
                                              generates, pieces to on_piece
@@ -28,6 +30,11 @@ from .metrics import Metrics
 from .pool import ChatPool, SessionSlot, Supersede
 from .shelf import Shelf
 from .shelf_files import parse_duration
+
+# Seconds a request runs before the disconnect watcher polls its socket
+# (sooner if it has to wait for a session): a hang-up is seen that much later
+# at most, and a request done sooner never wakes the watcher's thread.
+WATCH_AFTER = 0.05
 from .watcher import DisconnectWatcher
 
 
@@ -324,22 +331,24 @@ class Service:
             self._running.add(cancel)
         if key is not None:
             self.supersede.register(key, cancel, warmup=gen.n_predict == 0)
+        look = None
         if sock is not None:
-            self.watcher.watch(sock, cancel)
+            self.watcher.watch(sock, cancel, wake=False)
+            look = self.watcher.wake
         try:
             # this request's pool and worker: an unload (POST /models/unload) or a
             # reload must not hand its session back to another pool
             pool, worker = entry.pool, entry.worker
             if pool is None or worker is None:
                 raise Unavailable("model %s was unloaded" % entry.id)
-            session = pool.acquire(tokens or [], cancel)
+            session = pool.acquire(tokens or [], cancel, on_wait=look)
             if session is None:
                 c = Completion("", [], FinishReason.CANCELLED, "none", "",
                                Usage(prompt_tokens=len(tokens or [])))
             else:
                 try:
-                    c = self._run(worker, session, tokens, gen, on_piece, cancel, chat, what,
-                                  prepare)
+                    c = self._run(worker, pool, session, tokens, gen, on_piece, cancel, chat,
+                                  what, prepare, look)
                 finally:
                     pool.release(session)
             self.metrics.completion(c)
@@ -352,7 +361,8 @@ class Service:
             with self._lock:
                 self._running.discard(cancel)
 
-    def _run(self, worker, session, tokens, gen, on_piece, cancel, chat, what, prepare=None):
+    def _run(self, worker, pool, session, tokens, gen, on_piece, cancel, chat, what,
+             prepare=None, look=None):
         on_event = None
         if on_piece is not None:
             def on_event(frame):
@@ -362,20 +372,27 @@ class Service:
                 if "probs" in frame:    # only requests that asked for them get them
                     return on_piece(payload, protocol.decode_probs(frame["probs"]))
                 return on_piece(payload)
+        # the tokens themselves only pick among several sessions (pool.py)
+        want_cached = len(pool.sessions) > 1
         try:
             out = worker.generate(session.index, tokens, gen, cancel,
                                   stream=on_piece is not None, chat=chat,
-                                  on_event=on_event, what=what, prepare=prepare)
+                                  on_event=on_event, what=what, prepare=prepare,
+                                  want_cached=want_cached, on_slow=look,
+                                  slow_after=WATCH_AFTER)
         except PromptTooLong:       # a prompt the worker made (prepare): nothing ran,
             raise                   # the cache is as it was (to_http_error answers it)
         except BaseException:
             # the worker's cache is unknown now (reset, or a new worker)
-            session.cached = []
+            session.cached, session.n_cached = [], 0
             raise
-        session.cached = out["cached"]
+        if want_cached:
+            k = out["cached_prefix"]
+            session.cached = (list(tokens[:k]) if k else []) + out["cached"]
+        session.n_cached = out["n_cached"]
         c = protocol.decode_completion(out["completion"])
         c.reply = out.get("reply")
-        c.n_cached = len(out["cached"])
+        c.n_cached = out["n_cached"]
         return c
 
     @staticmethod

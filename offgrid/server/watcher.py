@@ -54,9 +54,23 @@ class DisconnectWatcher:
         self._thread = threading.Thread(target=self._run, name="disconnect-watcher", daemon=True)
         self._thread.start()
 
-    def watch(self, sock, cancel):
+    def watch(self, sock, cancel, wake=True):
+        """Cancel ``cancel`` when ``sock``'s peer hangs up.
+
+        ``wake=False`` leaves the thread as it is: the socket is polled from
+        its next look on, which ``wake()`` (or any other watch) brings.  A
+        request that may be over in a few milliseconds registers so and wakes
+        the thread only if it is not: the wake-up, a thread switch on the
+        request's path, was 0.1 ms of each quick request on 2 cores.
+        """
         with self._lock:
             self._watched[sock] = cancel
+            if wake:
+                self._wake()
+
+    def wake(self):
+        """Make the thread look again now, at every socket watched."""
+        with self._lock:
             self._wake()
 
     def unwatch(self, sock):

@@ -380,13 +380,16 @@ class WorkerClient:
             self._forget(rid)
 
     def generate(self, session, tokens, gen, cancel, stream=False, chat=None, on_event=None,
-                 what="", prepare=None):
+                 what="", prepare=None, want_cached=False, on_slow=None, slow_after=0.0):
         """Run a generation on ``session``; returns the worker's result dict.
 
         ``on_event(frame)`` gets each "piece" or "delta" frame; returning
         False cancels.  ``cancel`` reaches the worker as a cancel frame.
         ``prepare`` instead of ``tokens``: (method, args) of the call that
         makes the prompt, run by the worker first (protocol.py).
+        ``want_cached``: the result says which tokens the session's cache
+        holds, not only how many.  ``on_slow()`` is called once if the
+        request is still running ``slow_after`` seconds from now.
         """
         self.wait_ready(self.ready_timeout)
         rid, p = self._open(what or "generate")
@@ -398,11 +401,23 @@ class WorkerClient:
                      "gen": protocol.encode_gen(gen), "stream": stream, "chat": chat}
             if prepare is not None:
                 frame["prepare"] = {"method": prepare[0], "args": prepare[1]}
+            if want_cached:
+                frame["want_cached"] = True
             self._send(frame)
             cancel.attach(hook)
+            slow_at = time.monotonic() + slow_after
             try:
                 while True:
-                    frame = p.queue.get()
+                    if on_slow is not None and time.monotonic() >= slow_at:
+                        on_slow()
+                        on_slow = None
+                    if on_slow is None:
+                        frame = p.queue.get()
+                    else:
+                        try:
+                            frame = p.queue.get(timeout=max(0.0, slow_at - time.monotonic()))
+                        except queue.Empty:
+                            continue
                     if frame["op"] in ("piece", "delta"):
                         if on_event is not None and on_event(frame) is False:
                             cancel.cancel("client gone")
