@@ -12,6 +12,8 @@ A real server over loopback with the tiny plain model.  Other peers are other
 loopback addresses (all of 127.0.0.0/8 reaches the server on 127.0.0.1).
 """
 
+import http.client
+import io
 import json
 import resource
 import socket
@@ -20,6 +22,7 @@ import time
 
 import pytest
 
+from offgrid.server import reader
 from offgrid.server.http import make_server
 
 try:
@@ -252,3 +255,30 @@ def test_a_full_lobby_drops_its_oldest_so_a_newcomer_is_served():
             s.close()
         httpd.shutdown()
         httpd.server_close()
+
+
+@pytest.mark.parametrize("block", [
+    b"Host: 127.0.0.1:8080\r\nContent-Type: application/json\r\nContent-Length: 12\r\n\r\n",
+    b"host:x\r\nX-Empty:\r\nX-Spaces: \t padded value \t\r\nX-Colon: a:b: c\r\n\r\n",
+    b"Accept: a\r\naccept: b\r\nConnection: close\nX-Latin: caf\xe9\r\n\n",
+    b"\r\n",
+])
+def test_read_headers_gives_what_the_email_parser_gave(block):
+    # reader.read_headers stands in for http.client.parse_headers on lines
+    # RequestReader has checked: the same names, values and order
+    ours = reader.read_headers(io.BytesIO(block + b"body"))
+    theirs = http.client.parse_headers(io.BytesIO(block + b"body"))
+    assert ours.items() == theirs.items()
+    assert ours.get("content-length") == theirs.get("content-length")
+    assert ours.get_all("accept") == theirs.get_all("accept")
+
+
+def test_more_than_100_headers_or_a_65_kib_line_is_431(srv):
+    many = b"".join(b"X-H%d: v\r\n" % i for i in range(101))
+    for head in (many, b"X-Long: " + b"a" * 70000 + b"\r\n"):
+        s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+        try:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n")
+            assert s.recv(65536).startswith(b"HTTP/1.1 431"), head[:20]
+        finally:
+            s.close()

@@ -240,10 +240,67 @@ class Handler(BaseHTTPRequestHandler):
             reader.linger(self.connection, self.linger_seconds, self.linger_bytes)
 
     def parse_request(self):
+        """http.server's parse_request (CPython 3.13's checks), the headers read
+        by reader.read_headers rather than the email parser: keep in step."""
+        self.command = None
+        self.request_version = version = self.default_request_version
+        self.close_connection = True
+        self.requestline = str(self.raw_requestline, "iso-8859-1").rstrip("\r\n")
+        words = self.requestline.split()
+        if not words:
+            return False
+        if len(words) >= 3:
+            version = words[-1]
+            try:
+                if not version.startswith("HTTP/"):
+                    raise ValueError
+                number = version.split("/", 1)[1].split(".")
+                if (len(number) != 2 or not all(n.isdigit() for n in number)
+                        or any(len(n) > 10 for n in number)):
+                    raise ValueError
+                number = int(number[0]), int(number[1])
+            except (ValueError, IndexError):
+                self.send_error(400, "Bad request version (%r)" % version)
+                return False
+            if number >= (1, 1) and self.protocol_version >= "HTTP/1.1":
+                self.close_connection = False
+            if number >= (2, 0):
+                self.send_error(505, "Invalid HTTP version (%s)" % version.split("/", 1)[1])
+                return False
+            self.request_version = version
+        if not 2 <= len(words) <= 3:
+            self.send_error(400, "Bad request syntax (%r)" % self.requestline)
+            return False
+        command, path = words[:2]
+        if len(words) == 2:
+            self.close_connection = True
+            if command != "GET":
+                self.send_error(400, "Bad HTTP/0.9 request type (%r)" % command)
+                return False
+        self.command, self.path = command, path
+        if self.path.startswith("//"):
+            self.path = "/" + self.path.lstrip("/")     # gh-87389: no open redirects
         self.rfile.head_left = self.max_header_bytes     # the line is in; the headers follow
-        ok = super().parse_request()
-        self.rfile.head_left = None
-        return ok
+        try:
+            self.headers = reader.read_headers(self.rfile)
+        except reader.LineTooLong as err:
+            self.send_error(431, "Line too long", str(err))
+            return False
+        except reader.TooManyHeaders as err:
+            self.send_error(431, "Too many headers", str(err))
+            return False
+        finally:
+            self.rfile.head_left = None
+        conntype = self.headers.get("Connection", "").lower()
+        if conntype == "close":
+            self.close_connection = True
+        elif conntype == "keep-alive" and self.protocol_version >= "HTTP/1.1":
+            self.close_connection = False
+        if (self.headers.get("Expect", "").lower() == "100-continue"
+                and self.protocol_version >= "HTTP/1.1" and self.request_version >= "HTTP/1.1"):
+            if not self.handle_expect_100():
+                return False
+        return True
 
     # -- methods ----------------------------------------------------------------
     def do_GET(self):

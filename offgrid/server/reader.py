@@ -6,6 +6,7 @@ this is where what one client can hold is bounded:
     RequestReader       a connection's rfile: every read under the deadline of
                         its phase (waiting for a request, or reading one), header
                         bytes counted, and every header line checked (BadHeaders)
+    read_headers        the header lines, checked, as http.client's HTTPMessage
     framing             how a request's body is delimited, or 400 where that is
                         not certain (request smuggling: see below)
     read_body           a body by Content-Length or chunked, never past max_body;
@@ -30,6 +31,7 @@ http.server can raise (ReadTimeout, HeadersTooLarge, BadHeaders), which the
 Handler turns into 408, 431 and 400.
 """
 
+import http.client
 import io
 import json
 import re
@@ -51,6 +53,9 @@ _FIELD_LINE = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+:[\t\x20-\x7e\x80-\xff]*\
 _MAX_LENGTH_DIGITS = 18
 # trailer lines accepted after a chunked body
 _MAX_TRAILERS = 100
+# http.client's limits: bytes of a header line, header lines in a request
+_MAX_LINE = 65536
+_MAX_HEADERS = 100
 
 
 class ReadTimeout(Exception):
@@ -131,6 +136,38 @@ def _check_field_line(line, size):
     if b":" not in line or not name or name != name.strip():
         raise BadHeaders("malformed header line: a field name, then a colon at once")
     raise BadHeaders("a header has a control character (CR, NUL, ...) in its name or value")
+
+
+class TooManyHeaders(Exception):
+    """More header lines than _MAX_HEADERS."""
+
+
+class LineTooLong(Exception):
+    """A header line longer than _MAX_LINE."""
+
+
+def read_headers(rfile):
+    """A request's header lines, up to the blank line, as an HTTPMessage.
+
+    What http.client.parse_headers returns for them, without its email
+    parser, which was 0.05 ms of every request here (a twentieth of a quick
+    one): RequestReader has checked each line already, so a line is a
+    name, a colon at once and a value, and the value is what the email
+    parser keeps (compat32: spaces and tabs before it dropped, CR LF after).
+    """
+    msg = http.client.HTTPMessage()
+    n = 0
+    while True:
+        line = rfile.readline(_MAX_LINE + 1)
+        if len(line) > _MAX_LINE:
+            raise LineTooLong("header line")
+        if line in (b"\r\n", b"\n", b""):
+            return msg
+        n += 1
+        if n > _MAX_HEADERS:
+            raise TooManyHeaders("got more than %d headers" % _MAX_HEADERS)
+        name, _, value = line.decode("iso-8859-1").partition(":")
+        msg.set_raw(name, value.lstrip(" \t").rstrip("\r\n"))
 
 
 def unread_bytes(sock):
