@@ -391,6 +391,9 @@ class WorkerClient:
         holds, not only how many.  ``on_slow()`` is called once if the
         request is still running ``slow_after`` seconds from now.
         """
+        if on_slow is not None and self.state != "ready":
+            on_slow()           # a restart may take seconds: watch the client meanwhile
+            on_slow = None
         self.wait_ready(self.ready_timeout)
         rid, p = self._open(what or "generate")
 
