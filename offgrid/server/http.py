@@ -611,7 +611,12 @@ class Server(ThreadingHTTPServer):
     daemon_threads = True
     # Restarting the server right after a stop must not fail on TIME_WAIT.
     allow_reuse_address = True
-    request_queue_size = 128
+    # The listen backlog: connections the kernel completes before accept().
+    # A burst past it has its SYNs dropped, and those clients wait a second
+    # for the retransmit (seen: /health timing out while 600 connections
+    # opened at once against 128, ListenOverflows rising).  Linux caps it at
+    # net.core.somaxconn (4096 by default since 5.4).
+    request_queue_size = 1024
     # Connections with a handler thread at once; one more gets 503 and is
     # closed, so a flood of clients cannot run the process out of threads.
     max_connections = 512
