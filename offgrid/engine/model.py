@@ -99,8 +99,8 @@ class Model:
         self._eog_all = None
         self._lock = threading.Lock()
         self._grammar_facts = None
-        # Token ids of recent long texts (see tokenize)
-        self._tokenized = collections.OrderedDict()         # the long texts
+        # Token ids of recent texts, long and short apart (see tokenize)
+        self._tokenized = collections.OrderedDict()
         self._tokenized_short = collections.OrderedDict()
         self._tokenized_lock = threading.Lock()
 

@@ -30,12 +30,12 @@ from .metrics import Metrics
 from .pool import ChatPool, SessionSlot, Supersede
 from .shelf import Shelf
 from .shelf_files import parse_duration
+from .watcher import DisconnectWatcher
 
 # Seconds a request runs before the disconnect watcher polls its socket
 # (sooner if it has to wait for a session): a hang-up is seen that much later
 # at most, and a request done sooner never wakes the watcher's thread.
 WATCH_AFTER = 0.05
-from .watcher import DisconnectWatcher
 
 
 class _Scope:
@@ -388,7 +388,7 @@ class Service:
             raise
         if want_cached:
             k = out["cached_prefix"]
-            session.cached = (list(tokens[:k]) if k else []) + out["cached"]
+            session.cached = (tokens[:k] if k else []) + out["cached"]
         session.n_cached = out["n_cached"]
         c = protocol.decode_completion(out["completion"])
         c.reply = out.get("reply")

@@ -411,14 +411,16 @@ class WorkerClient:
             slow_at = time.monotonic() + slow_after
             try:
                 while True:
-                    if on_slow is not None and time.monotonic() >= slow_at:
-                        on_slow()
-                        on_slow = None
                     if on_slow is None:
                         frame = p.queue.get()
                     else:
+                        left = slow_at - time.monotonic()
+                        if left <= 0:
+                            on_slow()
+                            on_slow = None
+                            continue
                         try:
-                            frame = p.queue.get(timeout=max(0.0, slow_at - time.monotonic()))
+                            frame = p.queue.get(timeout=left)
                         except queue.Empty:
                             continue
                     if frame["op"] in ("piece", "delta"):
