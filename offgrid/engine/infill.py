@@ -44,6 +44,7 @@ def layout_infill(model, req, n_ctx, n_batch, n_predict=-1):
     extra, chunk_ends = [], []
     if model.fim_rep is not None:
         extra += [model.fim_rep] + tok("myproject\n")
+    first = len(extra)      # the repository's header belongs to no chunk
     for filename, text in req.input_extra:
         extra += _chunk_tokens(model, filename, text)
         chunk_ends.append(len(extra))
@@ -62,7 +63,7 @@ def layout_infill(model, req, n_ctx, n_batch, n_predict=-1):
     cut = len(extra) - n_extra_take
     tokens = extra[cut:] + head
     spans = {"chunks": [], "prefix": None, "prompt": None, "suffix": None}
-    start = 0
+    start = first
     for end in chunk_ends:
         spans["chunks"].append((max(0, start - cut), max(0, end - cut)))
         start = end

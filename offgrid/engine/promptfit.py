@@ -7,10 +7,14 @@ the user waits.  Here the worker estimates how long the prompt's uncached
 part will take, from the prompt speed its decodes have shown (PromptRate),
 and when that is over the budget drops, in this order, until it fits:
 
-1. ``input_extra`` chunks, oldest (first) first: only those that cost
-   something, since a chunk already in the cache is free to keep;
+1. ``input_extra`` chunks, oldest (first) first;
 2. prefix lines, farthest from the cursor first;
-3. suffix lines, farthest from the cursor first.
+3. suffix lines, farthest from the cursor first;
+
+each only where it costs something: a part already in the cache is free to
+keep, and dropping it would move what follows it out of the cache's reach.
+What was dropped comes back while the worker is idle (engine/fill.py), so
+an editor's prompt grows back to its whole context between keystrokes.
 
 The cursor's line (the last line of the prefix, the prompt, and the suffix
 up to its first newline) is never dropped.  A request with ``n_predict`` 0
@@ -163,6 +167,21 @@ def _by_line(tokens, span, lines, kind, token_bytes, before=0, after=0, keeps_en
     return [tuple(c) for c in cuts]
 
 
+def _split_at(runs, keep):
+    """``runs`` with the chunk that the cached prefix ends inside cut in two:
+    its cached head is kept (key None) and only its tail may go.  The idle
+    fill (engine/fill.py) gets a chunk into the cache a few tokens at a
+    time, and a request between two of its steps must not drop the part it
+    has done.  (A line, a few tokens, is not cut: at most it is done again.)"""
+    pos = 0
+    for i, (key, toks) in enumerate(runs):
+        a, b = pos, pos + len(toks)
+        if key is not None and key[0] == "c" and a < keep < b:
+            return runs[:i] + [(None, toks[:keep - a]), (key, toks[keep - a:])] + runs[i + 1:]
+        pos = b
+    return runs
+
+
 class _Costs:
     """What each run of a prompt costs under one cache plan: its tokens, its
     uncached tokens and the sum of their positions, so that the cost of
@@ -188,13 +207,14 @@ class _Costs:
             self.rows.append((key, b - a, n_unc, pos_sum))
         self.costly = {key for key, _, n_unc, _ in self.rows if n_unc and key is not None}
 
-    def order(self, keys):
-        """The runs to drop, in turn: chunks that cost something (one in the
-        cache is free to keep), oldest first; prefix lines from the farthest;
-        suffix lines from the farthest."""
+    def order(self):
+        """The runs to drop, in turn, of those that cost something (a run in
+        the cache is free to keep, and dropping it would move what follows
+        out of the cache's reach): chunks, oldest first; prefix lines from
+        the farthest; suffix lines from the farthest."""
         chunks = sorted(k for k in self.costly if k[0] == "c")
-        prefix = sorted(k for k in keys if k[0] == "p")
-        suffix = sorted((k for k in keys if k[0] == "s"), reverse=True)
+        prefix = sorted(k for k in self.costly if k[0] == "p")
+        suffix = sorted((k for k in self.costly if k[0] == "s"), reverse=True)
         return chunks + prefix + suffix
 
     def cost(self, rate, gone):
@@ -218,9 +238,6 @@ class _Costs:
                 hi = mid
             else:
                 lo = mid + 1
-        # lines that cost nothing at the end of the cut (in the cache) need not go
-        while lo > 0 and order[lo - 1] not in self.costly:
-            lo -= 1
         return lo
 
 
@@ -242,11 +259,11 @@ def fit(model, req, layout, plan_of, rate, budget_ms, rounds=3):
     if est <= limit:
         return tokens, None
     runs = _runs(req, tokens, spans, model.token_bytes)
-    keys = [key for key, _ in runs if key is not None]
     dropped = {"c": 0, "p": 0, "s": 0}
     for _ in range(rounds):
+        runs = _split_at(runs, plan.keep)
         costs = _Costs(runs, plan)
-        order = costs.order(keys)
+        order = costs.order()
         # aim a little under: a cut can move a run out of the cache plan's reach
         k = costs.fewest(order, rate, rate.cost_of(limit) * 0.95)
         if k == 0:
@@ -255,7 +272,6 @@ def fit(model, req, layout, plan_of, rate, budget_ms, rounds=3):
         for key in gone:
             dropped[key[0]] += 1
         runs = [(key, t) for key, t in runs if key not in gone]
-        keys = [key for key in keys if key not in gone]
         tokens = [t for _, toks in runs for t in toks]
         plan = plan_of(tokens)
         est = rate.gaps_ms(plan.gaps(len(tokens)))

@@ -265,12 +265,11 @@ class ChatSession:
         llama_memory_seq_pos_min.
         """
         gaps = plan.gaps(n_tokens)
-        if not gaps or plan.reused == 0:
-            return True         # nothing to evaluate, or nothing reused
         n_swa = self.model.n_swa
+        if not gaps or plan.reused == 0 or n_swa <= 0:
+            return True         # nothing to evaluate, nothing reused, or no window
         pos_min = self._mem.seq_pos_min(self._seq)
-        limit = max(0, gaps[0][0] - n_swa + 1) if n_swa > 0 else 0
-        return 0 <= pos_min <= limit
+        return 0 <= pos_min <= max(0, gaps[0][0] - n_swa + 1)
 
     def _clear_plan(self):
         # cells only, as llama-server's seq_rm: an empty cell is masked out,
@@ -295,6 +294,45 @@ class ChatSession:
         finally:
             if watch:
                 self._member.unwatch()
+            self._member.release()
+
+    def fill(self, tokens, cancel, cache_reuse=0, step=16):
+        """Bring the cache to ``tokens`` ``step`` tokens a decode, each step kept
+        once done; returns whether all of it is cached now.
+
+        The idle-time work of engine/fill.py: a request cuts it short at any
+        point (``cancel``, a RequestCancel, is the decode's abort), and loses
+        at most the step under way, where evaluate() would lose a whole batch
+        (or a whole gap before a reused run).  Nothing is sampled.
+        """
+        self._check_open()
+        self.model.check_tokens(tokens)
+        if not tokens or len(tokens) >= self.n_ctx:
+            return False
+        self._member.watch(cancel)
+        try:
+            plan = self._prepare_cache(tokens, True, cache_reuse, need_logits=False)
+            gaps = plan.gaps(len(tokens))
+            if plan.runs:
+                self.cached = _with_holes(tokens, plan, gaps)
+            for start, end in gaps:
+                for pos in range(start, end, step):
+                    stop = min(pos + step, end)
+                    if cancel.cancelled:
+                        return False
+                    if end == len(tokens):
+                        # the gaps before are filled by now: the cache is a prefix
+                        done = self._evaluate_tail(tokens[:stop], pos, cancel, logits=False)
+                    else:
+                        done = self._evaluate_gap(tokens, pos, stop, cancel)
+                        if done:
+                            self.cached[pos:stop] = tokens[pos:stop]
+                    if not done:
+                        return False
+            self.cached = list(tokens)
+            return True
+        finally:
+            self._member.unwatch()
             self._member.release()
 
     def _evaluate(self, tokens, cancel=None, cache_prompt=True, cache_reuse=0, need_logits=True,
@@ -380,8 +418,9 @@ class ChatSession:
         del self.cached[n_keep:n_keep + n_discard]
         return True
 
-    def _evaluate_tail(self, tokens, start, cancel):
-        """Decode tokens[start:] in SEQ_PROMPT; False if cancelled part way."""
+    def _evaluate_tail(self, tokens, start, cancel, logits=True):
+        """Decode tokens[start:] in SEQ_PROMPT (the last token's logits kept,
+        with ``logits``); False if cancelled part way."""
         mem = self._mem
         pos = start
         while pos < len(tokens):
@@ -389,7 +428,7 @@ class ChatSession:
                 self.cached = list(tokens[:pos])
                 return False
             chunk = tokens[pos:pos + self.n_batch]
-            status = self._decode(chunk, pos, pos + len(chunk) == len(tokens))
+            status = self._decode(chunk, pos, logits and pos + len(chunk) == len(tokens))
             if status == 2:     # aborted: keep what libllama did get into the cache
                 # libllama drops the aborted ubatch's positions from the
                 # token's first sequence only, whichever it takes that to be

@@ -45,6 +45,7 @@ from ..errors import InvalidRequest, OffgridError, PromptTooLong
 from ..request import RequestCancel
 from .embed import POOLING, Embedder, model_pooling, to_le
 from . import cachereuse, promptfit, rpc
+from .fill import IdleFill
 from .infill import layout_infill
 from .model import Model
 from .session import ChatSession, decode_threads, shared_decoder, take_turns_with
@@ -219,6 +220,9 @@ class Worker:
         # the prompt speed decodes show, for FIM's t_max_prompt_ms (engine/promptfit.py)
         first = loaded.sessions[0]
         self.prompt_rate = promptfit.PromptRate(self.model, first.threads.batch.max_threads)
+        # what a budget dropped goes into the cache while no frame is served (fill.py)
+        self.fill = IdleFill(self._jobs, self.prompt_rate)
+        self._last_fit = None           # (fitted tokens, whole prompt) of the last fit
 
     # -- frames out ---------------------------------------------------------------
     def send(self, obj):
@@ -273,8 +277,10 @@ class Worker:
                 cancel = RequestCancel()
                 with self._lock:
                     self._cancels[frame["id"]] = cancel
+                self.fill.busy()
                 return functools.partial(self._generate, frame, cancel)
             elif op == "call":
+                self.fill.busy()
                 return functools.partial(self._call, frame)
 
     def _answer(self, rid, fn, *args):
@@ -287,13 +293,18 @@ class Worker:
 
     # -- calls ------------------------------------------------------------------------
     def _call(self, frame):
-        method = getattr(self, "call_" + str(frame.get("method")), None)
-        if method is None:
-            err = OffgridError("no worker method %r" % frame.get("method"))
-            self.send({"op": "error", "id": frame["id"], "error": protocol.encode_error(err)})
-            return
-        args = frame.get("args", {})
-        self._answer(frame["id"], lambda: method(**args))
+        try:
+            self.fill.wait()
+            method = getattr(self, "call_" + str(frame.get("method")), None)
+            if method is None:
+                err = OffgridError("no worker method %r" % frame.get("method"))
+                self.send({"op": "error", "id": frame["id"],
+                           "error": protocol.encode_error(err)})
+                return
+            args = frame.get("args", {})
+            self._answer(frame["id"], lambda: method(**args))
+        finally:
+            self.fill.done()
 
     def call_tokenize(self, text, add_special=False, parse_special=True, with_pieces=False):
         m = self.model
@@ -402,12 +413,17 @@ class Worker:
         s = self.loaded.sessions[0]
         req = protocol.decode_infill(request)
 
+        laid = []
+
         def layout(r):
-            return layout_infill(self.model, r, s.n_ctx, s.n_batch, reserve)
+            laid.append(layout_infill(self.model, r, s.n_ctx, s.n_batch, reserve))
+            return laid[-1]
         if t_max_prompt_ms > 0:
             tokens, dropped = promptfit.fit(self.model, req, layout,
                                             self._plan_for(id_slot, cache_reuse),
                                             self.prompt_rate, t_max_prompt_ms)
+            # the whole prompt, for the idle fill after the request (_run)
+            self._last_fit = (tokens, laid[0][0]) if dropped else None
         else:
             tokens, dropped = layout(req)[0], None
         return {"tokens": tokens, "grammar": self._constraint(schema, grammar),
@@ -465,10 +481,12 @@ class Worker:
     def _generate(self, frame, cancel):
         rid = frame["id"]
         try:
+            self.fill.wait()
             self._answer(rid, self._run, frame, cancel)
         finally:
             with self._lock:
                 self._cancels.pop(rid, None)
+            self.fill.done()
 
     # the calls a generate frame may ask to make its prompt (protocol.py)
     _PREPARE = ("prepare_completion", "prepare_infill")
@@ -531,6 +549,11 @@ class Worker:
             c = session.complete(tokens, gen, on_piece, cancel, on_progress)
         finally:
             cached = session.cached if not session.closed else []
+        fit = self._last_fit
+        if fit is not None and fit[0] == tokens and gen.cache_prompt:
+            # the budget dropped parts of this prompt: they come back when idle
+            self._last_fit = None
+            self.fill.want(session, fit[1], gen.cache_reuse)
         self.prompt_rate.observe(c.usage)
         c.usage.dropped = gen.prompt_dropped
         out = {"completion": protocol.encode_completion(c), "n_cached": len(cached)}
