@@ -17,7 +17,10 @@ and below it, and a ring of extra chunks from another file
 Every keystroke sends a request; the previous one, if still unanswered, is
 dropped first (its connection shut down, as llama.vim's jobstop kills curl).
 Before typing starts, one request for the file as it is is answered and
-not counted (the editor had the file open).  At word boundaries, once at least MIN_BURST keys have been typed, the user
+not counted, and the user reads for FILE_OPEN_S before the first key (the
+editor had the file open; a server that uses idle time, as offgrid's fill
+of what t_max_prompt_ms dropped, gets that time, llama-server gains nothing
+from it).  At word boundaries, once at least MIN_BURST keys have been typed, the user
 pauses: the last request is waited for, and its latency (send to answer) is
 one sample.  The cached fraction of that answer is cache_n / (cache_n +
 prompt_n) from its timings.  "own_ms" is prompt_ms + predicted_ms of that
@@ -45,6 +48,7 @@ N_LINES = 4             # lines taken out (more than N_KEYS characters' worth)
 N_PREFIX, N_SUFFIX = 256, 64
 N_CHUNKS, CHUNK_LINES, ROTATE_EVERY = 6, 16, 3
 T_MAX_PROMPT_MS, T_MAX_PREDICT_MS = 500, 500
+FILE_OPEN_S = 15.0      # idle after the first answer, before typing starts
 ANSWER_TIMEOUT_S = 300.0    # an answer at a pause; a server this slow gets no figure
 FIRST_TIMEOUT_S = 600.0     # the first request evaluates the whole ~3,000-token prompt
 
@@ -193,6 +197,7 @@ def replay(port, n_keys=N_KEYS):
     # The file was open before typing started: its first request has been
     # answered, so the cache holds the file as it was (not counted).
     _first(port, doc, ring)
+    time.sleep(FILE_OPEN_S)
     all_requests = []
     current = None
     since_pause = 0
