@@ -926,7 +926,7 @@ class ThreadPool:
     joins it at the end: tens of microseconds per token, and with several
     contexts, threads of one decode still winding down while the next one
     spins up.  A persistent pool's workers wait between graphs (polling
-    briefly, then sleeping), as llama-server's do.
+    briefly, then sleeping), as llama-server's do, though briefer (POLL).
 
     ``ptr`` is None where the CPU backend offers no pools (a library built
     otherwise); contexts then keep ggml's per-decode pools.  A pool may be
@@ -934,8 +934,21 @@ class ThreadPool:
     time, and must outlive them all.
     """
 
-    def __init__(self, lib, n_threads):
+    # ggml_threadpool_params.poll: how long a worker polls for its next graph
+    # before it sleeps, in units of 128 Ki pause instructions.  ggml's and
+    # llama-server's 50 measured ~200 ms of a whole core after every decode
+    # here: the tail of each request, taken from whatever runs next (the
+    # front's reply, another model's worker waiting for its turn, the editor
+    # and the user's build on a 2-core laptop; the server next door in a
+    # paired bench).  1 is ~4 ms: still far longer than the gap between two
+    # tokens' decodes (~0.3 ms of Python), so generation never waits for a
+    # wake-up; gemma-3-270m, 2 threads, paired with 50: the same tok/s within
+    # the noise (1497 vs 1568 and 1628 vs 1574 ms per 128 tokens).
+    POLL = 1
+
+    def __init__(self, lib, n_threads, poll=None):
         self.n_threads = n_threads
+        self.poll = self.POLL if poll is None else poll
         self.ptr = None
         self._free = None
         try:
@@ -949,6 +962,7 @@ class ThreadPool:
             return
         params = ggml_threadpool_params()
         lib.ggml_threadpool_params_init(ctypes.byref(params), n_threads)
+        params.poll = self.poll
         self.ptr = _ggml_threadpool_new(new)(ctypes.byref(params)) or None
         self._free = _ggml_threadpool_free(free)
 

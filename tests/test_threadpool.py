@@ -61,3 +61,41 @@ def test_a_pool_closes_once(lib):
     pool.close()
     pool.close()
     assert pool.ptr is None
+
+
+_IDLE_PROBE = r"""
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from offgrid import libllama
+from offgrid.engine.model import Model
+from offgrid.engine.sampling import SamplingParams
+from offgrid.engine.session import ChatSession, GenerationParams
+
+if sys.argv[3] != "default":
+    libllama.ThreadPool.POLL = int(sys.argv[3])
+model = Model.load(sys.argv[2], progress=False)
+s = ChatSession(model, n_ctx=256, n_batch=64, n_threads=2)
+s.complete(model.tokenize("The capital of France is"),
+           GenerationParams(n_predict=8, sampling=SamplingParams(temperature=0.0)))
+t0 = time.process_time()
+time.sleep(0.3)
+print(time.process_time() - t0)
+"""
+
+
+def _cpu_after_decodes(gemma_path, poll):
+    out = subprocess.run([sys.executable, "-c", _IDLE_PROBE, str(ROOT), str(gemma_path), poll],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return float(out.stdout.split()[-1])
+
+
+def test_a_pools_threads_sleep_soon_after_the_last_decode(gemma_path):
+    # The process's CPU time in the 0.3 s after its last decode: its pool's
+    # worker polling for the next graph is all that could spend it.  ggml's
+    # default poll level (50, as llama-server's) keeps a core busy for ~0.2 s
+    # here, the control; offgrid's sleeps within a few ms.
+    spent = _cpu_after_decodes(gemma_path, "default")
+    control = _cpu_after_decodes(gemma_path, "50")
+    assert control > 0.05, "the control did not poll: the probe measures nothing"
+    assert spent < 0.03, "the pool's worker polled %.3f s of CPU after the decodes" % spent
