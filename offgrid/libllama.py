@@ -942,8 +942,11 @@ class ThreadPool:
     # and the user's build on a 2-core laptop; the server next door in a
     # paired bench).  1 is ~4 ms: still far longer than the gap between two
     # tokens' decodes (~0.3 ms of Python), so generation never waits for a
-    # wake-up; gemma-3-270m, 2 threads, paired with 50: the same tok/s within
-    # the noise (1497 vs 1568 and 1628 vs 1574 ms per 128 tokens).
+    # wake-up.  gemma-3-270m, 2 threads, three pools taking turns on one
+    # context (30 x 64 tokens each): 12.76 ms/token at 1, 12.75 at 50, and
+    # 13.36 at 0 (a sleeping worker is slow to wake on this VM).  Two models
+    # streaming at once on one server (their decodes take turns): 3 x 96
+    # tokens each took 11.5 and 15.1 s at 50, 9.8 and 9.3 s at 1, 7.3 at 0.
     POLL = 1
 
     def __init__(self, lib, n_threads, poll=None):
