@@ -514,6 +514,8 @@ _PROC_PROTOTYPES = {
                             [POINTER(ggml_threadpool_params)]),
     # void ggml_threadpool_free(struct ggml_threadpool * threadpool);
     "ggml_threadpool_free": (None, [_spelled(c_void_p, "struct ggml_threadpool *")]),
+    # void ggml_threadpool_pause(struct ggml_threadpool * threadpool);  (our patch 0003)
+    "ggml_threadpool_pause": (None, [_spelled(c_void_p, "struct ggml_threadpool *")]),
     # the RPC backend's registry entry (ggml-rpc.h):
     # ggml_backend_reg_t ggml_backend_rpc_add_server(const char * endpoint);
     "ggml_backend_rpc_add_server": (ggml_backend_reg_t, [c_char_p]),
@@ -527,6 +529,7 @@ def _proc_type(name):
 
 _ggml_threadpool_new = _proc_type("ggml_threadpool_new")
 _ggml_threadpool_free = _proc_type("ggml_threadpool_free")
+_ggml_threadpool_pause = _proc_type("ggml_threadpool_pause")
 _ggml_backend_rpc_add_server = _proc_type("ggml_backend_rpc_add_server")
 
 
@@ -953,12 +956,13 @@ class ThreadPool:
         self.n_threads = n_threads
         self.poll = self.POLL if poll is None else poll
         self.ptr = None
-        self._free = None
+        self._free = self._pause = None
         try:
             dev = lib.ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU)
             reg = lib.ggml_backend_dev_backend_reg(dev) if dev else None
-            new = lib.ggml_backend_reg_get_proc_address(reg, b"ggml_threadpool_new") if reg else None
-            free = lib.ggml_backend_reg_get_proc_address(reg, b"ggml_threadpool_free") if reg else None
+            new, free, pause = [lib.ggml_backend_reg_get_proc_address(reg, name) if reg else None
+                                for name in (b"ggml_threadpool_new", b"ggml_threadpool_free",
+                                             b"ggml_threadpool_pause")]
         except (AttributeError, LibraryError):
             return      # no libggml handle, or it lacks the registry functions
         if not (new and free):
@@ -968,6 +972,16 @@ class ThreadPool:
         params.poll = self.poll
         self.ptr = _ggml_threadpool_new(new)(ctypes.byref(params)) or None
         self._free = _ggml_threadpool_free(free)
+        # a library built without patch 0003 hands out no pause: pause() does nothing
+        self._pause = _ggml_threadpool_pause(pause) if pause else None
+
+    def pause(self):
+        """Put the workers to sleep now instead of polling for the next graph
+        (the next decode wakes them: ggml's kickoff resumes a paused pool).
+        Only while no decode runs on the pool: a worker that saw the pause
+        before a graph just kicked off would sleep through it."""
+        if self.ptr and self._pause is not None:
+            self._pause(self.ptr)
 
     def close(self):
         ptr, self.ptr = self.ptr, None

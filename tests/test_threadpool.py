@@ -58,6 +58,7 @@ def test_sessions_share_one_persistent_pool(gemma_path):
 def test_a_pool_closes_once(lib):
     pool = libllama.ThreadPool(lib, 1)
     assert pool.ptr is not None, "the CPU backend offers no ggml_threadpool_new"
+    assert pool._pause is not None, "the registry hands out no ggml_threadpool_pause (patch 0003)"
     pool.close()
     pool.close()
     assert pool.ptr is None
@@ -69,14 +70,17 @@ sys.path.insert(0, sys.argv[1])
 from offgrid import libllama
 from offgrid.engine.model import Model
 from offgrid.engine.sampling import SamplingParams
-from offgrid.engine.session import ChatSession, GenerationParams
+from offgrid.engine.session import ChatSession, GenerationParams, pause_pools
 
-if sys.argv[3] != "default":
-    libllama.ThreadPool.POLL = int(sys.argv[3])
+poll, _, then = sys.argv[3].partition("+")
+if poll != "default":
+    libllama.ThreadPool.POLL = int(poll)
 model = Model.load(sys.argv[2], progress=False)
 s = ChatSession(model, n_ctx=256, n_batch=64, n_threads=2)
 s.complete(model.tokenize("The capital of France is"),
            GenerationParams(n_predict=8, sampling=SamplingParams(temperature=0.0)))
+if then == "pause":
+    pause_pools()
 t0 = time.process_time()
 time.sleep(0.3)
 print(time.process_time() - t0)
@@ -99,3 +103,10 @@ def test_a_pools_threads_sleep_soon_after_the_last_decode(gemma_path):
     control = _cpu_after_decodes(gemma_path, "50")
     assert control > 0.05, "the control did not poll: the probe measures nothing"
     assert spent < 0.03, "the pool's worker polled %.3f s of CPU after the decodes" % spent
+
+
+def test_a_paused_pool_sleeps_at_once(gemma_path):
+    # what a worker does when another model's worker waits for the decode
+    # turn (engine/worker.FileTurns): even at ggml's default poll level
+    spent = _cpu_after_decodes(gemma_path, "50+pause")
+    assert spent < 0.03, "the paused pool's worker polled %.3f s of CPU" % spent

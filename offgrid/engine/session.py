@@ -76,6 +76,16 @@ def shared_pool(lib, n_threads):
         return pool
 
 
+def pause_pools():
+    """Every pool's workers to sleep until its next decode (ThreadPool.pause).
+    The caller holds the decode turn (no decode runs on a pool it pauses):
+    the worker's FileTurns, when another model's worker waits for the turn."""
+    with _POOLS_LOCK:
+        pools = list(_POOLS.values())
+    for pool in pools:
+        pool.pause()
+
+
 def decode_threads(model, n_threads=None, n_threads_batch=None):
     """One worker's DecodeThreads (engine/threads.py), on the shared pools:
     its sessions take turns, so they share one choice of thread counts."""

@@ -48,7 +48,8 @@ from . import cachereuse, promptfit, rpc
 from .fill import IdleFill
 from .infill import layout_infill
 from .model import Model
-from .session import ChatSession, decode_threads, shared_decoder, take_turns_with
+from .session import (ChatSession, decode_threads, pause_pools, shared_decoder,
+                      take_turns_with)
 
 
 def parse_args(argv=None):
@@ -90,20 +91,40 @@ class FileTurns:
     ggml's threads spin at barriers: two models decoding at once on the same
     cores starve each other (engine/session.py measures 50 to 100 times
     slower), so decodes take turns across processes as within one.
+
+    A worker that finds the turn taken marks the lock file's first byte
+    before it waits, and the holder, seeing the mark as it lets go, calls
+    ``on_handoff()`` first (still holding the turn): the worker puts its
+    ggml threads to sleep there, which would otherwise poll for their next
+    graph through the start of the other's decode, on its cores.  A mark
+    that comes too late for one holder is seen by the next: at worst one
+    pause nobody needed, which costs the next decode a wake-up.
     """
 
-    def __init__(self, path):
+    WAITING, FREE = b"\x01", b"\x00"
+
+    def __init__(self, path, on_handoff=None):
         self._fd = os.open(path, os.O_RDWR)     # our own open file: flock is per open file
         self._thread_lock = threading.Lock()
+        self._on_handoff = on_handoff
 
     def __enter__(self):
         self._thread_lock.acquire()
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.pwrite(self._fd, self.WAITING, 0)
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
         return self
 
     def __exit__(self, *exc):
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
-        self._thread_lock.release()
+        try:
+            if self._on_handoff is not None and os.pread(self._fd, 1, 0) == self.WAITING:
+                os.pwrite(self._fd, self.FREE, 0)
+                self._on_handoff()
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            self._thread_lock.release()
 
 
 class Loaded:
@@ -618,7 +639,7 @@ def main(argv=None):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     args = parse_args(argv)
     if args.decode_lock:
-        take_turns_with(FileTurns(args.decode_lock))
+        take_turns_with(FileTurns(args.decode_lock, on_handoff=pause_pools))
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     # nothing else may write to the frame stream: print() goes to stderr
     sys.stdout = sys.stderr
