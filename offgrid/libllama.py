@@ -949,7 +949,9 @@ class ThreadPool:
     # context (30 x 64 tokens each): 12.76 ms/token at 1, 12.75 at 50, and
     # 13.36 at 0 (a sleeping worker is slow to wake on this VM).  Two models
     # streaming at once on one server (their decodes take turns): 3 x 96
-    # tokens each took 11.5 and 15.1 s at 50, 9.8 and 9.3 s at 1, 7.3 at 0.
+    # tokens each took 11.5 and 15.1 s at 50, 9.8 and 9.3 s at 1, 7.3 at 0;
+    # a worker now also pauses its pool when the other waits for the turn
+    # (engine/worker.FileTurns), and at 1 that took 6.3 s.
     POLL = 1
 
     def __init__(self, lib, n_threads, poll=None):
