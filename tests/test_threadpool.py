@@ -94,19 +94,29 @@ def _cpu_after_decodes(gemma_path, poll):
     return float(out.stdout.split()[-1])
 
 
+def _polling_control(gemma_path):
+    # ggml's default poll level (50, as llama-server's): its worker polls for
+    # ~0.2 s here; how long depends on the CPU's pause instruction (far
+    # shorter on some), so the checks below compare with this, measured here
+    control = _cpu_after_decodes(gemma_path, "50")
+    assert control > 0.01, "the control did not poll: the probe measures nothing"
+    return control
+
+
 def test_a_pools_threads_sleep_soon_after_the_last_decode(gemma_path):
     # The process's CPU time in the 0.3 s after its last decode: its pool's
-    # worker polling for the next graph is all that could spend it.  ggml's
-    # default poll level (50, as llama-server's) keeps a core busy for ~0.2 s
-    # here, the control; offgrid's sleeps within a few ms.
+    # worker polling for the next graph is all that could spend it.
+    control = _polling_control(gemma_path)
     spent = _cpu_after_decodes(gemma_path, "default")
-    control = _cpu_after_decodes(gemma_path, "50")
-    assert control > 0.05, "the control did not poll: the probe measures nothing"
-    assert spent < 0.03, "the pool's worker polled %.3f s of CPU after the decodes" % spent
+    assert spent < min(0.03, control / 4), \
+        "the pool's worker polled %.3f s of CPU after the decodes (control %.3f)" % (spent,
+                                                                                     control)
 
 
 def test_a_paused_pool_sleeps_at_once(gemma_path):
     # what a worker does when another model's worker waits for the decode
     # turn (engine/worker.FileTurns): even at ggml's default poll level
+    control = _polling_control(gemma_path)
     spent = _cpu_after_decodes(gemma_path, "50+pause")
-    assert spent < 0.03, "the paused pool's worker polled %.3f s of CPU" % spent
+    assert spent < min(0.03, control / 4), \
+        "the paused pool's worker polled %.3f s of CPU (control %.3f)" % (spent, control)
