@@ -15,7 +15,9 @@ and go, so ``ThreadChoice`` watches the speed of the decodes themselves:
   got busy) starts a probe of one thread fewer; a probe is a few decodes at
   the other count, and the faster median wins, by a margin against noise.
 * Now and then it probes one thread more, so a machine that frees up gets
-  its cores back; an up-probe that loses waits twice as long before the next
+  its cores back (the probe wins by a wider margin, or by running as fast as
+  that count did at its best, where more threads add less than the margin);
+  an up-probe that loses waits twice as long before the next
   (up to ``up_interval_max``), since on a busy machine each losing probe
   decode can cost tens of times a normal one.  A probe whose first decode is
   slower than the current count's recent ones ends there.  A down-probe runs now and then too: the best seen may have been
@@ -50,7 +52,7 @@ def shape_of(n_tokens):
 class _Shape:
     """The choice for one decode shape, and what it has seen."""
 
-    __slots__ = ("current", "best", "recent", "probe", "probe_base", "probe_rates",
+    __slots__ = ("current", "best", "recent", "probe", "probe_base", "probe_best", "probe_rates",
                  "up_interval", "next_up", "next_down", "routine")
 
     def __init__(self, current, now, up_interval, routine=True):
@@ -59,6 +61,7 @@ class _Shape:
         self.recent = {}            # thread count -> deque of (time, rate)
         self.probe = None           # the count being tried, or None
         self.probe_base = 0.0       # the current count's rate the probe must beat
+        self.probe_best = 0.0       # the best seen at the probe's count before it began
         self.probe_rates = []
         self.up_interval = up_interval
         self.next_up = now + up_interval
@@ -83,6 +86,10 @@ class ThreadChoice:
     win_up = 1.25           # ... an up-probe's by 25%: on a contended machine a few
                             # lucky decodes at more threads are common, and a wrong
                             # switch up costs every decode until the next probe down
+    back = 0.85             # ... or, beating it at all, by running at this share of
+                            # the best its count has seen, when that best is above
+                            # the current count's: the cores are free again, on a
+                            # machine where more threads gain less than win_up
     probe_len = 3           # decodes per probe
     recent_len = 5          # decodes kept per count for the comparison
     recent_age = 5.0        # seconds: older samples say nothing of the machine now
@@ -145,6 +152,7 @@ class ThreadChoice:
             here = self._rates(s, s.current, now)
             base = statistics.median(here[-3:]) if here else s.best.get(s.current, 0.0)
         s.probe, s.probe_base, s.probe_rates = threads, base, []
+        s.probe_best = s.best.get(threads, 0.0)
 
     def _slow_rates(self, s, now):
         """The last decodes at the current count, if they run far under its best."""
@@ -172,7 +180,8 @@ class ThreadChoice:
             return
         probe_rate = statistics.median(s.probe_rates)
         won = not lost_early and (base <= 0 or
-                                  probe_rate > base * (self.win_up if up else self.win))
+                                  probe_rate > base * (self.win_up if up else self.win) or
+                                  up and self._free_again(s, probe_rate))
         old, tried = s.current, s.probe
         s.probe, s.probe_rates = None, []
         if won:
@@ -192,6 +201,17 @@ class ThreadChoice:
             # (a VM's neighbours, a clock); what the current count does now is
             # its new normal, or every decode would look slow and start a probe
             s.best[s.current] = base
+
+    def _free_again(self, s, probe_rate):
+        """An up-probe runs as its count did at its best, which beat the current
+        count's best, and each of its decodes beat the current count: on a
+        2-core VM whose second core adds 12% to a token, a probe on the freed
+        machine never reaches win_up, while one beside a hog runs at a fraction
+        of its best, bar a lucky decode or two.  The best is taken from before
+        the probe: its own decodes prove nothing."""
+        best_here = s.best.get(s.current, 0.0)
+        return (min(s.probe_rates) > s.probe_base and s.probe_best > best_here
+                and probe_rate >= self.back * s.probe_best)
 
     def probe_down_soon(self, now):
         """Start a down-probe at the next decode of every shape: another kind of
