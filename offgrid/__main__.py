@@ -126,6 +126,10 @@ def parse_args(argv=None):
                         "none for chat (default none)")
     p.add_argument("--spec-draft-n-max", type=int, default=8, metavar="N",
                    help="most tokens drafted at once (default 8, at most 64)")
+    p.add_argument("--stream-interval-ms", type=float, default=25.0, metavar="MS",
+                   help="a streamed reply's pieces that come faster than this go out "
+                        "together, one write every MS at most (default 25; the first "
+                        "goes at once; 0: each as it comes, as llama-server)")
     p.add_argument("-np", "--parallel", type=int, default=1,
                    help="sessions per model, i.e. requests run at once (default 1)")
     p.add_argument("-n", "--n-predict", type=int, default=-1,
@@ -210,6 +214,8 @@ def parse_args(argv=None):
     if not (args.model or args.models_dir or args.models_preset):
         p.error("give a model (-m FILE) or a shelf of them (--models-dir DIR, "
                 "--models-preset FILE)")
+    if not 0 <= args.stream_interval_ms <= 1000:
+        p.error("--stream-interval-ms must be between 0 and 1000")
     if not 1 <= args.spec_draft_n_max <= 64:
         p.error("--spec-draft-n-max must be between 1 and 64")
     if args.rpc is not None:
@@ -270,6 +276,7 @@ def worker_args(path, args, chat_template=None, decode_lock=None):
            str(args.batch_size), "--parallel", str(max(1, args.parallel))]
     for flag, value in (("--spec-type", args.spec_type),
                         ("--spec-draft-n-max", args.spec_draft_n_max),
+                        ("--stream-interval-ms", args.stream_interval_ms),
                         ("--ubatch-size", args.ubatch_size), ("--threads", args.threads),
                         ("--threads-batch", args.threads_batch), ("--lib", args.lib),
                         ("--chat-template", chat_template), ("--decode-lock", decode_lock)):

@@ -48,6 +48,7 @@ from . import cachereuse, promptfit, rpc
 from .fill import IdleFill
 from .infill import layout_infill
 from .model import Model
+from .pacing import StreamPacer
 from .session import (ChatSession, decode_threads, pause_pools, shared_decoder,
                       take_turns_with)
 
@@ -81,6 +82,7 @@ def parse_args(argv=None):
     p.add_argument("--reasoning", choices=("on", "off", "auto"), default="auto")
     p.add_argument("--reasoning-format", choices=("none", "auto", "deepseek", "deepseek-legacy"),
                    default="auto")
+    p.add_argument("--stream-interval-ms", type=float, default=0.0)
     p.add_argument("--verbose", action="store_true")
     return p.parse_args(argv)
 
@@ -223,8 +225,11 @@ class Worker:
     """Answers the front's frames for one Loaded model."""
 
     def __init__(self, loaded, out, reasoning="auto", reasoning_format="auto", out_lock=None,
-                 spec_type="none"):
+                 spec_type="none", stream_interval=0.0):
+        """``stream_interval``: seconds a streamed request's pieces are gathered
+        over (engine/pacing.py; --stream-interval-ms)."""
         self.loaded = loaded
+        self.stream_interval = stream_interval
         self.model = loaded.model
         # --spec-type auto: chat replies do not draft (their text repeats the
         # prompt's far less than code does)
@@ -247,7 +252,11 @@ class Worker:
 
     # -- frames out ---------------------------------------------------------------
     def send(self, obj):
-        data = protocol.encode(obj)
+        self.send_many((obj,))
+
+    def send_many(self, objs):
+        """Frames in one write: the front's reader wakes once for them all."""
+        data = b"".join(protocol.encode(o) for o in objs)
         with self._out_lock:
             self._out.write(data)
             self._out.flush()
@@ -535,6 +544,15 @@ class Worker:
             tokens = self._prepared(frame["prepare"], gen, session)
         chat = frame.get("chat")
         stream = frame.get("stream", False)
+        pacer = StreamPacer(self.send_many, self.stream_interval) if stream else None
+        try:
+            return self._paced_run(frame, cancel, rid, session, gen, tokens, chat, stream, pacer)
+        finally:
+            if pacer is not None:
+                pacer.flush()       # held pieces go before the result (or the error)
+
+    def _paced_run(self, frame, cancel, rid, session, gen, tokens, chat, stream, pacer):
+        """_run's generation, its stream frames through ``pacer``."""
         on_piece = None
         rs = None
         held = []       # chat: token probabilities not yet sent with a delta
@@ -548,8 +566,8 @@ class Worker:
                         held.extend(probs)
                     deltas = rs.add(text)
                     for i, d in enumerate(deltas):
-                        self.send(self._delta_frame(rid, d, held if i == len(deltas) - 1
-                                                    else None))
+                        pacer.send(self._delta_frame(rid, d, held if i == len(deltas) - 1
+                                                     else None))
             else:
                 def on_piece(text, probs=None):
                     rs.text += text
@@ -558,14 +576,14 @@ class Worker:
                 frame = {"op": "piece", "id": rid, "text": text}
                 if probs is not None:
                     frame["probs"] = protocol.encode_probs(probs)
-                self.send(frame)
+                pacer.send(frame)
         on_progress = None
         if stream and gen.return_progress:
             # a piece (or delta) of no text, carrying the prompt's progress
             op, key, empty = ("delta", "delta", {}) if chat is not None else ("piece", "text", "")
 
             def on_progress(p):
-                self.send({"op": op, "id": rid, key: empty, "progress": p})
+                pacer.send({"op": op, "id": rid, key: empty, "progress": p}, now=True)
         try:
             c = session.complete(tokens, gen, on_piece, cancel, on_progress)
         finally:
@@ -592,8 +610,8 @@ class Worker:
                         # tokens whose text made no delta (a marker, held text)
                         deltas = [ReplyDelta(content="")]
                     for i, d in enumerate(deltas):
-                        self.send(self._delta_frame(rid, d, held if i == len(deltas) - 1
-                                                    else None))
+                        pacer.send(self._delta_frame(rid, d, held if i == len(deltas) - 1
+                                                     else None))
             else:
                 reply = parse_reply(rs.text, rs.fmt)
             for tc in reply.tool_calls:
@@ -693,7 +711,7 @@ def main(argv=None):
     # path, and before anyone measures what a loaded worker holds.
     loaded.model.grammar_facts
     worker = Worker(loaded, out, args.reasoning, args.reasoning_format, out_lock,
-                    args.spec_type)
+                    args.spec_type, args.stream_interval_ms / 1000.0)
     worker.send({"op": "ready", "info": loaded.info()})
     worker.serve(inp)
     # The front is gone.  Requests may still be running on other threads

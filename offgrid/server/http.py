@@ -59,7 +59,7 @@ from urllib.parse import urlsplit
 from .. import __version__
 from ..errors import OffgridError
 from ..jobs import Threads
-from . import endpoints, reader
+from . import burst, endpoints, reader
 from .lobby import Lobby
 from .errors import (HTTPError, MethodNotAllowed, NotFound, Unauthorized, Unavailable,
                      error_body, error_event, to_http_error)
@@ -124,6 +124,11 @@ class _ChunkedStream:
             self._write(b"0\r\n\r\n")
 
     def _write(self, data):
+        if self.broken:
+            return False
+        return burst.write(self._write_now, data)     # held while a burst is handed on
+
+    def _write_now(self, data):
         with self._lock:
             if self.broken:
                 return False

@@ -41,6 +41,7 @@ import time
 
 from .. import protocol
 from ..errors import ModelLoadError, RpcUnavailable, WorkerDied
+from . import burst
 from .errors import Unavailable
 
 log = logging.getLogger("offgrid.workers")
@@ -424,14 +425,30 @@ class WorkerClient:
                         except queue.Empty:
                             continue
                     if frame["op"] in ("piece", "delta"):
-                        if on_event is not None and on_event(frame) is False:
-                            cancel.cancel("client gone")
-                        continue
+                        frame = self._burst(p, frame, on_event, cancel)
+                        if frame is None:
+                            continue
                     return self._outcome(frame)
             finally:
                 cancel.detach(hook)
         finally:
             self._forget(rid)
+
+    @staticmethod
+    def _burst(p, frame, on_event, cancel):
+        """Hand on ``frame`` and every piece or delta queued behind it, their
+        writes to the client gathered into one (server/burst.py); the first
+        other frame (the result) if one came behind them, else None."""
+        with burst.gathered():
+            while True:
+                if on_event is not None and on_event(frame) is False:
+                    cancel.cancel("client gone")
+                try:
+                    frame = p.queue.get_nowait()
+                except queue.Empty:
+                    return None
+                if frame["op"] not in ("piece", "delta"):
+                    return frame
 
     def _outcome(self, frame):
         op = frame["op"]
