@@ -59,8 +59,21 @@ RPC=${RPC:-1}
 # Left out, each served by the next one down: ivybridge, piledriver,
 # cannonlake, cascadelake, cooperlake, zen4, sapphirerapids.
 CPU_VARIANTS=${CPU_VARIANTS:-x64 sse42 sandybridge haswell alderlake skylakex icelake}
+# A native build for an x86 CPU with AMX (Sapphire Rapids and later) leaves
+# ggml's AMX matrix path out: with it every decode of a Q4_K model segfaults
+# in ggml_backend_amx_mul_mat on such a machine (seen here on a 2-core Xeon
+# VM: libllama, llama-server and llama-bench alike; llama.cpp issue 20824,
+# open upstream).  The AVX-512 path serves those products instead.  An
+# explicit -mno-* wins over -march=native whatever their order.  The
+# portable build has no AMX variant (sapphirerapids is left out above).
+NATIVE_CFLAGS=
+NATIVE_KEY=
+if [ "$(uname -m)" = x86_64 ]; then
+    NATIVE_CFLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    NATIVE_KEY=-noamx
+fi
 if [ "$PORTABLE" != 1 ]; then
-    FLAVOUR=native
+    FLAVOUR=native$NATIVE_KEY
 elif [ "$CPU_VARIANTS" = all ]; then
     FLAVOUR=portable
 else
@@ -147,6 +160,9 @@ build() {
     else
         cpu_flags="-DGGML_NATIVE=ON"
     fi
+    local native=()
+    [ "$PORTABLE" = 1 ] || [ -z "$NATIVE_CFLAGS" ] \
+        || native=("-DCMAKE_C_FLAGS=$NATIVE_CFLAGS" "-DCMAKE_CXX_FLAGS=$NATIVE_CFLAGS")
     # ggml's RPC backend (ggml-rpc.h) and its ggml-rpc-server, which lives
     # under tools/: configuring tools needs common, but only the targets
     # named below are built
@@ -164,7 +180,7 @@ build() {
         -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
         -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DGGML_OPENMP=OFF \
         -DCMAKE_INSTALL_RPATH='$ORIGIN' -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON \
-        $cpu_flags >"$BUILD.configure.log" 2>&1 \
+        $cpu_flags "${native[@]}" >"$BUILD.configure.log" 2>&1 \
       || { tail -30 "$BUILD.configure.log"; exit 1; }
     # the llama target pulls in ggml and, in a portable build, its CPU variants
     log "building (about 4 minutes on 2 cores; 8 with PORTABLE=1, 16 with CPU_VARIANTS=all)"
@@ -192,7 +208,9 @@ build_server() {
     cmake -S "$src" -B "$dir/cmake" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
         -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF \
-        -DLLAMA_OPENSSL=OFF -DGGML_OPENMP=OFF -DGGML_NATIVE=ON >"$dir.configure.log" 2>&1 \
+        -DLLAMA_OPENSSL=OFF -DGGML_OPENMP=OFF -DGGML_NATIVE=ON \
+        ${NATIVE_CFLAGS:+"-DCMAKE_C_FLAGS=$NATIVE_CFLAGS" "-DCMAKE_CXX_FLAGS=$NATIVE_CFLAGS"} \
+        >"$dir.configure.log" 2>&1 \
       || { tail -30 "$dir.configure.log" >&2; exit 1; }
     cmake --build "$dir/cmake" --target llama-server llama-bench -j "$(nproc)" \
         >"$dir.build.log" 2>&1 || { tail -30 "$dir.build.log" >&2; exit 1; }
@@ -203,13 +221,14 @@ build_server() {
 
 fetch_source
 if [ "$MODE" = stock ]; then
-    # keyed by the sdist's hash alone: no patches, whatever scripts/patches holds
-    build_server "$SRC" "$CACHE/llama-server-stock-$PKG_VERSION-$SHORT"
+    # keyed by the sdist's hash alone (and the native flags): no patches,
+    # whatever scripts/patches holds
+    build_server "$SRC" "$CACHE/llama-server-stock-$PKG_VERSION-$SHORT$NATIVE_KEY"
     exit 0
 fi
 patch_source
 if [ "$MODE" = server ]; then
-    build_server "$LIB_SRC" "$CACHE/llama-server-$PKG_VERSION-$SHORT-p$PATCH_ID"
+    build_server "$LIB_SRC" "$CACHE/llama-server-$PKG_VERSION-$SHORT-p$PATCH_ID$NATIVE_KEY"
     exit 0
 fi
 build
