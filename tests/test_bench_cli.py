@@ -130,3 +130,39 @@ def test_table_has_a_stock_column_when_the_stock_server_ran(bench):
     assert "| llama-server (stock) | offgrid / stock |" in bench.markdown(result)
     del row["llama_server_stock"], row["ratio_stock"]
     assert "stock" not in bench.table(result).splitlines()[0]
+
+
+@pytest.fixture(scope="module")
+def spec_bound():
+    spec = importlib.util.spec_from_file_location("spec_bound", ROOT / "bench" / "spec_bound.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_spec_bound_finds_the_drafts_that_come_true(spec_bound):
+    # the prompt repeats "1 2 3 4 5"; after "1 2" the lookup drafts "3 4 5"
+    prompt = [1, 2, 3, 4, 5, 9, 9]
+    runs = spec_bound.true_runs(prompt, [1, 2, 3, 4, 7, 8], k_max=3)
+    # at step 1 ("... 1 2" just sampled) the draft 3 4 5 meets 3 4 7: two come true
+    assert runs[1] == 2 and runs[2] == 1 and runs[5] == 0
+
+
+def test_spec_bound_oracle_is_plain_decoding_where_no_draft_comes_true(spec_bound):
+    cost = {n: 1.0 + 0.5 * (n - 1) for n in range(1, 17)}
+    runs = [0] * 20
+    plain = spec_bound.fixed_time(runs, cost, 0)
+    assert plain == 20.0
+    assert spec_bound.oracle_time(runs, cost, range(0, 16)) == plain
+    assert spec_bound.fixed_time(runs, cost, 3) == 20 * cost[4]    # every draft wasted
+
+
+def test_spec_bound_oracle_drafts_only_where_it_pays(spec_bound):
+    # one run of 8 true tokens at step 0, nothing after: draft 8 there (cost 4.5
+    # for 9 tokens), then plain decoding for the other 11
+    cost = {n: 1.0 + 0.5 * (n - 1) for n in range(1, 17)}
+    runs = [8] + [0] * 19
+    assert spec_bound.oracle_time(runs, cost, range(0, 16)) == cost[9] + 11 * cost[1]
+    # with verify decodes as dear as their tokens, no draft ever pays
+    dear = {n: float(n) for n in range(1, 17)}
+    assert spec_bound.oracle_time(runs, dear, range(0, 16)) == 20.0

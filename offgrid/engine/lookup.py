@@ -13,10 +13,15 @@ while each equals the token its sampler picks at that position
 (engine/session.py), so what is generated is what plain decoding gives.
 
 Whether that pays depends on the text and on the machine: a decode of 1 + k
-tokens costs more than one of a single token (on a CPU, from about 1.3
-times for k = 2 to 3 times for k = 8, more on a busy machine, where every
-matrix product is slower), and buys 1 + the drafted tokens that come
-true.  So each request learns as it goes, from the calls the session makes
+tokens costs more than one of a single token, and buys 1 + the drafted
+tokens that come true.  On a CPU with few cores it costs a lot more: on 2
+EPYC cores, Qwen2.5-Coder-0.5B at ~600 tokens of context, 2.3 times a
+single token's decode for k = 1, 3.1 for k = 3, 4.4 for k = 7 and 5.9 for
+k = 15 (every output kept; a multiple of 4 tokens is cheaper than its
+neighbours, as the repacked Q4_K products take columns in fours); on a
+2-core Xeon VM where generation is memory-bound, 1.4 for k = 1, 1.9 for
+k = 3 and 5.3 for k = 15.  So a draft must mostly come true to win:
+bench/spec_bound.py measures how much drafting could win at best.  So each request learns as it goes, from the calls the session makes
 anyway (``draft`` before each decode, ``append`` for each token):
 
 * The draft length adapts: it starts at ``k_start``, doubles after a draft
