@@ -197,7 +197,7 @@ def main(argv=None):
                 total = {"oracle": statistics.mean(j["oracle"] for _, j in judged)}
                 for k in FIXED_K:
                     total["fixed_%d" % k] = statistics.mean(j["fixed"][k] for _, j in judged)
-                total["always_right"] = max((n) / rel[n] for n in rel)
+                total["always_right"] = max(n / rel[n] for n in rel)
                 report["workloads"][name] = {
                     "context_tokens": int(context), "single_decode_ms": cost[1] * 1000.0,
                     "verify_cost": rel, "samples": dict(judged), "mean": total}
@@ -206,10 +206,11 @@ def main(argv=None):
                 print("  verify decode of n tokens / a single one: " +
                       ", ".join("%d: %.2f" % (n, rel[n]) for n in sorted(rel)))
                 for label, j in judged:
-                    print("  %-9s %3d tokens, a draft came true at %3.0f%% of steps: oracle %.2fx, "
-                          "fixed k %s" % (label, j["tokens"], 100 * j["drafted_true_share"],
-                                          j["oracle"], " ".join("%d:%.2f" % (k, v) for k, v
-                                                                 in j["fixed"].items())))
+                    fixed = " ".join("%d:%.2f" % kv for kv in j["fixed"].items())
+                    print("  %-9s %3d tokens, a draft came true at %3.0f%% of steps: "
+                          "oracle %.2fx, fixed k %s" % (label, j["tokens"],
+                                                        100 * j["drafted_true_share"],
+                                                        j["oracle"], fixed))
                 print("  mean: oracle %.2fx plain; fixed k %s; a drafter always right %.2fx"
                       % (total["oracle"], " ".join("%d:%.2f" % (k, total["fixed_%d" % k])
                                                     for k in FIXED_K), total["always_right"]))

@@ -63,12 +63,15 @@ CPU_VARIANTS=${CPU_VARIANTS:-x64 sse42 sandybridge haswell alderlake skylakex ic
 # ggml's AMX matrix path out: with it every decode of a Q4_K model segfaults
 # in ggml_backend_amx_mul_mat on such a machine (seen here on a 2-core Xeon
 # VM: libllama, llama-server and llama-bench alike; llama.cpp issue 20824,
-# open upstream).  The AVX-512 path serves those products instead.  An
-# explicit -mno-* wins over -march=native whatever their order.  The
-# portable build has no AMX variant (sapphirerapids is left out above).
+# unfixed upstream).  The AVX-512 path serves those products instead.  An
+# explicit -mno-* wins over -march=native whatever their order.  A compiler
+# that does not know the flags (GCC before 11) cannot emit AMX either, and
+# gets none.  The portable build has no AMX variant (sapphirerapids is left
+# out above).
 NATIVE_CFLAGS=
 NATIVE_KEY=
-if [ "$(uname -m)" = x86_64 ]; then
+if [ "$(uname -m)" = x86_64 ] && echo 'int x;' | "${CC:-cc}" -mno-amx-tile -mno-amx-int8 \
+        -mno-amx-bf16 -x c -c -o /dev/null - 2>/dev/null; then
     NATIVE_CFLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     NATIVE_KEY=-noamx
 fi

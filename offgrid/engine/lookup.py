@@ -20,9 +20,10 @@ single token's decode for k = 1, 3.1 for k = 3, 4.4 for k = 7 and 5.9 for
 k = 15 (every output kept; a multiple of 4 tokens is cheaper than its
 neighbours, as the repacked Q4_K products take columns in fours); on a
 2-core Xeon VM where generation is memory-bound, 1.4 for k = 1, 1.9 for
-k = 3 and 5.3 for k = 15.  So a draft must mostly come true to win:
-bench/spec_bound.py measures how much drafting could win at best.  So each request learns as it goes, from the calls the session makes
-anyway (``draft`` before each decode, ``append`` for each token):
+k = 3 and 5.3 for k = 15.  A draft must mostly come true to win
+(bench/spec_bound.py measures how much drafting could win at best), so
+each request learns as it goes, from the calls the session makes anyway
+(``draft`` before each decode, ``append`` for each token):
 
 * The draft length adapts: it starts at ``k_start``, doubles after a draft
   that came true entirely, and shrinks to one more than what came true
