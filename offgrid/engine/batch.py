@@ -116,10 +116,15 @@ class BatchDecoder:
     # the decoder has measured both, then as many as cost ``prompt_share`` of
     # a generation step, so a generating stream keeps at least half its pace
     # while another session evaluates a long prompt (at a share of 1.0 the
-    # bench measured 0.47 of it on gemma-3-270m).
+    # bench measured 0.47 of it on gemma-3-270m).  A generation step's cost is
+    # kept per number of generated tokens in it: one of 8 took 48 ms here, one
+    # of 1 21 ms, and a prompt token's cost measured against the wrong one
+    # came out several times too high (a share of 4, eight 21-token prompts
+    # arriving together started generating one by one, the last after 1.7 s).
     first_prompt_share = 16
     min_prompt_share = 4
     prompt_share = 0.8
+    learn_prompt_alone = 64     # prompt tokens a step of them alone must have to teach
 
     def __init__(self, ctx, threads, turn):
         """``ctx``: the ContextHandle (owned from here on); ``threads``: the
@@ -135,7 +140,7 @@ class BatchDecoder:
         self._holding = 0                   # members reading their last logits
         self._shift = False                 # keys moved: the next decode applies them
         self._members = 0
-        self._gen_step = None               # seconds of a step of generation only
+        self._gen_step = {}                 # generated tokens -> seconds of such a step
         self._prompt_token = None           # seconds a prompt token adds to a step
         self.n_steps = 0                    # decode steps made (for tests and /metrics)
         self.n_shared_steps = 0             # steps that held several members' parts
@@ -218,16 +223,20 @@ class BatchDecoder:
             self._cond.notify_all()
 
     def _learn(self, step, seconds):
-        """Keep the cost of a generation step and of a prompt token beside it
-        (moving averages), which size the prompt's share of the next steps."""
+        """Keep the cost of a generation step (per number of generated tokens)
+        and of a prompt token beside them (moving averages), which size the
+        prompt's share of the next steps."""
         n_prompt = sum(b - a for p, a, b in step if p.prompt)
-        n_gen = len(step) - sum(1 for p, _, _ in step if p.prompt)
+        n_gen = sum(b - a for p, a, b in step if not p.prompt)
         if n_prompt == 0:
-            self._gen_step = _average(self._gen_step, seconds)
+            self._gen_step[n_gen] = _average(self._gen_step.get(n_gen), seconds)
         elif n_gen == 0:
-            self._prompt_token = _average(self._prompt_token, seconds / n_prompt)
-        elif self._gen_step is not None:
-            extra = max(seconds - self._gen_step, 0.0)
+            # alone, a prompt token costs its share of what every step costs
+            # (each weight read once): that hides in a large batch only
+            if n_prompt >= self.learn_prompt_alone:
+                self._prompt_token = _average(self._prompt_token, seconds / n_prompt)
+        elif n_gen in self._gen_step:
+            extra = max(seconds - self._gen_step[n_gen], 0.0)
             self._prompt_token = _average(self._prompt_token, extra / n_prompt)
 
     def _take(self):
@@ -240,7 +249,7 @@ class BatchDecoder:
             if len(p.tokens) <= cap:
                 step.append((p, 0, len(p.tokens)))
                 cap -= len(p.tokens)
-        share = cap if not step else min(cap, self._prompt_share())
+        share = cap if not step else min(cap, self._prompt_share(self.ctx.n_batch - cap))
         for p in self._pending:
             if p.prompt and not p.member.cancelled and share > 0:
                 k = min(len(p.tokens) - p.done_n, share)
@@ -248,11 +257,13 @@ class BatchDecoder:
                 share -= k
         return step
 
-    def _prompt_share(self):
-        if self._gen_step is None or self._prompt_token is None:
+    def _prompt_share(self, n_gen):
+        """Prompt tokens for a step beside n_gen generated ones."""
+        gen_step = self._gen_step.get(n_gen)
+        if gen_step is None or self._prompt_token is None:
             return self.first_prompt_share
         return max(self.min_prompt_share,
-                   int(self.prompt_share * self._gen_step / max(self._prompt_token, 1e-6)))
+                   int(self.prompt_share * gen_step / max(self._prompt_token, 1e-6)))
 
     def _undo(self, step):
         """After an aborted step: drop what it left of every part from the cache
