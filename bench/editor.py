@@ -185,6 +185,12 @@ def _first(port, doc, ring):
                               "no answer within %.0f s" % FIRST_TIMEOUT_S))
 
 
+def pauses_after(ch, since_pause, last):
+    """Whether the user pauses after typing ``ch``: after the last key, or at a
+    word boundary once MIN_BURST keys have been typed since the last pause."""
+    return last or (since_pause >= MIN_BURST and ch in " (\n,.")
+
+
 def replay(port, n_keys=N_KEYS):
     """Type n_keys keys; returns samples at each pause and counts of the whole run."""
     doc = Document((DATA / "typed_file.py.txt").read_text("utf-8"))
@@ -215,8 +221,7 @@ def replay(port, n_keys=N_KEYS):
         current = InFlight(port, body_for(doc, ring, i))
         all_requests.append(current)
         out["requests"] += 1
-        last = i == len(keys) - 1
-        if last or (since_pause >= MIN_BURST and ch in " (\n,."):
+        if pauses_after(ch, since_pause, i == len(keys) - 1):
             current.thread.join(ANSWER_TIMEOUT_S)
             if current.answer is None:
                 raise RuntimeError("editor: no answer at a pause: %s"

@@ -156,7 +156,7 @@ def editor_samples(model, session):
     for i, ch in enumerate(doc.keys[:editor.N_KEYS]):
         doc.type(ch)
         since += 1
-        if not (i == editor.N_KEYS - 1 or (since >= editor.MIN_BURST and ch in " (\n,.")):
+        if not editor.pauses_after(ch, since, i == editor.N_KEYS - 1):
             continue
         body = editor.body_for(doc, ring, i)
         req = InfillRequest(input_prefix=body["input_prefix"], input_suffix=body["input_suffix"],
