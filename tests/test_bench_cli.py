@@ -166,3 +166,46 @@ def test_spec_bound_oracle_drafts_only_where_it_pays(spec_bound):
     # with verify decodes as dear as their tokens, no draft ever pays
     dear = {n: float(n) for n in range(1, 17)}
     assert spec_bound.oracle_time(runs, dear, range(0, 16)) == 20.0
+
+
+@pytest.fixture(scope="module")
+def steps():
+    spec = importlib.util.spec_from_file_location("bench_steps", ROOT / "bench" / "steps.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    return mod
+
+
+def test_steps_pairs_each_decode_entry_with_its_return(steps):
+    # perf script lines as perf 6 prints them; a return whose entry was not
+    # recorded (perf attached mid-decode) is dropped, other events ignored
+    text = "\n".join([
+        "python 3306 [001] 18666.040000: offgrid_steps:leave__return: (7fc3 <- 7fc4)",
+        "python 3306 [001] 18666.048756:        offgrid_steps:enter: (7fc338dec010)",
+        "python 3306 [001] 18666.101322: offgrid_steps:leave__return: (7fc3 <- 7fc4)",
+        "python 3306 [001] 18666.102000:     sched:sched_switch: prev_comm=python",
+        "python 3306 [001] 18666.104605:        offgrid_steps:enter: (7fc338dec010)",
+        "python 3306 [001] 18666.147832: offgrid_steps:leave__return: (7fc3 <- 7fc4)",
+        "python 3306 [001] 18666.150000:        offgrid_steps:enter: (7fc338dec010)",
+        "python 3306 [001] 18666.171000: offgrid_steps:leave__return: (7fc3 <- 7fc4)",
+    ])
+    got = steps.parse_steps(text)
+    assert [(round(a, 6), round(b, 6)) for a, b in got] == [
+        (18666.048756, 18666.101322), (18666.104605, 18666.147832),
+        (18666.150000, 18666.171000)]
+    s = steps.summary(got, skip=0)
+    assert s["steps"] == 3 and s["steps_over_40ms"] == 2
+    assert abs(s["decode_s"] - (0.052566 + 0.043227 + 0.021)) < 1e-6
+    assert abs(s["gaps_s"] - (0.003283 + 0.002168)) < 1e-6
+    assert abs(s["span_s"] - (18666.171 - 18666.048756)) < 1e-6
+
+
+def test_steps_finds_the_decode_symbol_in_our_libllama(steps):
+    lib = ROOT / "lib" / "libllama.so"
+    if not lib.exists():
+        pytest.skip("no lib/libllama.so (make lib)")
+    assert steps.symbol_address(lib.resolve()) > 0

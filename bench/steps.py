@@ -1,0 +1,152 @@
+"""Where a batched run's time goes: every decode step of each server, timed.
+
+    sudo .venv/bin/python bench/steps.py [--clients 4] [--servers offgrid,llama_server]
+
+The "batched" phase of run.py says which server is faster with N clients;
+this says why.  It runs the same load (scenarios.concurrent) on each server
+while ``perf`` times every call of ``llama_context::decode`` in the process
+that decodes (offgrid's model worker, llama-server itself) with a uprobe on
+its entry and its return.  Both servers reach that one function, whichever
+batch API they call, so the steps are counted alike: the time inside the
+decodes, and the gaps between them (sampling, and whatever a server does
+between two steps).  Needs Linux perf and the right to add uprobes (root);
+nothing else in the bench uses it.
+"""
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import run as bench_run
+import scenarios
+import servers
+
+SYMBOL = "_ZN13llama_context6decodeERK15llama_batch_ext"   # llama_context::decode
+GROUP = "offgrid_steps"
+_EVENT = re.compile(r"\s(\d+\.\d+):\s+%s:(enter|leave)(?:__return)?:" % GROUP)
+
+
+def symbol_address(path):
+    """The address of llama_context::decode in the ELF file ``path``."""
+    out = subprocess.run(["nm", "--defined-only", str(path)], capture_output=True, text=True,
+                         check=True).stdout
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) == 3 and parts[2] == SYMBOL:
+            return int(parts[0], 16)
+    raise RuntimeError("%s has no %s" % (path, SYMBOL))
+
+
+def add_probes(path):
+    addr = symbol_address(path)
+    remove_probes()
+    for spec in ("%s:enter=0x%x" % (GROUP, addr), "%s:leave=0x%x%%return" % (GROUP, addr)):
+        subprocess.run(["perf", "probe", "-q", "-x", str(path), "-a", spec], check=True,
+                       stdout=subprocess.DEVNULL)
+
+
+def remove_probes():
+    subprocess.run(["perf", "probe", "-q", "-d", GROUP + ":*"], stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+
+
+def parse_steps(text):
+    """(start, end) seconds of every decode in ``perf script`` output: an
+    entry followed by its return (a return without an entry is dropped)."""
+    steps, start = [], None
+    for line in text.splitlines():
+        m = _EVENT.search(line)
+        if not m:
+            continue
+        t = float(m.group(1))
+        if m.group(2) == "enter":
+            start = t
+        elif start is not None:
+            steps.append((start, t))
+            start = None
+    return steps
+
+
+def summary(steps, skip=3):
+    """Totals of a run's steps (the first ``skip`` are the warm-up's)."""
+    steps = steps[skip:]
+    if len(steps) < 2:
+        raise RuntimeError("only %d decode steps traced" % len(steps))
+    decode = [b - a for a, b in steps]
+    gaps = [steps[i + 1][0] - steps[i][1] for i in range(len(steps) - 1)]
+    return {"steps": len(steps), "span_s": steps[-1][1] - steps[0][0],
+            "decode_s": sum(decode), "gaps_s": sum(gaps),
+            "step_p50_ms": 1000 * statistics.median(decode),
+            "gap_p50_ms": 1000 * statistics.median(gaps),
+            "steps_over_40ms": sum(1 for d in decode if d > 0.040)}
+
+
+def decoding_process(name, server):
+    """(pid, ELF file holding the decode) of a started server."""
+    if name == "offgrid":
+        for pid in servers._children(server.proc.pid):      # the model's worker
+            with open("/proc/%d/maps" % pid) as maps:
+                for line in maps:
+                    if "libllama.so" in line:
+                        return pid, line.split()[-1]
+        raise RuntimeError("no worker of offgrid's has libllama mapped")
+    return server.proc.pid, os.path.realpath("/proc/%d/exe" % server.proc.pid)
+
+
+def trace(name, cfg, bins, clients, out_dir):
+    make = {"offgrid": servers.offgrid, "llama_server": servers.llama_server}[name]
+    with make(cfg, bins) as server:
+        scenarios.warm_up(server.port)
+        pid, elf = decoding_process(name, server)
+        add_probes(elf)
+        data = Path(out_dir) / ("%s.perf" % name)
+        perf = subprocess.Popen(["perf", "record", "-q", "-o", str(data), "-p", str(pid),
+                                 "-e", GROUP + ":enter", "-e", GROUP + ":leave__return"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            time.sleep(1.0)         # perf attaches
+            got = scenarios.concurrent(server.port, clients)
+        finally:
+            perf.send_signal(2)
+            perf.wait(60)
+            remove_probes()
+    text = subprocess.run(["perf", "script", "-i", str(data)], capture_output=True,
+                          text=True).stdout
+    out = summary(parse_steps(text), skip=0)
+    out["tok_s"] = got["tps"][0]
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=str(bench_run.ROOT / "models/gemma-3-270m-q4_k_m.gguf"))
+    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--servers", default="offgrid,llama_server")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--llama-bin", help="folder with the patched llama-server (default: "
+                   "scripts/build_lib.sh --server)")
+    p.add_argument("--out-dir", default="/tmp", help="where perf's recordings go")
+    args = p.parse_args(argv)
+    names = args.servers.split(",")
+    bins = bench_run.llama_bins(argparse.Namespace(llama_bin=args.llama_bin, stock_bin=None,
+                                                   servers=names))
+    cfg = servers.Config(args.model, args.threads, 4096, args.clients)
+    print("%-13s %6s %6s %8s %8s %7s %9s %8s %6s" % (
+        "server", "tok/s", "steps", "decode s", "gaps s", "span s", "step p50", "gap p50",
+        ">40ms"))
+    for rnd in range(args.rounds):
+        for name in (names if rnd % 2 == 0 else names[::-1]):
+            s = trace(name, cfg, bins, args.clients, args.out_dir)
+            print("%-13s %6.1f %6d %8.2f %8.2f %7.2f %6.2f ms %5.2f ms %6d" % (
+                name, s["tok_s"], s["steps"], s["decode_s"], s["gaps_s"], s["span_s"],
+                s["step_p50_ms"], s["gap_p50_ms"], s["steps_over_40ms"]), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
