@@ -72,8 +72,8 @@ def parse_steps(text):
     return steps
 
 
-def summary(steps, skip=3):
-    """Totals of a run's steps (the first ``skip`` are the warm-up's)."""
+def summary(steps, skip=0):
+    """Totals of a run's steps, leaving out the first ``skip``."""
     steps = steps[skip:]
     if len(steps) < 2:
         raise RuntimeError("only %d decode steps traced" % len(steps))
@@ -117,7 +117,7 @@ def trace(name, cfg, bins, clients, out_dir):
             remove_probes()
     text = subprocess.run(["perf", "script", "-i", str(data)], capture_output=True,
                           text=True).stdout
-    out = summary(parse_steps(text), skip=0)
+    out = summary(parse_steps(text))   # perf started after the warm-up
     out["tok_s"] = got["tps"][0]
     return out
 
