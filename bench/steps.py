@@ -72,9 +72,8 @@ def parse_steps(text):
     return steps
 
 
-def summary(steps, skip=0):
-    """Totals of a run's steps, leaving out the first ``skip``."""
-    steps = steps[skip:]
+def summary(steps):
+    """Totals of a run's steps."""
     if len(steps) < 2:
         raise RuntimeError("only %d decode steps traced" % len(steps))
     decode = [b - a for a, b in steps]
@@ -117,7 +116,7 @@ def trace(name, cfg, bins, clients, out_dir):
             remove_probes()
     text = subprocess.run(["perf", "script", "-i", str(data)], capture_output=True,
                           text=True).stdout
-    out = summary(parse_steps(text))   # perf started after the warm-up
+    out = summary(parse_steps(text))   # perf starts after the warm-up
     out["tok_s"] = got["tps"][0]
     return out
 

@@ -14,12 +14,21 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _bench_module(name, filename):
+    """bench/<filename> loaded as a module, with bench/ on sys.path as running it has."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / filename)
+    mod = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    return mod
+
+
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_run", ROOT / "bench" / "run.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)        # puts bench/ on sys.path, as running it does
-    return mod
+    return _bench_module("bench_run", "run.py")
 
 
 def test_bench_help_runs():
@@ -134,10 +143,7 @@ def test_table_has_a_stock_column_when_the_stock_server_ran(bench):
 
 @pytest.fixture(scope="module")
 def spec_bound():
-    spec = importlib.util.spec_from_file_location("spec_bound", ROOT / "bench" / "spec_bound.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return _bench_module("spec_bound", "spec_bound.py")
 
 
 def test_spec_bound_finds_the_drafts_that_come_true(spec_bound):
@@ -170,14 +176,7 @@ def test_spec_bound_oracle_drafts_only_where_it_pays(spec_bound):
 
 @pytest.fixture(scope="module")
 def steps():
-    spec = importlib.util.spec_from_file_location("bench_steps", ROOT / "bench" / "steps.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    return mod
+    return _bench_module("bench_steps", "steps.py")
 
 
 def test_steps_pairs_each_decode_entry_with_its_return(steps):
@@ -197,7 +196,7 @@ def test_steps_pairs_each_decode_entry_with_its_return(steps):
     assert [(round(a, 6), round(b, 6)) for a, b in got] == [
         (18666.048756, 18666.101322), (18666.104605, 18666.147832),
         (18666.150000, 18666.171000)]
-    s = steps.summary(got, skip=0)
+    s = steps.summary(got)
     assert s["steps"] == 3 and s["steps_over_40ms"] == 2
     assert abs(s["decode_s"] - (0.052566 + 0.043227 + 0.021)) < 1e-6
     assert abs(s["gaps_s"] - (0.003283 + 0.002168)) < 1e-6
