@@ -15,8 +15,9 @@ and go, so ``ThreadChoice`` watches the speed of the decodes themselves:
   got busy) starts a probe of one thread fewer; a probe is a few decodes at
   the other count, and the faster median wins, by a margin against noise.
 * Now and then it probes one thread more, so a machine that frees up gets
-  its cores back (the probe wins by a wider margin, or by running as fast as
-  that count did at its best, where more threads add less than the margin);
+  its cores back (the probe wins by a wider margin, or, over twice as many
+  decodes, by running as fast as that count did at its best, where more
+  threads add less than the margin);
   an up-probe that loses waits twice as long before the next
   (up to ``up_interval_max``), since on a busy machine each losing probe
   decode can cost tens of times a normal one.  A probe whose first decode is
@@ -91,6 +92,7 @@ class ThreadChoice:
                             # the current count's: the cores are free again, on a
                             # machine where more threads gain less than win_up
     probe_len = 3           # decodes per probe
+    free_probe_len = 6      # ... for an up-probe that wins only by _free_again
     recent_len = 5          # decodes kept per count for the comparison
     recent_age = 5.0        # seconds: older samples say nothing of the machine now
     up_interval = 1.0       # seconds before the first up-probe, and after an up-switch
@@ -180,8 +182,17 @@ class ThreadChoice:
             return
         probe_rate = statistics.median(s.probe_rates)
         won = not lost_early and (base <= 0 or
-                                  probe_rate > base * (self.win_up if up else self.win) or
-                                  up and self._free_again(s, probe_rate))
+                                  probe_rate > base * (self.win_up if up else self.win))
+        if not won and not lost_early and up and self._free_again(s, probe_rate):
+            # a win by a small margin needs more decodes: beside a hog, two
+            # threads may run as fast as one (a 2-core Xeon VM), and the
+            # wider spread of their rates puts three in a row above the
+            # current count's often enough that 48 of 200 simulated minutes
+            # beside the hog switched up at least once; with six, 4 of 200
+            # (tests/test_threads.py has that host's rates)
+            if len(s.probe_rates) < self.free_probe_len:
+                return
+            won = True
         old, tried = s.current, s.probe
         s.probe, s.probe_rates = None, []
         if won:
