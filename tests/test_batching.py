@@ -17,7 +17,14 @@ from offgrid.engine.batch import BatchDecoder
 from offgrid.engine.session import ChatSession, shared_decoder
 from offgrid.request import GenerationParams, RequestCancel, SamplingParams
 
-NEAR_TIE = 0.25     # nats between the two most likely tokens
+# How far a batch moves the margin (nats) between a token's two likeliest
+# choices, so how close they must be for a greedy pick to flip there: measured
+# with 12 prompts x 16 tokens run alone and then 4 at a time, 6 rounds, over
+# HTTP on -np 4 -t 1, at positions where both runs agree.  smollm: p99 0.28,
+# max 0.43 (offgrid); llama-server's split cache gives exactly the lone
+# logits there.  gemma (q4_K): p99 0.48, max 1.22 (offgrid), and llama-server
+# p99 0.52, max 1.50: ggml's batched kernels themselves, not our cache.
+NEAR_TIE = {"smollm": 0.5, "gemma": 1.5}
 
 PROMPTS = [
     "The capital of France is",
@@ -64,7 +71,7 @@ def _together(sessions, jobs):
     return out
 
 
-def _same_or_near_tie(model, alone, batched, tokens):
+def _same_or_near_tie(model, alone, batched, tokens, near_tie=NEAR_TIE["smollm"]):
     """Equal token lists, or a first difference where the lone decode's pick was a near-tie."""
     if alone.tokens == batched.tokens:
         return None
@@ -77,7 +84,7 @@ def _same_or_near_tie(model, alone, batched, tokens):
     assert {top[0].id, top[1].id} == {alone.tokens[i], batched.tokens[i]}
     margin = math.log(top[0].prob) - math.log(top[1].prob)
     print("token %d differs, a near-tie of %.3f nats" % (i, margin))
-    assert margin < NEAR_TIE, (i, margin)
+    assert margin < near_tie, (i, margin)
     return margin
 
 
@@ -94,7 +101,8 @@ def test_greedy_output_in_a_batch_is_the_output_alone(request, name):
         got = _together(sessions, [lambda s=s, t=t: s.complete(t, _greedy(24))
                                    for s, t in zip(sessions, prompts)])
         assert decoder.n_shared_steps > 0, "the sessions never decoded together"
-        ties = [_same_or_near_tie(model, a, b, t) for a, b, t in zip(expected, got, prompts)]
+        ties = [_same_or_near_tie(model, a, b, t, NEAR_TIE[name])
+                for a, b, t in zip(expected, got, prompts)]
         print("near-ties: %d of %d outputs" % (sum(m is not None for m in ties), len(ties)))
         for c in got:
             assert c.usage.completion_tokens == 24
@@ -318,7 +326,7 @@ def _same_or_near_tie_over_http(alone, together):
     assert {top[0]["id"], top[1]["id"]} == {a[i], b[i]}, (i, top)
     margin = top[0]["logprob"] - top[1]["logprob"]
     print("token %d differs, a near-tie of %.3f nats" % (i, margin))
-    assert margin < NEAR_TIE, (i, margin)
+    assert margin < NEAR_TIE["smollm"], (i, margin)
 
 
 def test_the_choices_of_one_request_are_decoded_together(smollm_path):
