@@ -9,7 +9,8 @@ that decodes (offgrid's model worker, llama-server itself) with a uprobe on
 its entry and its return.  Both servers reach that one function, whichever
 batch API they call, so the steps are counted alike: the time inside the
 decodes, and the gaps between them (sampling, and whatever a server does
-between two steps).  Needs Linux perf and the right to add uprobes (root);
+between two steps), and per step size: how a server packs its clients'
+work into steps.  Needs Linux perf and the right to add uprobes (root);
 nothing else in the bench uses it.
 """
 
@@ -28,7 +29,14 @@ import servers
 
 SYMBOL = "_ZN13llama_context6decodeERK15llama_batch_ext"   # llama_context::decode
 GROUP = "offgrid_steps"
-_EVENT = re.compile(r"\s(\d+\.\d+):\s+%s:(enter|leave)(?:__return)?:" % GROUP)
+# Each step's size: the batch's tokens are a std::vector<llama_batch_ext::token>
+# at offset 64 of the batch, 96 bytes a token (src/llama-batch.h of the pinned
+# source; tests/test_bench_cli.py compiles it to check), and the entry probe
+# reads its begin and end through the reference in %si (x86-64's second
+# argument register, after this)
+TOKENS_AT, TOKEN_SIZE = 64, 96
+_EVENT = re.compile(r"\s(\d+\.\d+):\s+%s:(enter|leave)(?:__return)?:"
+                    r"(?:.*\bb=(0x[0-9a-f]+)\s+e=(0x[0-9a-f]+))?" % GROUP)
 
 
 def symbol_address(path):
@@ -45,7 +53,9 @@ def symbol_address(path):
 def add_probes(path):
     addr = symbol_address(path)
     remove_probes()
-    for spec in ("%s:enter=0x%x" % (GROUP, addr), "%s:leave=0x%x%%return" % (GROUP, addr)):
+    enter = "%s:enter=0x%x b=+%d(%%si):x64 e=+%d(%%si):x64" % (GROUP, addr, TOKENS_AT,
+                                                              TOKENS_AT + 8)
+    for spec in (enter, "%s:leave=0x%x%%return" % (GROUP, addr)):
         subprocess.run(["perf", "probe", "-q", "-x", str(path), "-a", spec], check=True,
                        stdout=subprocess.DEVNULL)
 
@@ -56,8 +66,9 @@ def remove_probes():
 
 
 def parse_steps(text):
-    """(start, end) seconds of every decode in ``perf script`` output: an
-    entry followed by its return (a return without an entry is dropped)."""
+    """(start, end, tokens) of every decode in ``perf script`` output: an
+    entry followed by its return (a return without an entry is dropped);
+    tokens is None where the entry did not record the batch."""
     steps, start = [], None
     for line in text.splitlines():
         m = _EVENT.search(line)
@@ -65,9 +76,10 @@ def parse_steps(text):
             continue
         t = float(m.group(1))
         if m.group(2) == "enter":
-            start = t
+            n = (int(m.group(4), 16) - int(m.group(3), 16)) // TOKEN_SIZE if m.group(3) else None
+            start = (t, n)
         elif start is not None:
-            steps.append((start, t))
+            steps.append((start[0], t, start[1]))
             start = None
     return steps
 
@@ -76,13 +88,20 @@ def summary(steps):
     """Totals of a run's steps."""
     if len(steps) < 2:
         raise RuntimeError("only %d decode steps traced" % len(steps))
-    decode = [b - a for a, b in steps]
+    decode = [b - a for a, b, _ in steps]
     gaps = [steps[i + 1][0] - steps[i][1] for i in range(len(steps) - 1)]
+    by_size = {}
+    for a, b, n in steps:
+        by_size.setdefault(n, []).append(b - a)
     return {"steps": len(steps), "span_s": steps[-1][1] - steps[0][0],
             "decode_s": sum(decode), "gaps_s": sum(gaps),
             "step_p50_ms": 1000 * statistics.median(decode),
             "gap_p50_ms": 1000 * statistics.median(gaps),
-            "steps_over_40ms": sum(1 for d in decode if d > 0.040)}
+            "steps_over_40ms": sum(1 for d in decode if d > 0.040),
+            # tokens in a step -> [steps, seconds in them, median ms, steps over 40 ms]
+            "by_tokens": {n: [len(v), sum(v), 1000 * statistics.median(v),
+                              sum(1 for d in v if d > 0.040)]
+                          for n, v in sorted(by_size.items(), key=lambda kv: kv[0] or 0)}}
 
 
 def decoding_process(name, server):
@@ -145,6 +164,8 @@ def main(argv=None):
             print("%-13s %6.1f %6d %8.2f %8.2f %7.2f %6.2f ms %5.2f ms %6d" % (
                 name, s["tok_s"], s["steps"], s["decode_s"], s["gaps_s"], s["span_s"],
                 s["step_p50_ms"], s["gap_p50_ms"], s["steps_over_40ms"]), flush=True)
+            print("    by tokens in a step (steps, seconds, p50 ms, >40ms): " + ", ".join(
+                "%s: %d %.2f %.1f %d" % ((n,) + tuple(v)) for n, v in s["by_tokens"].items()))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,11 @@ from pathlib import Path
 
 import pytest
 
+try:
+    from . import tinymodels
+except ImportError:  # tests/ is on sys.path rather than a package
+    import tinymodels
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -181,26 +186,47 @@ def steps():
 
 def test_steps_pairs_each_decode_entry_with_its_return(steps):
     # perf script lines as perf 6 prints them; a return whose entry was not
-    # recorded (perf attached mid-decode) is dropped, other events ignored
+    # recorded (perf attached mid-decode) is dropped, other events ignored;
+    # the entry's b and e are the batch's token vector (96 bytes a token)
     text = "\n".join([
         "python 3306 [001] 18666.040000: offgrid_steps:leave__return: (7fc3 <- 7fc4)",
-        "python 3306 [001] 18666.048756:        offgrid_steps:enter: (7fc338dec010)",
+        "python 3306 [001] 18666.048756:        offgrid_steps:enter: (7fc338dec010) "
+        "b=0x557fffc91f10 e=0x557fffc91f70",
         "python 3306 [001] 18666.101322: offgrid_steps:leave__return: (7fc3 <- 7fc4)",
         "python 3306 [001] 18666.102000:     sched:sched_switch: prev_comm=python",
-        "python 3306 [001] 18666.104605:        offgrid_steps:enter: (7fc338dec010)",
+        "python 3306 [001] 18666.104605:        offgrid_steps:enter: (7fc338dec010) "
+        "b=0x557fffc95580 e=0x557fffc95be0",
         "python 3306 [001] 18666.147832: offgrid_steps:leave__return: (7fc3 <- 7fc4)",
         "python 3306 [001] 18666.150000:        offgrid_steps:enter: (7fc338dec010)",
         "python 3306 [001] 18666.171000: offgrid_steps:leave__return: (7fc3 <- 7fc4)",
     ])
     got = steps.parse_steps(text)
-    assert [(round(a, 6), round(b, 6)) for a, b in got] == [
-        (18666.048756, 18666.101322), (18666.104605, 18666.147832),
-        (18666.150000, 18666.171000)]
+    assert [(round(a, 6), round(b, 6), n) for a, b, n in got] == [
+        (18666.048756, 18666.101322, 1), (18666.104605, 18666.147832, 17),
+        (18666.150000, 18666.171000, None)]
     s = steps.summary(got)
     assert s["steps"] == 3 and s["steps_over_40ms"] == 2
     assert abs(s["decode_s"] - (0.052566 + 0.043227 + 0.021)) < 1e-6
     assert abs(s["gaps_s"] - (0.003283 + 0.002168)) < 1e-6
     assert abs(s["span_s"] - (18666.171 - 18666.048756)) < 1e-6
+    assert [n for n in s["by_tokens"]] == [None, 1, 17]
+    assert s["by_tokens"][17][0] == 1 and s["by_tokens"][17][3] == 1
+
+
+def test_steps_reads_the_batch_as_the_pinned_source_lays_it_out(steps, tmp_path):
+    """TOKENS_AT and TOKEN_SIZE against a C++ compile of src/llama-batch.h."""
+    src = tinymodels.llama_cpp_source()
+    prog = tmp_path / "batch.cpp"
+    prog.write_text('#include "llama-batch.h"\n#include <cstdio>\n#include <cstddef>\n'
+                    'int main() { printf("%zu %zu\\n", offsetof(llama_batch_ext, tokens),'
+                    ' sizeof(llama_batch_ext::token)); }\n')
+    built = subprocess.run(["g++", "-std=c++17", "-Wno-invalid-offsetof", "-I", str(src / "src"),
+                            "-I", str(src / "include"), "-I", str(src / "ggml" / "include"),
+                            "-o", str(tmp_path / "batch"), str(prog)],
+                           capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-2000:]
+    out = subprocess.run([str(tmp_path / "batch")], capture_output=True, text=True, check=True)
+    assert [int(x) for x in out.stdout.split()] == [steps.TOKENS_AT, steps.TOKEN_SIZE]
 
 
 def test_steps_finds_the_decode_symbol_in_our_libllama(steps):
