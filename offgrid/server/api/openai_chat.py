@@ -11,11 +11,11 @@ The template, the grammar and the reading of the reply are the worker's
 
 import functools
 
-from ..protocol import encode_messages, encode_tools
-from ..request import FinishReason, PromptProgress
+from ...protocol import encode_messages, encode_tools
+from ...request import FinishReason, PromptProgress
 from . import formats
-from .errors import BadRequest
-from .params import (MAX_N_CMPL, Fields, include_usage_from, chat_messages_from,
+from ..httpd.httperrors import BadRequest
+from .fields import (MAX_N_CMPL, Fields, include_usage_from, chat_messages_from,
                      chat_probs_from, generation_from, id_slot_from, output_schema_from,
                      text_tokenizer, tool_choice_from, tools_from)
 

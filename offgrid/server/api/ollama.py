@@ -51,10 +51,10 @@ import datetime
 import json
 import time
 
-from ..request import FinishReason, InfillRequest, Message
-from . import chat, embeddings
-from .errors import BadRequest, NotImplementedByModel
-from .params import (Fields, chat_messages_from, generation_from, id_slot_from,
+from ...request import FinishReason, InfillRequest, Message
+from . import embeddings, openai_chat as chat
+from ..httpd.httperrors import BadRequest, NotImplementedByModel
+from .fields import (Fields, chat_messages_from, generation_from, id_slot_from,
                      output_schema_from, tool_choice_from, tools_from)
 from .prompts import infill_tokens
 

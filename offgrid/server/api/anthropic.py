@@ -26,10 +26,10 @@ documents and Anthropic's server tools are refused with a 400.
 
 import json
 
-from ..request import FinishReason, Message, ToolCall
-from . import chat, formats
-from .errors import BadRequest
-from .params import MAX_N_PREDICT, Fields, generation_from, id_slot_from, tool_of
+from ...request import FinishReason, Message, ToolCall
+from . import formats, openai_chat as chat
+from ..httpd.httperrors import BadRequest
+from .fields import MAX_N_PREDICT, Fields, generation_from, id_slot_from, tool_of
 
 # -- the request ------------------------------------------------------------------------
 

@@ -12,8 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import List, Union
 
-from ..request import SAMPLER_ALIASES, GenerationParams, InfillRequest, SamplingParams
-from .errors import BadRequest
+from ...request import SAMPLER_ALIASES, GenerationParams, InfillRequest, SamplingParams
+from ..httpd.httperrors import BadRequest
 
 # Limits on what a request may ask for; beyond them it is refused, not clamped,
 # so a client learns its request was odd.
@@ -372,7 +372,7 @@ def chat_messages_from(v):
     tool calls; content is a string, null, or an array of text parts.
     """
     import json
-    from ..request import Message, ToolCall
+    from ...request import Message, ToolCall
     if not isinstance(v, list) or not v:
         raise BadRequest("'messages' must be a non-empty array")
     out = []
@@ -457,7 +457,7 @@ def tools_from(v):
 def tool_of(name, description, schema, where, schema_key="parameters"):
     """A Tool from a client's tool fields, the last step of every dialect's
     tools reader: a missing description is "", the schema must be an object."""
-    from ..request import Tool
+    from ...request import Tool
     description = description or ""
     if not isinstance(description, str) or not isinstance(schema, dict):
         raise BadRequest("%s: 'description' must be a string and '%s' an object"

@@ -25,10 +25,10 @@ item per call.  Nothing is stored: ``previous_response_id`` and
 
 import json
 
-from ..request import FinishReason, Message, ToolCall
-from . import chat, formats
-from .errors import BadRequest
-from .params import (MAX_N_PREDICT, Fields, generation_from, id_slot_from, tool_choice_from,
+from ...request import FinishReason, Message, ToolCall
+from . import formats, openai_chat as chat
+from ..httpd.httperrors import BadRequest
+from .fields import (MAX_N_PREDICT, Fields, generation_from, id_slot_from, tool_choice_from,
                      tool_of)
 
 # -- the request ------------------------------------------------------------------------
