@@ -212,7 +212,22 @@ def _is_id_text(s):
 _ID_TEXT = re.compile(r"-?[0-9]{1,30}")
 
 
-def generation_from(f, n_vocab, n_predict_default=-1, max_tokens_names=("n_predict", "max_tokens"),
+# llama-server's n_predict and its aliases, in the order it reads them: the same on
+# every route of its API and OpenAI's (Anthropic's and Responses' have their own)
+MAX_TOKENS_NAMES = ("n_predict", "max_completion_tokens", "max_tokens")
+
+
+def choices_from(f):
+    """Choices of each prompt: llama-server's ``n_cmpl``, OpenAI's ``n`` its fallback, as
+    llama-server reads them on every route; ``best_of`` and ``echo`` refused."""
+    if f.int("best_of", 1) != 1:
+        raise BadRequest("'best_of' must be 1: offgrid does not rank several completions")
+    if f.bool("echo", False):
+        raise BadRequest("'echo' is not supported: the response never repeats the prompt")
+    return f.int("n_cmpl" if f.has("n_cmpl") else "n", 1, lo=1, hi=MAX_N_CMPL)
+
+
+def generation_from(f, n_vocab, n_predict_default=-1, max_tokens_names=MAX_TOKENS_NAMES,
                     sampling_default=None, tokenize=None):
     """GenerationParams from a request's generation fields (``sampling_default``,
     ``tokenize``: see sampling_from)."""

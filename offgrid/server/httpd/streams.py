@@ -1,9 +1,22 @@
-"""Streamed responses: server-sent events and NDJSON, as HTTP/1.1 chunks."""
+"""Streamed responses: server-sent events and NDJSON, as HTTP/1.1 chunks.
+
+A stream may be opened before its first message (``open``): its headers go
+out at once, and while it is quiet (a long prompt being evaluated) one
+thread for all streams, the ``Pinger``, writes the stream's keep-alive
+every ``PING_EVERY`` seconds, so a client with a read timeout keeps
+waiting.
+"""
 
 import json
 import threading
+import time
 
 from . import burst
+
+# Seconds a stream opened early may stay quiet before it gets a keep-alive.
+# Anthropic's API pings about this often; a proxy's or client's idle timeout
+# is rarely under 30 s.
+PING_EVERY = 10.0
 
 
 def dumps(obj):
@@ -25,9 +38,25 @@ class _ChunkedStream:
         self.handler = handler
         self.started = False
         self.broken = False
+        self.ended = False
         self.chunked = handler.request_version != "HTTP/1.0"
         # several choices of one request may stream at once (Service.run_choices)
         self._lock = threading.Lock()
+        self.last_write = time.monotonic()
+        self.keepalive = None       # the bytes of a keep-alive message, once open()ed
+
+    def open(self, keepalive=None):
+        """Send the headers now, and ``keepalive`` (a message's bytes) whenever the stream
+        has been quiet PING_EVERY seconds, until it ends."""
+        self._write_now(b"")
+        if keepalive is not None and not self.broken:
+            self.keepalive = self._chunk(keepalive)
+            PINGER.add(self)
+
+    def ping(self, now):
+        """The Pinger's call: the keep-alive if the stream has been quiet long enough."""
+        if now - self.last_write >= PING_EVERY:
+            self._write_now(self.keepalive)
 
     def start(self):
         h = self.handler
@@ -47,15 +76,19 @@ class _ChunkedStream:
         """One message's bytes on the wire."""
         raise NotImplementedError
 
+    def _chunk(self, data):
+        return b"%x\r\n%s\r\n" % (len(data), data) if self.chunked else data
+
     def send(self, obj, event=None):
-        data = self.frame(obj, event)
-        if self.chunked:
-            data = b"%x\r\n%s\r\n" % (len(data), data)
-        return self._write(data)
+        return self._write(self._chunk(self.frame(obj, event)))
 
     def end(self):
         if self.chunked:
             self._write(b"0\r\n\r\n")
+        with self._lock:
+            self.ended = True
+        if self.keepalive is not None:
+            PINGER.remove(self)
 
     def _write(self, data):
         if self.broken:
@@ -64,12 +97,14 @@ class _ChunkedStream:
 
     def _write_now(self, data):
         with self._lock:
-            if self.broken:
+            if self.broken or self.ended:
                 return False
             try:
                 if not self.started:
                     self.start()
-                self.handler.wfile.write(data)
+                if data:
+                    self.handler.wfile.write(data)
+                self.last_write = time.monotonic()
                 return True
             except OSError:             # gone, or stopped reading for `timeout` seconds
                 self.broken = True
@@ -96,3 +131,45 @@ class NDJSONStream(_ChunkedStream):
         return dumps(obj) + b"\n"
 
 
+
+
+class Pinger:
+    """One thread that keeps every open, quiet stream alive (``_ChunkedStream.open``).
+
+    It runs only while some stream is registered; a stream leaves at its end
+    (or when its client is gone: a failed write marks it broken).
+    """
+
+    def __init__(self, period=1.0):
+        self.period = period
+        self._streams = set()
+        self._cond = threading.Condition()
+        self._thread = None
+
+    def add(self, stream):
+        with self._cond:
+            self._streams.add(stream)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="stream-pinger",
+                                                daemon=True)
+                self._thread.start()
+
+    def remove(self, stream):
+        with self._cond:
+            self._streams.discard(stream)
+
+    def _run(self):
+        while True:
+            with self._cond:
+                self._streams = {s for s in self._streams if not (s.broken or s.ended)}
+                if not self._streams:
+                    self._thread = None
+                    return
+                streams = list(self._streams)
+            now = time.monotonic()
+            for s in streams:
+                s.ping(now)
+            time.sleep(self.period)
+
+
+PINGER = Pinger()

@@ -177,58 +177,32 @@ class Service:
                 return done[:i + 1]
         return done
 
-    def generate(self, entry, tokens, gen, id_slot=-1, on_piece=None, sock=None, cancel=None,
-                 chat=None, what="", prepare=None):
-        """Run one generation request from start to finish; returns a Completion.
+    @contextlib.contextmanager
+    def one_request(self, entry, id_slot=-1, sock=None, warmup=False):
+        """The span of one generate request, however many jobs it runs: yields its one
+        (RequestCancel, look).
 
-        ``on_piece`` gets each streamed piece of text, or with ``chat`` each
-        reply delta (a dict); returning False cancels.  With
-        ``gen.with_probs`` it is called as ``on_piece(piece, probs)`` where the
-        worker sent probabilities (a list of TokenProb).  With ``chat`` the
-        Completion's ``reply`` is the parsed reply.  A request superseded
-        or disconnected while waiting returns an empty CANCELLED completion
-        without ever touching a session.
-
-        ``prepare`` (a model of one session only: no prompt tokens are
-        needed to choose it): ``tokens`` is None and the worker makes the
-        prompt with this (method, args) call as the generation starts, one
-        round trip instead of two (``deferred_prepare``).
+        The cancel is the request's: a newer request with the same ``id_slot``
+        (supersede; a ``warmup``, n_predict 0, replaces only a warm-up), its
+        client hanging up (the disconnect watcher, polling ``sock`` once a job
+        waits or has run WATCH_AFTER: ``look`` asks for that) and the
+        shutdown flip it, and every job of the request ends with it, queued
+        ones before they start.
         """
         if self.state != "ready":
             raise Unavailable("server is shutting down")
-        self.shelf.use(entry, self._scope())     # held already when it came from entry_for
-        if tokens is not None and len(tokens) >= entry.n_ctx:
-            # refuse before queueing: waiting for a session only to fail wastes the
-            # wait (the same error as the worker's for a prompt it made itself)
-            raise PromptTooLong(n_prompt_tokens=len(tokens), n_ctx=entry.n_ctx)
-        cancel = cancel or RequestCancel()
+        cancel = RequestCancel()
         key = (entry.id, id_slot) if id_slot >= 0 else None
         with self._lock:
             self._running.add(cancel)
         if key is not None:
-            self.supersede.register(key, cancel, warmup=gen.n_predict == 0)
+            self.supersede.register(key, cancel, warmup=warmup)
         look = None
         if sock is not None:
             self.watcher.watch(sock, cancel, wake=False)
             look = self.watcher.wake
         try:
-            # this request's pool and worker: an unload (POST /models/unload) or a
-            # reload must not hand its session back to another pool
-            pool, worker = entry.pool, entry.worker
-            if pool is None or worker is None:
-                raise Unavailable("model %s was unloaded" % entry.id)
-            session = pool.acquire(tokens or [], cancel, on_wait=look)
-            if session is None:
-                c = Completion("", [], FinishReason.CANCELLED, "none", "",
-                               Usage(prompt_tokens=len(tokens or [])))
-            else:
-                try:
-                    c = self._run(worker, pool, session, tokens, gen, on_piece, cancel, chat,
-                                  what, prepare, look)
-                finally:
-                    pool.release(session)
-            self.metrics.completion(c)
-            return c
+            yield cancel, look
         finally:
             if sock is not None:
                 self.watcher.unwatch(sock)
@@ -236,6 +210,59 @@ class Service:
                 self.supersede.unregister(key, cancel)
             with self._lock:
                 self._running.discard(cancel)
+
+    def generate(self, entry, tokens, gen, id_slot=-1, on_piece=None, cancel=None, look=None,
+                 chat=None, what="", prepare=None):
+        """Run one generation job from start to finish; returns a Completion.
+
+        ``cancel`` and ``look`` are the request's (``one_request``).
+        ``on_piece`` gets each streamed piece of text, or with ``chat`` each
+        reply delta (a dict); returning False cancels.  With
+        ``gen.with_probs`` it is called as ``on_piece(piece, probs)`` where the
+        worker sent probabilities (a list of TokenProb).  With ``chat`` the
+        Completion's ``reply`` is the parsed reply.  A request cancelled
+        while waiting returns an empty CANCELLED completion without ever
+        touching a session.
+
+        ``prepare`` (a model of one session only: no prompt tokens are
+        needed to choose it): ``tokens`` is None and the worker makes the
+        prompt with this (method, args) call as the generation starts, one
+        round trip instead of two (``deferred_prepare``).
+        """
+        self.shelf.use(entry, self._scope())     # held already when it came from entry_for
+        self.admit(entry, [tokens])
+        cancel = cancel or RequestCancel()
+        # this request's pool and worker: an unload (POST /models/unload) or a
+        # reload must not hand its session back to another pool
+        pool, worker = entry.pool, entry.worker
+        if pool is None or worker is None:
+            raise Unavailable("model %s was unloaded" % entry.id)
+        session = pool.acquire(tokens or [], cancel, on_wait=look)
+        if session is None:
+            c = Completion("", [], FinishReason.CANCELLED, "none", "",
+                           Usage(prompt_tokens=len(tokens or [])))
+        else:
+            try:
+                c = self._run(worker, pool, session, tokens, gen, on_piece, cancel, chat,
+                              what, prepare, look)
+            finally:
+                pool.release(session)
+        self.metrics.completion(c)
+        return c
+
+    def admit(self, entry, prompts):
+        """Raise what a job would meet before it runs: the server shutting down, the
+        model gone, a prompt (tokens, or None: the worker makes it) the context
+        cannot hold.  Refused before queueing: waiting for a session only to fail
+        wastes the wait, and a stream can still answer with the real status."""
+        if self.state != "ready":
+            raise Unavailable("server is shutting down")
+        if entry.pool is None or entry.worker is None:
+            raise Unavailable("model %s was unloaded" % entry.id)
+        for tokens in prompts:
+            if tokens is not None and len(tokens) >= entry.n_ctx:
+                # the same error as the worker's for a prompt it made itself
+                raise PromptTooLong(n_prompt_tokens=len(tokens), n_ctx=entry.n_ctx)
 
     def _run(self, worker, pool, session, tokens, gen, on_piece, cancel, chat, what,
              prepare=None, look=None):
