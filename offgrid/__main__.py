@@ -329,7 +329,7 @@ def main(argv=None):
                 return fail(getattr(e, "message", e))
     for entry in (text, fim):
         info = entry.info if entry is not None else None
-        if info and info.get("pooling") == "rank" and not info.get("rank_head"):
+        if info and info.pooling == "rank" and not info.rank_head:
             # llama-server goes ahead too; the scores then come from no trained head
             print("offgrid: warning: %s has no rank head (its GGUF pooling_type is not rank): "
                   "/rerank scores are the first component of its hidden state, not relevance"

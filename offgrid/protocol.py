@@ -27,6 +27,7 @@ Front -> worker
         stop request N; a running decode stops within one graph node
 Worker -> front
     {"op": "ready", "info": {...}}      once, when the model and its sessions are loaded
+                                        (a ModelInfo)
     {"op": "failed", "error": ERR}      instead of "ready": the model did not load
     {"op": "progress", "value": F}      while loading: the fraction libllama has read
     {"op": "fatal", "error": ERR}       last words: ggml is aborting the process; the
@@ -150,6 +151,39 @@ def decode_vector(text):
     if sys.byteorder != "little":
         a.byteswap()
     return a
+
+
+@dataclasses.dataclass
+class ModelInfo:
+    """What a worker reports of its model once it is loaded (the "ready" frame): the
+    front's one description of a model, kept while it is unloaded."""
+    path: str                       # the GGUF file, absolute
+    name: str                       # general.name, else the file's stem
+    n_vocab: int
+    n_ctx_train: int
+    n_embd: int
+    n_params: int
+    size: int                       # bytes of its tensors
+    file_size: int                  # bytes of its file
+    n_ctx: int                      # each session's context (-c)
+    n_sessions: int                 # -np
+    has_fim: bool                   # fill-in-the-middle tokens
+    chat_template: str              # the template in use ("" where the model has none)
+    caps: dict                      # what the template can do (chat/template.py's TemplateCaps)
+    meta: dict                      # the GGUF's metadata, as strings
+    kv_bytes: int                   # the sessions' KV caches together
+    n_embd_out: int                 # the length of an embedding
+    pooling: str                    # how embeddings pool (engine/embed.py)
+    rank_head: bool                 # a reranker's classification head (pooling_type rank)
+    devices: list                   # where its layers are: the CPU, then each --rpc device
+
+
+def encode_info(info):
+    return _fields_of(info)
+
+
+def decode_info(d):
+    return ModelInfo(**{f.name: d[f.name] for f in dataclasses.fields(ModelInfo)})
 
 
 def encode_gen(gen):

@@ -27,7 +27,7 @@ class InProcessWorker:
         worker = Worker(loaded, out)
 
         def run():
-            worker.send({"op": "ready", "info": loaded.info()})
+            worker.send({"op": "ready", "info": protocol.encode_info(loaded.info())})
             worker.serve(inp)
             out.close()
             inp.close()

@@ -186,22 +186,14 @@ class Loaded:
 
     def info(self):
         m, s = self.model, self.sessions[0]
-        t = self.template
-        return {
-            "path": os.path.abspath(m.path), "name": m.name, "n_vocab": m.n_vocab,
-            "n_ctx_train": m.n_ctx_train, "n_embd": m.n_embd, "n_params": m.n_params,
-            "size": m.size, "file_size": os.path.getsize(m.path), "desc": m.desc,
-            "n_ctx": s.n_ctx, "n_batch": s.n_batch, "n_sessions": len(self.sessions),
-            "has_fim": m.has_fim, "chat_template": m.chat_template or "",
-            "caps": t.caps.as_dict(), "tool_syntax": getattr(t, "tool_syntax", "generic"),
-            "meta": m.meta, "pid": os.getpid(), "kv_bytes": self.kv_bytes(),
-            # embeddings (engine/embed.py): how they pool, what an input may hold
-            "n_embd_out": m.n_embd_out, "pooling": self.embedder.pooling,
-            "pooling_from": self.embedder.pooling_from, "embd_max_tokens": self.embedder.max_tokens,
-            "embd_batch": self.embedder.n_batch, "rank_head": model_pooling(m) == POOLING["rank"],
-            # where its layers are: the CPU, then each --rpc device
-            "devices": m.devices,
-        }
+        return protocol.ModelInfo(
+            path=os.path.abspath(m.path), name=m.name, n_vocab=m.n_vocab,
+            n_ctx_train=m.n_ctx_train, n_embd=m.n_embd, n_params=m.n_params, size=m.size,
+            file_size=os.path.getsize(m.path), n_ctx=s.n_ctx, n_sessions=len(self.sessions),
+            has_fim=m.has_fim, chat_template=m.chat_template or "",
+            caps=self.template.caps.as_dict(), meta=m.meta, kv_bytes=self.kv_bytes(),
+            n_embd_out=m.n_embd_out, pooling=self.embedder.pooling,
+            rank_head=model_pooling(m) == POOLING["rank"], devices=m.devices)
 
     def kv_bytes(self):
         """The KV caches' size, from the model's shape (f16 keys and values)."""
@@ -712,7 +704,7 @@ def main(argv=None):
     loaded.model.grammar_facts
     worker = Worker(loaded, out, args.reasoning, args.reasoning_format, out_lock,
                     args.spec_type, args.stream_interval_ms / 1000.0)
-    worker.send({"op": "ready", "info": loaded.info()})
+    worker.send({"op": "ready", "info": protocol.encode_info(loaded.info())})
     worker.serve(inp)
     # The front is gone.  Requests may still be running on other threads
     # inside libllama: end the process rather than free what they use.

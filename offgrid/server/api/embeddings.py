@@ -44,7 +44,7 @@ def check_served(svc, entry, rerank=False):
     if "embeddings" in svc.endpoints_off:
         raise HTTPError("This server does not support embeddings. Start it with `--embeddings`",
                         status=501, type="not_supported_error")
-    pooling = entry.info.get("pooling")
+    pooling = entry.info.pooling
     if rerank and pooling != "rank":
         raise HTTPError("This server does not support reranking. Start it with `--reranking` "
                         "and a reranker model (%s pools %s; its GGUF has no rank head)"
@@ -79,7 +79,7 @@ def embed(h, entry, inputs, what, normalize=2, truncate=False):
             counts += out["n_tokens"]
     finally:
         svc.watcher.unwatch(sock)
-    if entry.info.get("pooling") == "none":
+    if entry.info.pooling == "none":
         vectors = [[protocol.decode_vector(r) for r in rows] for rows in sent]
     else:
         vectors = [protocol.decode_vector(v) for v in sent]
@@ -192,7 +192,7 @@ def v1_embeddings(h, body):
     svc = h.service
     entry = svc.entry_for(f.raw("model"))
     check_served(svc, entry)
-    if entry.info.get("pooling") == "none":
+    if entry.info.pooling == "none":
         # llama-server's answer: OpenAI's shape has one vector per input
         raise BadRequest("Pooling type 'none' is not OAI compatible. Please use a different "
                          "pooling type (start the server with --pooling last, mean or cls; "
@@ -202,7 +202,7 @@ def v1_embeddings(h, body):
     inputs = inputs_from(body["input"])
     fmt = encoding_from(f)
     dims = f.int("dimensions", None, lo=1)
-    n_out = entry.info["n_embd_out"]
+    n_out = entry.info.n_embd_out
     if dims is not None and dims != n_out:
         raise BadRequest("'dimensions' %d is not supported: %s's embeddings have %d dimensions "
                          "(leave it out, or send %d)" % (dims, entry.id, n_out, n_out))

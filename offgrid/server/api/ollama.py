@@ -409,7 +409,7 @@ def _embed_entry(f, svc):
     Fields(f.raw("options", {}), "'options' value")     # accepted: nothing in it applies
     entry = entry_named(svc, name)
     embeddings.check_served(svc, entry)
-    if entry.info.get("pooling") == "none":
+    if entry.info.pooling == "none":
         raise BadRequest("the server pools none (a vector per token); Ollama's embeddings "
                          "are one vector per input: start it with --pooling last, mean or cls")
     return name, entry
@@ -441,7 +441,7 @@ def embed(h, body):
     svc.metrics.request("api/embed")
     vectors, counts, _ = embeddings.embed(h, entry, [[t] for t in texts], "POST /api/embed",
                                           truncate=truncate)
-    if 0 < dims < entry.info["n_embd_out"]:
+    if 0 < dims < entry.info.n_embd_out:
         # Ollama's dimensions: the leading components, made unit length again
         vectors = [_unit(v[:dims]) for v in vectors]
     h.send_json(200, {

@@ -2,7 +2,7 @@
 
 The models are those of the shelf (``shelf.py``: -m, --fim-model, the
 --models-dir folders), loaded or not; their details come from the GGUF
-metadata their workers reported at their last load (``entry.info["meta"]``,
+metadata their workers reported at their last load (``entry.info.meta``,
 ``n_params``, ``caps``; empty for a model never loaded yet), and their digest
 from reading the file once (``DIGESTS``).  /api/show loads the model it
 describes.  Shapes as Ollama's docs/api.md; see
@@ -79,19 +79,19 @@ def _parameter_size(n):
 
 def _details(entry):
     # a model never loaded yet has no metadata here: its worker reads it at load
-    info = entry.info or {}
-    meta = info.get("meta") or {}
+    info = entry.info
+    meta = info.meta if info is not None else {}
     family = meta.get("general.architecture", "")
     ftype = _meta_value(meta.get("general.file_type"))
     return {"parent_model": "", "format": "gguf", "family": family,
             "families": [family] if family else [],
-            "parameter_size": _parameter_size(info["n_params"]) if info else "",
+            "parameter_size": _parameter_size(info.n_params) if info else "",
             "quantization_level": _FILE_TYPES.get(ftype, "unknown")}
 
 
 def _model(entry):
     info = entry.info
-    size = info.get("file_size", info["size"]) if info else os.path.getsize(entry.path)
+    size = info.file_size if info else os.path.getsize(entry.path)
     return {"name": entry.id, "model": entry.id,
             "modified_at": rfc3339(os.path.getmtime(entry.path)),
             "size": size, "digest": DIGESTS.of(entry.path), "details": _details(entry)}
@@ -127,7 +127,7 @@ def ps(h, _body):
             expires = "2318-01-01T00:00:00Z"   # never (or not while in use): Ollama's "forever"
         else:
             expires = rfc3339(time.time() + max(0.0, left))
-        m.update(size=m["size"] + e.info.get("kv_bytes", 0), size_vram=0,
+        m.update(size=m["size"] + e.info.kv_bytes, size_vram=0,
                  expires_at=expires, context_length=e.n_ctx)
         out.append(m)
     h.send_json(200, {"models": out})
@@ -141,7 +141,7 @@ def _template(entry):
     does fill-in-the-middle (Continue), ``.Tools`` when its template takes
     tools (Ollama's own "tools" capability test).
     """
-    caps = entry.info.get("caps") or {}
+    caps = entry.info.caps or {}
     out = ["{{- /* offgrid renders this model's own chat template; an outline */ -}}\n"]
     if entry.has_fim:
         out.append("{{- if .Suffix }}<fim_prefix>{{ .Prompt }}<fim_suffix>{{ .Suffix }}"
@@ -158,7 +158,7 @@ def _template(entry):
 
 def _capabilities(entry):
     caps = ["completion"]
-    if (entry.info.get("caps") or {}).get("supports_tools"):
+    if (entry.info.caps or {}).get("supports_tools"):
         caps.append("tools")
     if entry.has_fim:
         caps.append("insert")
@@ -176,9 +176,9 @@ def show(h, body):
         entry = entry_named(h.service, name)
     info = entry.info
     # the template is /api/show's own field (as in Ollama), not repeated here
-    model_info = {k: _meta_value(v) for k, v in sorted((info.get("meta") or {}).items())
+    model_info = {k: _meta_value(v) for k, v in sorted((info.meta or {}).items())
                   if k != "tokenizer.chat_template"}
-    model_info.setdefault("general.parameter_count", info["n_params"])
+    model_info.setdefault("general.parameter_count", info.n_params)
     # one "name value" a line: Continue reads num_ctx from here and fails on any other form
     parameters = "num_ctx %d" % entry.n_ctx
     h.send_json(200, {

@@ -45,7 +45,7 @@ def model_object(shelf, e, created):
         settings["chat_template"] = e.settings.get("chat_template") or preset["chat_template"]
     info = e.info
     if info is not None:
-        settings.update(n_ctx=info["n_ctx"], parallel=info["n_sessions"])
+        settings.update(n_ctx=info.n_ctx, parallel=info.n_sessions)
     left, then = shelf.expires_in(e)
     settings["pinned"] = e.pinned
     if e.worker is not None and left is not None:
@@ -58,9 +58,9 @@ def model_object(shelf, e, created):
         "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
     }
     if info is not None:
-        out["meta"] = {"n_vocab": info["n_vocab"], "n_ctx_train": info["n_ctx_train"],
-                       "n_embd": info["n_embd"], "n_params": info["n_params"],
-                       "size": info["size"], "n_ctx": info["n_ctx"], "fim": info["has_fim"]}
+        out["meta"] = {"n_vocab": info.n_vocab, "n_ctx_train": info.n_ctx_train,
+                       "n_embd": info.n_embd, "n_params": info.n_params,
+                       "size": info.size, "n_ctx": info.n_ctx, "fim": info.has_fim}
     return out
 
 
@@ -125,7 +125,7 @@ def metric_lines(shelf, label):
             "this machine; RPCn: an rpc-server at endpoint).",
             "# TYPE offgrid_model_device_layers gauge"]
     for e in entries:
-        for d in ((e.info or {}).get("devices") or []) if e.status == "loaded" else []:
+        for d in e.info.devices if e.status == "loaded" and e.info is not None else []:
             out.append('offgrid_model_device_layers{model="%s",device="%s",endpoint="%s"} %d'
                        % (label(e.id), label(d["name"]), label(d.get("endpoint") or ""),
                           d["layers"]))

@@ -83,11 +83,11 @@ def props(h, _body):
             "next_token": {"has_next_token": True, "has_new_line": False, "n_remain": -1,
                            "n_decoded": 0, "stopping_word": ""},
         },
-        "total_slots": info["n_sessions"],
+        "total_slots": info.n_sessions,
         "model_alias": e.id,
         "model_path": e.path,
-        "chat_template": info["chat_template"],
-        "chat_template_caps": info["caps"],
+        "chat_template": info.chat_template,
+        "chat_template_caps": info.caps,
         "modalities": {"vision": False, "audio": False},
         "build_info": formats.FINGERPRINT,
         # unloaded by --sleep-idle-seconds (or since): the next request wakes it
@@ -95,7 +95,7 @@ def props(h, _body):
         "infill": svc.fim.has_fim,
         "threads": _threads_of(e),
         # where the model's layers are: the CPU here, then each --rpc device
-        "devices": info.get("devices") or [],
+        "devices": info.devices or [],
     })
 
 

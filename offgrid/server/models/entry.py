@@ -63,8 +63,8 @@ class ModelEntry:
     def started(cls, worker, name=None, aliases=(), **kw):
         """The entry of a worker that has loaded its model (WorkerClient.start)."""
         info = worker.info
-        entry = cls(id=name or info["name"], worker=worker, aliases=aliases,
-                    path=info["path"], **kw)
+        entry = cls(id=name or info.name, worker=worker, aliases=aliases,
+                    path=info.path, **kw)
         entry.attach(worker)
         return entry
 
@@ -73,7 +73,7 @@ class ModelEntry:
         info = worker.info
         self.worker = worker
         self._info = info
-        self.pool = ChatPool([SessionSlot(i) for i in range(info["n_sessions"])])
+        self.pool = ChatPool([SessionSlot(i) for i in range(info.n_sessions)])
         self._status, self.error, self.progress = "loaded", None, None
 
     def detach(self, status="unloaded", error=None):
@@ -111,16 +111,16 @@ class ModelEntry:
 
     @property
     def n_ctx(self):
-        return self.info["n_ctx"]
+        return self.info.n_ctx
 
     @property
     def n_vocab(self):
-        return self.info["n_vocab"]
+        return self.info.n_vocab
 
     @property
     def has_fim(self):
         info = self.info
-        return bool(info and info["has_fim"])
+        return bool(info and info.has_fim)
 
     @property
     def state(self):

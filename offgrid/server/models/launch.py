@@ -53,7 +53,7 @@ def worker_args(path, args, chat_template=None, decode_lock=None):
 def default_max_rss(info):
     """A worker's memory ceiling: its model file, its KV caches, and a margin for the
     rest (compute buffers, the logits of a batch, Python): half the model, 1 GiB at least."""
-    return info["file_size"] + info["kv_bytes"] + max(1 << 30, info["file_size"] // 2)
+    return info.file_size + info.kv_bytes + max(1 << 30, info.file_size // 2)
 
 
 # A preset's settings that are our flags, by their argparse names.

@@ -264,7 +264,7 @@ class WorkerClient:
                     with self._cond:
                         if self.unavailable:
                             sys.stderr.write("offgrid: model %s is back\n" % self.name)
-                        self.info = frame["info"]
+                        self.info = protocol.decode_info(frame["info"])
                         self.state = "ready"
                         self.unavailable, self._said_waiting = None, False
                         self._cond.notify_all()
