@@ -9,8 +9,8 @@ import os
 import threading
 
 from offgrid.engine.worker import Loaded, Worker
-from offgrid.server.service import ModelEntry
-from offgrid.server.workers import WorkerClient
+from offgrid.server.models.entry import ModelEntry
+from offgrid.server.models.worker_client import WorkerClient
 
 
 class InProcessWorker:

@@ -23,12 +23,11 @@ item per call.  Nothing is stored: ``previous_response_id`` and
 ``conversation`` get a 400, ``store`` is accepted and ignored.
 """
 
-import json
-
-from ..request import FinishReason, Message, ToolCall
-from . import chat, formats
-from .errors import BadRequest
-from .params import (MAX_N_PREDICT, Fields, generation_from, id_slot_from, tool_choice_from,
+from ...request import FinishReason, Message, ToolCall
+from . import formats, openai_chat as chat, pipeline
+from ..httpd.httperrors import BadRequest
+from .pipeline import Format, Generation, Prompt
+from .fields import (MAX_N_PREDICT, Fields, generation_from, id_slot_from, tool_choice_from,
                      tool_of)
 
 # -- the request ------------------------------------------------------------------------
@@ -294,25 +293,44 @@ def responses(h, body):
     gen.stop = []       # the Responses API has no stop strings
     chat.apply_plan(gen, plan)
     req = _Request(f, gen, tool_choice, f.raw("tools"))
-    svc.metrics.request("v1/responses")
-    ids, created = _Ids(), formats.now()
-    if not f.bool("stream", False):
-        c = svc.generate(entry, plan["tokens"], gen, id_slot_from(f), sock=h.connection,
-                         chat=plan["chat"], what=what)
-        h.send_json(200, response_object(ids, entry.id, req, created, output_items(ids, c.reply, _item_status(c)),
-                                         c))
-        return
-    st = _Stream(h.event_stream(), ids, entry.id, req, created)
-    c = svc.generate(entry, plan["tokens"], gen, id_slot_from(f), st.delta, sock=h.connection,
-                     chat=plan["chat"], what=what)
-    st.finish(c)
+    g = Generation(entry, gen, [Prompt(plan["tokens"])], "v1/responses", what,
+                   stream=f.bool("stream", False), id_slot=id_slot_from(f), chat=plan["chat"])
+    pipeline.run(h, g, ResponsesFormat(entry.id, req))
+
+
+class ResponsesFormat(Format):
+    """A Response object, or the Responses event sequence (``_Stream``)."""
+
+    def __init__(self, model, req):
+        self.model, self.req = model, req
+        self.ids, self.created = _Ids(), formats.now()
+        self._stream = None
+
+    def _st(self, out):
+        if self._stream is None:
+            self._stream = _Stream(out, self.ids, self.model, self.req, self.created)
+        return self._stream
+
+    def open(self, out):
+        self._st(out).start()
+
+    def piece(self, out, job, d, probs):
+        return self._st(out).delta(d)
+
+    def choice_end(self, out, job, c):
+        self._st(out).finish(c)
+
+    def body(self, jobs, done):
+        c = done[0]
+        return response_object(self.ids, self.model, self.req, self.created,
+                               output_items(self.ids, c.reply, _item_status(c)), c)
 
 
 class _Stream:
     """The Responses event sequence from reply deltas.
 
-    response.created and response.in_progress go out with the first delta
-    (a request refused in generate() gets its real status); each output
+    response.created and response.in_progress go out as the stream opens
+    (``ResponsesFormat.open``), before the prompt is evaluated; each output
     item is added, gets its content part and deltas, and is done when a
     delta of another kind arrives or the reply ends; then
     response.completed (or response.incomplete at max_output_tokens) carries
@@ -336,7 +354,7 @@ class _Stream:
     def _response(self, c=None):
         return response_object(self.ids, self.model, self.req, self.created, list(self.output), c)
 
-    def _start(self):
+    def start(self):
         if not self.started:
             self.started = True
             self._send("response.created", response=self._response())
@@ -374,7 +392,7 @@ class _Stream:
         self.kind = None
 
     def delta(self, d):
-        self._start()
+        self.start()
         if "tool_call" in d:
             self._close()
             _, tc = d["tool_call"]
@@ -403,11 +421,10 @@ class _Stream:
         return self._send("response.output_text.delta", delta=text, logprobs=[], **self._where())
 
     def finish(self, c):
-        self._start()
+        self.start()
         if not self.output and self.kind is None:
             self._open("message")       # a response always has its message
         self._close(_item_status(c))
         done = self._response(c)
         self._send("response.completed" if done["status"] == "completed"
                    else "response.incomplete", response=done)
-        self.es.end()

@@ -51,10 +51,10 @@ import sys
 import threading
 import time
 
-from ..errors import ModelLoadError
-from .errors import BadRequest, HTTPError, NotFound, Unavailable
-from .shelf_files import file_key, gguf_problem, name_is_safe, scan
-from .workers import rss_of
+from ...errors import ModelLoadError
+from ..httpd.httperrors import BadRequest, HTTPError, NotFound, Unavailable
+from .folders import file_key, gguf_problem, name_is_safe, scan
+from .worker_client import rss_of
 
 log = logging.getLogger("offgrid.shelf")
 
@@ -155,7 +155,7 @@ class Shelf:
         not loaded leave, changed ones that failed get another chance."""
         if not self.dirs and self.preset is None:
             return
-        from .service import ModelEntry       # the entry class lives with the service
+        from .entry import ModelEntry
         found = scan(self.dirs)
         defaults, sections = self.preset or ({}, {})
         added, removed = [], []

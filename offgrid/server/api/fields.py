@@ -12,8 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import List, Union
 
-from ..request import SAMPLER_ALIASES, GenerationParams, InfillRequest, SamplingParams
-from .errors import BadRequest
+from ...request import SAMPLER_ALIASES, GenerationParams, InfillRequest, SamplingParams
+from ..httpd.httperrors import BadRequest
 
 # Limits on what a request may ask for; beyond them it is refused, not clamped,
 # so a client learns its request was odd.
@@ -212,7 +212,22 @@ def _is_id_text(s):
 _ID_TEXT = re.compile(r"-?[0-9]{1,30}")
 
 
-def generation_from(f, n_vocab, n_predict_default=-1, max_tokens_names=("n_predict", "max_tokens"),
+# llama-server's n_predict and its aliases, in the order it reads them: the same on
+# every route of its API and OpenAI's (Anthropic's and Responses' have their own)
+MAX_TOKENS_NAMES = ("n_predict", "max_completion_tokens", "max_tokens")
+
+
+def choices_from(f):
+    """Choices of each prompt: llama-server's ``n_cmpl``, OpenAI's ``n`` its fallback, as
+    llama-server reads them on every route; ``best_of`` and ``echo`` refused."""
+    if f.int("best_of", 1) != 1:
+        raise BadRequest("'best_of' must be 1: offgrid does not rank several completions")
+    if f.bool("echo", False):
+        raise BadRequest("'echo' is not supported: the response never repeats the prompt")
+    return f.int("n_cmpl" if f.has("n_cmpl") else "n", 1, lo=1, hi=MAX_N_CMPL)
+
+
+def generation_from(f, n_vocab, n_predict_default=-1, max_tokens_names=MAX_TOKENS_NAMES,
                     sampling_default=None, tokenize=None):
     """GenerationParams from a request's generation fields (``sampling_default``,
     ``tokenize``: see sampling_from)."""
@@ -372,7 +387,7 @@ def chat_messages_from(v):
     tool calls; content is a string, null, or an array of text parts.
     """
     import json
-    from ..request import Message, ToolCall
+    from ...request import Message, ToolCall
     if not isinstance(v, list) or not v:
         raise BadRequest("'messages' must be a non-empty array")
     out = []
@@ -457,7 +472,7 @@ def tools_from(v):
 def tool_of(name, description, schema, where, schema_key="parameters"):
     """A Tool from a client's tool fields, the last step of every dialect's
     tools reader: a missing description is "", the schema must be an object."""
-    from ..request import Tool
+    from ...request import Tool
     description = description or ""
     if not isinstance(description, str) or not isinstance(schema, dict):
         raise BadRequest("%s: 'description' must be a string and '%s' an object"

@@ -21,15 +21,15 @@ import contextlib
 import threading
 import time
 
-from ..request import (Completion, FinishReason, PromptProgress, RequestCancel, SamplingParams,
+from ...request import (Completion, FinishReason, PromptProgress, RequestCancel, SamplingParams,
                        Usage)
-from .. import protocol
-from ..errors import PromptTooLong
-from .errors import BadRequest, Unavailable
+from ... import protocol
+from ...errors import PromptTooLong
+from ..httpd.httperrors import BadRequest, Unavailable
+from ..models.folders import parse_duration
+from ..models.shelf import Shelf
 from .metrics import Metrics
-from .pool import ChatPool, SessionSlot, Supersede
-from .shelf import Shelf
-from .shelf_files import parse_duration
+from .supersede import Supersede
 from .watcher import DisconnectWatcher
 
 # Seconds a request runs before the disconnect watcher polls its socket
@@ -44,130 +44,6 @@ class _Scope:
 
     def __init__(self):
         self.held = []
-
-
-class ModelEntry:
-    """One model on the shelf: the names it answers to, and while it is loaded its worker
-    process and the pool of its sessions (``server/shelf.py`` loads and unloads it)."""
-
-    def __init__(self, id, worker=None, pool=None, aliases=(), path="", source="command line",
-                 pinned=False, settings=None):
-        self.id = id
-        self.aliases = list(aliases)
-        self.path = path
-        self.source = source            # "command line", "models_dir" or "preset"
-        self.pinned = pinned            # never evicted nor put to sleep (--fim-model, --pin)
-        self.settings = dict(settings or {})    # from the command line (chat_template)
-        self.preset = None              # from --models-preset: [*] then [name]
-        self.shelf = None
-        self.worker = worker            # server.workers.WorkerClient, None while unloaded
-        self.pool = pool                # ChatPool of its sessions, None while unloaded
-        # what the worker reported at its last load: kept while unloaded, so listings
-        # and /props still describe the model without waking it
-        self._info = worker.info if worker is not None else None
-        self._status = "loaded" if worker is not None else "unloaded"
-        self.error = None               # why it is in "error"
-        self.progress = None            # 0..1 while loading, as its worker reports
-        self.file_key = None            # (size, mtime) of the file when last looked at
-        # held by requests now (Shelf.use .. Shelf.release), and since when idle
-        self.active = 0
-        self.last_used = time.monotonic()
-        self.keep_alive = None          # seconds from the last request's keep_alive
-        # counters for /metrics
-        self.loads = 1 if worker is not None else 0
-        self.unloads = 0
-        self.evictions = 0
-        self.load_seconds = 0.0
-        self.resident_peak = 0
-        self._past_starts = self._past_deaths = 0   # of the workers it had before this one
-
-    @property
-    def worker_starts(self):
-        w = self.worker
-        return self._past_starts + (w.starts if w is not None else 0)
-
-    @property
-    def worker_deaths(self):
-        w = self.worker
-        return self._past_deaths + (w.deaths if w is not None else 0)
-
-    def answers_to(self, name):
-        return name == self.id or name in self.aliases
-
-    @classmethod
-    def started(cls, worker, name=None, aliases=(), **kw):
-        """The entry of a worker that has loaded its model (WorkerClient.start)."""
-        info = worker.info
-        entry = cls(id=name or info["name"], worker=worker, aliases=aliases,
-                    path=info["path"], **kw)
-        entry.attach(worker)
-        return entry
-
-    # -- loaded and unloaded (the shelf calls these under its lock) ---------------------------
-    def attach(self, worker):
-        info = worker.info
-        self.worker = worker
-        self._info = info
-        self.pool = ChatPool([SessionSlot(i) for i in range(info["n_sessions"])])
-        self._status, self.error, self.progress = "loaded", None, None
-
-    def detach(self, status="unloaded", error=None):
-        """Forget the worker (the caller closes it); returns it."""
-        worker, self.worker, self.pool = self.worker, None, None
-        if worker is not None:
-            self._past_starts += worker.starts
-            self._past_deaths += worker.deaths
-        self.set_status(status, error)
-        self.keep_alive = None
-        return worker
-
-    def set_status(self, status, error=None):
-        self._status, self.error = status, error
-        if status != "loading":
-            self.progress = None
-
-    @property
-    def status(self):
-        """unloaded, loading, loaded, sleeping or error (server/shelf.py says when)."""
-        w = self.worker
-        if w is None:
-            return self._status
-        return {"ready": "loaded", "loading": "loading", "failed": "error",
-                "closed": "unloaded"}.get(w.state, w.state)
-
-    # what the front knows of the model, as its worker reported it at load (None:
-    # never loaded yet)
-    @property
-    def info(self):
-        w = self.worker
-        if w is not None and w.info is not None:
-            return w.info
-        return self._info
-
-    @property
-    def n_ctx(self):
-        return self.info["n_ctx"]
-
-    @property
-    def n_vocab(self):
-        return self.info["n_vocab"]
-
-    @property
-    def has_fim(self):
-        info = self.info
-        return bool(info and info["has_fim"])
-
-    @property
-    def state(self):
-        """The worker's own state (loading, ready, failed, closed); closed while unloaded."""
-        w = self.worker
-        return w.state if w is not None else "closed"
-
-    def call(self, method, what="", **args):
-        w = self.worker
-        if w is None:
-            raise Unavailable("model %s is not loaded" % self.id)
-        return w.call(method, what, **args)
 
 
 class Service:
@@ -301,58 +177,32 @@ class Service:
                 return done[:i + 1]
         return done
 
-    def generate(self, entry, tokens, gen, id_slot=-1, on_piece=None, sock=None, cancel=None,
-                 chat=None, what="", prepare=None):
-        """Run one generation request from start to finish; returns a Completion.
+    @contextlib.contextmanager
+    def one_request(self, entry, id_slot=-1, sock=None, warmup=False):
+        """The span of one generate request, however many jobs it runs: yields its one
+        (RequestCancel, look).
 
-        ``on_piece`` gets each streamed piece of text, or with ``chat`` each
-        reply delta (a dict); returning False cancels.  With
-        ``gen.with_probs`` it is called as ``on_piece(piece, probs)`` where the
-        worker sent probabilities (a list of TokenProb).  With ``chat`` the
-        Completion's ``reply`` is the parsed reply.  A request superseded
-        or disconnected while waiting returns an empty CANCELLED completion
-        without ever touching a session.
-
-        ``prepare`` (a model of one session only: no prompt tokens are
-        needed to choose it): ``tokens`` is None and the worker makes the
-        prompt with this (method, args) call as the generation starts, one
-        round trip instead of two (``deferred_prepare``).
+        The cancel is the request's: a newer request with the same ``id_slot``
+        (supersede; a ``warmup``, n_predict 0, replaces only a warm-up), its
+        client hanging up (the disconnect watcher, polling ``sock`` once a job
+        waits or has run WATCH_AFTER: ``look`` asks for that) and the
+        shutdown flip it, and every job of the request ends with it, queued
+        ones before they start.
         """
         if self.state != "ready":
             raise Unavailable("server is shutting down")
-        self.shelf.use(entry, self._scope())     # held already when it came from entry_for
-        if tokens is not None and len(tokens) >= entry.n_ctx:
-            # refuse before queueing: waiting for a session only to fail wastes the
-            # wait (the same error as the worker's for a prompt it made itself)
-            raise PromptTooLong(n_prompt_tokens=len(tokens), n_ctx=entry.n_ctx)
-        cancel = cancel or RequestCancel()
+        cancel = RequestCancel()
         key = (entry.id, id_slot) if id_slot >= 0 else None
         with self._lock:
             self._running.add(cancel)
         if key is not None:
-            self.supersede.register(key, cancel, warmup=gen.n_predict == 0)
+            self.supersede.register(key, cancel, warmup=warmup)
         look = None
         if sock is not None:
             self.watcher.watch(sock, cancel, wake=False)
             look = self.watcher.wake
         try:
-            # this request's pool and worker: an unload (POST /models/unload) or a
-            # reload must not hand its session back to another pool
-            pool, worker = entry.pool, entry.worker
-            if pool is None or worker is None:
-                raise Unavailable("model %s was unloaded" % entry.id)
-            session = pool.acquire(tokens or [], cancel, on_wait=look)
-            if session is None:
-                c = Completion("", [], FinishReason.CANCELLED, "none", "",
-                               Usage(prompt_tokens=len(tokens or [])))
-            else:
-                try:
-                    c = self._run(worker, pool, session, tokens, gen, on_piece, cancel, chat,
-                                  what, prepare, look)
-                finally:
-                    pool.release(session)
-            self.metrics.completion(c)
-            return c
+            yield cancel, look
         finally:
             if sock is not None:
                 self.watcher.unwatch(sock)
@@ -360,6 +210,59 @@ class Service:
                 self.supersede.unregister(key, cancel)
             with self._lock:
                 self._running.discard(cancel)
+
+    def generate(self, entry, tokens, gen, id_slot=-1, on_piece=None, cancel=None, look=None,
+                 chat=None, what="", prepare=None):
+        """Run one generation job from start to finish; returns a Completion.
+
+        ``cancel`` and ``look`` are the request's (``one_request``).
+        ``on_piece`` gets each streamed piece of text, or with ``chat`` each
+        reply delta (a dict); returning False cancels.  With
+        ``gen.with_probs`` it is called as ``on_piece(piece, probs)`` where the
+        worker sent probabilities (a list of TokenProb).  With ``chat`` the
+        Completion's ``reply`` is the parsed reply.  A request cancelled
+        while waiting returns an empty CANCELLED completion without ever
+        touching a session.
+
+        ``prepare`` (a model of one session only: no prompt tokens are
+        needed to choose it): ``tokens`` is None and the worker makes the
+        prompt with this (method, args) call as the generation starts, one
+        round trip instead of two (``deferred_prepare``).
+        """
+        self.shelf.use(entry, self._scope())     # held already when it came from entry_for
+        self.admit(entry, [tokens])
+        cancel = cancel or RequestCancel()
+        # this request's pool and worker: an unload (POST /models/unload) or a
+        # reload must not hand its session back to another pool
+        pool, worker = entry.pool, entry.worker
+        if pool is None or worker is None:
+            raise Unavailable("model %s was unloaded" % entry.id)
+        session = pool.acquire(tokens or [], cancel, on_wait=look)
+        if session is None:
+            c = Completion("", [], FinishReason.CANCELLED, "none", "",
+                           Usage(prompt_tokens=len(tokens or [])))
+        else:
+            try:
+                c = self._run(worker, pool, session, tokens, gen, on_piece, cancel, chat,
+                              what, prepare, look)
+            finally:
+                pool.release(session)
+        self.metrics.completion(c)
+        return c
+
+    def admit(self, entry, prompts):
+        """Raise what a job would meet before it runs: the server shutting down, the
+        model gone, a prompt (tokens, or None: the worker makes it) the context
+        cannot hold.  Refused before queueing: waiting for a session only to fail
+        wastes the wait, and a stream can still answer with the real status."""
+        if self.state != "ready":
+            raise Unavailable("server is shutting down")
+        if entry.pool is None or entry.worker is None:
+            raise Unavailable("model %s was unloaded" % entry.id)
+        for tokens in prompts:
+            if tokens is not None and len(tokens) >= entry.n_ctx:
+                # the same error as the worker's for a prompt it made itself
+                raise PromptTooLong(n_prompt_tokens=len(tokens), n_ctx=entry.n_ctx)
 
     def _run(self, worker, pool, session, tokens, gen, on_piece, cancel, chat, what,
              prepare=None, look=None):

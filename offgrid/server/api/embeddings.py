@@ -24,10 +24,10 @@ token ids, empty inputs and lengths.
 
 import math
 
-from .. import protocol
-from ..request import RequestCancel
-from .errors import BadRequest, HTTPError, Unavailable
-from .params import Fields
+from ... import protocol
+from ...request import RequestCancel
+from ..httpd.httperrors import BadRequest, HTTPError, Unavailable
+from .fields import Fields
 
 # Inputs one request may carry: OpenAI's own limit.
 MAX_INPUTS = 2048

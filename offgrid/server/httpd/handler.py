@@ -7,11 +7,15 @@ connection is kept alive between requests (HTTP/1.1).  Generation requests
 block their thread inside ``Service.generate`` while they wait for and use a
 session; streams write each piece as one chunk of a chunked response.
 
+This layer knows no route: it is handed an ``app`` (``server/api/routes.py``)
+with the route table (``app.route``), the call into it (``app.dispatch``)
+and the one error exit (``app.error_response``).
+
 Errors: handlers raise ``HTTPError`` (or let engine errors through);
-``_dispatch`` turns every exception into one JSON error response via
-``errors.to_http_error``, its body in the shape of the route's dialect
-(``errors.error_body``: OpenAI's object, Ollama's string, Anthropic's
-envelope).  Nothing else writes error bodies.
+``_send_exception`` hands every exception, and http.server's own refusals
+(``send_error``), to ``app.error_response``, which maps it to a status and
+writes its body in the shape of the route's dialect.  Nothing else writes
+error bodies.
 
 Limits, so that no client can hold a thread or memory for long (the knobs are
 Handler's class attributes, set by make_server from the command line; the
@@ -41,125 +45,23 @@ Shutdown: ``Server.drain`` refuses new requests and waits for those being
 answered, so the models are freed only once no handler can touch them.
 """
 
-import collections
-import errno
 import hashlib
 import hmac
-import ipaddress
-import json
 import logging
 import re
-import socket
 import sys
-import threading
-import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import urlsplit
 
-from .. import __version__
-from ..errors import OffgridError
-from ..jobs import Threads
-from . import burst, endpoints, reader
-from .lobby import Lobby
-from .errors import (HTTPError, MethodNotAllowed, NotFound, Unauthorized, Unavailable,
-                     error_body, error_event, to_http_error)
+from ... import __version__
+from . import reader
+from .httperrors import HTTPError, MethodNotAllowed, NotFound, Unauthorized, Unavailable
+from .streams import EventStream, NDJSONStream, dumps
 
 log = logging.getLogger("offgrid.http")
 
 # An HTTP token (RFC 9110): what a header name in Access-Control-Request-Headers may be.
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
-
-
-def dumps(obj):
-    """JSON bytes; lone surrogates become U+FFFD rather than an error."""
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "replace")
-
-
-# -- responses -------------------------------------------------------------------------
-
-class _ChunkedStream:
-    """A streamed 200 response, written as HTTP/1.1 chunks, one message per chunk.
-
-    Headers go out with the first message, so a request refused before its
-    first piece still gets its real status.  ``send`` returns False once the
-    client is gone, which the generation loop takes as a cancel.  An HTTP/1.0
-    client gets the messages unchunked, ended by closing the connection.
-    """
-    content_type = "application/octet-stream"
-
-    def __init__(self, handler):
-        self.handler = handler
-        self.started = False
-        self.broken = False
-        self.chunked = handler.request_version != "HTTP/1.0"
-        # several choices of one request may stream at once (Service.run_choices)
-        self._lock = threading.Lock()
-
-    def start(self):
-        h = self.handler
-        h.send_response(200)
-        h.send_header("Content-Type", self.content_type)
-        h.send_header("Cache-Control", "no-cache")
-        if self.chunked:
-            h.send_header("Transfer-Encoding", "chunked")
-        else:
-            h.close_connection = True
-            h.send_header("Connection", "close")
-        h.send_cors_headers()
-        h.end_headers()
-        self.started = True
-
-    def frame(self, obj, event=None):
-        """One message's bytes on the wire."""
-        raise NotImplementedError
-
-    def send(self, obj, event=None):
-        data = self.frame(obj, event)
-        if self.chunked:
-            data = b"%x\r\n%s\r\n" % (len(data), data)
-        return self._write(data)
-
-    def end(self):
-        if self.chunked:
-            self._write(b"0\r\n\r\n")
-
-    def _write(self, data):
-        if self.broken:
-            return False
-        return burst.write(self._write_now, data)     # held while a burst is handed on
-
-    def _write_now(self, data):
-        with self._lock:
-            if self.broken:
-                return False
-            try:
-                if not self.started:
-                    self.start()
-                self.handler.wfile.write(data)
-                return True
-            except OSError:             # gone, or stopped reading for `timeout` seconds
-                self.broken = True
-                self.handler.close_connection = True
-                return False
-
-
-class EventStream(_ChunkedStream):
-    """A ``text/event-stream`` response (llama-server's and OpenAI's streams)."""
-    content_type = "text/event-stream"
-
-    def frame(self, obj, event=None):
-        data = b"data: " + (obj if isinstance(obj, bytes) else dumps(obj)) + b"\n\n"
-        if event is not None:       # Anthropic's clients read named events only
-            data = b"event: " + event.encode("ascii") + b"\n" + data
-        return data
-
-
-class NDJSONStream(_ChunkedStream):
-    """An ``application/x-ndjson`` response: one JSON object a line (Ollama's streams)."""
-    content_type = "application/x-ndjson"
-
-    def frame(self, obj, event=None):
-        return dumps(obj) + b"\n"
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -190,8 +92,10 @@ class Handler(BaseHTTPRequestHandler):
     # Origins allowed to make cross-origin requests (empty: CORS off).
     cors_origins = ()
     verbose = False
-    # The Service, or None while the models load.
+    # The Service, or None while the models load: opaque here, for the app's handlers.
     service = None
+    # The application: route, dispatch, error_response (see the module docstring).
+    app = None
 
     # -- connection ---------------------------------------------------------------
     def setup(self):
@@ -346,14 +250,7 @@ class Handler(BaseHTTPRequestHandler):
                 self._check_origin()
                 self._check_auth()
             body = self._read_json() if method == "POST" else None
-            if route.needs_service and self.service is None:
-                raise Unavailable("Loading model")
-            if route.needs_service:
-                # the models this request uses are held until it is answered (shelf.py)
-                with self.service.request_scope(body):
-                    route.handler(self, body)
-            else:
-                route.handler(self, body)
+            self.app.dispatch(self, route, body)
         except Exception as exc:           # the one exit for errors
             self._send_exception(exc)
         finally:
@@ -378,7 +275,7 @@ class Handler(BaseHTTPRequestHandler):
     def _route(self, method):
         """The route for this request; NotFound or MethodNotAllowed (OPTIONS: route or None)."""
         path = self.path.split("?", 1)[0]
-        route = endpoints.ROUTES.get(path)
+        route = self.app.route(path)
         if method == "OPTIONS":
             return route
         if route is None:
@@ -390,19 +287,14 @@ class Handler(BaseHTTPRequestHandler):
         return route
 
     def _send_exception(self, exc):
-        err = to_http_error(exc)
-        if err.status >= 500 and not isinstance(exc, (HTTPError, OffgridError)):
-            log.exception("internal error on %s %s", self.command, self.path.split("?", 1)[0])
-        if self.service is not None and err.status >= 500:
-            self.service.metrics.error()
+        err, body, event = self.app.error_response(
+            exc, "%s %s" % (self.command, (self.path or "").split("?", 1)[0]), self.service)
         if self._body_pending:
             self.close_connection = True    # the unread body must not be read as a request
-        dialect = endpoints.dialect_of(self.path.split("?", 1)[0])
-        body = error_body(err, dialect)
         stream = getattr(self, "_stream", None)
         if stream is not None and stream.started:
             # headers are gone: the error becomes the stream's last event (or line)
-            stream.send(body, error_event(dialect))
+            stream.send(body, event)
             stream.end()
             return
         self.send_json(err.status, body, err.headers)
@@ -558,7 +450,8 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
 
     def send_error(self, code, message=None, explain=None):
-        """http.server's own errors (bad request line, huge headers, ...) as JSON."""
+        """http.server's own errors (bad request line, huge headers, ...), through the
+        one error exit like every other."""
         kind = {404: "not_found_error"}.get(code, "invalid_request_error" if code < 500
                                             else "server_error")
         if code == 501:
@@ -569,8 +462,9 @@ class Handler(BaseHTTPRequestHandler):
             # answer still needs its status line and headers
             self.request_version = "HTTP/1.1"
         self.close_connection = True
-        self.send_json(code, {"error": {"code": int(code), "type": kind,
-                                        "message": message or explain or "error"}})
+        self._stream = None
+        self._send_exception(HTTPError(message or explain or "error", status=int(code),
+                                       type=kind))
 
     def log_request(self, code="-", size="-"):
         # method and path only: a query string may carry a secret
@@ -584,253 +478,3 @@ class Handler(BaseHTTPRequestHandler):
             sys.stderr.write("%s - %s\n" % (self.address_string(), fmt % args))
 
 
-class _HealthProbe:
-    """What ``endpoints.health`` needs of a handler, for the lobby to answer /health."""
-
-    def __init__(self, service):
-        self.service = service
-        self.reply = None
-
-    def send_json(self, status, obj, headers=None):
-        self.reply = (status, obj)
-
-
-class Server(ThreadingHTTPServer):
-    """ThreadingHTTPServer with our settings, a connection cap and a drain for shutdown.
-
-    A new connection waits in the ``lobby`` (one thread for all of them)
-    until its first byte arrives; only then does it get a handler thread and
-    count against the cap.  What a connection may hold, and why:
-
-    * connections that have spoken: ``max_connections`` threads in all, and
-      at most ``peer_share`` of them for one peer, beyond which the lobby
-      answers 503 "too many connections";
-    * connections that have not: a place in the lobby (``max_waiting``, the
-      oldest dropped when it is full) for ``first_byte_timeout`` seconds, 408
-      after;
-    * /health: answered by the lobby when there is no slot, so a full server
-      still says so to its monitor.
-    """
-    # Handler threads must not keep the process alive past shutdown: the
-    # shutdown sequence itself waits for the requests that matter (drain).
-    daemon_threads = True
-    # Restarting the server right after a stop must not fail on TIME_WAIT.
-    allow_reuse_address = True
-    # The listen backlog: connections the kernel completes before accept().
-    # A burst past it has its SYNs dropped, and those clients wait a second
-    # for the retransmit (seen: /health timing out while 600 connections
-    # opened at once against 128, ListenOverflows rising).  Linux caps it at
-    # net.core.somaxconn (4096 by default since 5.4).
-    request_queue_size = 1024
-    # Connections with a handler thread at once; one more gets 503 and is
-    # closed, so a flood of clients cannot run the process out of threads.
-    max_connections = 512
-    # The fraction of max_connections one peer may hold (an IPv4 address, an
-    # IPv6 /64: what one host controls).  Half: one misbehaving client or host
-    # leaves at least the other half to everyone else.  Every local program is
-    # the one peer 127.0.0.1, so together they get 256 connections, far more
-    # than editors open (a few each, --parallel sessions serve them anyway).
-    peer_share = 0.5
-    # Seconds a new connection may stay silent.  Real clients send their
-    # request at once; this only bounds how long a silent one holds a socket
-    # (never a thread: it waits in the lobby).  --timeout, if shorter, wins.
-    first_byte_timeout = 3.0
-    # Silent connections held at once (one file descriptor each); past it the
-    # oldest is dropped, so a flood of them cannot keep real clients out.
-    max_waiting = 1024
-
-    def __init__(self, *args, **kwargs):
-        self._cond = threading.Condition()
-        self._n_connections = 0
-        self._per_peer = collections.Counter()      # peer -> connections with a thread
-        self._n_requests = 0            # requests between _dispatch's start and end
-        self._handlers = Threads("http-connection")
-        self.closing = False
-        super().__init__(*args, **kwargs)
-        self.lobby = Lobby(self, min(self.first_byte_timeout, self.RequestHandlerClass.timeout),
-                           self.max_waiting, Handler.server_version)
-
-    # -- connections ----------------------------------------------------------------
-    def get_request(self):
-        try:
-            return super().get_request()
-        except OSError as e:
-            if e.errno in (errno.EMFILE, errno.ENFILE):
-                # out of descriptors: the listening socket stays readable, and
-                # serve_forever would retry accept() in a hot loop
-                time.sleep(0.05)
-            raise
-
-    def process_request(self, request, client_address):
-        self.lobby.add(request, client_address)
-
-    def admit(self, client_address):
-        """Give a connection that spoke a slot: None, or why not (the lobby's 503 message)."""
-        peer = _peer(client_address)
-        with self._cond:
-            if self._n_connections >= self.max_connections:
-                return "too many connections"
-            if self._per_peer[peer] >= max(1, int(self.max_connections * self.peer_share)):
-                return "too many connections from this address"
-            self._n_connections += 1
-            self._per_peer[peer] += 1
-        return None
-
-    def start_handler(self, request, client_address):
-        """A handler thread for an admitted connection (the lobby's thread calls this).
-
-        Threads are kept for the next connection (offgrid/jobs.py): a new
-        one per connection cost each request 0.15 ms.
-        """
-        try:
-            self._handlers.submit(self.process_request_thread, request, client_address)
-        except BaseException:
-            log.exception("could not start a thread for a connection")
-            self._connection_ended(client_address)
-            self.shutdown_request(request)
-
-    def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._connection_ended(client_address)
-
-    def _connection_ended(self, client_address):
-        peer = _peer(client_address)
-        with self._cond:
-            self._n_connections -= 1
-            self._per_peer[peer] -= 1
-            if self._per_peer[peer] <= 0:
-                del self._per_peer[peer]
-
-    def reply_when_full(self, head, refusal):
-        """(status, body, head_only) for a request that got no slot: /health, or 503."""
-        line = head.split(b"\n", 1)[0].split()
-        if len(line) == 3 and line[0] in (b"GET", b"HEAD") \
-                and line[1].split(b"?", 1)[0] in (b"/health", b"/v1/health"):
-            probe = _HealthProbe(self.RequestHandlerClass.service)
-            try:
-                endpoints.health(probe, None)
-            except Exception:
-                log.exception("/health failed in the lobby")
-            if probe.reply is not None:
-                return probe.reply + (line[0] == b"HEAD",)
-        return 503, {"error": {"code": 503, "type": "unavailable_error", "message": refusal}}, False
-
-    def server_close(self):
-        lobby = getattr(self, "lobby", None)     # absent when binding failed in __init__
-        if lobby is not None:
-            lobby.stop()
-        super().server_close()
-
-    # -- requests -------------------------------------------------------------------
-    def begin_request(self):
-        """Count a request in; False once the server is draining."""
-        with self._cond:
-            if self.closing:
-                return False
-            self._n_requests += 1
-            return True
-
-    def end_request(self):
-        with self._cond:
-            self._n_requests -= 1
-            self._cond.notify_all()
-
-    def drain(self, timeout):
-        """Refuse new requests, wait for those being answered; True if they all were."""
-        with self._cond:
-            self.closing = True
-            return self._cond.wait_for(lambda: self._n_requests == 0, timeout)
-
-
-def _peer(client_address):
-    """Who a connection is from, for the per-peer share: the IPv4 address or IPv6 /64."""
-    host = client_address[0] if isinstance(client_address, tuple) else ""
-    try:
-        ip = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return host
-    if ip.version == 6:
-        if ip.ipv4_mapped is not None:     # an IPv4 client of a dual-stack socket
-            return str(ip.ipv4_mapped)
-        return str(ipaddress.ip_network("%s/64" % ip, strict=False))
-    return str(ip)
-
-
-def _raise_fd_limit(need):
-    """Raise the soft descriptor limit towards ``need`` (each connection holds one)."""
-    try:
-        import resource
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        want = need if hard == resource.RLIM_INFINITY else min(need, hard)
-        if soft != resource.RLIM_INFINITY and soft < want:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-    except (ImportError, ValueError, OSError):
-        pass        # not POSIX, or not allowed: the limits below still bound threads
-
-
-class Servers:
-    """Several listening addresses served as one Server (llama-server's ``--host A,B``).
-
-    Each address is a Server of its own (its lobby, its connection limits),
-    all with the one Handler class, so the service set on it reaches them all.
-    """
-
-    def __init__(self, servers):
-        self.servers = servers
-        self.RequestHandlerClass = servers[0].RequestHandlerClass
-        self.server_address = servers[0].server_address
-
-    def serve_forever(self, poll_interval=0.5):
-        for other in self.servers[1:]:
-            threading.Thread(target=other.serve_forever, kwargs={"poll_interval": poll_interval},
-                             name="http-%s" % other.server_address[0], daemon=True).start()
-        self.servers[0].serve_forever(poll_interval)
-
-    def shutdown(self):
-        for server in self.servers:
-            server.shutdown()
-
-    def drain(self, timeout):
-        deadline = time.monotonic() + timeout
-        return all([server.drain(max(0.0, deadline - time.monotonic()))
-                    for server in self.servers])
-
-    def server_close(self):
-        for server in self.servers:
-            server.server_close()
-
-
-def make_server(host, port, service=None, api_keys=(), cors_origins=(), max_body=None,
-                verbose=False, timeout=None, read_timeout=None):
-    """A Server bound to host:port whose Handler class carries these settings.
-
-    ``host`` may be a comma list of addresses: a Servers, every address on
-    the same port (port 0: the one the first address got).
-    """
-    attrs = {"service": service, "cors_origins": tuple(cors_origins), "verbose": verbose,
-             "api_keys": tuple(hashlib.sha256(k.encode("utf-8")).digest() for k in api_keys)}
-    if max_body is not None:
-        attrs["max_body"] = max_body
-    if timeout is not None:
-        attrs["timeout"] = timeout
-    if read_timeout is not None:
-        attrs["read_timeout"] = read_timeout
-    handler = type("OffgridHandler", (Handler,), attrs)
-    # descriptors for the cap, the lobby, and the models, pipes and logs beside them
-    _raise_fd_limit(Server.max_connections + Server.max_waiting + 256)
-    hosts = [h.strip() for h in host.split(",") if h.strip()] or [host]
-    servers = []
-    try:
-        for one in hosts:
-            server_class = Server
-            if ":" in one:
-                server_class = type("Server6", (Server,), {"address_family": socket.AF_INET6})
-            servers.append(server_class((one.strip("[]"), port), handler))
-            port = servers[0].server_address[1]
-    except OSError:
-        for server in servers:
-            server.server_close()
-        raise
-    return servers[0] if len(servers) == 1 else Servers(servers)

@@ -41,6 +41,8 @@ import socket
 import threading
 import time
 
+from .httperrors import RequestTimeout, Unavailable
+
 log = logging.getLogger("offgrid.lobby")
 
 _IN = select.POLLIN | select.POLLPRI
@@ -61,10 +63,6 @@ def _has_bytes(sock):
         return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
     except OSError:         # BlockingIOError: nothing yet; others: the lobby sees them
         return False
-
-
-def error_body(status, message, kind):
-    return {"error": {"code": status, "type": kind, "message": message}}
 
 
 class _Guest:
@@ -267,7 +265,7 @@ class Lobby:
             status, obj, head_only = self.server.reply_when_full(bytes(g.head), g.refusal)
             self._answer(fd, status, obj, head_only)
         elif len(g.head) >= self.head_bytes:
-            self._answer(fd, 503, error_body(503, g.refusal, "unavailable_error"), False)
+            self._answer(fd, *self.server.error_reply(Unavailable(g.refusal)))
 
     def _answer(self, fd, status, obj, head_only=False):
         """Write the one answer, half-close, and drain for linger_seconds."""
@@ -289,16 +287,16 @@ class Lobby:
             # the 408 a handler would have sent; into an empty socket buffer
             # it cannot block
             try:
-                g.sock.send(response_bytes(408, error_body(
-                    408, "no request arrived within %g seconds" % self.first_byte_timeout,
-                    "invalid_request_error"), self.server_name))
+                g.sock.send(response_bytes(*self.server.error_reply(RequestTimeout(
+                    "no request arrived within %g seconds" % self.first_byte_timeout)),
+                    server=self.server_name))
             except OSError:
                 pass
             self._leave(fd)
         for fd, g in list(self._refused.items()):
             if g.deadline <= now:
                 if g.head is not None:      # its head never came whole
-                    self._answer(fd, 503, error_body(503, g.refusal, "unavailable_error"))
+                    self._answer(fd, *self.server.error_reply(Unavailable(g.refusal)))
                     continue
                 self._leave(fd)
 

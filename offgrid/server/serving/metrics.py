@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict
 
-from ..request import FinishReason
+from ...request import FinishReason
 
 
 @dataclass(frozen=True)

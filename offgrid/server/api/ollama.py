@@ -41,7 +41,9 @@ What differs from Ollama, on purpose:
     a model call a tool, and small models need one;
   * both also take ``id_slot`` (as on /completion): a newer request with the
     same one cancels the older, as editors need while typing;
-  * ``keep_alive`` is accepted and ignored: models stay loaded while offgrid runs;
+  * (not a difference) ``keep_alive`` keeps the model loaded that long after
+    the request, as Ollama's does: 0 unloads it as soon as the request ends,
+    a negative value never (``Service.request_scope``, ``models/shelf.py``);
   * ``template`` (a Go template), ``context`` (deprecated token memory) and
     ``images`` are refused with 400 rather than silently dropped.
 """
@@ -51,11 +53,12 @@ import datetime
 import json
 import time
 
-from ..request import FinishReason, InfillRequest, Message
-from . import chat, embeddings
-from .errors import BadRequest, NotImplementedByModel
-from .params import (Fields, chat_messages_from, generation_from, id_slot_from,
+from ...request import FinishReason, InfillRequest, Message
+from . import embeddings, openai_chat as chat, pipeline
+from ..httpd.httperrors import BadRequest, NotImplementedByModel
+from .fields import (Fields, chat_messages_from, generation_from, id_slot_from,
                      output_schema_from, tool_choice_from, tools_from)
+from .pipeline import Format, Generation, Prompt
 from .prompts import infill_tokens
 
 # Ollama's options -> how to read them -> offgrid's field (params.generation_from).
@@ -241,24 +244,23 @@ def generate(h, body):
         gen = _generation(f, entry, svc)
         chat.apply_plan(gen, plan)
         tokens = plan["tokens"]
-    svc.metrics.request("api/generate")
-    chat_fmt = plan["chat"] if plan is not None else None
-    id_slot = id_slot_from(f)
+    g = Generation(entry, gen, [Prompt(tokens)], "api/generate", what, stream=f.bool("stream", True),
+                   id_slot=id_slot_from(f), chat=plan["chat"] if plan is not None else None)
+    pipeline.run(h, g, GenerateFormat(name, started))
 
-    if not f.bool("stream", True):
-        c = svc.generate(entry, tokens, gen, id_slot, sock=h.connection, chat=chat_fmt,
-                         what=what)
-        fields = {"response": c.text}
-        if c.reply is not None:
-            fields["response"] = c.reply["content"]
-            if c.reply["reasoning_content"]:
-                fields["thinking"] = c.reply["reasoning_content"]
-        h.send_json(200, _final(name, c, started, **fields))
-        return
 
-    ns = h.ndjson_stream()
+class _OllamaFormat(Format):
+    """Ollama's NDJSON lines: each with the model and its time, the last ``done``."""
+    stream_kind = "ndjson"
 
-    def on_piece(x):
+    def __init__(self, name, started):
+        self.name, self.started = name, started
+
+
+class GenerateFormat(_OllamaFormat):
+    """/api/generate's ``response`` lines (``thinking`` for reasoning)."""
+
+    def piece(self, out, job, x, probs):
         if not isinstance(x, dict):
             line = {"response": x}
         elif "content" in x:
@@ -267,12 +269,19 @@ def generate(h, body):
             line = {"response": "", "thinking": x["reasoning_content"]}
         else:
             return True
-        return ns.send(dict({"model": name, "created_at": _now()}, done=False, **line))
+        return out.send(dict({"model": self.name, "created_at": _now()}, done=False, **line))
 
-    c = svc.generate(entry, tokens, gen, id_slot, on_piece, sock=h.connection, chat=chat_fmt,
-                     what=what)
-    ns.send(_final(name, c, started, response=""))
-    ns.end()
+    def choice_end(self, out, job, c):
+        out.send(_final(self.name, c, self.started, response=""))
+
+    def body(self, jobs, done):
+        c = done[0]
+        fields = {"response": c.text}
+        if c.reply is not None:
+            fields["response"] = c.reply["content"]
+            if c.reply["reasoning_content"]:
+                fields["thinking"] = c.reply["reasoning_content"]
+        return _final(self.name, c, self.started, **fields)
 
 
 # -- /api/chat -----------------------------------------------------------------------
@@ -362,35 +371,34 @@ def chat_(h, body):
                         enable_thinking=enable_thinking, kwargs=kwargs, what=what)
     gen = _generation(f, entry, svc)
     chat.apply_plan(gen, plan)
-    svc.metrics.request("api/chat")
-    id_slot = id_slot_from(f)
+    g = Generation(entry, gen, [Prompt(plan["tokens"])], "api/chat", what,
+                   stream=f.bool("stream", True), id_slot=id_slot_from(f), chat=plan["chat"])
+    pipeline.run(h, g, ChatFormat(name, started))
 
-    if not f.bool("stream", True):
-        c = svc.generate(entry, plan["tokens"], gen, id_slot, sock=h.connection,
-                         chat=plan["chat"], what=what)
-        h.send_json(200, _final(name, c, started, message=_message(c.reply)))
-        return
 
-    ns = h.ndjson_stream()
+class ChatFormat(_OllamaFormat):
+    """/api/chat's ``message`` lines; tool calls go out whole, from the parsed reply."""
 
-    def line(message):
-        return {"model": name, "created_at": _now(), "message": message, "done": False}
+    def line(self, message):
+        return {"model": self.name, "created_at": _now(), "message": message, "done": False}
 
-    def on_delta(d):
+    def piece(self, out, job, d, probs):
         if "content" in d:
-            return ns.send(line({"role": "assistant", "content": d["content"]}))
+            return out.send(self.line({"role": "assistant", "content": d["content"]}))
         if "reasoning_content" in d:
-            return ns.send(line({"role": "assistant", "content": "",
-                                 "thinking": d["reasoning_content"]}))
-        return True     # tool calls go out whole, from the parsed reply, below
+            return out.send(self.line({"role": "assistant", "content": "",
+                                       "thinking": d["reasoning_content"]}))
+        return True     # tool calls go out whole, from the parsed reply, at the end
 
-    c = svc.generate(entry, plan["tokens"], gen, id_slot, on_delta, sock=h.connection,
-                     chat=plan["chat"], what=what)
-    if c.reply and c.reply["tool_calls"]:
-        ns.send(line({"role": "assistant", "content": "",
-                      "tool_calls": _tool_calls(c.reply["tool_calls"])}))
-    ns.send(_final(name, c, started, message={"role": "assistant", "content": ""}))
-    ns.end()
+    def choice_end(self, out, job, c):
+        if c.reply and c.reply["tool_calls"]:
+            out.send(self.line({"role": "assistant", "content": "",
+                                "tool_calls": _tool_calls(c.reply["tool_calls"])}))
+        out.send(_final(self.name, c, self.started,
+                        message={"role": "assistant", "content": ""}))
+
+    def body(self, jobs, done):
+        return _final(self.name, done[0], self.started, message=_message(done[0].reply))
 
 
 # -- /api/embed, /api/embeddings ----------------------------------------------------

@@ -9,8 +9,8 @@ once the model has been loaded, the ``meta`` llama-server's ``/v1/models``
 gives.  Reading them never wakes a model (see ``shelf.py``).
 """
 
-from .errors import BadRequest
-from .params import Fields
+from ..httpd.httperrors import BadRequest
+from .fields import Fields
 
 _SETTINGS = ("ctx_size", "parallel", "threads", "threads_batch", "batch_size", "ubatch_size",
              "chat_template", "load_on_startup", "stop_timeout", "keep_alive")

@@ -9,27 +9,18 @@ The template, the grammar and the reading of the reply are the worker's
 (``chat/prompt.py``, ``chat/reply.py``); this module parses and formats.
 """
 
-import functools
-
-from ..protocol import encode_messages, encode_tools
-from ..request import FinishReason, PromptProgress
-from . import formats
-from .errors import BadRequest
-from .params import (MAX_N_CMPL, Fields, include_usage_from, chat_messages_from,
-                     chat_probs_from, generation_from, id_slot_from, output_schema_from,
+from ...protocol import encode_messages, encode_tools
+from ...request import FinishReason
+from ..httpd.httperrors import BadRequest
+from . import formats, pipeline
+from .fields import (Fields, include_usage_from, chat_messages_from, chat_probs_from,
+                     choices_from, generation_from, id_slot_from, output_schema_from,
                      text_tokenizer, tool_choice_from, tools_from)
+from .pipeline import Format, Generation, Prompt
 
 REASONING_FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")
 
 # -- the request ------------------------------------------------------------------------
-
-def _n_choices(f):
-    """OpenAI's ``n`` (llama-server's ``n_cmpl``): choices to generate, at once where they can."""
-    if f.int("best_of", 1) != 1:
-        raise BadRequest("'best_of' must be 1: offgrid does not rank several completions")
-    name = "n" if f.has("n") else "n_cmpl"
-    return f.int(name, 1, lo=1, hi=MAX_N_CMPL)
-
 
 def _continuation(f, messages):
     """llama-server's checks of ``continue_final_message`` and assistant prefill.
@@ -172,93 +163,86 @@ def chat_completions(h, body):
     """POST /v1/chat/completions (and /chat/completions)."""
     f = Fields(body)
     svc = h.service
-    n = _n_choices(f)
+    n = choices_from(f)
     entry = svc.entry_for(f.raw("model"))
     plan = _prepare(f, entry)
-    tokens = plan["tokens"]
     gen = generation_from(f, entry.n_vocab, svc.n_predict_default,
-                          ("max_completion_tokens", "max_tokens", "n_predict"),
-                          svc.sampling_default, tokenize=text_tokenizer(entry))
+                          sampling_default=svc.sampling_default, tokenize=text_tokenizer(entry))
     apply_plan(gen, plan)
     chat_probs_from(f, gen)
-    post = gen.post_sampling_probs
-    chat = plan["chat"]
-    svc.metrics.request("v1/chat/completions")
     stream = f.bool("stream", False)
     gen.return_progress = stream and f.bool("return_progress", False)
-    timings_per_token = f.bool("timings_per_token", False)
-    id_slot = id_slot_from(f)
-    cid, created = formats.new_id("chatcmpl"), formats.now()
-    what = "POST /v1/chat/completions"
-    base_seed = gen.sampling.seed
+    g = Generation(entry, gen, [Prompt(plan["tokens"], plan["text"])], "v1/chat/completions",
+                   "POST /v1/chat/completions", n=n, stream=stream, id_slot=id_slot_from(f),
+                   chat=plan["chat"])
+    pipeline.run(h, g, ChatFormat(g, include_usage_from(f), f.bool("timings_per_token", False),
+                                  f.bool("verbose", h.verbose)))
 
-    def gen_for(index):
-        # each further choice its own seed, as llama-server's child tasks; its
-        # own copy, since choices run at once (Service.run_choices)
-        g = gen.copy()
-        if base_seed is not None:
-            g.sampling.seed = base_seed + index
-        return g
 
-    if not stream:
-        done = svc.run_choices(entry, [
-            functools.partial(svc.generate, entry, tokens, gen_for(index), id_slot,
-                              sock=h.connection, chat=chat, what=what)
-            for index in range(n)], id_slot)
-        out = formats.oai_chat(done[0], entry.id, cid, created, message=_message(done[0].reply),
-                               finish=_finish(done[0]), post=post)
+class ChatFormat(Format):
+    """OpenAI's chat.completion and its chunks; a choice per job.
+
+    The stream opens with the first choice's role chunk (the pipeline has
+    checked what would refuse the request); a further choice's goes out
+    with its first piece.
+    """
+
+    def __init__(self, g, include_usage, timings_per_token, verbose):
+        self.g, self.include_usage = g, include_usage
+        self.timings_per_token, self.verbose = timings_per_token, verbose
+        self.post = g.gen.post_sampling_probs
+        self.cid, self.created = formats.new_id("chatcmpl"), formats.now()
+        self.opened = set()     # job indexes whose role chunk went out
+
+    def _chunk(self, delta, job, finish=None, probs=None):
+        return formats.oai_chat_chunk(delta, self.g.entry.id, self.cid, self.created, finish,
+                                      probs=probs, post=self.post, index=job.index)
+
+    def _open(self, out, job):
+        if job.index not in self.opened:
+            self.opened.add(job.index)
+            out.send(self._chunk({"role": "assistant", "content": None}, job))
+
+    def open(self, out):
+        self._open(out, pipeline.Job(0, self.g.prompts[0], 0))
+
+    def progress(self, out, job, p):
+        # llama-server's progress chunk: the role delta, with prompt_progress
+        self.opened.add(job.index)
+        chunk = self._chunk({"role": "assistant", "content": None}, job)
+        chunk["prompt_progress"] = formats.progress_json(p)
+        if self.timings_per_token:
+            chunk["timings"] = formats.progress_timings(p)
+        return out.send(chunk)
+
+    def piece(self, out, job, d, probs):
+        self._open(out, job)
+        return out.send(self._chunk(_delta_json(d), job, probs=probs))
+
+    def choice_end(self, out, job, c):
+        self._open(out, job)
+        out.send(self._chunk({}, job, _finish(c)))
+
+    def end(self, out, done):
+        if self.include_usage:
+            chunk = formats.oai_usage_chunk(done[0], "chat.completion.chunk", self.g.entry.id,
+                                            self.cid, self.created)
+            if len(done) > 1:
+                chunk["usage"] = formats.usage_of_choices(done)
+            out.send(chunk)
+        out.send(b"[DONE]")
+
+    def body(self, jobs, done):
+        g, c0 = self.g, done[0]
+        out = formats.oai_chat(c0, g.entry.id, self.cid, self.created,
+                               message=_message(c0.reply), finish=_finish(c0), post=self.post)
         for index, c in enumerate(done[1:], 1):
             out["choices"].append(formats.oai_chat_choice(c, index, _message(c.reply),
-                                                          _finish(c), post))
+                                                          _finish(c), self.post))
         if len(done) > 1:
             out["usage"] = formats.usage_of_choices(done)
         # "verbose" (default: the server's -v): the native result too, with the prompt text
-        if f.bool("verbose", h.verbose):
-            out["__verbose"] = formats.native_final(done[0], entry.id, gen, entry.n_ctx, id_slot,
-                                                    plan["text"])
-        h.send_json(200, out)
-        return
-
-    include_usage = include_usage_from(f)
-    es = h.event_stream()
-
-    def choice(index):
-        opened = []
-
-        def open_stream(index=index, opened=opened):
-            # The role chunk goes out with the first piece, not before generate():
-            # a request refused there (503 shutting down, 400 too long) must get
-            # its real status, not an error event inside a 200 stream.
-            if not opened:
-                opened.append(True)
-                es.send(formats.oai_chat_chunk({"role": "assistant", "content": None}, entry.id,
-                                               cid, created, index=index))
-
-        def on_delta(d, probs=None, index=index, opened=opened):
-            if isinstance(d, PromptProgress):
-                # llama-server's progress chunk: the role delta, with prompt_progress
-                opened.append(True)
-                chunk = formats.oai_chat_chunk({"role": "assistant", "content": None}, entry.id,
-                                               cid, created, index=index)
-                chunk["prompt_progress"] = formats.progress_json(d)
-                if timings_per_token:
-                    chunk["timings"] = formats.progress_timings(d)
-                return es.send(chunk)
-            open_stream()
-            return es.send(formats.oai_chat_chunk(_delta_json(d), entry.id, cid, created,
-                                                  probs=probs, post=post, index=index))
-
-        c = svc.generate(entry, tokens, gen_for(index), id_slot, on_delta, sock=h.connection,
-                         chat=chat, what=what)
-        open_stream()
-        es.send(formats.oai_chat_chunk({}, entry.id, cid, created, _finish(c), index=index))
-        return c
-
-    done = svc.run_choices(entry, [functools.partial(choice, i) for i in range(n)], id_slot)
-    if include_usage:
-        chunk = formats.oai_usage_chunk(done[0], "chat.completion.chunk", entry.id, cid, created)
-        if len(done) > 1:
-            chunk["usage"] = formats.usage_of_choices(done)
-        es.send(chunk)
-    es.send(b"[DONE]")
-    es.end()
+        if self.verbose:
+            out["__verbose"] = formats.native_final(c0, g.entry.id, g.gen, g.entry.n_ctx,
+                                                    g.id_slot, g.prompts[0].text)
+        return out

@@ -26,10 +26,11 @@ documents and Anthropic's server tools are refused with a 400.
 
 import json
 
-from ..request import FinishReason, Message, ToolCall
-from . import chat, formats
-from .errors import BadRequest
-from .params import MAX_N_PREDICT, Fields, generation_from, id_slot_from, tool_of
+from ...request import FinishReason, Message, ToolCall
+from . import formats, openai_chat as chat, pipeline
+from ..httpd.httperrors import BadRequest
+from .fields import MAX_N_PREDICT, Fields, generation_from, id_slot_from, tool_of
+from .pipeline import Format, Generation, Prompt
 
 # -- the request ------------------------------------------------------------------------
 
@@ -249,21 +250,39 @@ def messages(h, body):
                           svc.sampling_default)
     gen.stop = f.stop_list("stop_sequences")
     chat.apply_plan(gen, plan)
-    tokens = plan["tokens"]
-    svc.metrics.request("v1/messages")
-    mid = "msg_" + formats.new_id("x")[2:]
-    if not f.bool("stream", False):
-        c = svc.generate(entry, tokens, gen, id_slot_from(f), sock=h.connection,
-                         chat=plan["chat"], what=what)
-        h.send_json(200, _message(mid, entry.id, content_blocks(c.reply), stop_reason(c),
-                                  _usage(c)))
-        return
-    es = h.event_stream()
-    st = _Stream(es, mid, entry.id, len(tokens))
-    c = svc.generate(entry, tokens, gen, id_slot_from(f), st.delta, sock=h.connection,
-                     chat=plan["chat"], what=what)
-    st.finish(c)
-    es.end()
+    g = Generation(entry, gen, [Prompt(plan["tokens"])], "v1/messages", what,
+                   stream=f.bool("stream", False), id_slot=id_slot_from(f), chat=plan["chat"])
+    pipeline.run(h, g, MessagesFormat(entry.id, len(plan["tokens"])))
+
+
+class MessagesFormat(Format):
+    """A Message object, or Anthropic's stream of named events (``_Stream``)."""
+
+    def __init__(self, model, n_prompt):
+        self.model, self.n_prompt = model, n_prompt
+        self.mid = "msg_" + formats.new_id("x")[2:]
+        self._stream = None
+
+    def _st(self, out):
+        if self._stream is None:
+            self._stream = _Stream(out, self.mid, self.model, self.n_prompt)
+        return self._stream
+
+    # Anthropic's own keep-alive event, which its clients read and skip
+    keepalive = b'event: ping\ndata: {"type":"ping"}\n\n'
+
+    def open(self, out):
+        self._st(out).start()
+
+    def piece(self, out, job, d, probs):
+        return self._st(out).delta(d)
+
+    def choice_end(self, out, job, c):
+        self._st(out).finish(c)
+
+    def body(self, jobs, done):
+        c = done[0]
+        return _message(self.mid, self.model, content_blocks(c.reply), stop_reason(c), _usage(c))
 
 
 class _Stream:
@@ -272,8 +291,8 @@ class _Stream:
     message_start, then per block content_block_start, its deltas,
     content_block_stop (a new kind of delta closes the open block), then
     message_delta (stop_reason, usage) and message_stop.  message_start goes
-    out with the first delta, not before generate(): a request refused there
-    gets its real status, not an error event in a 200 stream.
+    out as the stream opens (``MessagesFormat.open``), before the prompt is
+    evaluated.
     """
 
     def __init__(self, es, mid, model, n_prompt):
@@ -285,7 +304,7 @@ class _Stream:
     def _send(self, obj):
         return self.es.send(obj, obj["type"])
 
-    def _start(self):
+    def start(self):
         if not self.started:
             self.started = True
             self._send({"type": "message_start", "message": _message(
@@ -308,7 +327,7 @@ class _Stream:
         return self._send({"type": "content_block_delta", "index": self.index, "delta": delta})
 
     def delta(self, d):
-        self._start()
+        self.start()
         if "tool_call" in d:
             _, tc = d["tool_call"]
             self._open("tool_use", {"type": "tool_use", "id": tc["id"], "name": tc["name"],
@@ -326,7 +345,7 @@ class _Stream:
         return self._delta({"type": "text_delta", "text": d.get("content", "")})
 
     def finish(self, c):
-        self._start()
+        self.start()
         if self.index < 0:
             self._open("text", {"type": "text", "text": ""})     # never an empty content list
         self._close()

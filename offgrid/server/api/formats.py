@@ -16,7 +16,7 @@ import math
 import time
 import uuid
 
-from ..request import FinishReason, Usage
+from ...request import FinishReason, Usage
 
 
 
@@ -329,7 +329,7 @@ def now():
 def _fingerprint():
     """llama-server's shape, ``b<build>-<commit>`` (clients check the "b"): the pinned
     source has no git history, so its build number is 0, as its llama-server says."""
-    from .. import __version__
+    from ... import __version__
     return "b0-offgrid-" + __version__
 
 

@@ -39,10 +39,10 @@ import sys
 import threading
 import time
 
-from .. import protocol
-from ..errors import ModelLoadError, RpcUnavailable, WorkerDied
-from . import burst
-from .errors import Unavailable
+from ... import protocol
+from ...errors import ModelLoadError, RpcUnavailable, WorkerDied
+from ..httpd import burst
+from ..httpd.httperrors import Unavailable
 
 log = logging.getLogger("offgrid.workers")
 

@@ -6,8 +6,8 @@ the model's FIM tokens, extra context fitted into the window); /infill,
 all come here, so they get the same prompt for the same text.
 """
 
-from .. import protocol
-from .params import id_slot_from, output_schema_from
+from ... import protocol
+from .fields import id_slot_from, output_schema_from
 
 # Room kept free for generation when a FIM request fits extra context into
 # the window and sets no n_predict.

@@ -15,9 +15,9 @@ import os
 import threading
 import time
 
-from .. import __version__
+from ... import __version__
 from .ollama import entry_named, model_name, rfc3339
-from .params import Fields
+from .fields import Fields
 
 # The Ollama version offgrid's /api/* follows (docs/api.md of that release);
 # clients gate features such as ``think`` on it.

@@ -39,7 +39,7 @@ import select
 import socket
 import time
 
-from .errors import BadRequest, LengthRequired, PayloadTooLarge, RequestTimeout
+from .httperrors import BadRequest, LengthRequired, PayloadTooLarge, RequestTimeout
 
 # A JSON string escape of a UTF-16 surrogate: only with one can a lone
 # surrogate hide in a body that decoded as UTF-8.
