@@ -66,8 +66,8 @@ def rpc_endpoints(value, allow_remote):
         if not allow_remote and not is_loopback(host):
             raise ValueError("--rpc %s is not on this machine; rpc-server has no "
                              "authentication, so offgrid only reaches one elsewhere with "
-                             "--rpc-allow-remote, over a private network or a tunnel (README, "
-                             "\"Several machines\")" % endpoint)
+                             "--rpc-allow-remote, over a private network or a tunnel "
+                             "(docs/rpc.md)" % endpoint)
         out.append(endpoint)
     return out
 
@@ -115,7 +115,7 @@ def parse_args(argv=None):
     p.add_argument("-t", "--threads", type=thread_count, default="auto",
                    help="threads for generation: a number pins it; auto (the default) "
                         "starts at every core and uses fewer while other programs hold "
-                        "some (README, \"Threads\")")
+                        "some (docs/cli.md, \"Threads\")")
     p.add_argument("-tb", "--threads-batch", type=thread_count, default=None,
                    help="threads for prompt evaluation, likewise (default: as --threads)")
     p.add_argument("--spec-type", choices=("none", "auto", "ngram-simple"), default="none",
@@ -188,7 +188,7 @@ def parse_args(argv=None):
     # several machines (engine/rpc.py): llama.cpp's RPC backend, as llama-server's flags
     p.add_argument("--rpc", metavar="HOST:PORT[,...]",
                    help="put the model's layers on llama.cpp's rpc-servers (ggml-rpc-server, "
-                   "`make rpc-server`) at these endpoints (README, \"Several machines\")")
+                   "`make rpc-server`) at these endpoints (docs/rpc.md)")
     p.add_argument("--rpc-allow-remote", action="store_true",
                    help="let --rpc reach hosts other than this one (rpc-server has no "
                    "authentication: a private network or a tunnel only)")
@@ -202,8 +202,8 @@ def parse_args(argv=None):
     p.add_argument("-nr", "--no-repack", action="store_true",
                    help="keep the CPU's weights as the file has them, not repacked for "
                    "faster kernels (which sum in another order than an rpc-server's)")
-    p.add_argument("--lib", help="path to libllama.so or its folder (default: lib/, "
-                   "$OFFGRID_LIB, the system)")
+    p.add_argument("--lib", help="path to libllama.so or its folder (default: $OFFGRID_LIB, "
+                   "then lib/, then the system's)")
     p.add_argument("--worker-max-rss", type=float, default=None, metavar="MIB",
                    help="memory ceiling of each model's worker process in MiB; past it the "
                    "worker is killed and restarted (default: model file + KV cache + "

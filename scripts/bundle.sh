@@ -62,8 +62,8 @@ RPC_NOTE=""
 if [ "$RPC" = 1 ]; then
     RPC_NOTE=",
               and ggml-rpc-server: run it on another machine with this folder to lend
-              that machine's memory and cores to a model (--rpc; offgrid's README,
-              \"Several machines\")"
+              that machine's memory and cores to a model (--rpc; offgrid's
+              docs/rpc.md)"
 fi
 
 variants=$(cd "$STAGE/lib" && for f in libggml-cpu-*.so; do [ ! -e "$f" ] || echo "$f"; done \

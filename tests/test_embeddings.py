@@ -7,8 +7,8 @@ LangChain's ``OllamaEmbeddings`` and llama.cpp's ``/embedding``; two more
 show ``--pooling none`` (a vector per token) and ``--reranking`` (scores;
 SmolLM2 has no rank head, so what is checked is the shape, not the
 ranking).  The engine's own tests load SmolLM2 in-process: a long input
-decoded in chunks equals the same input in one batch.  (The README's
-example runs on Qwen2.5-Coder, in test_readme.py.)
+decoded in chunks equals the same input in one batch.  (docs/dialects.md's
+example runs on Qwen2.5-Coder, in test_docs.py.)
 """
 
 import base64
