@@ -19,7 +19,8 @@ import time
 
 from . import __version__
 from .errors import OffgridError
-from .request import SamplingParams
+from .request import (POOLINGS, REASONING_FORMATS, REASONING_MODES, SPEC_TYPES,
+                      SamplingParams)
 
 
 def thread_count(value):
@@ -118,7 +119,7 @@ def parse_args(argv=None):
                         "some (docs/cli.md, \"Threads\")")
     p.add_argument("-tb", "--threads-batch", type=thread_count, default=None,
                    help="threads for prompt evaluation, likewise (default: as --threads)")
-    p.add_argument("--spec-type", choices=("none", "auto", "ngram-simple"), default="none",
+    p.add_argument("--spec-type", choices=SPEC_TYPES, default="none",
                    help="speculative decoding: ngram-simple drafts tokens from the "
                         "request's own text (prompt lookup) and checks them in one decode; "
                         "the output is the same; a request stops drafting where it does "
@@ -146,7 +147,7 @@ def parse_args(argv=None):
     p.add_argument("--embeddings", "--embedding", action=argparse.BooleanOptionalAction,
                    default=True, help="serve /v1/embeddings, /embedding(s), /api/embed(dings) "
                    "and /rerank (default on; the embedding context is made on first use)")
-    p.add_argument("--pooling", choices=("none", "mean", "cls", "last", "rank"),
+    p.add_argument("--pooling", choices=POOLINGS,
                    help="how embeddings pool the tokens' states (default: the model's GGUF "
                    "pooling_type, else mean)")
     p.add_argument("--reranking", "--rerank", action="store_true",
@@ -178,10 +179,10 @@ def parse_args(argv=None):
     p.add_argument("--chat-template", metavar="NAME|FILE",
                    help="chat template for --model instead of its own: a Jinja file, "
                    "\"chatml\", or the name of a libllama built-in template")
-    p.add_argument("-rea", "--reasoning", choices=("on", "off", "auto"), default="auto",
+    p.add_argument("-rea", "--reasoning", choices=REASONING_MODES, default="auto",
                    help="thinking in chat replies, where a request does not say: on, off, or "
                    "auto (the template's own default)")
-    p.add_argument("--reasoning-format", choices=("none", "auto", "deepseek", "deepseek-legacy"),
+    p.add_argument("--reasoning-format", choices=REASONING_FORMATS,
                    default="auto", help="where a chat reply's thinking goes, where a request "
                    "does not say: reasoning_content (auto, deepseek), content too "
                    "(deepseek-legacy), or left in content (none)")

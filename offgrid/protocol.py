@@ -63,6 +63,7 @@ import dataclasses
 import json
 import struct
 import sys
+from typing import Optional
 
 from . import errors
 from .request import (Completion, FinishReason, GenerationParams, InfillRequest, Message,
@@ -151,6 +152,44 @@ def decode_vector(text):
     if sys.byteorder != "little":
         a.byteswap()
     return a
+
+
+@dataclasses.dataclass
+class WorkerSettings:
+    """The engine's share of the command line, parsed once by the front (``__main__``,
+    ``server/models/launch.py``) and handed to each worker as JSON on its command line:
+    the worker has no defaults of its own to drift from the front's."""
+    model: str                      # the GGUF file
+    ctx_size: int
+    batch_size: int
+    ubatch_size: Optional[int]
+    parallel: int
+    threads: object                 # a count, or "auto"
+    threads_batch: object
+    spec_type: str                  # request.SPEC_TYPES
+    spec_draft_n_max: int
+    stream_interval_ms: float
+    chat_template: Optional[str]    # Jinja text, or a built-in name
+    pooling: Optional[str]          # request.POOLINGS; None: the model's
+    no_swa_full: bool
+    no_repack: bool
+    context_shift: bool
+    reasoning: str                  # request.REASONING_MODES
+    reasoning_format: str           # request.REASONING_FORMATS
+    lib: Optional[str]
+    decode_lock: Optional[str]      # the file every worker of one server flocks
+    rpc: Optional[str]              # HOST:PORT[,...], checked by the front
+    n_gpu_layers: Optional[int]
+    tensor_split: Optional[list]
+    verbose: bool
+
+
+def encode_settings(settings):
+    return _fields_of(settings)
+
+
+def decode_settings(d):
+    return WorkerSettings(**{f.name: d[f.name] for f in dataclasses.fields(WorkerSettings)})
 
 
 @dataclasses.dataclass

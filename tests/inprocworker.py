@@ -8,6 +8,7 @@ its own process would not allow.
 import os
 import threading
 
+from offgrid import protocol
 from offgrid.engine.worker import Loaded, Worker
 from offgrid.server.models.entry import ModelEntry
 from offgrid.server.models.worker_client import WorkerClient

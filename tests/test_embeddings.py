@@ -516,3 +516,9 @@ def test_pooling_none_in_the_engine_gives_one_raw_row_per_token(smollm):
     # a causal model: a token's state depends on the tokens before it only
     assert len(short) == 2 and close(list(short[1]), list(rows[1]), 1e-4)
     assert close(list(full[-1]), list(rows[-1]), 1e-4)
+
+
+def test_the_pooling_flag_offers_what_the_engine_knows():
+    from offgrid.engine.embed import POOLING
+    from offgrid.request import POOLINGS
+    assert set(POOLINGS) == set(POOLING)

@@ -10,7 +10,7 @@ The template, the grammar and the reading of the reply are the worker's
 """
 
 from ...protocol import encode_messages, encode_tools
-from ...request import FinishReason
+from ...request import REASONING_FORMATS, FinishReason
 from ..httpd.httperrors import BadRequest
 from . import formats, pipeline
 from .fields import (Fields, include_usage_from, chat_messages_from, chat_probs_from,
@@ -18,7 +18,6 @@ from .fields import (Fields, include_usage_from, chat_messages_from, chat_probs_
                      text_tokenizer, tool_choice_from, tools_from)
 from .pipeline import Format, Generation, Prompt
 
-REASONING_FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")
 
 # -- the request ------------------------------------------------------------------------
 

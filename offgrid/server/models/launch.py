@@ -7,9 +7,11 @@ each worker process on its command line.
 """
 
 import argparse
+import json
 import os
 import sys
 
+from ... import protocol
 from ...errors import ModelLoadError
 from .entry import ModelEntry
 from .folders import PresetError, default_memory_budget, parse_size, read_preset
@@ -17,37 +19,26 @@ from .shelf import Shelf
 from .worker_client import WorkerClient
 
 
+def worker_settings(path, args, chat_template=None, decode_lock=None):
+    """The engine's share of our flags for one model (``protocol.WorkerSettings``)."""
+    return protocol.WorkerSettings(
+        model=path, ctx_size=args.ctx_size, batch_size=args.batch_size,
+        ubatch_size=args.ubatch_size, parallel=max(1, args.parallel), threads=args.threads,
+        threads_batch=args.threads_batch, spec_type=args.spec_type,
+        spec_draft_n_max=args.spec_draft_n_max, stream_interval_ms=args.stream_interval_ms,
+        chat_template=chat_template, pooling="rank" if args.reranking else args.pooling,
+        no_swa_full=args.no_swa_full, no_repack=args.no_repack,
+        context_shift=args.context_shift, reasoning=args.reasoning,
+        reasoning_format=args.reasoning_format, lib=args.lib, decode_lock=decode_lock,
+        rpc=args.rpc or None, n_gpu_layers=args.n_gpu_layers if args.rpc else None,
+        tensor_split=list(args.tensor_split) if args.rpc and args.tensor_split else None,
+        verbose=args.verbose)
+
+
 def worker_args(path, args, chat_template=None, decode_lock=None):
-    """The worker's command line for one model: the engine's share of our flags."""
-    out = ["--model", path, "--ctx-size", str(args.ctx_size), "--batch-size",
-           str(args.batch_size), "--parallel", str(max(1, args.parallel))]
-    for flag, value in (("--spec-type", args.spec_type),
-                        ("--spec-draft-n-max", args.spec_draft_n_max),
-                        ("--stream-interval-ms", args.stream_interval_ms),
-                        ("--ubatch-size", args.ubatch_size), ("--threads", args.threads),
-                        ("--threads-batch", args.threads_batch), ("--lib", args.lib),
-                        ("--chat-template", chat_template), ("--decode-lock", decode_lock)):
-        if value is not None:
-            out += [flag, str(value)]
-    if args.rpc:
-        out += ["--rpc", args.rpc]
-        if args.n_gpu_layers is not None:
-            out += ["--n-gpu-layers", str(args.n_gpu_layers)]
-        if args.tensor_split:
-            out += ["--tensor-split", ",".join(repr(x) for x in args.tensor_split)]
-    pooling = "rank" if args.reranking else args.pooling
-    if pooling is not None:
-        out += ["--pooling", pooling]
-    if args.no_swa_full:
-        out.append("--no-swa-full")
-    if args.no_repack:
-        out.append("--no-repack")
-    if args.context_shift:
-        out.append("--context-shift")
-    out += ["--reasoning", args.reasoning, "--reasoning-format", args.reasoning_format]
-    if args.verbose:
-        out.append("--verbose")
-    return out
+    """The worker's command line for one model: its settings, as JSON."""
+    settings = worker_settings(path, args, chat_template, decode_lock)
+    return ["--settings", json.dumps(protocol.encode_settings(settings))]
 
 
 def default_max_rss(info):
