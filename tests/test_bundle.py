@@ -143,7 +143,7 @@ def test_tarball_is_named_for_version_and_machine(tarball):
 
 def test_bundle_holds_package_portable_libraries_licenses_and_model(unpacked, plain_model_path):
     assert unpacked.name == "offgrid-%s-linux-%s" % (__version__, platform.machine())
-    assert (unpacked / "offgrid" / "server" / "http.py").is_file()
+    assert (unpacked / "offgrid" / "server" / "httpd" / "handler.py").is_file()
     assert (unpacked / "lib" / "libllama.so").exists()
     variants = sorted(p.name for p in (unpacked / "lib").glob("libggml-cpu-*.so"))
     assert len(variants) >= 2, variants

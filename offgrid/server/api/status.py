@@ -77,7 +77,7 @@ def props(h, _body):
     pool = e.pool
     h.send_json(200, {
         "default_generation_settings": {
-            "id": 0, "id_task": -1, "n_ctx": e.n_ctx, "speculative": False,
+            "id": 0, "id_task": -1, "n_ctx": e.n_ctx, "speculative": info.speculative,
             "is_processing": pool is not None and pool.n_busy > 0, "params": settings,
             "prompt": "",
             "next_token": {"has_next_token": True, "has_new_line": False, "n_remain": -1,
@@ -146,6 +146,12 @@ def metrics(h, _body):
     busy = sum(p.n_busy for p in pools)
     idle = sum(p.n_idle for p in pools)
     waiting = sum(p.n_waiting for p in pools)
+    # the models' decode steps (engine/batch.py): sessions batched into one step
+    threads = [(e, _threads_of(e)) for e in svc.entries]
+    threads = [(e, t) for e, t in threads if t is not None]
+    batching = [(e, _ask(e, "batching")) for e, _ in threads]
+    steps = sum(b["steps"] for _, b in batching if b is not None)
+    members = sum(b["members"] for _, b in batching if b is not None)
     # llama-server's names and meanings first (its own descriptions), then offgrid's
     lines = [
         ("counter", "llamacpp:prompt_tokens_total", "Number of prompt tokens processed, "
@@ -176,9 +182,9 @@ def metrics(h, _body):
          "tokens/s since the previous scrape", m.predicted_rate),
         ("gauge", "llamacpp:requests_processing", "Number of requests processing", busy),
         ("gauge", "llamacpp:requests_deferred", "Number of requests deferred", waiting),
-        # each llama_decode() here serves one session (decodes take turns, no batching)
+        # the loaded models' sessions per decode step since they loaded
         ("gauge", "llamacpp:n_busy_slots_per_decode", "Average number of busy slots per "
-         "llama_decode() call", 1 if m.n_decode else 0),
+         "llama_decode() call", members / steps if steps else 0),
         ("counter", "offgrid_prompt_tokens_cached_total", "Prompt tokens reused from the cache.",
          m.cached_tokens),
         ("counter", "offgrid_requests_cancelled_total", "Requests cancelled (superseded, "
@@ -199,8 +205,6 @@ def metrics(h, _body):
     for endpoint, n in sorted(m.requests.items()):
         out.append('offgrid_requests_total{endpoint="%s"} %d' % (endpoint, n))
     out += router_models.metric_lines(svc.shelf, _label)
-    threads = [(e, _threads_of(e)) for e in svc.entries]
-    threads = [(e, t) for e, t in threads if t is not None]
     out += ["# HELP offgrid_threads Threads a model's decodes use now (-t auto adapts them).",
             "# TYPE offgrid_threads gauge"]
     for e, t in threads:
@@ -210,7 +214,6 @@ def metrics(h, _body):
             "# TYPE offgrid_thread_switches_total counter"]
     for e, t in threads:
         out.append('offgrid_thread_switches_total{model="%s"} %d' % (_label(e.id), t["switches"]))
-    batching = [(e, _ask(e, "batching")) for e, _ in threads]
     for name, key, help_text in (
             ("offgrid_decode_steps_total", "steps", "Decode steps of a model's sessions."),
             ("offgrid_batched_steps_total", "shared_steps",
