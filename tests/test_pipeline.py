@@ -10,7 +10,6 @@ dialect's opening event arrive while the request still waits for a session.
 import http.client
 import json
 import socket
-import threading
 import time
 
 import pytest

@@ -7,20 +7,22 @@ from ...errors import OffgridError
 from ...request import GenerationParams
 from ..httpd.httperrors import HTTPError, Unavailable
 from . import formats, router_models
+from .errormap import error_body
 
 
 # -- health, props, models, metrics -------------------------------------------------
 
+def _unhealthy(status, message, **fields):
+    """/health's 503: llama-server's error body (the one mapping's), with the status."""
+    return dict({"status": status}, **fields, **error_body(Unavailable(message)))
+
+
 def health(h, _body):
     svc = h.service
     if svc is None:
-        h.send_json(503, {"status": "loading",
-                          "error": {"code": 503, "message": "Loading model",
-                                    "type": "unavailable_error"}})
+        h.send_json(503, _unhealthy("loading", "Loading model"))
     elif svc.state != "ready":
-        h.send_json(503, {"status": "shutting down",
-                          "error": {"code": 503, "message": "server is shutting down",
-                                    "type": "unavailable_error"}})
+        h.send_json(503, _unhealthy("shutting down", "server is shutting down"))
     else:
         entries = svc.entries
         models = [{"id": e.id, "status": e.status} for e in entries]
@@ -29,16 +31,9 @@ def health(h, _body):
         servable = [e for e in entries if e.status in ("loaded", "unloaded", "sleeping")
                     or (e.status == "loading" and e.worker is None)]
         if entries and not servable:
-            h.send_json(503, {"status": "loading", "models": models,
-                              "error": {"code": 503, "message": "Loading model",
-                                        "type": "unavailable_error"}})
+            h.send_json(503, _unhealthy("loading", "Loading model", models=models))
         else:
             h.send_json(200, {"status": "ok", "models": models})
-
-
-def _status(entry):
-    """A model's state in llama-server's router words."""
-    return entry.status
 
 
 def _threads_of(entry):
@@ -131,7 +126,7 @@ def slots(h, _body):
                 pass        # it died just now: the front's record will do
         threads = _threads_of(e) or {}
         for s, n in zip(e.pool.sessions, n_cached):
-            out.append({"id": s.index, "model": e.id, "n_ctx": e.n_ctx, "state": _status(e),
+            out.append({"id": s.index, "model": e.id, "n_ctx": e.n_ctx, "state": e.status,
                         "is_processing": e.pool.is_busy(s), "n_cached": n,
                         "n_threads": threads.get("generation"),
                         "n_threads_batch": threads.get("batch")})
