@@ -3,7 +3,9 @@
 The Makefile installs the test-only packages into .venv, and
 tests/conformance/run.py the conformance suite's; pyproject.toml's extras
 (``pip install offgrid[test]``, ``[conformance]``) must name the same, or a
-tester who installs from pyproject gets a suite that cannot run.
+tester who installs from pyproject gets a suite that cannot run.  Its
+``packages`` must list every package of offgrid/, or a pip install leaves
+one out.
 """
 
 import ast
@@ -49,3 +51,8 @@ def test_conformance_extras_are_what_its_runner_installs():
     wanted = pyproject_list("project.optional-dependencies", "conformance")
     assert sorted(wanted) == sorted(conformance_packages())
 
+
+def test_every_package_of_offgrid_is_packaged():
+    found = sorted(".".join(p.parent.relative_to(ROOT).parts)
+                   for p in (ROOT / "offgrid").rglob("__init__.py"))
+    assert sorted(pyproject_list("tool.setuptools", "packages")) == found
