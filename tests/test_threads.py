@@ -190,8 +190,10 @@ import pytest       # noqa: E402
 from offgrid.engine.threads import usable_cores   # noqa: E402
 
 try:
+    from .rawhttp import children
     from .serverproc import ServerProcess
 except ImportError:  # tests/ is on sys.path rather than a package
+    from rawhttp import children
     from serverproc import ServerProcess
 
 HOG = "import time\nend = time.monotonic() + 120\nwhile time.monotonic() < end:\n    pass\n"
@@ -205,16 +207,8 @@ class OtherLoad:
         self.start = self._sample()
 
     def _tree(self):
-        pids = [self.pid]
-        for name in os.listdir("/proc"):
-            try:
-                with open("/proc/%s/stat" % name) as f:
-                    if name.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == self.pid:
-                        pids.append(int(name))
-            except (OSError, ValueError, IndexError):
-                pass
         total = 0
-        for pid in pids:
+        for pid in [self.pid] + children(self.pid):
             try:
                 with open("/proc/%d/stat" % pid) as f:
                     rest = f.read().rsplit(")", 1)[1].split()

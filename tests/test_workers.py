@@ -17,26 +17,11 @@ import time
 import pytest
 
 try:
+    from .rawhttp import argv_of, children
     from .serverproc import ServerProcess, parse_sse
 except ImportError:
+    from rawhttp import argv_of, children
     from serverproc import ServerProcess, parse_sse
-
-
-def children(pid):
-    """PIDs of the live (not zombie) child processes of ``pid``."""
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open("/proc/%s/stat" % name) as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1]) == pid and fields[0] != "Z":
-            out.append(int(name))
-    return out
 
 
 def alive(pid):
@@ -52,12 +37,7 @@ def worker_of(srv, model_path, timeout=60):
     deadline = time.monotonic() + timeout
     while True:
         for pid in children(srv.proc.pid):
-            try:
-                with open("/proc/%d/cmdline" % pid, "rb") as fh:
-                    argv = fh.read().split(b"\0")
-            except OSError:
-                continue
-            if str(model_path).encode() in argv:
+            if str(model_path) in argv_of(pid):
                 return pid
         if time.monotonic() > deadline:
             raise AssertionError("no worker for %s" % model_path)
