@@ -267,6 +267,20 @@ def decode_completion(d):
     return c
 
 
+# the fields of a Usage a streamed piece carries (timings_per_token)
+_LIVE_USAGE = ("prompt_tokens", "cached_tokens", "evaluated", "prompt_ms",
+               "completion_tokens", "generation_ms")
+
+
+def encode_live_usage(u):
+    """A request's Usage so far, on a piece or delta frame (timings_per_token)."""
+    return {k: getattr(u, k) for k in _LIVE_USAGE}
+
+
+def decode_live_usage(d):
+    return Usage(**{k: d[k] for k in _LIVE_USAGE if k in d})
+
+
 def encode_probs(probs):
     """TokenProbs as [id, bytes, prob, [[id, bytes, prob], ...]]; bytes as a
     latin-1 string (one character per byte: compact, exact)."""

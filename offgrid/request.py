@@ -246,6 +246,11 @@ class GenerationParams:
     # streamed requests: report the prompt's evaluation as it goes, a
     # PromptProgress before the first batch and after each (return_progress)
     return_progress: bool = False
+    # streamed requests: each piece says which generated tokens it shows
+    # (llama-server's "tokens" of a /completion chunk), and with
+    # timings_per_token the counts and times so far (its "timings")
+    piece_tokens: bool = False
+    timings_per_token: bool = False
 
     def copy(self):
         """A copy whose fields, and whose sampling's, can be set apart from this one's.

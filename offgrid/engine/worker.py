@@ -536,15 +536,23 @@ class Worker:
                     deltas = rs.add(text)
                     for i, d in enumerate(deltas):
                         pacer.send(self._delta_frame(rid, d, held if i == len(deltas) - 1
-                                                     else None))
+                                                     else None, session, gen))
             else:
                 def on_piece(text, probs=None):
                     rs.text += text
         elif stream:
-            def on_piece(text, probs=None):
+            with_probs, with_tokens = gen.with_probs, gen.piece_tokens
+
+            def on_piece(text, items=None):
+                # items: the piece's TokenProbs (with_probs), else its token ids
                 frame = {"op": "piece", "id": rid, "text": text}
-                if probs is not None:
-                    frame["probs"] = protocol.encode_probs(probs)
+                if items is not None:
+                    if with_probs:
+                        frame["probs"] = protocol.encode_probs(items)
+                    if with_tokens:
+                        frame["tokens"] = [p.id for p in items] if with_probs else items
+                if gen.timings_per_token:
+                    frame["usage"] = protocol.encode_live_usage(session.usage)
                 pacer.send(frame)
         on_progress = None
         if stream and gen.return_progress:
@@ -580,7 +588,7 @@ class Worker:
                         deltas = [ReplyDelta(content="")]
                     for i, d in enumerate(deltas):
                         pacer.send(self._delta_frame(rid, d, held if i == len(deltas) - 1
-                                                     else None))
+                                                     else None, session, gen))
             else:
                 reply = parse_reply(rs.text, rs.fmt)
             for tc in reply.tool_calls:
@@ -592,13 +600,16 @@ class Worker:
         return out
 
 
-    def _delta_frame(self, rid, d, held):
+    def _delta_frame(self, rid, d, held, session, gen):
         """A delta frame; ``held`` (token probabilities so far unsent) goes with it
-        and is emptied, as llama-server puts a step's probabilities on its last delta."""
+        and is emptied, as llama-server puts a step's probabilities on its last delta;
+        with timings_per_token, the request's counts and times so far."""
         frame = {"op": "delta", "id": rid, "delta": _delta(d)}
         if held:
             frame["probs"] = protocol.encode_probs(held)
             del held[:]
+        if gen.timings_per_token:
+            frame["usage"] = protocol.encode_live_usage(session.usage)
         return frame
 
 
