@@ -9,6 +9,8 @@ is driven through its public API only).
 """
 
 import json
+import os
+import signal
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -20,8 +22,10 @@ from offgrid.server.api import responses as dialect
 from offgrid.server.api.fields import Fields, generation_from
 
 try:
+    from . import rawhttp
     from .serverproc import ROOT, ServerProcess
 except ImportError:
+    import rawhttp
     from serverproc import ROOT, ServerProcess
 
 QWEN = ROOT / "models" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
@@ -88,6 +92,48 @@ def test_stream_runs_through_the_sdk_parser(client):
     assert len(deltas) > 1
     assert final.output_text == "".join(deltas) and "hello" in final.output_text.lower()
     assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_responses_without_v1_is_the_same_endpoint(srv):
+    # llama-server serves POST /responses too; an SDK pointed at the bare host uses it
+    bare = openai.OpenAI(base_url=srv.base, api_key="none", max_retries=0)
+    r = bare.responses.create(model="qwen", input="Say hello.", max_output_tokens=4,
+                              temperature=0)
+    assert r.object == "response" and r.id.startswith("resp_") and r.output_text
+
+
+def test_input_tokens_counts_the_prompt_a_response_would_evaluate(srv, client):
+    body = {"model": "qwen", "instructions": "Answer briefly.", "tools": TOOLS,
+            "input": [{"role": "user", "content": ASK}]}
+    status, _, count = srv.post("/v1/responses/input_tokens", body)
+    assert status == 200 and count["object"] == "response.input_tokens"
+    used = client.responses.create(max_output_tokens=1, temperature=0, **body).usage
+    assert count["input_tokens"] == used.input_tokens
+    assert srv.post("/responses/input_tokens", body)[2] == count
+    status, _, err = srv.post("/v1/responses/input_tokens", {"model": "qwen"})
+    assert status == 400 and "'input' is required" in err["error"]["message"]
+
+
+def test_stream_telemetry_progress_and_timings_as_llama_server(srv):
+    status, events = srv.stream("/responses", {
+        "input": "This is a test. " * 20, "max_output_tokens": 6, "temperature": 0,
+        "stream": True, "return_progress": True, "timings_per_token": True})
+    assert status == 200
+    progress = [e for e in events if "prompt_progress" in e]
+    assert progress and all(e["type"] == "response.in_progress" for e in progress)
+    assert progress[-1]["prompt_progress"]["processed"] == progress[-1]["prompt_progress"]["total"]
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert deltas and all(e["timings"]["predicted_n"] >= 1 for e in deltas)
+    last = events[-1]
+    assert last["type"] in ("response.completed", "response.incomplete")
+    assert last["timings"]["predicted_n"] == last["response"]["usage"]["output_tokens"]
+    ids = {e["response"]["id"] for e in events if "response" in e}
+    assert len(ids) == 1
+    # without them asked for: no progress events, no timings on the deltas
+    plain = srv.stream("/v1/responses", {"input": "Hi", "max_output_tokens": 3,
+                                         "stream": True})[1]
+    assert not any("prompt_progress" in e for e in plain)
+    assert not any("timings" in e for e in plain if e["type"].endswith(".delta"))
 
 
 # -- function calls ---------------------------------------------------------------------------
@@ -229,3 +275,36 @@ def test_reasoning_becomes_a_reasoning_item_streamed_and_whole():
     assert final.output_text == "Let me look."
     whole = dialect.output_items(ids, reply)
     assert [(o.type, o.id) for o in final.output] == [(w["type"], w["id"]) for w in whole]
+
+
+# -- a response that cannot finish ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def small(smollm_path):
+    with ServerProcess(smollm_path, threads=1) as s:
+        yield s
+
+
+def test_a_worker_dying_mid_stream_ends_it_with_response_failed(small):
+    client = openai.OpenAI(base_url=small.base + "/v1", api_key="none", max_retries=0)
+    stream = client.responses.create(model="m", input="Count from 1 to 500.", stream=True,
+                                     max_output_tokens=2000, extra_body={"ignore_eos": True})
+    events = []
+    for e in stream:            # the SDK's own reader, to the stream's end
+        events.append(e)
+        if e.type == "response.output_text.delta" and len(events) == 6:
+            for pid in rawhttp.children(small.proc.pid):
+                os.kill(pid, signal.SIGKILL)
+    types = [e.type for e in events]
+    assert types[0] == "response.created" and "response.output_text.delta" in types
+    assert types[-1] == "response.failed" and "response.completed" not in types
+    failed = events[-1].response
+    assert failed.id == events[0].response.id and failed.status == "failed"
+    assert failed.error.code == "server_error" and "SIGKILL" in failed.error.message
+    # the text so far is its output, the message item cut short
+    (msg,) = failed.output
+    assert msg.status == "incomplete" and msg.content[0].text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    small.wait_idle(timeout=120)        # the worker is back for the next request
+    r = client.responses.create(model="m", input="Hi", max_output_tokens=2)
+    assert r.status in ("completed", "incomplete")

@@ -25,6 +25,7 @@ item per call.  Nothing is stored: ``previous_response_id`` and
 
 from ...request import FinishReason, Message, ToolCall
 from . import formats, openai_chat as chat, pipeline
+from .errormap import to_http_error
 from ..httpd.httperrors import BadRequest
 from .pipeline import Format, Generation, Prompt
 from .fields import (MAX_N_PREDICT, Fields, generation_from, id_slot_from, tool_choice_from,
@@ -236,6 +237,7 @@ class _Request:
         self.text = f.raw("text") or {"format": {"type": "text"}}
         self.parallel_tool_calls = f.raw("parallel_tool_calls", True)
         self.metadata = f.raw("metadata") or {}
+        self.timings_per_token = gen.timings_per_token
 
 
 def response_object(ids, model, req, created, output, c=None):
@@ -264,10 +266,9 @@ def response_object(ids, model, req, created, output, c=None):
 
 # -- the endpoint -----------------------------------------------------------------------
 
-def responses(h, body):
-    """POST /v1/responses."""
-    f = Fields(body)
-    svc = h.service
+def _prepare(h, f, what):
+    """(entry, the worker's chat plan, tool_choice) of a Responses body: its checks,
+    its conversation through the model's template."""
     for name in ("previous_response_id", "conversation"):
         if f.has(name):
             raise BadRequest("'%s' is not supported: offgrid stores no responses; send the "
@@ -278,24 +279,45 @@ def responses(h, body):
     if not f.has("input"):
         raise BadRequest("'input' is required")
     f.int("max_output_tokens", 0, lo=1, hi=MAX_N_PREDICT)
-    entry = svc.entry_for(f.raw("model"))
+    entry = h.service.entry_for(f.raw("model"))
     messages = messages_from(f.raw("instructions"), f.raw("input"))
     tools = tools_from(f.raw("tools"))
     tool_choice = _tool_choice(f.raw("tool_choice"), tools)
     enable_thinking, kwargs = _thinking_from(f)
     parallel = f.bool("parallel_tool_calls", None)
-    what = "POST /v1/responses"
     plan = chat.prepare(entry, messages, tools, tool_choice, schema=_schema_from(f.raw("text")),
                         enable_thinking=enable_thinking, kwargs=kwargs,
                         parallel_tool_calls=parallel, what=what)
+    return entry, plan, tool_choice
+
+
+def responses(h, body):
+    """POST /v1/responses (and /responses)."""
+    f = Fields(body)
+    svc = h.service
+    what = "POST /v1/responses"
+    entry, plan, tool_choice = _prepare(h, f, what)
     gen = generation_from(f, entry.n_vocab, svc.n_predict_default, ("max_output_tokens",),
                           svc.sampling_default)
     gen.stop = []       # the Responses API has no stop strings
     chat.apply_plan(gen, plan)
+    stream = f.bool("stream", False)
+    # llama-server's telemetry: prompt progress as response.in_progress events,
+    # timings on the deltas (both asked for), and on the final event
+    gen.return_progress = stream and f.bool("return_progress", False)
+    gen.timings_per_token = stream and f.bool("timings_per_token", False)
     req = _Request(f, gen, tool_choice, f.raw("tools"))
     g = Generation(entry, gen, [Prompt(plan["tokens"])], "v1/responses", what,
-                   stream=f.bool("stream", False), id_slot=id_slot_from(f), chat=plan["chat"])
+                   stream=stream, id_slot=id_slot_from(f), chat=plan["chat"])
     pipeline.run(h, g, ResponsesFormat(entry.id, req))
+
+
+def input_tokens(h, body):
+    """POST /v1/responses/input_tokens (and /responses/input_tokens): the length of
+    the request's prompt through the template, as llama-server's and OpenAI's; nothing
+    is generated."""
+    entry, plan, _ = _prepare(h, Fields(body), "POST /v1/responses/input_tokens")
+    h.send_json(200, {"object": "response.input_tokens", "input_tokens": len(plan["tokens"])})
 
 
 class ResponsesFormat(Format):
@@ -314,11 +336,21 @@ class ResponsesFormat(Format):
     def open(self, out):
         self._st(out).start()
 
-    def piece(self, out, job, d, probs):
-        return self._st(out).delta(d)
+    def progress(self, out, job, p):
+        return self._st(out).progress(p, self.req.timings_per_token)
+
+    def piece(self, out, job, d, probs, usage=None):
+        return self._st(out).delta(d, usage)
 
     def choice_end(self, out, job, c):
         self._st(out).finish(c)
+
+    def fail(self, out, exc):
+        st = self._st(out)
+        if not st.ended:
+            err = to_http_error(exc)
+            st.fail("server_error" if err.status >= 500 else "invalid_prompt", err.message)
+        out.end()
 
     def body(self, jobs, done):
         c = done[0]
@@ -341,13 +373,16 @@ class _Stream:
         self.es, self.ids, self.model, self.req, self.created = es, ids, model, req, created
         self.seq = 0
         self.started = False
+        self.ended = False      # its terminal event went out
         self.output = []        # finished items
         self.kind = None        # the open item's type: "reasoning", "message" or None
         self.item_id = None     # the open item's id
         self.text = ""          # the open item's text so far
 
-    def _send(self, kind, **fields):
+    def _send(self, kind, _extra=None, **fields):
         obj = dict({"type": kind, "sequence_number": self.seq}, **fields)
+        if _extra:
+            obj.update(_extra)      # llama-server's telemetry, beside OpenAI's fields
         self.seq += 1
         return self.es.send(obj, kind)
 
@@ -359,6 +394,15 @@ class _Stream:
             self.started = True
             self._send("response.created", response=self._response())
             self._send("response.in_progress", response=self._response())
+
+    def progress(self, p, with_timings):
+        """Prompt progress (return_progress): a response.in_progress event carrying
+        llama-server's ``prompt_progress`` (and ``timings``, with timings_per_token)."""
+        self.start()
+        extra = {"prompt_progress": formats.progress_json(p)}
+        if with_timings:
+            extra["timings"] = formats.progress_timings(p)
+        return self._send("response.in_progress", extra, response=self._response())
 
     def _where(self):
         return {"item_id": self.item_id, "output_index": len(self.output), "content_index": 0}
@@ -391,8 +435,10 @@ class _Stream:
         self.output.append(item)
         self.kind = None
 
-    def delta(self, d):
+    def delta(self, d, usage=None):
         self.start()
+        # timings_per_token: the counts so far go on this piece's last event
+        extra = {"timings": formats.timings(usage)} if usage is not None else None
         if "tool_call" in d:
             self._close()
             _, tc = d["tool_call"]
@@ -400,31 +446,50 @@ class _Stream:
             fid = self.ids.item("fc", i)
             self._send("response.output_item.added", output_index=i,
                        item=_call_item(fid, tc, "in_progress", ""))
-            ok = self._send("response.function_call_arguments.delta", item_id=fid,
-                            output_index=i, delta=tc["arguments"])
+            self._send("response.function_call_arguments.delta", item_id=fid,
+                       output_index=i, delta=tc["arguments"])
             self._send("response.function_call_arguments.done", item_id=fid, output_index=i,
                        name=tc["name"], arguments=tc["arguments"])
             item = _call_item(fid, tc)
-            self._send("response.output_item.done", output_index=i, item=item)
             self.output.append(item)
-            return ok
+            return self._send("response.output_item.done", extra, output_index=i, item=item)
         if "reasoning_content" in d:
             if self.kind != "reasoning":
                 self._open("reasoning")
             self.text += d["reasoning_content"]
-            return self._send("response.reasoning_text.delta", delta=d["reasoning_content"],
-                              **self._where())
+            return self._send("response.reasoning_text.delta", extra,
+                              delta=d["reasoning_content"], **self._where())
         if self.kind != "message":
             self._open("message")
         text = d.get("content", "")
         self.text += text
-        return self._send("response.output_text.delta", delta=text, logprobs=[], **self._where())
+        return self._send("response.output_text.delta", extra, delta=text, logprobs=[],
+                          **self._where())
 
     def finish(self, c):
+        if c.finish_reason is FinishReason.CANCELLED:
+            # superseded, or the server stopping: cut short, not complete
+            self.fail("server_error", "the response was cancelled before it finished (a "
+                      "newer request on its slot, or the server shutting down)", c)
+            return
         self.start()
         if not self.output and self.kind is None:
             self._open("message")       # a response always has its message
         self._close(_item_status(c))
+        self.ended = True
         done = self._response(c)
+        # llama-server's final event carries the request's timings
         self._send("response.completed" if done["status"] == "completed"
-                   else "response.incomplete", response=done)
+                   else "response.incomplete", {"timings": formats.timings(c.usage)},
+                   response=done)
+
+    def fail(self, code, message, c=None):
+        """The terminal event of a response that could not finish: the open item
+        closes "incomplete", then response.failed carries the output so far and the
+        error (OpenAI's ResponseError: ``code``, ``message``)."""
+        self.start()
+        self._close("incomplete")
+        self.ended = True
+        failed = self._response(c)
+        failed.update(status="failed", error={"code": code, "message": message})
+        self._send("response.failed", response=failed)

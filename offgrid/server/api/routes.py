@@ -14,7 +14,8 @@ from .status import health, metrics, models, props, root, slots
 from .native import completion, detokenize, infill, tokenize
 from .openai_completions import v1_completions
 
-# dialect: the shape of the route's error bodies (errormap.error_body)
+# dialect: the shape of the route's error bodies (errormap.error_body) and stream
+# error events (errormap.error_event)
 Route = namedtuple("Route", "handler methods auth needs_service dialect", defaults=("openai",))
 
 
@@ -68,7 +69,10 @@ ROUTES = {
     "/api/delete": Route(ollama.manage, ("DELETE",), True, False, "ollama"),
     "/v1/messages": Route(anthropic.messages, _POST, True, True, "anthropic"),
     "/v1/messages/count_tokens": Route(anthropic.count_tokens, _POST, True, True, "anthropic"),
-    "/v1/responses": Route(responses.responses, _POST, True, True),
+    "/v1/responses": Route(responses.responses, _POST, True, True, "responses"),
+    "/responses": Route(responses.responses, _POST, True, True, "responses"),
+    "/v1/responses/input_tokens": Route(responses.input_tokens, _POST, True, True),
+    "/responses/input_tokens": Route(responses.input_tokens, _POST, True, True),
 }
 
 
