@@ -374,13 +374,14 @@ class Worker:
         for error messages.
         """
         e = self.loaded.embedder
+        work = _EmbedWork(e)
         out, counts = e.embed([self._tokens_of(parts) for parts in inputs], normalize,
                               truncate, first)
         if e.pooling == "none":
             vectors = [[protocol.encode_vector(to_le(row)) for row in rows] for rows in out]
         else:
             vectors = [protocol.encode_vector(to_le(v)) for v in out]
-        return {"vectors": vectors, "n_tokens": counts}
+        return dict(work.done(), vectors=vectors, n_tokens=counts)
 
     def call_rerank(self, query, documents):
         """The relevance score of each document to ``query`` (pooling rank), as
@@ -401,8 +402,9 @@ class Worker:
             tokens += [m.sep] if m.add_sep and m.sep is not None else []
             tokens += m.tokenize(doc, add_special=False, parse_special=False) + end
             lists.append(tokens)
+        work = _EmbedWork(self.loaded.embedder)
         scores, counts = self.loaded.embedder.scores(lists)
-        return {"scores": scores, "n_tokens": counts}
+        return dict(work.done(), scores=scores, n_tokens=counts)
 
     def call_prepare_infill(self, request, reserve, schema=None, grammar=None,
                             t_max_prompt_ms=0, id_slot=-1, cache_reuse=0):
@@ -611,6 +613,19 @@ class Worker:
         if gen.timings_per_token:
             frame["usage"] = protocol.encode_live_usage(session.usage)
         return frame
+
+
+class _EmbedWork:
+    """The decodes an embed or rerank call made and their time: the front counts them
+    as prompt work in /metrics, as llama-server counts an embedding task's batches."""
+
+    def __init__(self, embedder):
+        self.e = embedder
+        self.n0, self.s0 = embedder.n_decodes, embedder.decode_seconds
+
+    def done(self):
+        return {"n_decode": self.e.n_decodes - self.n0,
+                "decode_ms": (self.e.decode_seconds - self.s0) * 1000.0}
 
 
 def _reply_format(d):
