@@ -102,7 +102,11 @@ def parse_args(argv=None):
                    help="unload a model idle for S seconds (status sleeping); the next "
                    "request loads it again (default: never)")
     p.add_argument("-a", "--alias", action="append", default=[],
-                   help="a name the --model answers to (repeatable; the first is its id)")
+                   help="names the --model answers to, a comma list (repeatable; the first "
+                   "is its id; /models lists them all)")
+    p.add_argument("--tags", action="append", default=[], metavar="TAGS",
+                   help="informational tags of the --model for /models, a comma list "
+                   "(repeatable; not used to route requests)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind, or a comma list of them (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks one)")
