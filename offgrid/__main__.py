@@ -183,9 +183,10 @@ def parse_args(argv=None):
     p.add_argument("--no-swa-full", action="store_true",
                    help="windowed KV cache for sliding-window models: less memory, "
                    "but no prompt-cache reuse")
-    p.add_argument("--chat-template", metavar="NAME|FILE",
+    p.add_argument("--chat-template", metavar="NAME|FILE|TEXT",
                    help="chat template for --model instead of its own: a Jinja file, "
-                   "\"chatml\", or the name of a libllama built-in template")
+                   "\"chatml\", the name of a libllama built-in template, or the "
+                   "template's Jinja text itself")
     p.add_argument("-rea", "--reasoning", choices=REASONING_MODES, default="auto",
                    help="thinking in chat replies, where a request does not say: on, off, or "
                    "auto (the template's own default)")
