@@ -13,7 +13,7 @@ from .. import __version__
 from ..errors import OffgridError
 from ..request import GenerationParams, InfillRequest, PromptProgress
 from . import anthropic, chat, embeddings, formats, ollama, ollama_models, responses
-from . import shelf_api
+from . import shelf_api, webui
 from .errors import BadRequest, HTTPError, Unavailable
 from .prompts import infill_prepare, infill_tokens
 from .params import (Fields, completion_probs_from, include_usage_from, generation_from,
@@ -243,11 +243,6 @@ def metrics(h, _body):
 def _label(value):
     """A Prometheus label value: backslash, quote and newline escaped."""
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def root(h, _body):
-    """GET /: a liveness answer (Ollama's clients ping it before anything else)."""
-    h.send_text(200, "offgrid is running\n", "text/plain; charset=utf-8")
 
 
 # -- tokens -------------------------------------------------------------------------
@@ -518,8 +513,10 @@ ROUTES = {
     "/v1/reranking": Route(embeddings.rerank, _POST, True, True),
     "/v1/chat/completions/input_tokens": Route(chat.input_tokens, _POST, True, True),
     "/chat/completions/input_tokens": Route(chat.input_tokens, _POST, True, True),
-    # Ollama's API (server/ollama.py); "/" answers its clients' heartbeat
-    "/": Route(root, _GET, False, False),
+    # the chat page (server/webui.py) for browsers; "/" answers Ollama's clients' heartbeat
+    "/": Route(webui.root, _GET, False, False),
+    **{path: Route(webui.asset, _GET, False, False) for path in webui.FILES},
+    # Ollama's API (server/ollama.py)
     "/api/version": Route(ollama_models.version, _GET, False, False, "ollama"),
     "/api/tags": Route(ollama_models.tags, _GET, True, True, "ollama"),
     "/api/ps": Route(ollama_models.ps, _GET, True, True, "ollama"),
