@@ -151,7 +151,7 @@ def parse_args(argv=None):
                    "pooling_type, else mean)")
     p.add_argument("--reranking", "--rerank", action="store_true",
                    help="pool for /rerank (--pooling rank), for a reranker model")
-    p.add_argument("--webui", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--webui", "--ui", action=argparse.BooleanOptionalAction, default=True,
                    help="the chat page at / for browsers (--no-webui: / answers text only)")
     p.add_argument("--api-key", action="append", default=[],
                    help="API key (repeatable; also $OFFGRID_API_KEY)")
