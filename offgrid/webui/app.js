@@ -544,9 +544,12 @@ function renderModels() {
     if (state.tab === "chat" && state.current && state.current.model !== pick.id && !state.current.messages.length) state.current.model = pick.id;
   }
   if (!state.models.length && !sel.options.length) sel.append(el("option", {value: "", text: "no models"}));
-  const m = pick;
-  if (m && state.pendingLoad === m.id && statusOf(m) === "loaded") state.pendingLoad = null;
-  setModelState(m ? describe(m) : "", false, m && statusOf(m) === "loading");
+  const m = pick, st = m && statusOf(m), pending = state.pendingLoad;
+  // a load asked for is followed closely until it ends (its thread may not have begun yet)
+  if (pending && (!m || pending.id !== m.id || st === "loaded" || st === "error" ||
+      (st !== "loading" && Date.now() - pending.since > 5000))) state.pendingLoad = null;
+  const why = st === "error" && m.status.error ? ": " + m.status.error : "";
+  setModelState(m ? describe(m) + why : "", st === "error", st === "loading");
   updateContext();
 }
 
@@ -568,7 +571,7 @@ async function pickModel() {
   const m = currentModel();
   if (m && (statusOf(m) === "unloaded" || statusOf(m) === "sleeping")) {
     // load it now, so the first message need not wait for it (the status shows progress)
-    state.pendingLoad = id;
+    state.pendingLoad = {id, since: Date.now()};
     setModelState("loading", false, true);
     const res = await api("/models/load", {json: {model: id}});
     if (!res.ok && res.status !== 400) setModelState(await errorText(res), true);
@@ -599,7 +602,10 @@ function renderList() {
 
 function startRename(c, li) {
   const input = el("input", {type: "text", "aria-label": "New name", value: c.title});
+  let done = false;       // Enter or Escape, then the blur of the input going away
   const commit = (keep) => {
+    if (done) return;
+    done = true;
     if (keep && input.value.trim()) { c.title = input.value.trim().slice(0, 200); save(); }
     renderList();
   };
