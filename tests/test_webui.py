@@ -607,3 +607,26 @@ def test_controls_are_labelled_reachable_and_follow_the_colour_scheme(server, br
         r, g, bl = [int(x) for x in re.findall(r"\d+", rgb)[:3]]
         return 0.2126 * r + 0.7152 * g + 0.0722 * bl
     assert luminance(colours["light"]) > 200 and luminance(colours["dark"]) < 60, colours
+
+
+def test_streamed_reasoning_lands_in_a_collapsed_block(gemma_path, browser):
+    # gemma-3-270m writes a reasoning block when a grammar makes it (as in
+    # test_chat_reasoning.py); the page sends none, so the test adds one to its request
+    forced = 'root ::= "<think>" "I should greet." "</think>" "Hello there."'
+    with ServerProcess(gemma_path, ctx=512) as s:
+        b = browser.open(s.base)
+        b.models_listed()
+        b.js("const f = window.fetch; window.fetch = (url, o) => {"
+             "  if (String(url).endsWith('/v1/chat/completions')) {"
+             "    const body = JSON.parse(o.body); body.grammar = arguments[0];"
+             "    o = Object.assign({}, o, {body: JSON.stringify(body)}); }"
+             "  return f(url, o); }", forced)
+        b.type_and_send("Think, then answer.")
+        b.finished()
+        assert b.answer() == "Hello there."
+        assert b.js("return document.querySelector('.msg.assistant .reasoning').open") is False
+        assert b.el(".reasoning summary").text == "Reasoning"
+        b.el(".reasoning summary").click()
+        assert b.el(".reasoning .thought").text == "I should greet."
+        msg = b.stored()[0]["messages"][1]
+        assert (msg["reasoning"], msg["content"]) == ("I should greet.", "Hello there.")
