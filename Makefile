@@ -1,5 +1,5 @@
 # offgrid: `make run` serves the default model, `make test` runs the whole suite,
-# `make test-fast` all of it but the slow tests (see README, "Tests").
+# `make test-fast` all of it but the slow tests (docs/testing.md).
 # Downloads and builds are cached in ~/.cache/offgrid (OFFGRID_CACHE), keyed by
 # version and hash, so a fresh clone on the same machine does not rebuild.
 
@@ -40,7 +40,7 @@ lib:
 	@bash scripts/build_lib.sh lib
 
 # The same, and llama.cpp's ggml-rpc-server from that build, into lib/: run it on
-# each machine that lends a model its memory and cores (README, "Several machines").
+# each machine that lends a model its memory and cores (docs/rpc.md).
 rpc-server:
 	@bash scripts/build_lib.sh --rpc-server lib
 
@@ -111,7 +111,7 @@ bundle:
 # bench/results/latest.json.  bench/run.py gets llama-server and llama-bench
 # from scripts/build_lib.sh --server and a stock llama-server from
 # --stock-server (each built once, cached).  BENCH_ARGS passes flags to it,
-# e.g. BENCH_ARGS="--rounds 1 --only editor".  The README's table is measured
+# e.g. BENCH_ARGS="--rounds 1 --only editor".  docs/performance.md's runs are measured
 # on gemma-3-270m (BENCH_MODEL) and, for code continuation and the editor
 # replay, Qwen2.5-Coder-0.5B (BENCH_CODE_MODEL).
 BENCH_MODEL ?= models/gemma-3-270m-q4_k_m.gguf

@@ -26,6 +26,12 @@ from .errors import InvalidRequest
 
 # llama-server's default sampler order (common_params_sampling::samplers);
 # a request may reorder or drop them with "samplers".
+# The choices of the settings the front parses and the worker obeys, written once.
+REASONING_MODES = ("on", "off", "auto")                 # --reasoning
+REASONING_FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")    # --reasoning-format
+POOLINGS = ("none", "mean", "cls", "last", "rank")      # --pooling (engine/embed.POOLING)
+SPEC_TYPES = ("none", "auto", "ngram-simple")           # --spec-type
+
 DEFAULT_SAMPLERS = ("penalties", "top_k", "typ_p", "top_p", "min_p", "temperature")
 
 # Names a request may use for each sampler: llama-server accepts these

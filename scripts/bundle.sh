@@ -62,8 +62,8 @@ RPC_NOTE=""
 if [ "$RPC" = 1 ]; then
     RPC_NOTE=",
               and ggml-rpc-server: run it on another machine with this folder to lend
-              that machine's memory and cores to a model (--rpc; offgrid's README,
-              \"Several machines\")"
+              that machine's memory and cores to a model (--rpc; offgrid's
+              docs/rpc.md)"
 fi
 
 variants=$(cd "$STAGE/lib" && for f in libggml-cpu-*.so; do [ ! -e "$f" ] || echo "$f"; done \
@@ -95,7 +95,7 @@ log "oldest glibc: $GLIBC (built on $HOST_GLIBC); libstdc++ with GLIBCXX_$GLIBCX
 
 # --- the package, a wheel of it, the model ---------------------------------------
 find offgrid -name '*.py' -not -path '*/__pycache__/*' -exec cp --parents {} "$STAGE" \;
-# the chat page (server/webui.py serves it from the package's folder)
+# the chat page (server/api/webui.py serves it from the package's folder)
 cp --parents offgrid/webui/index.html offgrid/webui/app.js offgrid/webui/app.css "$STAGE"
 
 cat >"$STAGE/__main__.py" <<'EOF'

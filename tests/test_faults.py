@@ -22,8 +22,9 @@ import pytest
 
 from offgrid.jobs import MAX_IDLE
 
-from offgrid.server.http import make_server
-from offgrid.server.service import Service
+from offgrid.server.api.routes import APP
+from offgrid.server.httpd.server import make_server
+from offgrid.server.serving.service import Service
 from offgrid.engine.session import ChatSession
 
 try:
@@ -321,7 +322,7 @@ def inproc(plain_model):
     session = ChatSession(plain_model, n_ctx=256, n_batch=64, n_threads=1)
     entry = entry_over(plain_model, [session])
     service = Service(entry)
-    httpd = make_server("127.0.0.1", 0, service)
+    httpd = make_server("127.0.0.1", 0, APP, service)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     srv = Client(httpd.server_address[1])
     try:

@@ -1,4 +1,4 @@
-"""The chat page at / (offgrid/webui/, server/webui.py) in a real browser.
+"""The chat page at / (offgrid/webui/, server/api/webui.py) in a real browser.
 
 Debian's chromium, headless, driven by selenium through Debian's chromedriver
 (`make browser` installs both; `make test` depends on it), against real

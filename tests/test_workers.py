@@ -9,6 +9,7 @@ crashed model succeeds within 10 s on a restarted worker; /metrics counts
 the death; no process is left behind.
 """
 
+import json
 import os
 import signal
 import threading
@@ -57,7 +58,8 @@ def worker_of(srv, model_path, timeout=60):
                     argv = fh.read().split(b"\0")
             except OSError:
                 continue
-            if str(model_path).encode() in argv:
+            # the worker's one argument is its settings as JSON (protocol.WorkerSettings)
+            if any(b'"model": %s' % json.dumps(str(model_path)).encode() in a for a in argv):
                 return pid
         if time.monotonic() > deadline:
             raise AssertionError("no worker for %s" % model_path)

@@ -1,5 +1,5 @@
 // offgrid's chat page.  Hand-written, no framework, no build step; served with a
-// Content-Security-Policy that allows this origin only (server/webui.py).
+// Content-Security-Policy that allows this origin only (server/api/webui.py).
 //
 // Safety rule: model text, stored text and server messages become DOM text
 // nodes (textContent, createTextNode) or checked attribute values, never

@@ -75,7 +75,7 @@ SAME_SWITCH = {"--verbose": "-v", "-v": "-v", "--metrics": "--metrics",
 #                    each the whole --ctx-size (per_session_ctx), what one slot may use of
 #                    llama-server's shared one
 AS_DEFAULT = {"--offline", "--jinja", "--swa-full", "--cont-batching", "-cb", "--kv-unified"}
-# Flags offgrid leaves aside on purpose (README "Differences from llama-server");
+# Flags offgrid leaves aside on purpose (docs/compatibility.md, "Differences from llama-server");
 # accepted, and logged apart from the dropped ones.
 #   --no-jinja         chat templates are always the model's Jinja template
 #   -fa/--flash-attn   libllama picks flash attention itself (its "auto")
