@@ -76,6 +76,7 @@ class Browser:
         self.base = base
         self.d.get(base + "/")
         self.wait(lambda: self.js("return document.readyState") == "complete", 30, "the page")
+        assert self.d.title == "offgrid", "no chat page at %s/" % base
         return self
 
     def js(self, script, *args):

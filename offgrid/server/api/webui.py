@@ -20,7 +20,9 @@ import os
 
 from ..httpd.httperrors import NotFound
 
-_HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "webui")
+# offgrid/webui/, from offgrid/server/api/
+_HERE = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                                      "webui"))
 
 # path -> (file in offgrid/webui/, Content-Type)
 FILES = {
