@@ -171,6 +171,9 @@ def parse_args(argv=None):
     p.add_argument("--cache-reuse", type=int, default=64,
                    help="FIM requests move cached runs of at least N tokens to where the new "
                    "prompt needs them instead of recomputing them (default 64; 0: off)")
+    p.add_argument("--spm-infill", action="store_true",
+                   help="lay fill-in-the-middle prompts out suffix first (suffix/prefix/middle), "
+                   "as some code models were trained; llama-server's flag (default: prefix first)")
     p.add_argument("--context-shift", action=argparse.BooleanOptionalAction, default=False,
                    help="when a session's context fills up while generating, drop the older "
                    "half of it after the request's n_keep tokens and go on (default off: the "

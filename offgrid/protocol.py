@@ -174,6 +174,7 @@ class WorkerSettings:
     no_swa_full: bool
     no_repack: bool
     context_shift: bool
+    spm_infill: bool                # FIM prompts suffix first (llama-server's --spm-infill)
     reasoning: str                  # request.REASONING_MODES
     reasoning_format: str           # request.REASONING_FORMATS
     lib: Optional[str]
@@ -215,6 +216,7 @@ class ModelInfo:
     pooling: str                    # how embeddings pool (engine/embed.py)
     rank_head: bool                 # a reranker's classification head (pooling_type rank)
     devices: list                   # where its layers are: the CPU, then each --rpc device
+    speculative: bool               # its requests may draft (--spec-type other than none)
 
 
 def encode_info(info):

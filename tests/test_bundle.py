@@ -27,8 +27,10 @@ from pathlib import Path
 import pytest
 
 try:
+    from . import rawhttp
     from .serverproc import ROOT, ServerProcess
 except ImportError:  # tests/ is on sys.path rather than a package
+    import rawhttp
     from serverproc import ROOT, ServerProcess
 
 from offgrid import __version__
@@ -78,17 +80,11 @@ class BundledServer(ServerProcess):
 
 def worker_of(server):
     """(executable, argv) of the server's one model worker."""
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open("/proc/%s/stat" % name) as fh:
-                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
-                if ppid == server.proc.pid:
-                    with open("/proc/%s/cmdline" % name, "rb") as fh:
-                        argv = fh.read().decode().split("\0")
-                    return os.readlink("/proc/%s/exe" % name), argv
-            except OSError:
-                continue
+    for pid in rawhttp.children(server.proc.pid):
+        try:
+            return os.readlink("/proc/%d/exe" % pid), rawhttp.argv_of(pid)
+        except OSError:
+            continue
     raise AssertionError("the server has no worker process")
 
 
@@ -149,7 +145,7 @@ def test_tarball_is_named_for_version_and_machine(tarball):
 
 def test_bundle_holds_package_portable_libraries_licenses_and_model(unpacked, plain_model_path):
     assert unpacked.name == "offgrid-%s-linux-%s" % (__version__, platform.machine())
-    assert (unpacked / "offgrid" / "server" / "http.py").is_file()
+    assert (unpacked / "offgrid" / "server" / "httpd" / "handler.py").is_file()
     assert (unpacked / "lib" / "libllama.so").exists()
     variants = sorted(p.name for p in (unpacked / "lib").glob("libggml-cpu-*.so"))
     assert len(variants) >= 2, variants

@@ -18,8 +18,10 @@ import ollama
 import pytest
 
 try:
+    from . import rawhttp
     from .serverproc import ServerProcess
 except ImportError:
+    import rawhttp
     from serverproc import ServerProcess
 
 QWEN = Path(__file__).resolve().parent.parent / "models" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
@@ -326,9 +328,8 @@ def test_an_error_after_the_first_line_is_the_streams_last_line(srv):
     c, r = _open_stream(srv, "/api/chat", {
         "model": NAME, "messages": [{"role": "user", "content": "Count from 1 to 1000."}],
         "options": {"temperature": 0, "num_predict": 1000}})
-    children = Path("/proc/%d/task/%d/children" % (srv.proc.pid, srv.proc.pid)).read_text()
-    for pid in children.split():
-        os.kill(int(pid), signal.SIGKILL)
+    for pid in rawhttp.children(srv.proc.pid):
+        os.kill(pid, signal.SIGKILL)
     rest = r.read().decode()
     c.close()
     last = json.loads(rest.strip().splitlines()[-1])

@@ -26,8 +26,10 @@ import openai
 import pytest
 
 try:
+    from .rawhttp import argv_of, children, tree_rss
     from .serverproc import ServerProcess
 except ImportError:
+    from rawhttp import argv_of, children, tree_rss
     from serverproc import ServerProcess
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
@@ -83,47 +85,10 @@ def make_shelf(folder):
     return folder
 
 
-def tree_rss(pid):
-    """Resident bytes of a process and all its descendants."""
-    total, todo = 0, [pid]
-    page = os.sysconf("SC_PAGE_SIZE")
-    while todo:
-        p = todo.pop()
-        try:
-            with open("/proc/%d/statm" % p) as fh:
-                total += int(fh.read().split()[1]) * page
-            for task in os.listdir("/proc/%d/task" % p):
-                with open("/proc/%d/task/%s/children" % (p, task)) as fh:
-                    todo += [int(c) for c in fh.read().split()]
-        except (OSError, ValueError):
-            continue
-    return total
-
-
-def worker_pids(pid):
-    """The server's child processes (its model workers)."""
-    out = []
-    try:
-        for task in os.listdir("/proc/%d/task" % pid):
-            with open("/proc/%d/task/%s/children" % (pid, task)) as fh:
-                out += [int(c) for c in fh.read().split()]
-    except OSError:
-        pass
-    return out
-
-
-def cmdline(pid):
-    try:
-        with open("/proc/%d/cmdline" % pid, "rb") as fh:
-            return fh.read().replace(b"\0", b" ").decode("utf-8", "replace")
-    except OSError:
-        return ""
-
-
 def worker_of(srv, path):
     """The pid of the worker serving the model file ``path``, or None."""
-    for pid in worker_pids(srv.proc.pid):
-        if str(path) in cmdline(pid):
+    for pid in children(srv.proc.pid):
+        if any(str(path) in arg for arg in argv_of(pid)):
             return pid
     return None
 

@@ -165,7 +165,8 @@ class Loaded:
             has_fim=m.has_fim, chat_template=m.chat_template or "",
             caps=self.template.caps.as_dict(), meta=m.meta, kv_bytes=self.kv_bytes(),
             n_embd_out=m.n_embd_out, pooling=self.embedder.pooling,
-            rank_head=model_pooling(m) == POOLING["rank"], devices=m.devices)
+            rank_head=model_pooling(m) == POOLING["rank"], devices=m.devices,
+            speculative=any(s.draft_max > 0 for s in self.sessions))
 
     def kv_bytes(self):
         """The KV caches' size, from the model's shape (f16 keys and values)."""
@@ -189,11 +190,12 @@ class Worker:
     """Answers the front's frames for one Loaded model."""
 
     def __init__(self, loaded, out, reasoning="auto", reasoning_format="auto", out_lock=None,
-                 spec_type="none", stream_interval=0.0):
+                 spec_type="none", stream_interval=0.0, spm_infill=False):
         """``stream_interval``: seconds a streamed request's pieces are gathered
         over (engine/pacing.py; --stream-interval-ms)."""
         self.loaded = loaded
         self.stream_interval = stream_interval
+        self.spm_infill = spm_infill        # --spm-infill: FIM prompts suffix first
         self.model = loaded.model
         # --spec-type auto: chat replies do not draft (their text repeats the
         # prompt's far less than code does)
@@ -326,9 +328,11 @@ class Worker:
         return [len(s.cached) for s in self.loaded.sessions]
 
     def call_batching(self):
-        """Decode steps made so far, and how many of them carried several sessions' work."""
+        """Decode steps made so far, how many of them carried several sessions' work, and
+        the sessions they carried in all."""
         d = self.loaded.decoder
-        return {"steps": d.n_steps if d else 0, "shared_steps": d.n_shared_steps if d else 0}
+        return {"steps": d.n_steps if d else 0, "shared_steps": d.n_shared_steps if d else 0,
+                "members": d.n_step_members if d else 0}
 
     def call_threads(self):
         """The thread counts decodes use now and how often they changed (engine/threads.py)."""
@@ -406,6 +410,7 @@ class Worker:
         fitted into that budget (``dropped`` says what went, or is None)."""
         s = self.loaded.sessions[0]
         req = protocol.decode_infill(request)
+        req.spm_infill = self.spm_infill
 
         laid = []
 
@@ -675,7 +680,7 @@ def main(argv=None):
     # path, and before anyone measures what a loaded worker holds.
     loaded.model.grammar_facts
     worker = Worker(loaded, out, args.reasoning, args.reasoning_format, out_lock,
-                    args.spec_type, args.stream_interval_ms / 1000.0)
+                    args.spec_type, args.stream_interval_ms / 1000.0, args.spm_infill)
     worker.send({"op": "ready", "info": protocol.encode_info(loaded.info())})
     worker.serve(inp)
     # The front is gone.  Requests may still be running on other threads

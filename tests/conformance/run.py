@@ -39,7 +39,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -52,7 +51,9 @@ ROOT = HERE.parent.parent
 RESULTS = HERE / "results"
 DELIBERATE = HERE / "deliberate.txt"
 sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(HERE.parent))    # tests/: its helpers, written once
 import suite  # noqa: E402
+from serverproc import free_port  # noqa: E402
 
 # The files run by default: the ones offgrid means to match (issue 15's eleven).
 CORE = ["basic", "tokenize", "security", "infill", "completion", "chat_completion", "stream",
@@ -87,12 +88,6 @@ def llama_server():
                           "--server"], cwd=str(ROOT), stdout=subprocess.PIPE, check=True,
                          text=True).stdout.strip().splitlines()
     return str(Path(out[-1]) / "llama-server")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def suite_env(target, log, binary=None):

@@ -7,12 +7,14 @@ Nothing below this module sees a dict from a client.
 """
 
 import dataclasses
+import json
 import math
 import re
 from dataclasses import dataclass
 from typing import List, Union
 
-from ...request import SAMPLER_ALIASES, GenerationParams, InfillRequest, SamplingParams
+from ...request import (DEFAULT_SAMPLERS, SAMPLER_ALIASES, GenerationParams, InfillRequest,
+                        SamplingParams)
 from ..httpd.httperrors import BadRequest
 
 # Limits on what a request may ask for; beyond them it is refused, not clamped,
@@ -130,6 +132,7 @@ def sampling_from(f, n_vocab, base=None, tokenize=None):
     p.top_p = f.float("top_p", p.top_p, lo=0.0, hi=1.0)
     p.min_p = f.float("min_p", p.min_p, lo=0.0, hi=1.0)
     p.typical_p = f.float("typical_p", p.typical_p, lo=0.0, hi=1.0)
+    p.min_keep = f.int("min_keep", p.min_keep, lo=0, hi=MAX_N_PREDICT)
     p.repeat_penalty = f.float("repeat_penalty", p.repeat_penalty, lo=0.0)
     p.repeat_last_n = f.int("repeat_last_n", p.repeat_last_n, lo=-1, hi=MAX_REPEAT_LAST_N)
     p.presence_penalty = f.float("presence_penalty", p.presence_penalty, lo=-2.0, hi=2.0)
@@ -143,10 +146,31 @@ def sampling_from(f, n_vocab, base=None, tokenize=None):
             samplers = [_LETTERS.get(c, c) for c in samplers]
         if not isinstance(samplers, list) or not all(isinstance(s, str) for s in samplers):
             raise BadRequest("'samplers' must be a list of sampler names")
+        unknown = [s for s in samplers if s not in SAMPLER_ALIASES]
+        if unknown:
+            raise BadRequest("'samplers': unknown sampler %s; offgrid runs %s (and accepts dry, "
+                             "top_n_sigma and xtc at their default, inactive settings)"
+                             % (json.dumps(unknown[0][:64]), ", ".join(DEFAULT_SAMPLERS)))
         p.samplers = tuple(SAMPLER_ALIASES[s] for s in samplers
-                           if SAMPLER_ALIASES.get(s) is not None)
+                           if SAMPLER_ALIASES[s] is not None)
+    _refuse_inactive_samplers(f)
     p.logit_bias = _logit_bias(f.raw("logit_bias"), n_vocab, tokenize)
     return p
+
+
+# Samplers offgrid does not run, by the field that makes each act and the value at
+# which it does nothing (llama-server's defaults): a request that asks them to act
+# is refused rather than silently sampled without them.
+_NOT_RUN = (("mirostat", 0, "mirostat"), ("dry_multiplier", 0.0, "DRY"),
+            ("xtc_probability", 0.0, "XTC"), ("top_n_sigma", -1.0, "top-n-sigma"))
+
+
+def _refuse_inactive_samplers(f):
+    for name, idle, what in _NOT_RUN:
+        v = f.float(name, idle)
+        if v != idle and not (name == "top_n_sigma" and v <= 0):
+            raise BadRequest("'%s': offgrid does not run the %s sampler; leave '%s' at %s"
+                             % (name, what, name, idle))
 
 
 _LETTERS = {"e": "penalties", "k": "top_k", "y": "typ_p", "p": "top_p", "m": "min_p",
@@ -356,24 +380,6 @@ def prompt_from(v, where="prompt"):
                 raise BadRequest("'%s' must be a string or a list of token ids and strings" % where)
         return Prompt(parts)
     raise BadRequest("'%s' must be a string or a list of token ids" % where)
-
-
-def tokens_of(model, prompt, add_special=True):
-    """Token ids of a Prompt; BOS is added only when it starts with text.
-
-    Token ids from the client are checked against the vocabulary here, before
-    anything reaches libllama.
-    """
-    out = []
-    for i, part in enumerate(prompt.parts):
-        if isinstance(part, str):
-            out += model.tokenize(part, add_special=add_special and i == 0, parse_special=True)
-        else:
-            model.check_tokens(part)
-            out += part
-    if not out:
-        raise BadRequest("the prompt is empty: send some text or token ids")
-    return out
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")

@@ -76,7 +76,7 @@ def generation_settings(gen, n_ctx, model_name, stream=False):
         "stream": stream,
         "n_probs": gen.n_probs if gen.with_probs else 0,
         "post_sampling_probs": gen.post_sampling_probs,
-        "min_keep": 0,
+        "min_keep": s.min_keep,
         "samplers": list(s.effective_samplers),     # infill is dropped under a grammar
         "stop": list(gen.stop),
         "n_indent": gen.n_indent,

@@ -7,20 +7,22 @@ from ...errors import OffgridError
 from ...request import GenerationParams
 from ..httpd.httperrors import HTTPError, Unavailable
 from . import formats, router_models
+from .errormap import error_body
 
 
 # -- health, props, models, metrics -------------------------------------------------
 
+def _unhealthy(status, message, **fields):
+    """/health's 503: llama-server's error body (the one mapping's), with the status."""
+    return dict({"status": status}, **fields, **error_body(Unavailable(message)))
+
+
 def health(h, _body):
     svc = h.service
     if svc is None:
-        h.send_json(503, {"status": "loading",
-                          "error": {"code": 503, "message": "Loading model",
-                                    "type": "unavailable_error"}})
+        h.send_json(503, _unhealthy("loading", "Loading model"))
     elif svc.state != "ready":
-        h.send_json(503, {"status": "shutting down",
-                          "error": {"code": 503, "message": "server is shutting down",
-                                    "type": "unavailable_error"}})
+        h.send_json(503, _unhealthy("shutting down", "server is shutting down"))
     else:
         entries = svc.entries
         models = [{"id": e.id, "status": e.status} for e in entries]
@@ -29,16 +31,9 @@ def health(h, _body):
         servable = [e for e in entries if e.status in ("loaded", "unloaded", "sleeping")
                     or (e.status == "loading" and e.worker is None)]
         if entries and not servable:
-            h.send_json(503, {"status": "loading", "models": models,
-                              "error": {"code": 503, "message": "Loading model",
-                                        "type": "unavailable_error"}})
+            h.send_json(503, _unhealthy("loading", "Loading model", models=models))
         else:
             h.send_json(200, {"status": "ok", "models": models})
-
-
-def _status(entry):
-    """A model's state in llama-server's router words."""
-    return entry.status
 
 
 def _threads_of(entry):
@@ -77,7 +72,7 @@ def props(h, _body):
     pool = e.pool
     h.send_json(200, {
         "default_generation_settings": {
-            "id": 0, "id_task": -1, "n_ctx": e.n_ctx, "speculative": False,
+            "id": 0, "id_task": -1, "n_ctx": e.n_ctx, "speculative": info.speculative,
             "is_processing": pool is not None and pool.n_busy > 0, "params": settings,
             "prompt": "",
             "next_token": {"has_next_token": True, "has_new_line": False, "n_remain": -1,
@@ -131,7 +126,7 @@ def slots(h, _body):
                 pass        # it died just now: the front's record will do
         threads = _threads_of(e) or {}
         for s, n in zip(e.pool.sessions, n_cached):
-            out.append({"id": s.index, "model": e.id, "n_ctx": e.n_ctx, "state": _status(e),
+            out.append({"id": s.index, "model": e.id, "n_ctx": e.n_ctx, "state": e.status,
                         "is_processing": e.pool.is_busy(s), "n_cached": n,
                         "n_threads": threads.get("generation"),
                         "n_threads_batch": threads.get("batch")})
@@ -146,6 +141,12 @@ def metrics(h, _body):
     busy = sum(p.n_busy for p in pools)
     idle = sum(p.n_idle for p in pools)
     waiting = sum(p.n_waiting for p in pools)
+    # the models' decode steps (engine/batch.py): sessions batched into one step
+    threads = [(e, _threads_of(e)) for e in svc.entries]
+    threads = [(e, t) for e, t in threads if t is not None]
+    batching = [(e, _ask(e, "batching")) for e, _ in threads]
+    steps = sum(b["steps"] for _, b in batching if b is not None)
+    members = sum(b["members"] for _, b in batching if b is not None)
     # llama-server's names and meanings first (its own descriptions), then offgrid's
     lines = [
         ("counter", "llamacpp:prompt_tokens_total", "Number of prompt tokens processed, "
@@ -176,9 +177,9 @@ def metrics(h, _body):
          "tokens/s since the previous scrape", m.predicted_rate),
         ("gauge", "llamacpp:requests_processing", "Number of requests processing", busy),
         ("gauge", "llamacpp:requests_deferred", "Number of requests deferred", waiting),
-        # each llama_decode() here serves one session (decodes take turns, no batching)
+        # the loaded models' sessions per decode step since they loaded
         ("gauge", "llamacpp:n_busy_slots_per_decode", "Average number of busy slots per "
-         "llama_decode() call", 1 if m.n_decode else 0),
+         "llama_decode() call", members / steps if steps else 0),
         ("counter", "offgrid_prompt_tokens_cached_total", "Prompt tokens reused from the cache.",
          m.cached_tokens),
         ("counter", "offgrid_requests_cancelled_total", "Requests cancelled (superseded, "
@@ -199,8 +200,6 @@ def metrics(h, _body):
     for endpoint, n in sorted(m.requests.items()):
         out.append('offgrid_requests_total{endpoint="%s"} %d' % (endpoint, n))
     out += router_models.metric_lines(svc.shelf, _label)
-    threads = [(e, _threads_of(e)) for e in svc.entries]
-    threads = [(e, t) for e, t in threads if t is not None]
     out += ["# HELP offgrid_threads Threads a model's decodes use now (-t auto adapts them).",
             "# TYPE offgrid_threads gauge"]
     for e, t in threads:
@@ -210,7 +209,6 @@ def metrics(h, _body):
             "# TYPE offgrid_thread_switches_total counter"]
     for e, t in threads:
         out.append('offgrid_thread_switches_total{model="%s"} %d' % (_label(e.id), t["switches"]))
-    batching = [(e, _ask(e, "batching")) for e, _ in threads]
     for name, key, help_text in (
             ("offgrid_decode_steps_total", "steps", "Decode steps of a model's sessions."),
             ("offgrid_batched_steps_total", "shared_steps",

@@ -286,9 +286,12 @@ class Handler(BaseHTTPRequestHandler):
                                    headers={"Allow": ", ".join(allowed)})
         return route
 
-    def _send_exception(self, exc):
+    def _send_exception(self, exc, counted=True):
+        """The one exit for errors; ``counted``: a 5xx counts in /metrics (not the
+        refusals of a request that never parsed as HTTP: ``send_error``)."""
         err, body, event = self.app.error_response(
-            exc, "%s %s" % (self.command, (self.path or "").split("?", 1)[0]), self.service)
+            exc, "%s %s" % (self.command, (self.path or "").split("?", 1)[0]),
+            self.service if counted else None)
         if self._body_pending:
             self.close_connection = True    # the unread body must not be read as a request
         stream = getattr(self, "_stream", None)
@@ -464,7 +467,7 @@ class Handler(BaseHTTPRequestHandler):
         self.close_connection = True
         self._stream = None
         self._send_exception(HTTPError(message or explain or "error", status=int(code),
-                                       type=kind))
+                                       type=kind), counted=False)
 
     def log_request(self, code="-", size="-"):
         # method and path only: a query string may carry a secret

@@ -28,7 +28,7 @@ def worker_settings(path, args, chat_template=None, decode_lock=None):
         spec_draft_n_max=args.spec_draft_n_max, stream_interval_ms=args.stream_interval_ms,
         chat_template=chat_template, pooling="rank" if args.reranking else args.pooling,
         no_swa_full=args.no_swa_full, no_repack=args.no_repack,
-        context_shift=args.context_shift, reasoning=args.reasoning,
+        context_shift=args.context_shift, spm_infill=args.spm_infill, reasoning=args.reasoning,
         reasoning_format=args.reasoning_format, lib=args.lib, decode_lock=decode_lock,
         rpc=args.rpc or None, n_gpu_layers=args.n_gpu_layers if args.rpc else None,
         tensor_split=list(args.tensor_split) if args.rpc and args.tensor_split else None,

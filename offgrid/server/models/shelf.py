@@ -60,8 +60,6 @@ log = logging.getLogger("offgrid.shelf")
 
 _MIB = 1 << 20
 
-STATUSES = ("unloaded", "loading", "loaded", "sleeping", "error")
-
 
 # -- the shelf -------------------------------------------------------------------------------
 
