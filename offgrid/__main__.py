@@ -156,6 +156,8 @@ def parse_args(argv=None):
                    "pooling_type, else mean)")
     p.add_argument("--reranking", "--rerank", action="store_true",
                    help="pool for /rerank (--pooling rank), for a reranker model")
+    p.add_argument("--webui", "--ui", action=argparse.BooleanOptionalAction, default=True,
+                   help="the chat page at / for browsers (--no-webui: / answers text only)")
     p.add_argument("--api-key", action="append", default=[],
                    help="API key (repeatable; also $OFFGRID_API_KEY)")
     p.add_argument("--api-key-file", help="file with one API key per line")
@@ -306,6 +308,7 @@ def main(argv=None):
     except OSError as e:
         print("offgrid: cannot listen on %s:%d: %s" % (args.host, args.port, e), file=sys.stderr)
         return 1
+    httpd.RequestHandlerClass.webui = args.webui
     serving = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2},
                                name="http", daemon=True)
     serving.start()   # /health says "loading" meanwhile
@@ -363,8 +366,10 @@ def main(argv=None):
     stop = StopSignals()
     stop.install()
     host, port = httpd.server_address[:2]
-    print("listening on http://%s:%d" % (host if ":" not in host else "[%s]" % host, port),
-          flush=True)
+    address = "http://%s:%d" % (host if ":" not in host else "[%s]" % host, port)
+    print("listening on " + address, flush=True)
+    if args.webui:
+        print("offgrid: chat page at %s/" % address, file=sys.stderr, flush=True)
 
     stop.wait()
     print("offgrid: shutting down", file=sys.stderr, flush=True)

@@ -152,9 +152,16 @@ def _hold_the_session(srv):
     conn.request("POST", "/completion", json.dumps(
         {"prompt": "Once upon a time", "n_predict": 4000, "ignore_eos": True, "stream": True}),
         {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    resp.read1(1)       # it runs
+    conn.getresponse()
+    _wait_for(srv, "offgrid_sessions_busy", 1)      # it runs
     return conn
+
+
+def _wait_for(srv, name, value, timeout=30):
+    deadline = time.monotonic() + timeout
+    while srv.metrics()[name] != value:
+        assert time.monotonic() < deadline, "%s never became %s" % (name, value)
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("path,body,opening", STREAMS, ids=[s[0] for s in STREAMS])
@@ -164,9 +171,9 @@ def test_a_stream_opens_while_its_request_still_waits(one_session, path, body, o
     try:
         conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
         conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-        resp = conn.getresponse()       # the headers: the request is queued behind the holder
+        resp = conn.getresponse()       # the headers, while the holder still runs
         assert resp.status == 200
-        assert srv.metrics()["offgrid_queue_length"] == 1
+        _wait_for(srv, "offgrid_queue_length", 1)   # and this request has not started
         if opening is not None:
             got = b""
             while opening not in got:

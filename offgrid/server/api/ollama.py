@@ -252,6 +252,7 @@ def generate(h, body):
 class _OllamaFormat(Format):
     """Ollama's NDJSON lines: each with the model and its time, the last ``done``."""
     stream_kind = "ndjson"
+    keepalive = None        # every line is a JSON object its clients parse: none to spare
 
     def __init__(self, name, started):
         self.name, self.started = name, started

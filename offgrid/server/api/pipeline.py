@@ -148,7 +148,7 @@ def run(h, g, fmt):
             out = h.event_stream()
         else:
             out = h.ndjson_stream()
-        out.open(fmt.keepalive if fmt.stream_kind == "sse" else None)
+        out.open(fmt.keepalive)
         fmt.open(out)
 
     def one(job, cancel, look):

@@ -28,6 +28,26 @@ def _preset_ini(name, preset):
     return "\n".join(lines) + "\n"
 
 
+def capabilities(info):
+    """What a model is for, from its worker's report: "chat", "infill", "embedding".
+
+    A model whose GGUF names a pooling type is an embedding (or rerank) model;
+    one with FIM tokens and no chat template is a code-completion model (chat
+    would fall back to chatml, which it was never trained on).  The chat page
+    offers chat with the others only.
+    """
+    arch = info.meta.get("general.architecture", "")
+    dedicated = info.meta.get("%s.pooling_type" % arch) is not None
+    caps = []
+    if not dedicated and (info.chat_template or not info.has_fim):
+        caps.append("chat")
+    if info.has_fim:
+        caps.append("infill")
+    if dedicated or info.pooling != "none":
+        caps.append("embedding")
+    return caps
+
+
 def model_object(shelf, e, created):
     """One model of GET /models: what it is, its status, its settings."""
     status = {"value": e.status}
@@ -62,6 +82,7 @@ def model_object(shelf, e, created):
         out["meta"] = {"n_vocab": info.n_vocab, "n_ctx_train": info.n_ctx_train,
                        "n_embd": info.n_embd, "n_params": info.n_params,
                        "size": info.size, "n_ctx": info.n_ctx, "fim": info.has_fim}
+        out["capabilities"] = capabilities(info)     # offgrid's: known once it has loaded
     return out
 
 
@@ -133,4 +154,4 @@ def metric_lines(shelf, label):
     return out
 
 
-__all__ = ["load", "metric_lines", "model_object", "unload"]
+__all__ = ["capabilities", "load", "metric_lines", "model_object", "unload"]

@@ -10,7 +10,8 @@ from collections import namedtuple
 from ..httpd.httperrors import Unavailable
 from .errormap import respond
 from . import anthropic, embeddings, ollama, ollama_admin, openai_chat, responses, router_models
-from .status import health, metrics, models, props, root, slots
+from . import webui
+from .status import health, metrics, models, props, slots
 from .native import completion, detokenize, infill, tokenize
 from .openai_completions import v1_completions
 
@@ -52,8 +53,10 @@ ROUTES = {
     "/v1/reranking": Route(embeddings.rerank, _POST, True, True),
     "/v1/chat/completions/input_tokens": Route(openai_chat.input_tokens, _POST, True, True),
     "/chat/completions/input_tokens": Route(openai_chat.input_tokens, _POST, True, True),
-    # Ollama's API (server/ollama.py); "/" answers its clients' heartbeat
-    "/": Route(root, _GET, False, False),
+    # the chat page (api/webui.py) for browsers; "/" answers Ollama's clients' heartbeat
+    "/": Route(webui.root, _GET, False, False),
+    **{path: Route(webui.asset, _GET, False, False) for path in webui.FILES},
+    # Ollama's API (api/ollama.py)
     "/api/version": Route(ollama_admin.version, _GET, False, False, "ollama"),
     "/api/tags": Route(ollama_admin.tags, _GET, True, True, "ollama"),
     "/api/ps": Route(ollama_admin.ps, _GET, True, True, "ollama"),

@@ -227,8 +227,3 @@ def _label(value):
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def root(h, _body):
-    """GET /: a liveness answer (Ollama's clients ping it before anything else)."""
-    h.send_text(200, "offgrid is running\n", "text/plain; charset=utf-8")
-
-

@@ -54,9 +54,15 @@ class _ChunkedStream:
             PINGER.add(self)
 
     def ping(self, now):
-        """The Pinger's call: the keep-alive if the stream has been quiet long enough."""
-        if now - self.last_write >= PING_EVERY:
-            self._write_now(self.keepalive)
+        """The Pinger's call: the keep-alive if the stream has been quiet long enough.
+        Never waits for the stream's lock: a writer stuck on a client that stopped
+        reading must not hold up the other streams' keep-alives."""
+        if now - self.last_write < PING_EVERY or not self._lock.acquire(blocking=False):
+            return
+        try:
+            self._write_locked(self.keepalive)
+        finally:
+            self._lock.release()
 
     def start(self):
         h = self.handler
@@ -97,19 +103,22 @@ class _ChunkedStream:
 
     def _write_now(self, data):
         with self._lock:
-            if self.broken or self.ended:
-                return False
-            try:
-                if not self.started:
-                    self.start()
-                if data:
-                    self.handler.wfile.write(data)
-                self.last_write = time.monotonic()
-                return True
-            except OSError:             # gone, or stopped reading for `timeout` seconds
-                self.broken = True
-                self.handler.close_connection = True
-                return False
+            return self._write_locked(data)
+
+    def _write_locked(self, data):
+        if self.broken or self.ended:
+            return False
+        try:
+            if not self.started:
+                self.start()
+            if data:
+                self.handler.wfile.write(data)
+            self.last_write = time.monotonic()
+            return True
+        except OSError:             # gone, or stopped reading for `timeout` seconds
+            self.broken = True
+            self.handler.close_connection = True
+            return False
 
 
 class EventStream(_ChunkedStream):

@@ -51,7 +51,9 @@ _MIB = 1 << 20
 
 def package_root():
     """The folder that holds the ``offgrid`` package the front runs from."""
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # offgrid/server/models/worker_client.py: four levels up
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))))
 
 
 def worker_command(worker_args):
