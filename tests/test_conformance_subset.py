@@ -105,14 +105,15 @@ def test_the_table_gives_the_gaps_by_cause_with_deliberate_txts_kinds(tmp_path, 
     listed.write_text("# a comment\n"
                       "test_demo.py::test_cors[[]*   # CORS off by default\n"
                       "[not built yet]\n"
-                      "test_demo.py::test_draft   # draft models: no registry pair\n")
+                      "test_demo.py::test_draft   # draft models: no registry pair\n"
+                      "test_demo.py::test_ok   # passes now: explains nothing\n")
     monkeypatch.setattr(conformance, "DELIBERATE", listed)
     tests = ["test_ok", "test_ok2", "test_cors[a]", "test_draft", "test_new"]
     _junit(tmp_path / "results" / "llama-server" / "test_demo.xml", {t: "pass" for t in tests})
     _junit(tmp_path / "results" / "offgrid" / "test_demo.xml",
            {"test_ok": "pass", "test_ok2": "pass", "test_cors[a]": "fail", "test_draft": "fail",
             "test_new": "fail"})
-    assert conformance.deliberate() == [
+    assert conformance.deliberate()[:2] == [
         ("test_demo.py::test_cors[[]*", "CORS off by default", "on purpose"),
         ("test_demo.py::test_draft", "draft models: no registry pair", "not built yet")]
     rows, gaps, _, _, by_cause = conformance.summarize(["demo"])
@@ -121,7 +122,9 @@ def test_the_table_gives_the_gaps_by_cause_with_deliberate_txts_kinds(tmp_path, 
     assert [(c["kind"], c["tests"]) for c in by_cause] == [
         ("gap", ["test_demo.py::test_new"]),
         ("on purpose", ["test_demo.py::test_cors[a]"]),
-        ("not built yet", ["test_demo.py::test_draft"])]
+        ("not built yet", ["test_demo.py::test_draft"]),
+        ("unused", [])]
     table, _ = conformance.render(rows, gaps, {}, {}, by_cause)
+    assert "matched no such test in the files run" in table and "::test_ok" in table
     assert "| not built yet | draft models: no registry pair | 1 | test_demo.py |" in table
     assert "| **total** | gap 1, on purpose 1, not built yet 1 | 3 | |" in table

@@ -231,6 +231,7 @@ def launches(target, name):
 # the kind of deliberate.txt's entries before its first [heading]
 DEFAULT_KIND = "on purpose"
 GAP = "gap"         # the kind of a test no entry explains
+STALE = "unused"    # the kind of the entries that explained nothing in the files run
 
 
 def deliberate():
@@ -263,6 +264,7 @@ def summarize(names):
     rows, gaps, dropped, on_purpose = [], {}, defaultdict(set), defaultdict(set)
     causes = defaultdict(list)      # (kind, reason) -> [(file, test)]
     patterns = deliberate()
+    used, ran = set(), set()        # patterns that explained a gap; files run on both
     for name in names:
         got = {t: outcomes(t, name) for t in TARGETS}
         for record in launches("offgrid", name):
@@ -302,8 +304,11 @@ def summarize(names):
             missing = [i for i in ids if get["llama-server"](i) == "pass"
                        and get["offgrid"](i) == "fail"]
             file_gaps = []
+            ran.add(file)
             for i in missing:
                 listed = by_design(file, i, patterns)
+                used.update(p for p, _, _ in patterns
+                            if fnmatch.fnmatchcase("%s::%s" % (file, i), p))
                 if listed is None:
                     file_gaps.append(i)
                     causes[(GAP, "no reason listed in deliberate.txt (gaps.md has the "
@@ -317,8 +322,13 @@ def summarize(names):
                                         and get["offgrid"](i) == "pass" for i in ids))
             gaps[file] = [(i, got["offgrid"][i][1]) for i in file_gaps]
         rows.append(row)
+    # entries of files that ran on both servers which explained nothing this run:
+    # the test passes now (or fails on llama-server too), so the entry may go
+    stale = [p for p, _, _ in patterns if p not in used and p.split("::", 1)[0] in ran]
+    if stale:
+        causes[(STALE, ", ".join(stale))] = []
     kinds = [kind for _, _, kind in patterns]
-    order = [GAP] + [k for i, k in enumerate(kinds) if k not in kinds[:i]]
+    order = [GAP] + [k for i, k in enumerate(kinds) if k not in kinds[:i]] + [STALE]
     by_cause = [{"kind": kind, "cause": why, "tests": ["%s::%s" % t for t in tests]}
                 for (kind, why), tests in sorted(
                     causes.items(), key=lambda kv: (order.index(kv[0][0])
@@ -334,8 +344,12 @@ def render_causes(by_cause):
     lines = ["Tests that pass on llama-server and fail on offgrid, by cause "
              "(`deliberate.txt`):", "",
              "| kind | cause | tests | where |", "|---|---|---:|---|"]
-    total = Counter()
+    total, notes = Counter(), []
     for c in by_cause:
+        if c["kind"] == STALE:
+            notes = ["", "Entries that matched no such test in the files run (the test passes "
+                     "on offgrid now, or fails on llama-server too): " + c["cause"]]
+            continue
         files = Counter(t.split("::", 1)[0] for t in c["tests"])
         where = ", ".join("%s (%d)" % (f, n) if n > 1 else f for f, n in sorted(files.items()))
         kind = "**%s**" % c["kind"] if c["kind"] == GAP else c["kind"]
@@ -345,7 +359,7 @@ def render_causes(by_cause):
     lines.append("| **total** | %s | %d | |" % (
         ", ".join("%s %d" % (k, n) for k, n in total.items()) or "none",
         sum(total.values())))
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + notes) + "\n"
 
 
 def plural(n, word):
