@@ -148,6 +148,33 @@ class ServerProcess:
                 out[name] = float(value)
         return out
 
+    def wait_busy(self, busy=1, queued=0, timeout=30):
+        """Wait until at least ``busy`` sessions run and ``queued`` requests wait."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if m["offgrid_sessions_busy"] >= busy and m["offgrid_queue_length"] >= queued:
+                return m
+            if time.monotonic() > deadline:
+                raise AssertionError("never %d busy and %d queued in %ss: %r"
+                                     % (busy, queued, timeout, m))
+            time.sleep(0.02)
+
+    def wait_cached(self, n_cached, model=None, timeout=30):
+        """Wait until a busy session (of ``model``, if given) holds ``n_cached`` tokens:
+        /slots shows its cache grow as the prompt is decoded, a batch at a time, then as
+        it generates."""
+        deadline = time.monotonic() + timeout
+        while True:
+            _, _, slots = self.get("/slots")
+            if any(s["is_processing"] and s["n_cached"] >= n_cached
+                   and model in (None, s["model"]) for s in slots):
+                return slots
+            if time.monotonic() > deadline:
+                raise AssertionError("no busy session held %d tokens in %ss: %r"
+                                     % (n_cached, timeout, slots))
+            time.sleep(0.02)
+
     def wait_idle(self, timeout=30):
         """Wait until no session is busy and nobody queues; returns the metrics."""
         deadline = time.monotonic() + timeout

@@ -240,16 +240,6 @@ class Call(threading.Thread):
         self.ended = time.monotonic()
 
 
-def wait_for(srv, busy, queued, timeout=30):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        m = srv.metrics()
-        if m["offgrid_sessions_busy"] >= busy and m["offgrid_queue_length"] >= queued:
-            return
-        time.sleep(0.02)
-    raise AssertionError("never reached %d busy, %d queued" % (busy, queued))
-
-
 @pytest.mark.slow
 def test_sigterm_under_load_answers_the_queue_503_lets_running_ones_end_and_exits_0(
         gemma_path):
@@ -263,14 +253,14 @@ def test_sigterm_under_load_answers_the_queue_503_lets_running_ones_end_and_exit
         short = Call(srv, {"prompt": "The capital of France is", "n_predict": short_n,
                            "ignore_eos": True})
         endless.start()
-        wait_for(srv, 1, 0)
+        srv.wait_busy(1, 0)
         short.start()
-        wait_for(srv, 2, 0)
+        srv.wait_busy(2, 0)
         queued = [Call(srv, {"prompt": "queued %d" % i, "n_predict": 8, "stream": i % 2 == 0})
                   for i in range(6)]
         for q in queued:
             q.start()
-        wait_for(srv, 2, 6)
+        srv.wait_busy(2, 6)
         idle = rawhttp.connect(srv.port)                  # a kept-alive connection, idle
         idle.sendall(rawhttp.request("GET", "/health"))
         slow = rawhttp.connect(srv.port)                  # a request half sent
