@@ -187,6 +187,31 @@ class ServerProcess:
             time.sleep(0.05)
 
 
+class Call(threading.Thread):
+    """One request on its own connection, in the background.
+
+    ``.result``: (status, body), or for a stream (``stream``; by default the
+    body's own "stream") (status, events); ``.done_at``: when it ended and
+    ``.elapsed``: how long it took (None while it runs).  start() it, join() it.
+    """
+
+    def __init__(self, srv, path, body, stream=None):
+        super().__init__(daemon=True)
+        self.srv, self.path, self.body = srv, path, body
+        self.streamed = bool(body.get("stream")) if stream is None else stream
+        self.result = self.done_at = self.elapsed = None
+
+    def run(self):
+        t0 = time.monotonic()
+        if self.streamed:
+            self.result = self.srv.stream(self.path, self.body)
+        else:
+            status, _, body = self.srv.post(self.path, self.body)
+            self.result = (status, body)
+        self.done_at = time.monotonic()
+        self.elapsed = self.done_at - t0
+
+
 def parse_sse(text):
     """The data payloads of an event stream, JSON-decoded where they are JSON."""
     events = []

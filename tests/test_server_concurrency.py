@@ -7,15 +7,14 @@ thousand take seconds on it.  Every wait is bounded.
 
 import json
 import socket
-import threading
 import time
 
 import pytest
 
 try:
-    from .serverproc import ServerProcess
+    from .serverproc import Call, ServerProcess
 except ImportError:
-    from serverproc import ServerProcess
+    from serverproc import Call, ServerProcess
 
 LONG = {"n_predict": 400, "ignore_eos": True, "temperature": 0}
 
@@ -35,26 +34,6 @@ def one(gemma_path):
 def two(gemma_path):
     with ServerProcess(gemma_path, "-np", "2") as s:
         yield s
-
-
-class Call(threading.Thread):
-    """A request running in the background; .result is (status, body), .elapsed its time."""
-
-    def __init__(self, srv, path, body, stream=False):
-        super().__init__(daemon=True)
-        self.srv, self.path, self.body, self.stream = srv, path, body, stream
-        self.result = None
-        self.done_at = None
-
-    def run(self):
-        t0 = time.monotonic()
-        if self.stream:
-            self.result = self.srv.stream(self.path, self.body)
-        else:
-            status, _, body = self.srv.post(self.path, self.body)
-            self.result = (status, body)
-        self.done_at = time.monotonic()
-        self.elapsed = self.done_at - t0
 
 
 def wait_generating(srv, n_cached=12, timeout=30):
@@ -131,8 +110,7 @@ def test_newer_request_answers_a_waiting_one_empty_at_once(one):
     a = Call(one, "/completion", dict(LONG, prompt="The story begins", id_slot=1))
     a.start()
     one.wait_busy()
-    b = Call(one, "/completion", dict(LONG, prompt="Waiting", id_slot=2, stream=True),
-             stream=True)
+    b = Call(one, "/completion", dict(LONG, prompt="Waiting", id_slot=2, stream=True))
     b.start()
     one.wait_busy(queued=1)
     c = Call(one, "/completion", {"prompt": "Newest", "n_predict": 8, "id_slot": 2,
