@@ -1,6 +1,6 @@
 """bench/ is not run by `make test` (it needs an idle machine), so this checks
 that its modules still import, its command line parses, its phases are the
-ones the README lists, and its figures and goals come out of samples as the
+ones its --help lists, and its figures and goals come out of samples as the
 table says: a broken merge once left `make bench` failing at import for a
 whole session.  No server is started here."""
 

@@ -90,9 +90,15 @@ def worker_of(server):
 
 def assert_serves(server, package_root):
     """/health is ok, one completion generates, the model's worker runs on the server's
-    own interpreter and its own offgrid package, and SIGTERM ends it cleanly."""
+    own interpreter and its own offgrid package, the chat page's files are there, and
+    SIGTERM ends it cleanly."""
     status, _, body = server.get("/health")
     assert status == 200 and body["status"] == "ok"
+    status, headers, body = server.get("/", headers={"Accept": "text/html"})
+    assert status == 200 and "Content-Security-Policy" in headers and 'src="app.js"' in body
+    for name in ("index.html", "app.js", "app.css"):
+        status, _, body = server.get("/" + name)
+        assert status == 200 and body == (ROOT / "offgrid" / "webui" / name).read_text(), name
     status, _, body = server.post("/completion", {"prompt": "Hello", "n_predict": 8})
     assert status == 200, body
     assert body["tokens_predicted"] == 8
@@ -139,7 +145,7 @@ def test_tarball_is_named_for_version_and_machine(tarball):
 
 def test_bundle_holds_package_portable_libraries_licenses_and_model(unpacked, plain_model_path):
     assert unpacked.name == "offgrid-%s-linux-%s" % (__version__, platform.machine())
-    assert (unpacked / "offgrid" / "server" / "http.py").is_file()
+    assert (unpacked / "offgrid" / "server" / "httpd" / "handler.py").is_file()
     assert (unpacked / "lib" / "libllama.so").exists()
     variants = sorted(p.name for p in (unpacked / "lib").glob("libggml-cpu-*.so"))
     assert len(variants) >= 2, variants

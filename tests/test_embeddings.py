@@ -7,8 +7,8 @@ LangChain's ``OllamaEmbeddings`` and llama.cpp's ``/embedding``; two more
 show ``--pooling none`` (a vector per token) and ``--reranking`` (scores;
 SmolLM2 has no rank head, so what is checked is the shape, not the
 ranking).  The engine's own tests load SmolLM2 in-process: a long input
-decoded in chunks equals the same input in one batch.  (The README's
-example runs on Qwen2.5-Coder, in test_readme.py.)
+decoded in chunks equals the same input in one batch.  (docs/dialects.md's
+example runs on Qwen2.5-Coder, in test_docs.py.)
 """
 
 import base64
@@ -519,3 +519,9 @@ def test_pooling_none_in_the_engine_gives_one_raw_row_per_token(smollm):
     # a causal model: a token's state depends on the tokens before it only
     assert len(short) == 2 and close(list(short[1]), list(rows[1]), 1e-4)
     assert close(list(full[-1]), list(rows[-1]), 1e-4)
+
+
+def test_the_pooling_flag_offers_what_the_engine_knows():
+    from offgrid.engine.embed import POOLING
+    from offgrid.request import POOLINGS
+    assert set(POOLINGS) == set(POOLING)

@@ -22,8 +22,9 @@ import time
 
 import pytest
 
-from offgrid.server import reader
-from offgrid.server.http import make_server
+from offgrid.server.httpd import reader
+from offgrid.server.api.routes import APP
+from offgrid.server.httpd.server import make_server
 
 try:
     from . import rawhttp
@@ -213,7 +214,7 @@ def test_a_head_request_for_health_beyond_the_share_gets_no_body(srv):
 
 
 def test_the_lobby_survives_an_exception_and_serves_on():
-    httpd = make_server("127.0.0.1", 0)
+    httpd = make_server("127.0.0.1", 0, APP)
     admit, calls = httpd.admit, []
 
     def flaky_admit(addr):
@@ -238,7 +239,7 @@ def test_the_lobby_survives_an_exception_and_serves_on():
 
 
 def test_a_full_lobby_drops_its_oldest_so_a_newcomer_is_served():
-    httpd = make_server("127.0.0.1", 0)
+    httpd = make_server("127.0.0.1", 0, APP)
     httpd.lobby.max_waiting = 4
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     port = httpd.server_address[1]

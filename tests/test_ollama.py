@@ -287,16 +287,6 @@ def test_langchain_chat_ollama_invokes_and_streams(srv):
     assert "".join(chunk.content for chunk in llm.stream("Say hello.")).strip()
 
 
-def test_the_readme_example_answers_as_the_readme_says(srv):
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme[readme.index("### Ollama"):]
-    body = json.loads(re.search(r"curl http://127\.0\.0\.1:8080/api/generate -d '(.*)'",
-                                section).group(1))
-    status, _, r = srv.post("/api/generate", body)
-    assert status == 200 and r["response"] == "a + b"
-    assert r["done"] and r["done_reason"] == "stop" and 0 < r["eval_count"] <= 8
-
-
 # -- streams that end early ---------------------------------------------------------
 
 def _open_stream(srv, path, body):

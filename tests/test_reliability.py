@@ -213,7 +213,7 @@ for name, messages in [("messages missing", None), ("messages empty", []),
 row("chat: max_tokens negative", post(H, {"messages": [{"role": "user", "content": "hi"}],
                                           "max_tokens": -3}), 400, INVALID)
 
-# embeddings: OpenAI's and llama.cpp's (server/embeddings.py)
+# embeddings: OpenAI's and llama.cpp's (server/api/embeddings.py)
 E = "/v1/embeddings"
 for name, value in [("input", None), ("input", 5), ("input", True), ("input", []),
                     ("input", [[]]), ("input", [1, 2.5]), ("input", [1, True]),

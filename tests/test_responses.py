@@ -16,8 +16,8 @@ import openai
 import pytest
 
 from offgrid.request import Completion, FinishReason, Usage
-from offgrid.server import responses as dialect
-from offgrid.server.params import Fields, generation_from
+from offgrid.server.api import responses as dialect
+from offgrid.server.api.fields import Fields, generation_from
 
 try:
     from .serverproc import ROOT, ServerProcess

@@ -17,7 +17,8 @@ import time
 import pytest
 
 from offgrid.__main__ import is_loopback
-from offgrid.server.http import make_server
+from offgrid.server.api.routes import APP
+from offgrid.server.httpd.server import make_server
 
 try:
     from . import rawhttp
@@ -326,7 +327,7 @@ def test_a_client_that_drips_its_request_is_cut_off_at_the_read_timeout(open_srv
 
 
 def test_connections_beyond_the_cap_get_503_at_once():
-    httpd = make_server("127.0.0.1", 0)
+    httpd = make_server("127.0.0.1", 0, APP)
     httpd.max_connections = 2
     httpd.peer_share = 1.0          # all three connections are from 127.0.0.1
     threading.Thread(target=httpd.serve_forever, daemon=True).start()

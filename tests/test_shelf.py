@@ -492,8 +492,9 @@ def test_without_autoload_a_model_not_loaded_is_a_400_until_loaded(preset):
 # -- loading progress -------------------------------------------------------------------------
 
 def test_a_loading_worker_reports_its_progress_to_the_front():
-    from offgrid.__main__ import parse_args, worker_args
-    from offgrid.server.workers import WorkerClient
+    from offgrid.__main__ import parse_args
+    from offgrid.server.models.launch import worker_args
+    from offgrid.server.models.worker_client import WorkerClient
 
     args = parse_args(["-m", str(SMOL), "-t", "1", "-c", "256"])
     seen = []
@@ -509,7 +510,7 @@ def test_a_loading_worker_reports_its_progress_to_the_front():
 # -- what the shelf reads from disk ----------------------------------------------------------
 
 def test_a_folder_scan_names_models_by_stem_and_split_files_as_one(tmp_path):
-    from offgrid.server.shelf_files import scan
+    from offgrid.server.models.folders import scan
     (tmp_path / "a.gguf").write_bytes(b"GGUF")
     (tmp_path / "notes.txt").write_text("not a model")
     (tmp_path / "mmproj-a.gguf").write_bytes(b"GGUF")
@@ -526,7 +527,7 @@ def test_a_folder_scan_names_models_by_stem_and_split_files_as_one(tmp_path):
 
 
 def test_a_preset_reads_llama_servers_keys_and_reports_the_rest(tmp_path):
-    from offgrid.server.shelf_files import PresetError, read_preset
+    from offgrid.server.models.folders import PresetError, read_preset
     ini = tmp_path / "p.ini"
     ini.write_text(PRESET)
     defaults, models, ignored = read_preset(str(ini))
@@ -544,12 +545,12 @@ def test_a_preset_reads_llama_servers_keys_and_reports_the_rest(tmp_path):
                                            ("1h30m", 5400.0), ("250ms", 0.25), ("-1", -1.0),
                                            (-5, -1.0), ("-1m", -1.0), ("90", 90.0)])
 def test_keep_alive_reads_as_ollama_reads_it(value, seconds):
-    from offgrid.server.shelf_files import parse_duration
+    from offgrid.server.models.folders import parse_duration
     assert parse_duration(value) == seconds
 
 
 @pytest.mark.parametrize("value", ["soon", "5 minutes", "", [], True, {"m": 5}])
 def test_keep_alive_that_is_no_duration_is_refused(value):
-    from offgrid.server.shelf_files import parse_duration
+    from offgrid.server.models.folders import parse_duration
     with pytest.raises(ValueError):
         parse_duration(value)

@@ -9,6 +9,7 @@ crashed model succeeds within 10 s on a restarted worker; /metrics counts
 the death; no process is left behind.
 """
 
+import json
 import os
 import signal
 import threading
@@ -37,7 +38,8 @@ def worker_of(srv, model_path, timeout=60):
     deadline = time.monotonic() + timeout
     while True:
         for pid in children(srv.proc.pid):
-            if str(model_path) in argv_of(pid):
+            # the worker's one argument is its settings as JSON (protocol.WorkerSettings)
+            if any('"model": %s' % json.dumps(str(model_path)) in a for a in argv_of(pid)):
                 return pid
         if time.monotonic() > deadline:
             raise AssertionError("no worker for %s" % model_path)

@@ -13,7 +13,7 @@ is rebuilt from whatever XML is there, so files can be run one at a time
     pass offgrid tests that pass on offgrid
     gaps         pass on llama-server, fail on offgrid: offgrid's work to do
     by design    would be gaps, but offgrid differs on purpose (``deliberate.txt``
-                 lists them with the reason; README "Differences from llama-server")
+                 lists them with the reason; docs/compatibility.md)
     both fail    fail on both (mostly tests that assert the words of the suite's
                  toy models, which our registry models do not say)
 
@@ -317,7 +317,7 @@ def render(rows, gaps, dropped, on_purpose=None):
         lines.append("- dropped: %s, used by %s" % (flag, plural(len(tests), "test")))
     if not dropped:
         lines.append("- none")
-    lines += ["", "Flags offgrid leaves aside on purpose (README \"Differences from "
+    lines += ["", "Flags offgrid leaves aside on purpose (docs/compatibility.md, \"Differences from "
               "llama-server\"), by the number of tests that passed them:", ""]
     for flag, tests in sorted((on_purpose or {}).items(), key=lambda kv: (-len(kv[1]), kv[0])):
         lines.append("- on purpose: %s, used by %s" % (flag, plural(len(tests), "test")))

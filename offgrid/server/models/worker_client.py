@@ -1,0 +1,462 @@
+"""The front's side of a model's worker process: start it, talk to it, notice its death.
+
+WorkerClient is the one way the front reaches a model.  It starts
+``offgrid.engine.worker`` with the interpreter and the offgrid package the
+front itself runs from (a checkout, a pip install and the offline bundle
+alike), then:
+
+    call(method, **args)        a short request (tokenize, prepare a prompt, ...)
+    generate(session, ...)      a generation on one of the worker's sessions,
+                                its pieces handed to on_event as they come
+    close()                     end the worker (idempotent)
+
+Threads: one reader per worker takes every frame off its stdout and hands it
+to the request that waits for it (a queue each), so a slow client never
+holds up another's pieces.  A watchdog thread per worker reads its RSS twice
+a second and kills it past ``max_rss``.
+
+A worker that dies (a signal, std::terminate, the OOM killer, an exit) is
+noticed at once by EOF on its pipe: every request it was serving fails with
+WorkerDied saying how, and the worker is started again with backoff while
+requests for the model wait (``wait_ready``).  A worker whose front dies
+sees EOF on its stdin and exits.
+
+A worker may say why before it dies: a "fatal" frame carries the error its
+requests get instead of WorkerDied (an rpc-server that went away is an
+RpcUnavailable, a 503 naming it).  While a restart cannot load the model
+because an rpc-server is down (its "failed" frame says RpcUnavailable), the
+restarts go on with backoff, so the model comes back with the endpoint,
+and requests get that 503 at once instead of waiting for them.
+"""
+
+import itertools
+import logging
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from ... import protocol
+from ...errors import ModelLoadError, RpcUnavailable, WorkerDied
+from ..httpd import burst
+from ..httpd.httperrors import Unavailable
+
+log = logging.getLogger("offgrid.workers")
+
+_MIB = 1 << 20
+
+
+def package_root():
+    """The folder that holds the ``offgrid`` package the front runs from."""
+    # offgrid/server/models/worker_client.py: four levels up
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))))
+
+
+def worker_command(worker_args):
+    """argv of a worker: this interpreter, this offgrid, nothing from the environment's path."""
+    code = ("import sys; sys.path.insert(0, %r); from offgrid.engine.worker import main; "
+            "sys.exit(main())" % package_root())
+    flags = ["-I"] if sys.flags.isolated else []
+    return [sys.executable] + flags + ["-c", code] + list(worker_args)
+
+
+def rss_of(pid):
+    """Resident bytes of a process, or None once it is gone."""
+    try:
+        with open("/proc/%d/statm" % pid) as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def describe_exit(returncode, killed_for=None):
+    """How a worker ended, in words for a log line and an error message."""
+    if killed_for:
+        return killed_for
+    if returncode is None:
+        return "its pipe closed"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = "signal %d" % -returncode
+        if -returncode == signal.SIGKILL:
+            return name + " (killed: out of memory, or by hand)"
+        return name
+    return "exit status %d" % returncode
+
+
+def _popen(argv):
+    # glibc gives each thread that allocates at once an arena of its own, and
+    # keeps what it freed: libllama's grammar sampling peaks near 165 MB on a
+    # 262k vocabulary per arena, so two requests' threads held twice that
+    # for good.  Two arenas (unless the user chose) bound it.
+    env = dict(os.environ)
+    env.setdefault("MALLOC_ARENA_MAX", "2")
+    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None,
+                            close_fds=True, env=env)
+
+
+class _Pending:
+    """A request waiting for its frames."""
+    __slots__ = ("queue", "what")
+
+    def __init__(self, what):
+        self.queue = queue.SimpleQueue()
+        self.what = what        # method and path for the log, never content
+
+
+class WorkerClient:
+    """One model's worker process, as the front sees it."""
+
+    # Seconds between RSS readings: often enough to catch a runaway
+    # allocation (libllama's grammar parser was seen growing 380 MB/s), rare
+    # enough that waking up costs ggml's spinning threads nothing measurable.
+    watch_interval = 0.5
+    # Restart delays after successive deaths (seconds); a worker that served
+    # for restart_reset seconds counts as healthy again.
+    backoff = (0.2, 1.0, 2.0, 5.0, 10.0)
+    restart_reset = 60.0
+    # How long a request waits for a (re)starting worker before a 503.
+    ready_timeout = 300.0
+
+    def __init__(self, name, worker_args, max_rss=None, verbose=False, spawn=None):
+        self.name = name
+        self.argv = worker_command(worker_args)
+        # argv -> a started process with binary stdin/stdout pipes (Popen's
+        # interface); tests hand in a worker running on threads of their own
+        self.spawn = spawn or _popen
+        self.max_rss = max_rss              # bytes, or None: no ceiling
+        self.verbose = verbose
+        self.info = None
+        self.on_progress = None             # fraction -> None, while the model loads
+        self.state = "loading"              # loading, ready, failed, closed
+        self.error = None                   # why it failed to load
+        # while restarts cannot load the model for an rpc-server that is down:
+        # the RpcUnavailable message requests get at once (None otherwise)
+        self.unavailable = None
+        self._said_waiting = False          # the log said so once per outage
+        self._fatal = None                  # the error a dying worker said its requests get
+        self.starts = 0
+        self.deaths = 0
+        self.last_death = None
+        self._cond = threading.Condition()
+        self._write_lock = threading.Lock()
+        self._pending = {}                  # request id -> _Pending
+        self._ids = itertools.count(1)
+        self._proc = None
+        self._killed_for = None
+        self._closing = False
+        self._failures = 0
+        self._started_at = 0.0
+
+    # -- lifetime -----------------------------------------------------------------------
+    def start(self, timeout=None):
+        """Start the worker and wait until its model is loaded.
+
+        Raises ModelLoadError if the model does not load (the worker says
+        why, or dies saying nothing), Unavailable (503) naming the --rpc
+        endpoint that does not answer: that is no fault of the model.
+        """
+        self._spawn()
+        if not self.wait_ready(timeout or self.ready_timeout, raise_unavailable=False):
+            if self.unavailable:
+                raise Unavailable(self.unavailable)
+            raise ModelLoadError(self.error or "the worker for %s did not start" % self.name)
+        return self
+
+    def _spawn(self):
+        proc = self.spawn(self.argv)
+        with self._cond:
+            self._proc = proc
+            self._killed_for = None
+            self._fatal = None
+            self.state = "loading"
+            self.starts += 1
+            self._started_at = time.monotonic()
+        threading.Thread(target=self._read, args=(proc,), daemon=True,
+                         name="worker-reader-%s" % self.name).start()
+        self.watch(proc)
+
+    def watch(self, proc=None):
+        """Start the RSS watchdog of the current worker, if there is a ceiling."""
+        proc = proc or self._proc
+        if self.max_rss and proc is not None:
+            threading.Thread(target=self._watch, args=(proc,), daemon=True,
+                             name="worker-watchdog-%s" % self.name).start()
+
+    def wait_ready(self, timeout=None, raise_unavailable=True):
+        """Wait for a loaded worker; True if ready, else False or Unavailable."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.state != "loading" or self.unavailable, timeout)
+            if self.state == "ready":
+                return True
+            if self.unavailable and raise_unavailable:
+                raise Unavailable(self.unavailable)
+        if raise_unavailable:
+            if self.state == "failed":
+                raise Unavailable("model %s failed to load: %s" % (self.name, self.error))
+            raise Unavailable("model %s is loading" % self.name)
+        return False
+
+    @property
+    def pid(self):
+        return self._proc.pid if self._proc is not None else None
+
+    def close(self, timeout=5.0):
+        """End the worker: EOF on its stdin, then SIGKILL if it lingers.  Idempotent."""
+        with self._cond:
+            if self._closing:
+                return
+            self._closing = True
+            self.state = "closed"
+            proc = self._proc
+            self._cond.notify_all()
+        if proc is None:
+            return
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    # -- frames ---------------------------------------------------------------------------
+    def _send(self, obj):
+        data = protocol.encode(obj)
+        with self._write_lock:
+            proc = self._proc
+            try:
+                proc.stdin.write(data)
+                proc.stdin.flush()
+            except (OSError, ValueError):
+                pass    # the worker is gone; its reader fails the request
+
+    def _open(self, what):
+        """A new request id and its queue, failed at once if no worker is there."""
+        rid = next(self._ids)
+        p = _Pending("%s (request %d)" % (what, rid))
+        with self._cond:
+            if self.state != "ready":
+                raise Unavailable("model %s is %s" % (self.name, self.state))
+            self._pending[rid] = p
+        return rid, p
+
+    def _forget(self, rid):
+        with self._cond:
+            self._pending.pop(rid, None)
+
+    def _read(self, proc):
+        """Hand each frame to its request; on EOF, fail them all and restart."""
+        out = proc.stdout
+        try:
+            while True:
+                frame = protocol.read_frame(out)
+                if frame is None:
+                    break
+                op = frame.get("op")
+                if op == "ready":
+                    with self._cond:
+                        if self.unavailable:
+                            sys.stderr.write("offgrid: model %s is back\n" % self.name)
+                        self.info = protocol.decode_info(frame["info"])
+                        self.state = "ready"
+                        self.unavailable, self._said_waiting = None, False
+                        self._cond.notify_all()
+                    continue
+                if op == "progress":
+                    # loading: the fraction libllama reports, for /models and the terminal
+                    if self.on_progress is not None:
+                        self.on_progress(frame.get("value", 0.0))
+                    continue
+                if op in ("failed", "fatal"):
+                    # failed: the model did not load; fatal: the worker is about to
+                    # abort, and says what its requests should get
+                    with self._cond:
+                        self.error = frame["error"].get("message")
+                        if op == "fatal":
+                            self._fatal = frame["error"]
+                        if frame["error"].get("kind") == RpcUnavailable.__name__:
+                            self.unavailable = self.error
+                            self._cond.notify_all()
+                    continue
+                with self._cond:
+                    p = self._pending.get(frame.get("id"))
+                if p is not None:
+                    p.queue.put(frame)
+        except (protocol.ProtocolError, OSError, ValueError) as e:
+            log.error("worker for %s: unreadable frames (%s)", self.name, e)
+            proc.kill()
+        self._died(proc)
+
+    def _died(self, proc):
+        returncode = proc.wait()
+        with self._cond:
+            how = describe_exit(returncode, self._killed_for)
+            closing = self._closing
+            loaded = self.info is not None
+            pending = list(self._pending.values())
+            self._pending.clear()
+            fatal = self._fatal
+            started = self._started_at
+            # a restart that found an rpc-server down: no news, it retries below
+            waiting = self.unavailable is not None and fatal is None
+            say_waiting = waiting and not self._said_waiting
+            self._said_waiting = self._said_waiting or waiting
+            # in the same critical section: no request may open on a dead worker
+            if not closing:
+                self.deaths += 1
+                self.last_death = how
+                if loaded:
+                    self.state = "loading"
+                else:
+                    self.state = "failed"
+                    self.error = self.error or "the worker ended while loading (%s)" % how
+            self._cond.notify_all()
+        for p in pending:
+            p.queue.put({"op": "died", "how": how, "error": fatal})
+        if closing:
+            return
+        if not loaded:
+            # it never loaded: the model (or the library) is at fault, not a request
+            log.error("model %s failed to load: %s", self.name, self.error)
+            return
+        with self._cond:
+            if time.monotonic() - started > self.restart_reset:
+                self._failures = 0
+            delay = self.backoff[min(self._failures, len(self.backoff) - 1)]
+            self._failures += 1
+        if not waiting:
+            running = ", ".join(p.what for p in pending) or "nothing"
+            sys.stderr.write("offgrid: the worker for %s died (%s) while running: %s; "
+                             "restarting it\n" % (self.name, fatal and fatal.get("message") or how,
+                                                   running))
+        elif say_waiting:
+            sys.stderr.write("offgrid: model %s waits: %s; retrying every %g s at most\n"
+                             % (self.name, self.unavailable, self.backoff[-1]))
+        threading.Thread(target=self._restart, args=(delay,), daemon=True,
+                         name="worker-restart-%s" % self.name).start()
+
+    def _restart(self, delay):
+        time.sleep(delay)
+        with self._cond:
+            if self._closing:
+                return
+        try:
+            self._spawn()
+        except OSError as e:
+            with self._cond:
+                self.state, self.error = "failed", "could not start a worker: %s" % e
+                self._cond.notify_all()
+
+    def _watch(self, proc):
+        """Kill the worker when its RSS passes max_rss; its reader then reports the death."""
+        while proc.poll() is None:
+            rss = rss_of(proc.pid)
+            if rss is not None and rss > self.max_rss:
+                with self._cond:
+                    self._killed_for = ("killed: out of memory (RSS %d MiB over --worker-max-rss"
+                                        " %d MiB)" % (rss // _MIB, self.max_rss // _MIB))
+                try:
+                    proc.kill()
+                except OSError:
+                    pass
+                return
+            time.sleep(self.watch_interval)
+
+    # -- requests ----------------------------------------------------------------------------
+    def call(self, method, what="", **args):
+        """Run a worker method; its value, or the engine's exception raised here."""
+        self.wait_ready(self.ready_timeout)
+        rid, p = self._open(what or method)
+        try:
+            self._send({"op": "call", "id": rid, "method": method, "args": args})
+            return self._outcome(p.queue.get())
+        finally:
+            self._forget(rid)
+
+    def generate(self, session, tokens, gen, cancel, stream=False, chat=None, on_event=None,
+                 what="", prepare=None, want_cached=False, on_slow=None, slow_after=0.0):
+        """Run a generation on ``session``; returns the worker's result dict.
+
+        ``on_event(frame)`` gets each "piece" or "delta" frame; returning
+        False cancels.  ``cancel`` reaches the worker as a cancel frame.
+        ``prepare`` instead of ``tokens``: (method, args) of the call that
+        makes the prompt, run by the worker first (protocol.py).
+        ``want_cached``: the result says which tokens the session's cache
+        holds, not only how many.  ``on_slow()`` is called once if the
+        request is still running ``slow_after`` seconds from now.
+        """
+        if on_slow is not None and self.state != "ready":
+            on_slow()           # a restart may take seconds: watch the client meanwhile
+            on_slow = None
+        self.wait_ready(self.ready_timeout)
+        rid, p = self._open(what or "generate")
+
+        def hook():
+            self._send({"op": "cancel", "id": rid, "reason": cancel.reason})
+        try:
+            frame = {"op": "generate", "id": rid, "session": session, "tokens": tokens,
+                     "gen": protocol.encode_gen(gen), "stream": stream, "chat": chat}
+            if prepare is not None:
+                frame["prepare"] = {"method": prepare[0], "args": prepare[1]}
+            if want_cached:
+                frame["want_cached"] = True
+            self._send(frame)
+            cancel.attach(hook)
+            slow_at = time.monotonic() + slow_after
+            try:
+                while True:
+                    if on_slow is None:
+                        frame = p.queue.get()
+                    else:
+                        left = slow_at - time.monotonic()
+                        if left <= 0:
+                            on_slow()
+                            on_slow = None
+                            continue
+                        try:
+                            frame = p.queue.get(timeout=left)
+                        except queue.Empty:
+                            continue
+                    if frame["op"] in ("piece", "delta"):
+                        frame = self._burst(p, frame, on_event, cancel)
+                        if frame is None:
+                            continue
+                    return self._outcome(frame)
+            finally:
+                cancel.detach(hook)
+        finally:
+            self._forget(rid)
+
+    @staticmethod
+    def _burst(p, frame, on_event, cancel):
+        """Hand on ``frame`` and every piece or delta queued behind it, their
+        writes to the client gathered into one (server/burst.py); the first
+        other frame (the result) if one came behind them, else None."""
+        with burst.gathered():
+            while True:
+                if on_event is not None and on_event(frame) is False:
+                    cancel.cancel("client gone")
+                try:
+                    frame = p.queue.get_nowait()
+                except queue.Empty:
+                    return None
+                if frame["op"] not in ("piece", "delta"):
+                    return frame
+
+    def _outcome(self, frame):
+        op = frame["op"]
+        if op == "result":
+            return frame["value"]
+        if op == "error" or frame.get("error"):
+            raise protocol.decode_error(frame["error"])
+        raise WorkerDied("the worker of model %s died (%s) during this request; it is being "
+                         "restarted" % (self.name, frame.get("how")), how=frame.get("how"))
