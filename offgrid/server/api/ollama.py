@@ -221,8 +221,8 @@ def generate(h, body):
     what = "POST /api/generate"
     plan = None
     if suffix:
-        if not entry.has_fim:
-            entry = svc.fim
+        if not entry.has_fim and svc.fim is not None:
+            entry = svc.fim         # --fim-model, or the default model (none on a router)
         if not entry.has_fim:
             raise BadRequest("%s does not support insert: it has no fill-in-the-middle tokens"
                              % json.dumps(name))
