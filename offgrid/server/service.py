@@ -5,7 +5,8 @@
         watcher.watch(socket)                a closed connection cancels this one
                                              (polled once the request waits or has
                                              run WATCH_AFTER seconds)
-        pool.acquire(prompt)                 wait for a session (FIFO, warm cache first)
+        pool.acquire(prompt, owner)          wait for a session (turns between requests,
+                                             FIFO within one, warm cache first)
         worker.generate(session, ...)        the model's worker process evaluates and
                                              generates, pieces to on_piece
         pool.release, unregister, unwatch    always, in a finally
@@ -302,7 +303,7 @@ class Service:
         return done
 
     def generate(self, entry, tokens, gen, id_slot=-1, on_piece=None, sock=None, cancel=None,
-                 chat=None, what="", prepare=None):
+                 chat=None, what="", prepare=None, owner=None):
         """Run one generation request from start to finish; returns a Completion.
 
         ``on_piece`` gets each streamed piece of text, or with ``chat`` each
@@ -317,6 +318,10 @@ class Service:
         needed to choose it): ``tokens`` is None and the worker makes the
         prompt with this (method, args) call as the generation starts, one
         round trip instead of two (``deferred_prepare``).
+
+        ``owner``: the request this job is part of, for the pool's turns
+        between requests (pool.py); by default its connection, whose one
+        request at a time may fan out to many jobs.
         """
         if self.state != "ready":
             raise Unavailable("server is shutting down")
@@ -341,7 +346,8 @@ class Service:
             pool, worker = entry.pool, entry.worker
             if pool is None or worker is None:
                 raise Unavailable("model %s was unloaded" % entry.id)
-            session = pool.acquire(tokens or [], cancel, on_wait=look)
+            session = pool.acquire(tokens or [], cancel, on_wait=look,
+                                   owner=owner if owner is not None else sock)
             if session is None:
                 c = Completion("", [], FinishReason.CANCELLED, "none", "",
                                Usage(prompt_tokens=len(tokens or [])))
@@ -355,7 +361,7 @@ class Service:
             return c
         finally:
             if sock is not None:
-                self.watcher.unwatch(sock)
+                self.watcher.unwatch(sock, cancel)
             if key is not None:
                 self.supersede.unregister(key, cancel)
             with self._lock:
