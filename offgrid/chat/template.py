@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from . import jinja
+from .. import jsonlimit
 from ..errors import InvalidRequest
 from ..request import Message, Tool, ToolCall  # noqa: F401  (the typed chat request)
 from .jsonschema import Grammar, json_literal, literal
@@ -314,7 +315,7 @@ def _gemma4_tool_responses(messages):
             resp = r.get("content")
             if isinstance(resp, str):
                 try:
-                    resp = json.loads(resp)
+                    resp = jsonlimit.loads(resp)
                 except ValueError:
                     pass
             name = ""
@@ -576,7 +577,7 @@ class ChatTemplate:
                     args = tc["function"]["arguments"]
                     if isinstance(args, str):
                         try:
-                            tc["function"]["arguments"] = json.loads(args)
+                            tc["function"]["arguments"] = jsonlimit.loads(args)
                         except ValueError as e:
                             raise ChatTemplateError("tool call arguments are not valid JSON: %s"
                                                     % e)
