@@ -349,8 +349,23 @@ def start_worker(entry, args, decode_lock=None):
         template = read_template(template)
     except OSError as e:
         raise ModelLoadError("cannot read the chat template of %s: %s" % (entry.id, e))
+    # The memory ceiling holds from the worker's first instruction (engine/lifeline.py,
+    # server/workers.py): --worker-max-rss as given; by default, until the worker says
+    # what its KV caches take (before it makes them), its file and margin alone.
+    sized = None
+    if args.worker_max_rss is None:
+        file_size = os.path.getsize(path)
+        max_rss = default_max_rss({"file_size": file_size, "kv_bytes": 0})
+
+        def sized(frame):
+            return default_max_rss({"file_size": frame.get("file_size", file_size),
+                                    "kv_bytes": frame.get("kv_bytes", 0)})
+    elif args.worker_max_rss > 0:
+        max_rss = int(args.worker_max_rss * (1 << 20))
+    else:
+        max_rss = None
     worker = WorkerClient(entry.id, worker_args(path, a, template, decode_lock),
-                          verbose=args.verbose)
+                          max_rss=max_rss, verbose=args.verbose, sized_rss=sized)
     worker.on_progress = lambda fraction: setattr(entry, "progress", fraction)
     try:
         worker.start()
@@ -359,9 +374,6 @@ def start_worker(entry, args, decode_lock=None):
         raise
     if args.worker_max_rss is None:
         worker.max_rss = default_max_rss(worker.info)
-    elif args.worker_max_rss > 0:
-        worker.max_rss = int(args.worker_max_rss * (1 << 20))
-    worker.watch()
     return worker
 
 

@@ -29,6 +29,9 @@ Worker -> front
     {"op": "ready", "info": {...}}      once, when the model and its sessions are loaded
     {"op": "failed", "error": ERR}      instead of "ready": the model did not load
     {"op": "progress", "value": F}      while loading: the fraction libllama has read
+    {"op": "sizing", "kv_bytes": N, "file_size": M}
+                                        while loading, before the KV caches are made:
+                                        what they will take (the default memory ceiling)
     {"op": "fatal", "error": ERR}       last words: ggml is aborting the process; the
                                         requests running get ERR (an RpcUnavailable)
     {"op": "piece", "id": N, "text": TEXT[, "probs": PROBS]}

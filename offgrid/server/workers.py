@@ -54,12 +54,37 @@ def package_root():
     return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def worker_command(worker_args):
-    """argv of a worker: this interpreter, this offgrid, nothing from the environment's path."""
-    code = ("import sys; sys.path.insert(0, %r); from offgrid.engine.worker import main; "
-            "sys.exit(main())" % package_root())
+def worker_command(worker_args, max_data=None):
+    """argv of a worker: this interpreter, this offgrid, nothing from the environment's path.
+
+    Its first instruction is ``engine/lifeline.start``: the process ends with
+    its front, and keeps within ``max_data`` bytes (RLIMIT_DATA), before
+    anything else is imported or loaded.
+    """
+    code = ("import sys; sys.path.insert(0, %r); from offgrid.engine import lifeline; "
+            "lifeline.start(%r); from offgrid.engine.worker import main; sys.exit(main())"
+            % (package_root(), int(max_data) if max_data else None))
     flags = ["-I"] if sys.flags.isolated else []
     return [sys.executable] + flags + ["-c", code] + list(worker_args)
+
+
+def data_limit(max_rss):
+    """The RLIMIT_DATA of a worker whose RSS ceiling is ``max_rss`` bytes: a little
+    above it, since the limit counts memory reserved (thread stacks, buffers not
+    yet touched) and RSS only what is touched; the watchdog holds the ceiling
+    itself, this stops an allocation that would leap past it between two of the
+    watchdog's looks."""
+    return max_rss + max(128 * _MIB, max_rss // 4)
+
+
+def set_data_limit(pid, max_rss):
+    """Move a running worker's RLIMIT_DATA to match ``max_rss`` (Linux's prlimit)."""
+    try:
+        import resource
+        _, hard = resource.prlimit(pid, resource.RLIMIT_DATA)
+        resource.prlimit(pid, resource.RLIMIT_DATA, (data_limit(max_rss), hard))
+    except (ImportError, AttributeError, ValueError, OSError):
+        pass        # gone, or no prlimit here: the watchdog still holds the ceiling
 
 
 def rss_of(pid):
@@ -86,6 +111,19 @@ def describe_exit(returncode, killed_for=None):
             return name + " (killed: out of memory, or by hand)"
         return name
     return "exit status %d" % returncode
+
+
+def _reap(proc):
+    """Wait for a worker that ended: (its return code, its peak RSS in bytes, 0 unknown)."""
+    if getattr(proc, "returncode", 0) is None and isinstance(getattr(proc, "pid", None), int):
+        try:
+            # wait4 also says how much memory the process ever held
+            _, status, usage = os.wait4(proc.pid, 0)
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return proc.returncode, usage.ru_maxrss * 1024
+        except (ChildProcessError, AttributeError, OSError):
+            pass        # reaped already (proc.wait below knows its code), or no wait4
+    return proc.wait(), 0
 
 
 def _popen(argv):
@@ -122,13 +160,18 @@ class WorkerClient:
     # How long a request waits for a (re)starting worker before a 503.
     ready_timeout = 300.0
 
-    def __init__(self, name, worker_args, max_rss=None, verbose=False, spawn=None):
+    def __init__(self, name, worker_args, max_rss=None, verbose=False, spawn=None,
+                 sized_rss=None):
         self.name = name
+        self.worker_args = list(worker_args)
         self.argv = worker_command(worker_args)
         # argv -> a started process with binary stdin/stdout pipes (Popen's
         # interface); tests hand in a worker running on threads of their own
         self.spawn = spawn or _popen
         self.max_rss = max_rss              # bytes, or None: no ceiling
+        # sizes -> the ceiling, called when the worker reports what its KV caches
+        # will take, before it allocates them (the default ceiling depends on it)
+        self.sized_rss = sized_rss
         self.verbose = verbose
         self.info = None
         self.on_progress = None             # fraction -> None, while the model loads
@@ -148,6 +191,7 @@ class WorkerClient:
         self._ids = itertools.count(1)
         self._proc = None
         self._killed_for = None
+        self._last_rss = 0                  # the watchdog's last reading (bytes)
         self._closing = False
         self._failures = 0
         self._started_at = 0.0
@@ -168,6 +212,9 @@ class WorkerClient:
         return self
 
     def _spawn(self):
+        # the ceiling holds from the worker's first instruction (lifeline.py)
+        if self.max_rss:
+            self.argv = worker_command(self.worker_args, data_limit(self.max_rss))
         proc = self.spawn(self.argv)
         with self._cond:
             self._proc = proc
@@ -269,6 +316,15 @@ class WorkerClient:
                         self.unavailable, self._said_waiting = None, False
                         self._cond.notify_all()
                     continue
+                if op == "sizing":
+                    # the model's metadata is read, its KV caches not yet made:
+                    # the ceiling that depends on them applies from here
+                    if self.sized_rss is not None:
+                        rss = self.sized_rss(frame)
+                        if rss:
+                            self.max_rss = rss
+                            set_data_limit(proc.pid, rss)
+                    continue
                 if op == "progress":
                     # loading: the fraction libllama reports, for /models and the terminal
                     if self.on_progress is not None:
@@ -295,9 +351,16 @@ class WorkerClient:
         self._died(proc)
 
     def _died(self, proc):
-        returncode = proc.wait()
+        returncode, peak = _reap(proc)
         with self._cond:
             how = describe_exit(returncode, self._killed_for)
+            if (returncode == -signal.SIGABRT and not self._killed_for and self.max_rss
+                    and peak >= self.max_rss * 3 // 4):
+                # Past RLIMIT_DATA (lifeline.py) an allocation fails, and in
+                # libllama that is std::bad_alloc and an abort: a worker that
+                # aborts that close to its ceiling ran out of it
+                how += (" (out of memory: it reached %d MiB, near --worker-max-rss %d MiB, "
+                        "where an allocation fails)" % (peak // _MIB, self.max_rss // _MIB))
             closing = self._closing
             loaded = self.info is not None
             pending = list(self._pending.values())
@@ -358,7 +421,9 @@ class WorkerClient:
         """Kill the worker when its RSS passes max_rss; its reader then reports the death."""
         while proc.poll() is None:
             rss = rss_of(proc.pid)
-            if rss is not None and rss > self.max_rss:
+            if rss is not None:
+                self._last_rss = rss
+            if rss is not None and self.max_rss and rss > self.max_rss:
                 with self._cond:
                     self._killed_for = ("killed: out of memory (RSS %d MiB over --worker-max-rss"
                                         " %d MiB)" % (rss // _MIB, self.max_rss // _MIB))
@@ -367,7 +432,13 @@ class WorkerClient:
                 except OSError:
                     pass
                 return
-            time.sleep(self.watch_interval)
+            # Near the ceiling, or loading (no decodes to disturb yet), look ten
+            # times as often: memory grows hundreds of MB a second at worst, and
+            # this catches it before RLIMIT_DATA (lifeline.py), a quarter above,
+            # makes the allocation fail in C, where it is an abort.
+            near = rss is not None and self.max_rss and rss > self.max_rss // 2
+            time.sleep(self.watch_interval / 10 if near or self.state != "ready"
+                       else self.watch_interval)
 
     # -- requests ----------------------------------------------------------------------------
     def call(self, method, what="", **args):
