@@ -367,11 +367,14 @@ def start_worker(entry, args, decode_lock=None):
     worker = WorkerClient(entry.id, worker_args(path, a, template, decode_lock),
                           max_rss=max_rss, verbose=args.verbose, sized_rss=sized)
     worker.on_progress = lambda fraction: setattr(entry, "progress", fraction)
+    entry.loading = worker          # POST /models/unload and shutdown stop the load
     try:
         worker.start()
     except BaseException:
         worker.close()
         raise
+    finally:
+        entry.loading = None
     if args.worker_max_rss is None:
         worker.max_rss = default_max_rss(worker.info)
     return worker

@@ -62,6 +62,7 @@ class ModelEntry:
         self.preset = None              # from --models-preset: [*] then [name]
         self.shelf = None
         self.worker = worker            # server.workers.WorkerClient, None while unloaded
+        self.loading = None             # the WorkerClient starting, while it loads
         self.pool = pool                # ChatPool of its sessions, None while unloaded
         # what the worker reported at its last load: kept while unloaded, so listings
         # and /props still describe the model without waking it

@@ -206,6 +206,9 @@ class WorkerClient:
         """
         self._spawn()
         if not self.wait_ready(timeout or self.ready_timeout, raise_unavailable=False):
+            if self._closing:
+                # close() while it loaded: POST /models/unload, or the server's shutdown
+                raise Unavailable("the load of model %s was stopped" % self.name)
             if self.unavailable:
                 raise Unavailable(self.unavailable)
             raise ModelLoadError(self.error or "the worker for %s did not start" % self.name)
