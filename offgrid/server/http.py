@@ -31,7 +31,9 @@ reading itself is ``reader``'s):
 * connections: a new one waits without a thread in the ``lobby`` until it
   speaks (``Server.first_byte_timeout``, 408 after); then at most
   ``Server.max_connections`` at once, ``Server.peer_share`` of them for one
-  peer (503 beyond), with /health answered by the lobby when none is free.
+  peer; beyond, the connection waiting longest for its request head is
+  dropped for the newcomer (``seats``), or when none is, 503, with /health
+  answered by the lobby when none is free.
 
 A request answered without reading its body (413, 401, 404 ...) closes its
 connection after a short, bounded drain ("lingering close"), so the client
@@ -41,7 +43,6 @@ Shutdown: ``Server.drain`` refuses new requests and waits for those being
 answered, so the models are freed only once no handler can touch them.
 """
 
-import collections
 import errno
 import hashlib
 import hmac
@@ -62,6 +63,7 @@ from ..errors import OffgridError
 from ..jobs import Threads
 from . import burst, endpoints, reader
 from .lobby import Lobby
+from .seats import Seats
 from .errors import (HTTPError, MethodNotAllowed, NotFound, Unauthorized, Unavailable,
                      error_body, error_event, to_http_error)
 
@@ -203,6 +205,8 @@ class Handler(BaseHTTPRequestHandler):
         self._body_pending = False
 
     def handle_one_request(self):
+        # until its head is in, this connection may be dropped for a newcomer (seats.py)
+        self.server.seats.waiting(self.connection, _peer(self.client_address))
         self._stream = None
         self._body_pending = False
         # what send_error needs if the request line never arrives whole
@@ -289,6 +293,7 @@ class Handler(BaseHTTPRequestHandler):
         self.rfile.head_left = self.max_header_bytes     # the line is in; the headers follow
         try:
             self.headers = reader.read_headers(self.rfile)
+            self.server.seats.serving(self.connection)
         except reader.LineTooLong as err:
             self.send_error(431, "Line too long", str(err))
             return False
@@ -620,8 +625,10 @@ class Server(ThreadingHTTPServer):
     count against the cap.  What a connection may hold, and why:
 
     * connections that have spoken: ``max_connections`` threads in all, and
-      at most ``peer_share`` of them for one peer, beyond which the lobby
-      answers 503 "too many connections";
+      at most ``peer_share`` of them for one peer, beyond which the one that
+      has waited longest for a request head is dropped to seat the newcomer
+      (``seats.py``: trickling bytes holds a seat only until it is needed),
+      and only if none is waiting the lobby answers 503 "too many connections";
     * connections that have not: a place in the lobby (``max_waiting``, the
       oldest dropped when it is full) for ``first_byte_timeout`` seconds, 408
       after;
@@ -658,8 +665,8 @@ class Server(ThreadingHTTPServer):
 
     def __init__(self, *args, **kwargs):
         self._cond = threading.Condition()
-        self._n_connections = 0
-        self._per_peer = collections.Counter()      # peer -> connections with a thread
+        # connections with a thread, per peer, and which wait for a request head
+        self.seats = Seats()
         self._n_requests = 0            # requests between _dispatch's start and end
         self._handlers = Threads("http-connection")
         self.closing = False
@@ -683,15 +690,8 @@ class Server(ThreadingHTTPServer):
 
     def admit(self, client_address):
         """Give a connection that spoke a slot: None, or why not (the lobby's 503 message)."""
-        peer = _peer(client_address)
-        with self._cond:
-            if self._n_connections >= self.max_connections:
-                return "too many connections"
-            if self._per_peer[peer] >= max(1, int(self.max_connections * self.peer_share)):
-                return "too many connections from this address"
-            self._n_connections += 1
-            self._per_peer[peer] += 1
-        return None
+        # full: the connection waiting longest for its request head makes room (seats.py)
+        return self.seats.admit(_peer(client_address), self.max_connections, self.peer_share)
 
     def start_handler(self, request, client_address):
         """A handler thread for an admitted connection (the lobby's thread calls this).
@@ -703,22 +703,14 @@ class Server(ThreadingHTTPServer):
             self._handlers.submit(self.process_request_thread, request, client_address)
         except BaseException:
             log.exception("could not start a thread for a connection")
-            self._connection_ended(client_address)
+            self.seats.ended(request, _peer(client_address))
             self.shutdown_request(request)
 
     def process_request_thread(self, request, client_address):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._connection_ended(client_address)
-
-    def _connection_ended(self, client_address):
-        peer = _peer(client_address)
-        with self._cond:
-            self._n_connections -= 1
-            self._per_peer[peer] -= 1
-            if self._per_peer[peer] <= 0:
-                del self._per_peer[peer]
+            self.seats.ended(request, _peer(client_address))
 
     def reply_when_full(self, head, refusal):
         """(status, body, head_only) for a request that got no slot: /health, or 503."""
