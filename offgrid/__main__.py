@@ -208,6 +208,15 @@ def parse_args(argv=None):
                    help="memory ceiling of each model's worker process in MiB; past it the "
                    "worker is killed and restarted (default: model file + KV cache + "
                    "a margin; 0: none)")
+    p.add_argument("--front-max-rss", type=float, default=None, metavar="MIB",
+                   help="memory ceiling of the front process (HTTP, queues, responses) in "
+                   "MiB: past three quarters of it new work gets 503 until running requests "
+                   "finish (default: 4096, or half the RAM if less; 0: none)")
+    p.add_argument("--worker-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a loaded model's worker that does not answer its heartbeat for this "
+                   "long (or makes no decode step for 4 times this with generations running, "
+                   "or leaves a call unanswered for 10 times this) is stuck: it is killed and "
+                   "restarted, and its requests get a 500 naming the model (default: 30)")
     p.add_argument("-v", "--verbose", action="store_true", help="log requests and libllama")
     p.add_argument("--version", action="version", version="offgrid " + __version__)
     args = p.parse_args(argv)
@@ -301,6 +310,22 @@ def worker_args(path, args, chat_template=None, decode_lock=None):
     if args.verbose:
         out.append("--verbose")
     return out
+
+
+def front_max_rss(flag):
+    """--front-max-rss in bytes (None: no ceiling): the flag, else the default, or half
+    the machine's RAM where that is less."""
+    from .server.budget import DEFAULT_FRONT_MAX_RSS
+
+    if flag is not None:
+        return int(flag * (1 << 20)) if flag > 0 else None
+    ceiling = DEFAULT_FRONT_MAX_RSS << 20
+    try:
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        ceiling = min(ceiling, ram // 2)
+    except (ValueError, OSError, AttributeError):
+        pass
+    return ceiling
 
 
 def default_max_rss(info):
@@ -459,7 +484,8 @@ def main(argv=None):
               "this address can use the server (set --api-key)" % args.host, file=sys.stderr)
     try:
         httpd = make_server(args.host, args.port, None, api_keys, args.cors_origin,
-                            args.max_body, args.verbose, args.timeout, args.read_timeout)
+                            args.max_body, args.verbose, args.timeout, args.read_timeout,
+                            front_max_rss(args.front_max_rss))
     except OSError as e:
         print("offgrid: cannot listen on %s:%d: %s" % (args.host, args.port, e), file=sys.stderr)
         return 1

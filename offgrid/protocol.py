@@ -89,11 +89,12 @@ def encode(obj):
     return _HEADER.pack(len(data)) + data
 
 
-def read_frame(f):
-    """The next object from the binary stream ``f``; None at a clean end of stream."""
+def read_frame(f, sized=False):
+    """The next object from the binary stream ``f``; None at a clean end of stream.
+    ``sized``: (object, its frame's bytes), (None, 0) at the end."""
     head = f.read(_HEADER.size)
     if not head:
-        return None
+        return (None, 0) if sized else None
     if len(head) < _HEADER.size:
         raise ProtocolError("stream ended inside a frame header")
     (n,) = _HEADER.unpack(head)
@@ -102,7 +103,8 @@ def read_frame(f):
     data = f.read(n)
     if len(data) < n:
         raise ProtocolError("stream ended inside a frame")
-    return json.loads(data.decode("utf-8", "surrogatepass"))
+    obj = json.loads(data.decode("utf-8", "surrogatepass"))
+    return (obj, n) if sized else obj
 
 
 # -- errors ---------------------------------------------------------------------------

@@ -606,6 +606,8 @@ class Worker:
             self.fill.want(session, fit[1], gen.cache_reuse)
         self.prompt_rate.observe(c.usage)
         c.usage.dropped = gen.prompt_dropped
+        if stream:
+            c.probs = None      # they went out with the pieces: not again in the result
         out = {"completion": protocol.encode_completion(c), "n_cached": len(cached)}
         if frame.get("want_cached"):
             # what the front does not have already: the cache after the

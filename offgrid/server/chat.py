@@ -13,7 +13,7 @@ import functools
 
 from ..protocol import encode_messages, encode_tools
 from ..request import FinishReason, PromptProgress
-from . import formats
+from . import budget, formats
 from .errors import BadRequest
 from .params import (MAX_N_CMPL, Fields, include_usage_from, chat_messages_from,
                      chat_probs_from, generation_from, id_slot_from, output_schema_from,
@@ -185,6 +185,7 @@ def chat_completions(h, body):
     chat = plan["chat"]
     svc.metrics.request("v1/chat/completions")
     stream = f.bool("stream", False)
+    budget.check_probs(gen, n, entry.n_ctx, stream)
     gen.return_progress = stream and f.bool("return_progress", False)
     timings_per_token = f.bool("timings_per_token", False)
     id_slot = id_slot_from(f)

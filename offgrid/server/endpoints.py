@@ -13,7 +13,7 @@ from .. import __version__
 from ..errors import OffgridError
 from ..request import GenerationParams, InfillRequest, PromptProgress
 from . import anthropic, chat, embeddings, formats, ollama, ollama_models, responses
-from . import shelf_api
+from . import budget, shelf_api
 from .errors import BadRequest, HTTPError, Unavailable
 from .prompts import infill_prepare, infill_tokens
 from .params import (Fields, completion_probs_from, include_usage_from, generation_from,
@@ -350,6 +350,7 @@ def _run_native(h, f, entry, jobs, gen, endpoint):
     fields = response_fields_from(f)
     return_tokens = f.bool("return_tokens", False)
     n_cmpl = _n_cmpl(f)
+    budget.check_probs(gen, len(jobs) * n_cmpl, entry.n_ctx, stream)
     gen.return_progress = stream and f.bool("return_progress", False)
     timings_per_token = f.bool("timings_per_token", False)
     es = h.event_stream() if stream else None
@@ -443,6 +444,7 @@ def v1_completions(h, body):
             prompts.append(out["tokens"])
     svc.metrics.request("v1/completions")
     stream = f.bool("stream", False)
+    budget.check_probs(gen, len(prompts) * n, entry.n_ctx, stream)
     include_usage = include_usage_from(f)
     id_slot = id_slot_from(f)
     cid, created = formats.new_id("cmpl"), formats.now()

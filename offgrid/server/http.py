@@ -62,6 +62,7 @@ from .. import __version__
 from ..errors import OffgridError
 from ..jobs import Threads
 from . import burst, endpoints, reader
+from .budget import FrontMemory
 from .lobby import Lobby
 from .seats import Seats
 from .errors import (HTTPError, MethodNotAllowed, NotFound, Unauthorized, Unavailable,
@@ -195,6 +196,8 @@ class Handler(BaseHTTPRequestHandler):
     verbose = False
     # The Service, or None while the models load.
     service = None
+    # --front-max-rss (budget.FrontMemory): new work is refused (503) near it
+    front_memory = None
 
     # -- connection ---------------------------------------------------------------
     def setup(self):
@@ -351,6 +354,9 @@ class Handler(BaseHTTPRequestHandler):
             if route.auth:
                 self._check_origin()
                 self._check_auth()
+            if method == "POST" and route.needs_service and self.front_memory is not None:
+                # before its body takes any room
+                self.front_memory.check(self.server.requests_in_flight() - 1)
             body = self._read_json() if method == "POST" else None
             if route.needs_service and self.service is None:
                 raise Unavailable("Loading model")
@@ -741,6 +747,10 @@ class Server(ThreadingHTTPServer):
             self._n_requests += 1
             return True
 
+    def requests_in_flight(self):
+        """Requests between begin_request and end_request now (this one included)."""
+        return self._n_requests
+
     def end_request(self):
         with self._cond:
             self._n_requests -= 1
@@ -812,7 +822,7 @@ class Servers:
 
 
 def make_server(host, port, service=None, api_keys=(), cors_origins=(), max_body=None,
-                verbose=False, timeout=None, read_timeout=None):
+                verbose=False, timeout=None, read_timeout=None, front_max_rss=None):
     """A Server bound to host:port whose Handler class carries these settings.
 
     ``host`` may be a comma list of addresses: a Servers, every address on
@@ -826,6 +836,8 @@ def make_server(host, port, service=None, api_keys=(), cors_origins=(), max_body
         attrs["timeout"] = timeout
     if read_timeout is not None:
         attrs["read_timeout"] = read_timeout
+    if front_max_rss:
+        attrs["front_memory"] = FrontMemory(front_max_rss)
     handler = type("OffgridHandler", (Handler,), attrs)
     # descriptors for the cap, the lobby, and the models, pipes and logs beside them
     _raise_fd_limit(Server.max_connections + Server.max_waiting + 256)

@@ -40,8 +40,9 @@ import threading
 import time
 
 from .. import protocol
-from ..errors import ModelLoadError, RpcUnavailable, WorkerDied
+from ..errors import ModelLoadError, OffgridError, RpcUnavailable, WorkerDied
 from . import burst
+from .budget import MAX_BUFFERED
 from .errors import Unavailable
 
 log = logging.getLogger("offgrid.workers")
@@ -139,11 +140,37 @@ def _popen(argv):
 
 class _Pending:
     """A request waiting for its frames."""
-    __slots__ = ("queue", "what")
+    __slots__ = ("queue", "what", "lock", "buffered", "overflow")
 
     def __init__(self, what):
         self.queue = queue.SimpleQueue()
         self.what = what        # method and path for the log, never content
+        # stream frames waiting for the request's thread (its client reads slowly):
+        # their bytes, and whether they passed budget.MAX_BUFFERED (then the
+        # rest are dropped and the request is cancelled: server/budget.py)
+        self.lock = threading.Lock()
+        self.buffered = 0
+        self.overflow = False
+
+    def put_piece(self, frame, n):
+        """Queue a piece or delta frame of ``n`` bytes (the reader's thread), unless
+        the request has more than MAX_BUFFERED waiting already."""
+        with self.lock:
+            if self.overflow or self.buffered + n > MAX_BUFFERED:
+                self.overflow = True
+                return
+            self.buffered += n
+        frame["_n"] = n
+        self.queue.put(frame)
+
+    def took(self, frame, cancel):
+        """The request's thread took ``frame`` off its queue."""
+        with self.lock:
+            self.buffered -= frame.get("_n", 0)
+            overflow = self.overflow
+        if overflow and not cancel.cancelled:
+            cancel.cancel("the client read its stream too slowly (%d MiB of it waited)"
+                          % (MAX_BUFFERED >> 20))
 
 
 class WorkerClient:
@@ -306,7 +333,7 @@ class WorkerClient:
         out = proc.stdout
         try:
             while True:
-                frame = protocol.read_frame(out)
+                frame, size = protocol.read_frame(out, sized=True)
                 if frame is None:
                     break
                 op = frame.get("op")
@@ -347,7 +374,10 @@ class WorkerClient:
                 with self._cond:
                     p = self._pending.get(frame.get("id"))
                 if p is not None:
-                    p.queue.put(frame)
+                    if op in ("piece", "delta"):
+                        p.put_piece(frame, size)
+                    else:
+                        p.queue.put(frame)
         except (protocol.ProtocolError, OSError, ValueError) as e:
             log.error("worker for %s: unreadable frames (%s)", self.name, e)
             proc.kill()
@@ -499,6 +529,7 @@ class WorkerClient:
                         except queue.Empty:
                             continue
                     if frame["op"] in ("piece", "delta"):
+                        p.took(frame, cancel)
                         frame = self._burst(p, frame, on_event, cancel)
                         if frame is None:
                             continue
@@ -523,6 +554,7 @@ class WorkerClient:
                     return None
                 if frame["op"] not in ("piece", "delta"):
                     return frame
+                p.took(frame, cancel)
 
     def _outcome(self, frame):
         op = frame["op"]
