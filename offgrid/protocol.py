@@ -25,6 +25,8 @@ Front -> worker
     back each keystroke).
     {"op": "cancel", "id": N, "reason": TEXT}
         stop request N; a running decode stops within one graph node
+    {"op": "ping", "seq": N}
+        the heartbeat: answered at once by a pong, whatever runs
 Worker -> front
     {"op": "ready", "info": {...}}      once, when the model and its sessions are loaded
     {"op": "failed", "error": ERR}      instead of "ready": the model did not load
@@ -37,6 +39,8 @@ Worker -> front
     {"op": "piece", "id": N, "text": TEXT[, "probs": PROBS]}
     {"op": "delta", "id": N, "delta": {"content"|"reasoning_content"|"tool_call": ...}
                                      [, "probs": PROBS]}
+    {"op": "pong", "seq": N, "steps": S, "running": R}
+                                        S decode steps made so far, R generations running
     {"op": "result", "id": N, "value": VALUE}
     {"op": "error", "id": N, "error": ERR}
 An embedding (the "embed" call) travels as encode_vector(): the base64 of

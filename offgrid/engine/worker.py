@@ -309,7 +309,14 @@ class Worker:
             if frame is None:
                 return None
             op = frame.get("op")
-            if op == "cancel":
+            if op == "ping":
+                # the front's heartbeat (server/workers.py), answered by the thread
+                # that reads frames: neither libllama (its calls release the GIL)
+                # nor a template (Python switches threads every 5 ms) holds it up.
+                # It carries the decode steps made so far and the generations
+                # running, so the front also sees a decode that stopped moving.
+                self.send(self.pong(frame.get("seq")))
+            elif op == "cancel":
                 with self._lock:
                     cancel = self._cancels.get(frame["id"])
                 if cancel is not None:
@@ -323,6 +330,14 @@ class Worker:
             elif op == "call":
                 self.fill.busy()
                 return functools.partial(self._call, frame)
+
+    def pong(self, seq):
+        d = self.loaded.decoder
+        with self._lock:
+            running = len(self._cancels)
+        # no shared decoder (a test's sessions of their own): no steps to report
+        return {"op": "pong", "seq": seq, "steps": d.n_steps if d is not None else None,
+                "running": running}
 
     def _answer(self, rid, fn, *args):
         try:

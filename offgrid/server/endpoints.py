@@ -10,7 +10,6 @@ import functools
 from collections import namedtuple
 
 from .. import __version__
-from ..errors import OffgridError
 from ..request import GenerationParams, InfillRequest, PromptProgress
 from . import anthropic, chat, embeddings, formats, ollama, ollama_models, responses
 from . import budget, shelf_api
@@ -39,10 +38,12 @@ def health(h, _body):
                                     "type": "unavailable_error"}})
     else:
         entries = svc.entries
-        models = [{"id": e.id, "status": e.status} for e in entries]
+        models = [{"id": e.id, "status": _health_status(e)} for e in entries]
         # a model can serve if it is loaded, or a request may load it; not while its
-        # worker restarts after a death, nor when it cannot load at all
-        servable = [e for e in entries if e.status in ("loaded", "unloaded", "sleeping")
+        # worker restarts after a death, nor when it cannot load at all, nor while
+        # its worker misses its heartbeat
+        servable = [e for e in entries if _health_status(e) in ("loaded", "unloaded",
+                                                                  "sleeping")
                     or (e.status == "loading" and e.worker is None)]
         if entries and not servable:
             h.send_json(503, {"status": "loading", "models": models,
@@ -50,6 +51,15 @@ def health(h, _body):
                                         "type": "unavailable_error"}})
         else:
             h.send_json(200, {"status": "ok", "models": models})
+
+
+def _health_status(entry):
+    """A model's status for /health: "unresponsive" while its worker misses heartbeats
+    (server/workers.py kills and restarts it soon after)."""
+    w = entry.worker
+    if w is not None and w.unresponsive:
+        return "unresponsive"
+    return entry.status
 
 
 def _status(entry):
@@ -64,13 +74,9 @@ def _threads_of(entry):
 
 
 def _ask(entry, op):
-    """A loaded model's worker's answer to ``op``, or None while it is not there to ask."""
-    if entry.state != "ready":
-        return None
-    try:
-        return entry.call(op, op)
-    except (OffgridError, Unavailable):
-        return None         # it died just now
+    """A loaded model's worker's answer to ``op``, or None while it is not there to ask:
+    within a second, else its last answer (reading the shelf never waits on a worker)."""
+    return entry.peek(op)
 
 
 def props(h, _body):
@@ -139,15 +145,11 @@ def slots(h, _body):
             continue        # not loaded: no sessions
         # live from the worker (a running request's cache grows); the front's
         # record from the last request while the worker is not there
-        n_cached = [s.n_cached for s in e.pool.sessions]
-        if e.state == "ready":
-            try:
-                n_cached = e.call("slots", "GET /slots")
-            except (OffgridError, Unavailable):
-                pass        # it died just now: the front's record will do
+        n_cached = e.peek("slots") or [s.n_cached for s in e.pool.sessions]
         threads = _threads_of(e) or {}
         for s, n in zip(e.pool.sessions, n_cached):
-            out.append({"id": s.index, "model": e.id, "n_ctx": e.n_ctx, "state": _status(e),
+            out.append({"id": s.index, "model": e.id, "n_ctx": e.n_ctx,
+                        "state": _health_status(e),
                         "is_processing": e.pool.is_busy(s), "n_cached": n,
                         "n_threads": threads.get("generation"),
                         "n_threads_batch": threads.get("batch")})

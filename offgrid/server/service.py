@@ -171,6 +171,12 @@ class ModelEntry:
             raise Unavailable("model %s is not loaded" % self.id)
         return w.call(method, what, **args)
 
+    def peek(self, method):
+        """A shelf read's answer from the worker (WorkerClient.peek): never waits long,
+        None while there is none."""
+        w = self.worker
+        return w.peek(method) if w is not None else None
+
 
 class Service:
     """Models, pools, supersede table, counters, and the lifecycle of requests."""

@@ -186,6 +186,20 @@ class WorkerClient:
     restart_reset = 60.0
     # How long a request waits for a (re)starting worker before a 503.
     ready_timeout = 300.0
+    # A stuck worker (SIGSTOPped, a deadlock, a C call holding the GIL, a decode
+    # that never returns) is found and replaced like a dead one.  Once loaded it
+    # gets a ping every heartbeat_every seconds, answered by the thread that
+    # reads its frames (engine/worker.py): no pong for `timeout` seconds
+    # (--worker-timeout), or generations running without a decode step for
+    # progress_after times that, or a call unanswered for call_after times
+    # that, and it is killed; its requests get WorkerDied naming the model.
+    heartbeat_every = 2.0
+    timeout = 30.0
+    progress_after = 4
+    call_after = 10
+    # How long a read of the shelf (/slots, /props, /metrics) waits for the
+    # worker's answer before it takes the last one.
+    peek_timeout = 1.0
 
     def __init__(self, name, worker_args, max_rss=None, verbose=False, spawn=None,
                  sized_rss=None):
@@ -219,6 +233,11 @@ class WorkerClient:
         self._proc = None
         self._killed_for = None
         self._last_rss = 0                  # the watchdog's last reading (bytes)
+        # the heartbeat: when the worker last answered, what its last pong said,
+        # and since when its decode steps have not moved with generations running
+        self._alive_at = self._progress_at = time.monotonic()
+        self._steps, self._running = 0, 0
+        self._peeked = {}                   # method -> the last answer of a shelf read
         self._closing = False
         self._failures = 0
         self._started_at = 0.0
@@ -258,11 +277,17 @@ class WorkerClient:
         self.watch(proc)
 
     def watch(self, proc=None):
-        """Start the RSS watchdog of the current worker, if there is a ceiling."""
+        """Start the watchdog of the current worker (its memory, its heartbeat) and the
+        thread that pings it."""
         proc = proc or self._proc
-        if self.max_rss and proc is not None:
+        if proc is not None:
             threading.Thread(target=self._watch, args=(proc,), daemon=True,
                              name="worker-watchdog-%s" % self.name).start()
+            # pings are written by a thread of their own: a write to a worker
+            # that stopped reading blocks once the pipe is full, and the
+            # watchdog must stay free to kill it
+            threading.Thread(target=self._ping, args=(proc,), daemon=True,
+                             name="worker-ping-%s" % self.name).start()
 
     def wait_ready(self, timeout=None, raise_unavailable=True):
         """Wait for a loaded worker; True if ready, else False or Unavailable."""
@@ -343,8 +368,19 @@ class WorkerClient:
                             sys.stderr.write("offgrid: model %s is back\n" % self.name)
                         self.info = frame["info"]
                         self.state = "ready"
+                        self._alive_at = self._progress_at = time.monotonic()
+                        self._running = 0
                         self.unavailable, self._said_waiting = None, False
                         self._cond.notify_all()
+                    continue
+                if op == "pong":
+                    now = time.monotonic()
+                    steps, running = frame.get("steps"), frame.get("running", 0)
+                    with self._cond:
+                        self._alive_at = now
+                        if not running or steps is None or steps != self._steps:
+                            self._progress_at = now
+                        self._steps, self._running = steps, running
                     continue
                 if op == "sizing":
                     # the model's metadata is read, its KV caches not yet made:
@@ -438,6 +474,44 @@ class WorkerClient:
         threading.Thread(target=self._restart, args=(delay,), daemon=True,
                          name="worker-restart-%s" % self.name).start()
 
+    def _stuck(self, now):
+        """Why the loaded worker counts as stuck now, or None."""
+        with self._cond:
+            if self.state != "ready":
+                return None
+            if now - self._alive_at > self.timeout:
+                return ("stuck: no answer to its heartbeat for %d s (--worker-timeout)"
+                        % (now - self._alive_at))
+            if self._running and now - self._progress_at > self.timeout * self.progress_after:
+                return ("stuck: %d generation%s running and no decode step for %d s"
+                        % (self._running, "" if self._running == 1 else "s",
+                           now - self._progress_at))
+        return None
+
+    @property
+    def unresponsive(self):
+        """Whether the loaded worker has missed a few heartbeats (it may be about to be
+        found stuck): shelf reads do not ask it, /health says so."""
+        return (self.state == "ready"
+                and time.monotonic() - self._alive_at > 2 * self.heartbeat_every + 1.0)
+
+    def _kill(self, proc, why):
+        with self._cond:
+            if self._killed_for is None:
+                self._killed_for = why
+        try:
+            proc.kill()
+        except OSError:
+            pass
+
+    def _ping(self, proc):
+        seq = 0
+        while proc.poll() is None and not self._closing:
+            time.sleep(self.heartbeat_every)
+            if self.state == "ready" and proc is self._proc:
+                seq += 1
+                self._send({"op": "ping", "seq": seq})
+
     def _restart(self, delay):
         time.sleep(delay)
         with self._cond:
@@ -451,19 +525,20 @@ class WorkerClient:
                 self._cond.notify_all()
 
     def _watch(self, proc):
-        """Kill the worker when its RSS passes max_rss; its reader then reports the death."""
+        """Kill the worker when its RSS passes max_rss, or when it is stuck; its reader
+        then reports the death."""
         while proc.poll() is None:
-            rss = rss_of(proc.pid)
+            rss = rss_of(proc.pid) if self.max_rss else None
             if rss is not None:
                 self._last_rss = rss
-            if rss is not None and self.max_rss and rss > self.max_rss:
-                with self._cond:
-                    self._killed_for = ("killed: out of memory (RSS %d MiB over --worker-max-rss"
-                                        " %d MiB)" % (rss // _MIB, self.max_rss // _MIB))
-                try:
-                    proc.kill()
-                except OSError:
-                    pass
+            why = None
+            if rss is not None and rss > self.max_rss:
+                why = ("killed: out of memory (RSS %d MiB over --worker-max-rss %d MiB)"
+                       % (rss // _MIB, self.max_rss // _MIB))
+            elif proc is self._proc:
+                why = self._stuck(time.monotonic())
+            if why:
+                self._kill(proc, why)
                 return
             # Near the ceiling, or loading (no decodes to disturb yet), look ten
             # times as often: memory grows hundreds of MB a second at worst, and
@@ -475,12 +550,45 @@ class WorkerClient:
 
     # -- requests ----------------------------------------------------------------------------
     def call(self, method, what="", **args):
-        """Run a worker method; its value, or the engine's exception raised here."""
-        self.wait_ready(self.ready_timeout)
+        """Run a worker method; its value, or the engine's exception raised here.
+
+        A call unanswered for call_after x timeout seconds finds the worker
+        stuck: it is killed, and this raises WorkerDied saying so."""
+        return self._call(method, what, args)
+
+    def peek(self, method):
+        """A shelf read (slots, threads, batching): the worker's answer within
+        peek_timeout, else the last one it gave (None if none).  Never asks a
+        worker that is not loaded or misses its heartbeat."""
+        if self.state != "ready" or self.unresponsive:
+            return self._peeked.get(method)
+        try:
+            value = self._call(method, method, {}, deadline=self.peek_timeout, peek=True)
+        except (OffgridError, Unavailable):
+            return self._peeked.get(method)
+        self._peeked[method] = value
+        return value
+
+    def _call(self, method, what, args, deadline=None, peek=False):
+        if not peek:
+            self.wait_ready(self.ready_timeout)
         rid, p = self._open(what or method)
         try:
             self._send({"op": "call", "id": rid, "method": method, "args": args})
-            return self._outcome(p.queue.get())
+            deadline = deadline or self.timeout * self.call_after
+            try:
+                frame = p.queue.get(timeout=deadline)
+            except queue.Empty:
+                if peek:
+                    raise Unavailable("model %s did not answer within %g s"
+                                      % (self.name, deadline))
+                # stuck on this call: replace the worker; its death answers us
+                proc = self._proc
+                if proc is not None:
+                    self._kill(proc, "stuck: %s unanswered for %d s" % (what or method,
+                                                                        deadline))
+                frame = p.queue.get()
+            return self._outcome(frame)
         finally:
             self._forget(rid)
 
