@@ -1,5 +1,5 @@
 # offgrid: `make run` serves the default model, `make test` runs the whole suite,
-# `make test-fast` all of it but the slow tests (see README, "Tests").
+# `make test-fast` all of it but the slow tests (docs/testing.md).
 # Downloads and builds are cached in ~/.cache/offgrid (OFFGRID_CACHE), keyed by
 # version and hash, so a fresh clone on the same machine does not rebuild.
 
@@ -30,7 +30,7 @@ XDIST    = $(if $(filter 1,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadfile)
 
 export PORTABLE RPC
 
-.PHONY: all lib rpc-server model run test test-fast venv bench bench-rpc soak bundle conformance clean
+.PHONY: all lib rpc-server model run test test-fast venv browser bench bench-rpc soak bundle conformance clean
 
 all: lib model
 
@@ -40,7 +40,7 @@ lib:
 	@bash scripts/build_lib.sh lib
 
 # The same, and llama.cpp's ggml-rpc-server from that build, into lib/: run it on
-# each machine that lends a model its memory and cores (README, "Several machines").
+# each machine that lends a model its memory and cores (docs/rpc.md).
 rpc-server:
 	@bash scripts/build_lib.sh --rpc-server lib
 
@@ -55,17 +55,29 @@ model:
 models/%.gguf:
 	@$(PYTHON) scripts/fetch_model.py $@
 
+# The chat page is at the address it prints (http://HOST:PORT/; --no-webui: none).
 run: lib/libllama.so $(MODEL)
+	@echo "offgrid: the chat page will be at http://$(HOST):$(PORT)/ once it says listening"
 	$(PYTHON) -m offgrid -m $(MODEL) --host $(HOST) --port $(PORT) $(ARGS)
 
-# Test-only tools (pytest; the openai, ollama and langchain-ollama clients)
-# live in a local virtualenv; offgrid itself imports nothing outside the
-# standard library.
+# Test-only tools (pytest; the openai, ollama and langchain-ollama clients;
+# selenium, which drives the chat page's tests) live in a local virtualenv;
+# offgrid itself imports nothing outside the standard library.
 $(VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check "pytest>=7" \
-		"pytest-xdist>=3" "openai>=1.66" "anthropic>=0.50" "ollama>=0.5" "langchain-ollama>=1.0"
+		"pytest-xdist>=3" "openai>=1.66" "anthropic>=0.50" "ollama>=0.5" "langchain-ollama>=1.0" \
+		"selenium>=4.11"
 	touch $@
+
+# The browser tests/test_webui.py drives: Debian's chromium and its chromedriver,
+# installed once (apt-get, as root or through sudo); nothing to do when both are there.
+SUDO = $(if $(filter 0,$(shell id -u)),,sudo)
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; else \
+		echo "[make browser] installing chromium and chromium-driver (apt-get)"; \
+		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install \
+			-y -qq --no-install-recommends chromium chromium-driver; fi
 
 # llama-server's test suite needs a few more (requests, wget, aiohttp, ...):
 # tests/test_conformance_subset.py runs part of it.
@@ -78,13 +90,13 @@ venv: $(VENV)/.ready
 # Files go to workers whole (--dist loadfile), so a file's module-scoped server
 # serves all its tests; both runs report, and either failing fails the target
 # (pytest's 5, nothing selected, is no failure).
-test: lib/libllama.so $(MODELS) $(VENV)/.ready $(VENV)/.conformance-ready
+test: lib/libllama.so $(MODELS) $(VENV)/.ready $(VENV)/.conformance-ready browser
 	@r=0; $(PYTEST) $(XDIST) -m "not serial" $(PYTEST_ARGS) tests || r=1; \
 	$(PYTEST) -m serial $(PYTEST_ARGS) tests; s=$$?; [ $$s -eq 0 -o $$s -eq 5 ] || r=1; exit $$r
 
 # The suite less the tests marked slow (the bundle, minute-long fault, RPC and
 # debugger runs): a few minutes once the cache is warm.
-test-fast: lib/libllama.so $(MODELS) $(VENV)/.ready
+test-fast: lib/libllama.so $(MODELS) $(VENV)/.ready browser
 	@r=0; $(PYTEST) $(XDIST) -m "not slow and not serial" $(PYTEST_ARGS) tests \
 	|| r=1; $(PYTEST) -m "serial and not slow" $(PYTEST_ARGS) tests; s=$$?; \
 	[ $$s -eq 0 -o $$s -eq 5 ] || r=1; exit $$r
@@ -99,7 +111,7 @@ bundle:
 # bench/results/latest.json.  bench/run.py gets llama-server and llama-bench
 # from scripts/build_lib.sh --server and a stock llama-server from
 # --stock-server (each built once, cached).  BENCH_ARGS passes flags to it,
-# e.g. BENCH_ARGS="--rounds 1 --only editor".  The README's table is measured
+# e.g. BENCH_ARGS="--rounds 1 --only editor".  docs/performance.md's runs are measured
 # on gemma-3-270m (BENCH_MODEL) and, for code continuation and the editor
 # replay, Qwen2.5-Coder-0.5B (BENCH_CODE_MODEL).
 BENCH_MODEL ?= models/gemma-3-270m-q4_k_m.gguf

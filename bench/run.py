@@ -570,7 +570,7 @@ def table(result):
 
 
 def markdown(result):
-    """The table as Markdown, for README's Performance section."""
+    """The table as Markdown, for docs/performance.md (tests/test_docs.py checks those)."""
     sc = result["scenarios"]
     cols = [c for c in COLUMNS if any(c[0] in r and r[c[0]] is not None for r in sc.values())]
     titles = {"ratio": "offgrid / llama-server", "ratio_stock": "offgrid / stock",

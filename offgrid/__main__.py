@@ -18,8 +18,9 @@ import threading
 import time
 
 from . import __version__
-from .errors import ModelLoadError, OffgridError
-from .request import SamplingParams
+from .errors import OffgridError
+from .request import (POOLINGS, REASONING_FORMATS, REASONING_MODES, SPEC_TYPES,
+                      SamplingParams)
 
 
 def thread_count(value):
@@ -66,8 +67,8 @@ def rpc_endpoints(value, allow_remote):
         if not allow_remote and not is_loopback(host):
             raise ValueError("--rpc %s is not on this machine; rpc-server has no "
                              "authentication, so offgrid only reaches one elsewhere with "
-                             "--rpc-allow-remote, over a private network or a tunnel (README, "
-                             "\"Several machines\")" % endpoint)
+                             "--rpc-allow-remote, over a private network or a tunnel "
+                             "(docs/rpc.md)" % endpoint)
         out.append(endpoint)
     return out
 
@@ -115,10 +116,10 @@ def parse_args(argv=None):
     p.add_argument("-t", "--threads", type=thread_count, default="auto",
                    help="threads for generation: a number pins it; auto (the default) "
                         "starts at every core and uses fewer while other programs hold "
-                        "some (README, \"Threads\")")
+                        "some (docs/cli.md, \"Threads\")")
     p.add_argument("-tb", "--threads-batch", type=thread_count, default=None,
                    help="threads for prompt evaluation, likewise (default: as --threads)")
-    p.add_argument("--spec-type", choices=("none", "auto", "ngram-simple"), default="none",
+    p.add_argument("--spec-type", choices=SPEC_TYPES, default="none",
                    help="speculative decoding: ngram-simple drafts tokens from the "
                         "request's own text (prompt lookup) and checks them in one decode; "
                         "the output is the same; a request stops drafting where it does "
@@ -146,11 +147,13 @@ def parse_args(argv=None):
     p.add_argument("--embeddings", "--embedding", action=argparse.BooleanOptionalAction,
                    default=True, help="serve /v1/embeddings, /embedding(s), /api/embed(dings) "
                    "and /rerank (default on; the embedding context is made on first use)")
-    p.add_argument("--pooling", choices=("none", "mean", "cls", "last", "rank"),
+    p.add_argument("--pooling", choices=POOLINGS,
                    help="how embeddings pool the tokens' states (default: the model's GGUF "
                    "pooling_type, else mean)")
     p.add_argument("--reranking", "--rerank", action="store_true",
                    help="pool for /rerank (--pooling rank), for a reranker model")
+    p.add_argument("--webui", "--ui", action=argparse.BooleanOptionalAction, default=True,
+                   help="the chat page at / for browsers (--no-webui: / answers text only)")
     p.add_argument("--api-key", action="append", default=[],
                    help="API key (repeatable; also $OFFGRID_API_KEY)")
     p.add_argument("--api-key-file", help="file with one API key per line")
@@ -168,6 +171,9 @@ def parse_args(argv=None):
     p.add_argument("--cache-reuse", type=int, default=64,
                    help="FIM requests move cached runs of at least N tokens to where the new "
                    "prompt needs them instead of recomputing them (default 64; 0: off)")
+    p.add_argument("--spm-infill", action="store_true",
+                   help="lay fill-in-the-middle prompts out suffix first (suffix/prefix/middle), "
+                   "as some code models were trained; llama-server's flag (default: prefix first)")
     p.add_argument("--context-shift", action=argparse.BooleanOptionalAction, default=False,
                    help="when a session's context fills up while generating, drop the older "
                    "half of it after the request's n_keep tokens and go on (default off: the "
@@ -178,17 +184,17 @@ def parse_args(argv=None):
     p.add_argument("--chat-template", metavar="NAME|FILE",
                    help="chat template for --model instead of its own: a Jinja file, "
                    "\"chatml\", or the name of a libllama built-in template")
-    p.add_argument("-rea", "--reasoning", choices=("on", "off", "auto"), default="auto",
+    p.add_argument("-rea", "--reasoning", choices=REASONING_MODES, default="auto",
                    help="thinking in chat replies, where a request does not say: on, off, or "
                    "auto (the template's own default)")
-    p.add_argument("--reasoning-format", choices=("none", "auto", "deepseek", "deepseek-legacy"),
+    p.add_argument("--reasoning-format", choices=REASONING_FORMATS,
                    default="auto", help="where a chat reply's thinking goes, where a request "
                    "does not say: reasoning_content (auto, deepseek), content too "
                    "(deepseek-legacy), or left in content (none)")
     # several machines (engine/rpc.py): llama.cpp's RPC backend, as llama-server's flags
     p.add_argument("--rpc", metavar="HOST:PORT[,...]",
                    help="put the model's layers on llama.cpp's rpc-servers (ggml-rpc-server, "
-                   "`make rpc-server`) at these endpoints (README, \"Several machines\")")
+                   "`make rpc-server`) at these endpoints (docs/rpc.md)")
     p.add_argument("--rpc-allow-remote", action="store_true",
                    help="let --rpc reach hosts other than this one (rpc-server has no "
                    "authentication: a private network or a tunnel only)")
@@ -202,8 +208,8 @@ def parse_args(argv=None):
     p.add_argument("-nr", "--no-repack", action="store_true",
                    help="keep the CPU's weights as the file has them, not repacked for "
                    "faster kernels (which sum in another order than an rpc-server's)")
-    p.add_argument("--lib", help="path to libllama.so or its folder (default: lib/, "
-                   "$OFFGRID_LIB, the system)")
+    p.add_argument("--lib", help="path to libllama.so or its folder (default: $OFFGRID_LIB, "
+                   "then lib/, then the system's)")
     p.add_argument("--worker-max-rss", type=float, default=None, metavar="MIB",
                    help="memory ceiling of each model's worker process in MiB; past it the "
                    "worker is killed and restarted (default: model file + KV cache + "
@@ -279,198 +285,16 @@ def is_loopback(host):
         return False
 
 
-def worker_args(path, args, chat_template=None, decode_lock=None):
-    """The worker's command line for one model: the engine's share of our flags."""
-    out = ["--model", path, "--ctx-size", str(args.ctx_size), "--batch-size",
-           str(args.batch_size), "--parallel", str(max(1, args.parallel))]
-    for flag, value in (("--spec-type", args.spec_type),
-                        ("--spec-draft-n-max", args.spec_draft_n_max),
-                        ("--stream-interval-ms", args.stream_interval_ms),
-                        ("--ubatch-size", args.ubatch_size), ("--threads", args.threads),
-                        ("--threads-batch", args.threads_batch), ("--lib", args.lib),
-                        ("--chat-template", chat_template), ("--decode-lock", decode_lock)):
-        if value is not None:
-            out += [flag, str(value)]
-    if args.rpc:
-        out += ["--rpc", args.rpc]
-        if args.n_gpu_layers is not None:
-            out += ["--n-gpu-layers", str(args.n_gpu_layers)]
-        if args.tensor_split:
-            out += ["--tensor-split", ",".join(repr(x) for x in args.tensor_split)]
-    pooling = "rank" if args.reranking else args.pooling
-    if pooling is not None:
-        out += ["--pooling", pooling]
-    if args.no_swa_full:
-        out.append("--no-swa-full")
-    if args.no_repack:
-        out.append("--no-repack")
-    if args.context_shift:
-        out.append("--context-shift")
-    out += ["--reasoning", args.reasoning, "--reasoning-format", args.reasoning_format]
-    if args.verbose:
-        out.append("--verbose")
-    return out
-
-
-def front_max_rss(flag):
-    """--front-max-rss in bytes (None: no ceiling): the flag, else the default, or half
-    the machine's RAM where that is less."""
-    from .server.budget import DEFAULT_FRONT_MAX_RSS
-
-    if flag is not None:
-        return int(flag * (1 << 20)) if flag > 0 else None
-    ceiling = DEFAULT_FRONT_MAX_RSS << 20
-    try:
-        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        ceiling = min(ceiling, ram // 2)
-    except (ValueError, OSError, AttributeError):
-        pass
-    return ceiling
-
-
-def default_max_rss(info):
-    """A worker's memory ceiling: its model file, its KV caches, and a margin for the
-    rest (compute buffers, the logits of a batch, Python): half the model, 1 GiB at least."""
-    return info["file_size"] + info["kv_bytes"] + max(1 << 30, info["file_size"] // 2)
-
-
-# A preset's settings that are our flags, by their argparse names.
-PRESET_FLAGS = ("ctx_size", "parallel", "threads", "threads_batch", "batch_size",
-                "ubatch_size")
-
-
-def model_args(entry, args):
-    """Our flags as they apply to one model: the preset's settings under the command line's."""
-    out = argparse.Namespace(**vars(args))
-    preset = entry.preset or {}
-    explicit = getattr(args, "explicit", set())
-    for key in PRESET_FLAGS:
-        if key in preset and key not in explicit:
-            setattr(out, key, preset[key])
-    return out
-
-
-def read_template(value):
-    """--chat-template's value: a Jinja file's text, else the name as it is."""
-    if value and os.path.isfile(value):
-        with open(value, encoding="utf-8") as fh:
-            return fh.read()
-    return value
-
-
-def start_worker(entry, args, decode_lock=None):
-    """Start the worker of one shelf model and wait for it to load; the WorkerClient.
-
-    Raises ModelLoadError when the model does not load.
-    """
-    from .server.workers import WorkerClient
-
-    path = entry.path
-    if not os.path.isfile(path):
-        raise ModelLoadError("model file not found: %s" % path)
-    a = model_args(entry, args)
-    template = entry.settings.get("chat_template") or (entry.preset or {}).get("chat_template")
-    try:
-        template = read_template(template)
-    except OSError as e:
-        raise ModelLoadError("cannot read the chat template of %s: %s" % (entry.id, e))
-    # The memory ceiling holds from the worker's first instruction (engine/lifeline.py,
-    # server/workers.py): --worker-max-rss as given; by default, until the worker says
-    # what its KV caches take (before it makes them), its file and margin alone.
-    sized = None
-    if args.worker_max_rss is None:
-        file_size = os.path.getsize(path)
-        max_rss = default_max_rss({"file_size": file_size, "kv_bytes": 0})
-
-        def sized(frame):
-            return default_max_rss({"file_size": frame.get("file_size", file_size),
-                                    "kv_bytes": frame.get("kv_bytes", 0)})
-    elif args.worker_max_rss > 0:
-        max_rss = int(args.worker_max_rss * (1 << 20))
-    else:
-        max_rss = None
-    worker = WorkerClient(entry.id, worker_args(path, a, template, decode_lock),
-                          max_rss=max_rss, verbose=args.verbose, sized_rss=sized)
-    worker.on_progress = lambda fraction: setattr(entry, "progress", fraction)
-    worker.timeout = max(1.0, args.worker_timeout)
-    entry.loading = worker          # POST /models/unload and shutdown stop the load
-    try:
-        worker.start()
-    except BaseException:
-        worker.close()
-        raise
-    finally:
-        entry.loading = None
-    if args.worker_max_rss is None:
-        worker.max_rss = default_max_rss(worker.info)
-    return worker
-
-
-def build_shelf(args, decode_lock):
-    """The shelf of this command line: -m and --fim-model first, then the folders and the
-    preset.  Returns (shelf, text entry or None, fim entry or None); raises ValueError
-    for a flag that cannot be used."""
-    from .server.service import ModelEntry
-    from .server.shelf import Shelf
-    from .server.shelf_files import PresetError, default_memory_budget, parse_size, read_preset
-
-    preset = None
-    if args.models_preset:
-        try:
-            defaults, sections, ignored = read_preset(args.models_preset)
-        except PresetError as e:
-            raise ValueError("--models-preset: %s" % e)
-        for what in ignored:
-            print("offgrid: --models-preset: ignoring %s (not an offgrid setting)" % what,
-                  file=sys.stderr)
-        preset = (defaults, sections)
-    for d in args.models_dir:
-        if not os.path.isdir(d):
-            raise ValueError("--models-dir %s is not a folder" % d)
-    if args.models_memory is None:
-        memory = default_memory_budget()
-    else:
-        try:
-            memory = parse_size(args.models_memory)
-        except ValueError as e:
-            raise ValueError("--models-memory: %s" % e)
-    shelf = Shelf(lambda entry: start_worker(entry, args, decode_lock), dirs=args.models_dir,
-                  preset=preset, models_max=args.models_max, memory=memory,
-                  autoload=args.models_autoload, sleep_idle=args.sleep_idle_seconds,
-                  fallback=not (args.models_dir or args.models_preset))
-    text = fim = None
-    if args.model:
-        stem = os.path.basename(args.model)
-        names = list(args.alias) or [stem]
-        if stem.lower().endswith(".gguf"):
-            names.append(stem[:-len(".gguf")])
-        text = shelf.add(ModelEntry(id=names[0], aliases=names[1:],
-                                    path=os.path.abspath(args.model),
-                                    settings={"chat_template": args.chat_template}))
-    if args.fim_model and not (args.model and os.path.abspath(args.fim_model)
-                               == os.path.abspath(args.model)):
-        stem = os.path.basename(args.fim_model)
-        names = [stem] + ([stem[:-len(".gguf")]] if stem.lower().endswith(".gguf") else [])
-        fim = shelf.add(ModelEntry(id=names[0], aliases=names[1:], pinned=True,
-                                   path=os.path.abspath(args.fim_model)))
-    elif args.fim_model:
-        text.pinned = True
-    shelf.rescan()
-    for name in args.pin:
-        e = shelf.find(name)
-        if e is None:
-            raise ValueError("--pin %s: no such model on the shelf" % name)
-        e.pinned = True
-    return shelf, text, fim
-
-
 def main(argv=None):
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    from .server.errors import HTTPError
-    from .server.http import make_server
-    from .server.service import Service
+    from .server.api.routes import APP
+    from .server.httpd.httperrors import HTTPError
+    from .server.httpd.frontmem import ceiling_from_flag
+    from .server.httpd.server import make_server
+    from .server.models.launch import build_shelf
+    from .server.serving.service import Service
 
     try:
         api_keys = read_api_keys(args)
@@ -484,12 +308,13 @@ def main(argv=None):
         print("offgrid: warning: listening on %s without an API key; anyone who can reach "
               "this address can use the server (set --api-key)" % args.host, file=sys.stderr)
     try:
-        httpd = make_server(args.host, args.port, None, api_keys, args.cors_origin,
+        httpd = make_server(args.host, args.port, APP, None, api_keys, args.cors_origin,
                             args.max_body, args.verbose, args.timeout, args.read_timeout,
-                            front_max_rss(args.front_max_rss))
+                            ceiling_from_flag(args.front_max_rss))
     except OSError as e:
         print("offgrid: cannot listen on %s:%d: %s" % (args.host, args.port, e), file=sys.stderr)
         return 1
+    httpd.RequestHandlerClass.webui = args.webui
     serving = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2},
                                name="http", daemon=True)
     serving.start()   # /health says "loading" meanwhile
@@ -522,7 +347,7 @@ def main(argv=None):
                 return fail(getattr(e, "message", e))
     for entry in (text, fim):
         info = entry.info if entry is not None else None
-        if info and info.get("pooling") == "rank" and not info.get("rank_head"):
+        if info and info.pooling == "rank" and not info.rank_head:
             # llama-server goes ahead too; the scores then come from no trained head
             print("offgrid: warning: %s has no rank head (its GGUF pooling_type is not rank): "
                   "/rerank scores are the first component of its hidden state, not relevance"
@@ -547,8 +372,10 @@ def main(argv=None):
     stop = StopSignals()
     stop.install()
     host, port = httpd.server_address[:2]
-    print("listening on http://%s:%d" % (host if ":" not in host else "[%s]" % host, port),
-          flush=True)
+    address = "http://%s:%d" % (host if ":" not in host else "[%s]" % host, port)
+    print("listening on " + address, flush=True)
+    if args.webui:
+        print("offgrid: chat page at %s/" % address, file=sys.stderr, flush=True)
 
     stop.wait()
     print("offgrid: shutting down", file=sys.stderr, flush=True)

@@ -29,6 +29,7 @@ Front -> worker
         the heartbeat: answered at once by a pong, whatever runs
 Worker -> front
     {"op": "ready", "info": {...}}      once, when the model and its sessions are loaded
+                                        (a ModelInfo)
     {"op": "failed", "error": ERR}      instead of "ready": the model did not load
     {"op": "progress", "value": F}      while loading: the fraction libllama has read
     {"op": "sizing", "kv_bytes": N, "file_size": M}
@@ -69,6 +70,7 @@ import dataclasses
 import json
 import struct
 import sys
+from typing import Optional
 
 from . import errors
 from .request import (Completion, FinishReason, GenerationParams, InfillRequest, Message,
@@ -159,6 +161,79 @@ def decode_vector(text):
     if sys.byteorder != "little":
         a.byteswap()
     return a
+
+
+@dataclasses.dataclass
+class WorkerSettings:
+    """The engine's share of the command line, parsed once by the front (``__main__``,
+    ``server/models/launch.py``) and handed to each worker as JSON on its command line:
+    the worker has no defaults of its own to drift from the front's."""
+    model: str                      # the GGUF file
+    ctx_size: int
+    batch_size: int
+    ubatch_size: Optional[int]
+    parallel: int
+    threads: object                 # a count, or "auto"
+    threads_batch: object
+    spec_type: str                  # request.SPEC_TYPES
+    spec_draft_n_max: int
+    stream_interval_ms: float
+    chat_template: Optional[str]    # Jinja text, or a built-in name
+    pooling: Optional[str]          # request.POOLINGS; None: the model's
+    no_swa_full: bool
+    no_repack: bool
+    context_shift: bool
+    spm_infill: bool                # FIM prompts suffix first (llama-server's --spm-infill)
+    reasoning: str                  # request.REASONING_MODES
+    reasoning_format: str           # request.REASONING_FORMATS
+    lib: Optional[str]
+    decode_lock: Optional[str]      # the file every worker of one server flocks
+    rpc: Optional[str]              # HOST:PORT[,...], checked by the front
+    n_gpu_layers: Optional[int]
+    tensor_split: Optional[list]
+    verbose: bool
+
+
+def encode_settings(settings):
+    return _fields_of(settings)
+
+
+def decode_settings(d):
+    return WorkerSettings(**{f.name: d[f.name] for f in dataclasses.fields(WorkerSettings)})
+
+
+@dataclasses.dataclass
+class ModelInfo:
+    """What a worker reports of its model once it is loaded (the "ready" frame): the
+    front's one description of a model, kept while it is unloaded."""
+    path: str                       # the GGUF file, absolute
+    name: str                       # general.name, else the file's stem
+    n_vocab: int
+    n_ctx_train: int
+    n_embd: int
+    n_params: int
+    size: int                       # bytes of its tensors
+    file_size: int                  # bytes of its file
+    n_ctx: int                      # each session's context (-c)
+    n_sessions: int                 # -np
+    has_fim: bool                   # fill-in-the-middle tokens
+    chat_template: str              # the template in use ("" where the model has none)
+    caps: dict                      # what the template can do (chat/template.py's TemplateCaps)
+    meta: dict                      # the GGUF's metadata, as strings
+    kv_bytes: int                   # the sessions' KV caches together
+    n_embd_out: int                 # the length of an embedding
+    pooling: str                    # how embeddings pool (engine/embed.py)
+    rank_head: bool                 # a reranker's classification head (pooling_type rank)
+    devices: list                   # where its layers are: the CPU, then each --rpc device
+    speculative: bool               # its requests may draft (--spec-type other than none)
+
+
+def encode_info(info):
+    return _fields_of(info)
+
+
+def decode_info(d):
+    return ModelInfo(**{f.name: d[f.name] for f in dataclasses.fields(ModelInfo)})
 
 
 def encode_gen(gen):

@@ -24,6 +24,12 @@ from typing import FrozenSet, List, Optional, Tuple
 
 from .errors import InvalidRequest
 
+# The choices of the settings the front parses and the worker obeys, written once.
+REASONING_MODES = ("on", "off", "auto")                 # --reasoning
+REASONING_FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")    # --reasoning-format
+POOLINGS = ("none", "mean", "cls", "last", "rank")      # --pooling (engine/embed.POOLING)
+SPEC_TYPES = ("none", "auto", "ngram-simple")           # --spec-type
+
 # llama-server's default sampler order (common_params_sampling::samplers);
 # a request may reorder or drop them with "samplers".
 DEFAULT_SAMPLERS = ("penalties", "top_k", "typ_p", "top_p", "min_p", "temperature")
@@ -34,8 +40,10 @@ SAMPLER_ALIASES = {
     "penalties": "penalties", "top_k": "top_k", "typ_p": "typ_p", "typical_p": "typ_p",
     "typ": "typ_p", "typical": "typ_p", "top_p": "top_p", "nucleus": "top_p",
     "min_p": "min_p", "temperature": "temperature", "temp": "temperature",
-    # samplers offgrid does not run; accepted and skipped, as llama-server
-    # skips names it does not know
+    # samplers offgrid does not run: each does nothing at its default setting
+    # (dry_multiplier 0, top_n_sigma -1, xtc_probability 0), so the name is
+    # accepted and skipped; a request that sets one of them to act is refused
+    # (server/api/fields.py), and so is a name llama-server does not know
     "dry": None, "top_n_sigma": None, "xtc": None,
     # FIM: merges candidates that share a prefix, prefers ending when likely
     "infill": "infill",
@@ -52,6 +60,9 @@ class SamplingParams:
     top_p: float = 0.95
     min_p: float = 0.05
     typical_p: float = 1.0
+    # the fewest candidates top_p, min_p and typical_p leave (0: llama-server's
+    # default, which libllama treats as 1: the most likely token always stays)
+    min_keep: int = 0
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
     presence_penalty: float = 0.0

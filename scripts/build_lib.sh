@@ -19,10 +19,10 @@
 # (scripts/patches/0002); CPU_VARIANTS=all builds ggml's whole list (14, some
 # 16 minutes on 2 cores).  Measured here, the portable build evaluates
 # prompts 4-9% slower than the native one, so it is not used for lib/
-# (README, "Offline install").
+# (docs/install.md, "The portable build").
 #
 # ggml is built with its RPC backend (ggml-rpc.h), which offgrid's --rpc uses,
-# and llama.cpp's ggml-rpc-server with it (README, "Several machines"); RPC=0
+# and llama.cpp's ggml-rpc-server with it (docs/rpc.md); RPC=0
 # leaves both out.
 #
 # usage: scripts/build_lib.sh [DEST]

@@ -4,7 +4,7 @@
 # For machines with python3 and nothing else: no pip, no compiler, no network.
 # The tarball holds one folder, offgrid-<version>-linux-<arch>/, with
 #
-#   offgrid/        the package, as in this checkout
+#   offgrid/        the package, as in this checkout (with webui/, the chat page)
 #   lib/            a portable libllama (`make lib PORTABLE=1`): no -march=native;
 #                   ggml loads the best libggml-cpu-<variant>.so for the CPU at run time;
 #                   with ggml's RPC backend and llama.cpp's ggml-rpc-server, for the
@@ -62,8 +62,8 @@ RPC_NOTE=""
 if [ "$RPC" = 1 ]; then
     RPC_NOTE=",
               and ggml-rpc-server: run it on another machine with this folder to lend
-              that machine's memory and cores to a model (--rpc; offgrid's README,
-              \"Several machines\")"
+              that machine's memory and cores to a model (--rpc; offgrid's
+              docs/rpc.md)"
 fi
 
 variants=$(cd "$STAGE/lib" && for f in libggml-cpu-*.so; do [ ! -e "$f" ] || echo "$f"; done \
@@ -95,6 +95,8 @@ log "oldest glibc: $GLIBC (built on $HOST_GLIBC); libstdc++ with GLIBCXX_$GLIBCX
 
 # --- the package, a wheel of it, the model ---------------------------------------
 find offgrid -name '*.py' -not -path '*/__pycache__/*' -exec cp --parents {} "$STAGE" \;
+# the chat page (server/api/webui.py serves it from the package's folder)
+cp --parents offgrid/webui/index.html offgrid/webui/app.js offgrid/webui/app.css "$STAGE"
 
 cat >"$STAGE/__main__.py" <<'EOF'
 """Run offgrid from this folder:  python3 -I path/to/this/folder -m MODEL.gguf
@@ -174,7 +176,8 @@ from anywhere:
     python3 -I . -m $RUN_MODEL
     python3 -I /path/to/$NAME -m /path/to/model.gguf
 
-It is ready when it prints "listening on http://127.0.0.1:8080"; then
+It is ready when it prints "listening on http://127.0.0.1:8080"; open that
+address in a browser for the chat page (nothing is fetched from elsewhere), or
 
     curl -s http://127.0.0.1:8080/health
     curl -s http://127.0.0.1:8080/completion -d '{"prompt": "Hello", "n_predict": 16}'

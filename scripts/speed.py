@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from offgrid import libllama                                    # noqa: E402
 from offgrid.engine.model import Model                                 # noqa: E402
-from offgrid.engine.sampling import SamplingParams                     # noqa: E402
+from offgrid.request import SamplingParams                             # noqa: E402
 from offgrid.engine.session import ChatSession, GenerationParams      # noqa: E402
 
 DEFAULT_MODEL = ROOT / "models" / "gemma-3-270m-q4_k_m.gguf"

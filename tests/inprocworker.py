@@ -8,9 +8,10 @@ its own process would not allow.
 import os
 import threading
 
+from offgrid import protocol
 from offgrid.engine.worker import Loaded, Worker
-from offgrid.server.service import ModelEntry
-from offgrid.server.workers import WorkerClient
+from offgrid.server.models.entry import ModelEntry
+from offgrid.server.models.worker_client import WorkerClient
 
 
 class InProcessWorker:
@@ -27,7 +28,7 @@ class InProcessWorker:
         worker = Worker(loaded, out)
 
         def run():
-            worker.send({"op": "ready", "info": loaded.info()})
+            worker.send({"op": "ready", "info": protocol.encode_info(loaded.info())})
             worker.serve(inp)
             out.close()
             inp.close()

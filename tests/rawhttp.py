@@ -107,6 +107,44 @@ def open_files_of(pid):
     return out
 
 
+def children(pid):
+    """PIDs of the live (not zombie) child processes of ``pid``: a server's model workers."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % name) as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(name))
+    return out
+
+
+def argv_of(pid):
+    """The process's command line as a list ([] once it is gone)."""
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as fh:
+            return fh.read().decode("utf-8", "replace").split("\0")[:-1]
+    except OSError:
+        return []
+
+
+def tree_rss(pid):
+    """Resident bytes of the process and all its descendants (its workers)."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            total += rss_of(p)
+        except (OSError, AssertionError):    # gone, or a zombie without VmRSS
+            continue
+        todo += children(p)
+    return total
+
+
 def wait_threads(pid, at_most, timeout=15):
     """Wait until the process has at most ``at_most`` threads; returns the count."""
     deadline = time.monotonic() + timeout

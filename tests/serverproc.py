@@ -37,6 +37,10 @@ def free_port():
 class ServerProcess:
     """``python -m offgrid`` with the given flags; use as a context manager."""
 
+    # True for a server started through a shell or make: it gets a process group of its
+    # own, and stop() signals the whole group, so the server under them stops too
+    own_group = False
+
     def __init__(self, model, *args, threads=TEST_THREADS, ctx=2048, startup_timeout=120):
         self.port = free_port()
         self.host = "127.0.0.1"
@@ -59,7 +63,8 @@ class ServerProcess:
     def start(self):
         argv, cwd, env = self.launch()
         self.proc = subprocess.Popen(argv, cwd=cwd, env=env, text=True,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     start_new_session=self.own_group)
         ready = threading.Event()
 
         def read():
@@ -72,6 +77,8 @@ class ServerProcess:
         deadline = time.monotonic() + self.startup_timeout
         while not ready.wait(0.1):
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                if self.own_group and self.proc.poll() is None:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.kill()
                 raise RuntimeError("%s did not start:\n%s" % (" ".join(argv), "".join(self.output)))
         return self
@@ -79,14 +86,36 @@ class ServerProcess:
     def stop(self, timeout=60):
         """SIGTERM, then wait; returns the exit code."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            if self.own_group:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            else:
+                self.proc.send_signal(signal.SIGTERM)
         try:
-            return self.proc.wait(timeout)
+            code = self.proc.wait(timeout)
+            if self.own_group:
+                self._wait_group(timeout)
+            return code
         except subprocess.TimeoutExpired:
+            if self.own_group:
+                os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.kill()
             self.proc.wait()
             raise AssertionError("offgrid did not exit within %ss of SIGTERM:\n%s"
                                  % (timeout, "".join(self.output)))
+
+    def _wait_group(self, timeout):
+        """Wait until every process of the server's group is gone (make may exit
+        before the server it started has finished shutting down)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                return
+            if time.monotonic() > deadline:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                raise subprocess.TimeoutExpired("process group %d" % self.proc.pid, timeout)
+            time.sleep(0.05)
 
     def __enter__(self):
         return self.start()

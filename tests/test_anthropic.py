@@ -13,7 +13,7 @@ import pytest
 from anthropic.lib.streaming._messages import accumulate_event
 
 from offgrid.request import Completion, FinishReason, Usage
-from offgrid.server import anthropic as dialect
+from offgrid.server.api import anthropic as dialect
 
 try:
     from .serverproc import ROOT, ServerProcess

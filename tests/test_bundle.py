@@ -27,8 +27,10 @@ from pathlib import Path
 import pytest
 
 try:
+    from . import rawhttp
     from .serverproc import ROOT, ServerProcess
 except ImportError:  # tests/ is on sys.path rather than a package
+    import rawhttp
     from serverproc import ROOT, ServerProcess
 
 from offgrid import __version__
@@ -78,25 +80,25 @@ class BundledServer(ServerProcess):
 
 def worker_of(server):
     """(executable, argv) of the server's one model worker."""
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open("/proc/%s/stat" % name) as fh:
-                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
-                if ppid == server.proc.pid:
-                    with open("/proc/%s/cmdline" % name, "rb") as fh:
-                        argv = fh.read().decode().split("\0")
-                    return os.readlink("/proc/%s/exe" % name), argv
-            except OSError:
-                continue
+    for pid in rawhttp.children(server.proc.pid):
+        try:
+            return os.readlink("/proc/%d/exe" % pid), rawhttp.argv_of(pid)
+        except OSError:
+            continue
     raise AssertionError("the server has no worker process")
 
 
 def assert_serves(server, package_root):
     """/health is ok, one completion generates, the model's worker runs on the server's
-    own interpreter and its own offgrid package, and SIGTERM ends it cleanly."""
+    own interpreter and its own offgrid package, the chat page's files are there, and
+    SIGTERM ends it cleanly."""
     status, _, body = server.get("/health")
     assert status == 200 and body["status"] == "ok"
+    status, headers, body = server.get("/", headers={"Accept": "text/html"})
+    assert status == 200 and "Content-Security-Policy" in headers and 'src="app.js"' in body
+    for name in ("index.html", "app.js", "app.css"):
+        status, _, body = server.get("/" + name)
+        assert status == 200 and body == (ROOT / "offgrid" / "webui" / name).read_text(), name
     status, _, body = server.post("/completion", {"prompt": "Hello", "n_predict": 8})
     assert status == 200, body
     assert body["tokens_predicted"] == 8
@@ -143,7 +145,7 @@ def test_tarball_is_named_for_version_and_machine(tarball):
 
 def test_bundle_holds_package_portable_libraries_licenses_and_model(unpacked, plain_model_path):
     assert unpacked.name == "offgrid-%s-linux-%s" % (__version__, platform.machine())
-    assert (unpacked / "offgrid" / "server" / "http.py").is_file()
+    assert (unpacked / "offgrid" / "server" / "httpd" / "handler.py").is_file()
     assert (unpacked / "lib" / "libllama.so").exists()
     variants = sorted(p.name for p in (unpacked / "lib").glob("libggml-cpu-*.so"))
     assert len(variants) >= 2, variants

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from offgrid.chat import template as chat
-from offgrid.server.errors import HTTPError
-from offgrid.server.params import Fields, chat_messages_from, tools_from
+from offgrid.server.httpd.httperrors import HTTPError
+from offgrid.server.api.fields import Fields, chat_messages_from, tools_from
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "chat"
 FILES = sorted(GOLDEN.glob("*.json"))

@@ -277,7 +277,8 @@ def lazy_run(model, grammar, triggers, forced, n):
     the model had written it (fed to the sampler and decoded), then up to ``n``
     tokens are sampled.  The sampler chain is the server's (build_sampler)."""
     from offgrid import libllama
-    from offgrid.engine.sampling import SamplingParams, build_sampler
+    from offgrid.engine.sampling import build_sampler
+    from offgrid.request import SamplingParams
     params = SamplingParams(temperature=0.0, grammar=grammar, grammar_triggers=triggers)
     ctx = libllama.ContextHandle(model.lib, model.handle, 512, 512, 512, 2, 2)
     sampler = build_sampler(model.lib, params, model.n_vocab, 512, vocab=model.handle.vocab)

@@ -10,7 +10,7 @@ import contextlib
 import pytest
 
 from offgrid.engine.session import ChatSession, GenerationParams, shared_decoder
-from offgrid.engine.sampling import SamplingParams
+from offgrid.request import SamplingParams
 
 try:
     from .serverproc import TEST_THREADS

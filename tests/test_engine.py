@@ -16,8 +16,9 @@ import time
 import pytest
 
 from offgrid.errors import ContextError, ContextFull, InvalidRequest, InvalidToken, NotSupported
-from offgrid.engine.infill import InfillRequest, build_infill_prompt
-from offgrid.engine.sampling import SamplingParams
+from offgrid.engine.infill import build_infill_prompt
+from offgrid.request import InfillRequest
+from offgrid.request import SamplingParams
 from offgrid.engine.session import ChatSession, FinishReason, GenerationParams, RequestCancel
 
 try:
@@ -487,6 +488,22 @@ def test_spm_infill_puts_the_suffix_first(fim_model):
     tokens = build_infill_prompt(fim_model, req, n_ctx=4096, n_batch=512)
     assert layout(fim_model, tokens).endswith(
         "<fim_suffix>\n    return c\n<fim_prefix>def add(a, b):\n    <fim_middle>")
+
+
+def test_the_spm_infill_flag_lays_out_the_workers_fim_prompts_suffix_first(fim_model):
+    # --spm-infill reaches the worker in its settings; the front never sets it per request
+    import io
+    from offgrid import protocol
+    from offgrid.engine.worker import Loaded, Worker
+    session = ChatSession(fim_model, n_ctx=4096, n_batch=512, n_threads=1)
+    try:
+        worker = Worker(Loaded(fim_model, [session]), io.BytesIO(), spm_infill=True)
+        req = InfillRequest(input_prefix=PREFIX, input_suffix=SUFFIX)
+        out = worker.call_prepare_infill(protocol.encode_infill(req), reserve=16)
+        assert layout(fim_model, out["tokens"]).endswith(
+            "<fim_suffix>\n    return c\n<fim_prefix>def add(a, b):\n    <fim_middle>")
+    finally:
+        session.close()
 
 
 def test_a_long_prefix_keeps_its_end_and_a_long_suffix_its_start(fim_model):

@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PROBE = """
 import importlib, pkgutil, sys
 import offgrid.server as s
-for m in pkgutil.iter_modules(s.__path__):
-    importlib.import_module("offgrid.server." + m.name)
+for m in pkgutil.walk_packages(s.__path__, "offgrid.server."):
+    importlib.import_module(m.name)
 import offgrid.__main__, offgrid.protocol, offgrid.request
 print(" ".join(sorted(sys.modules)))
 """

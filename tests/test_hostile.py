@@ -27,7 +27,6 @@ death does not fail the rows after it.
 
 import http.client
 import json
-import os
 import re
 import resource
 import signal
@@ -364,30 +363,6 @@ def normal_completion(srv, timeout=ANSWER_TIMEOUT):
     return None
 
 
-
-
-def tree_rss(pid):
-    """Resident bytes of ``pid`` and all its descendants (children found by /proc ppid)."""
-    children = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open("/proc/%s/stat" % d) as fh:
-                    ppid = int(fh.read().rpartition(")")[2].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(d))
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            total += rawhttp.rss_of(p)
-        except (OSError, AssertionError):    # gone, or a zombie without VmRSS
-            pass
-        todo.extend(children.get(p, []))
-    return total
-
-
 class Watch:
     """While a row runs: /health polled with a 1 s timeout, and the tree's peak RSS."""
 
@@ -414,7 +389,7 @@ class Watch:
             finally:
                 c.close()
             if self.srv.proc.poll() is None:
-                self.peak_rss = max(self.peak_rss, tree_rss(self.srv.proc.pid))
+                self.peak_rss = max(self.peak_rss, rawhttp.tree_rss(self.srv.proc.pid))
             self._stop.wait(HEALTH_EVERY)
 
     def __enter__(self):
@@ -547,7 +522,7 @@ class Served:
             status = self.srv.post("/v1/embeddings", {"input": "warm"},
                                    timeout=WARMUP_TIMEOUT)[0]
             assert status == 200, "embedding warm-up: %s" % status
-            self.start_rss = tree_rss(self.srv.proc.pid)
+            self.start_rss = rawhttp.tree_rss(self.srv.proc.pid)
             self.harmed = False
         return self.srv
 
@@ -614,7 +589,7 @@ def test_hostile_request_is_answered_and_the_server_stays_well(served, vocab, ro
     if died is not None:
         served.harmed = True
         pytest.fail("\n".join([died] + problems))
-    grown = max(watch.peak_rss, tree_rss(pid)) - served.start_rss
+    grown = max(watch.peak_rss, rawhttp.tree_rss(pid)) - served.start_rss
     if grown >= RSS_GROWTH:
         problems.append("RSS grew by %d MB over its start" % (grown >> 20))
     if watch.failures:

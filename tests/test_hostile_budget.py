@@ -26,9 +26,10 @@ import time
 import pytest
 
 from offgrid.request import RequestCancel
-from offgrid.server import budget
-from offgrid.server.params import MAX_N_PROBS
-from offgrid.server.workers import _Pending
+from offgrid.server.api import budget
+from offgrid.server.api.fields import MAX_N_PROBS
+from offgrid.server.httpd import frontmem
+from offgrid.server.models.worker_client import MAX_BUFFERED, _Pending
 
 try:
     from .serverproc import ServerProcess
@@ -122,7 +123,7 @@ def test_the_front_refuses_new_work_near_its_own_ceiling(smollm_path):
         probe.post("/completion", {"prompt": "warm up", "n_predict": 2})
         idle = _rss_mib(probe.proc.pid)
     # refusals start 8 MiB above what an idle front holds
-    ceiling = (idle + 8) / budget.REFUSE_AT
+    ceiling = (idle + 8) / frontmem.REFUSE_AT
     with ServerProcess(smollm_path, "-np", "1", "--front-max-rss", "%.1f" % ceiling,
                        ctx=512) as srv:
         srv.post("/completion", {"prompt": "warm up", "n_predict": 2})
@@ -139,7 +140,7 @@ def test_the_front_refuses_new_work_near_its_own_ceiling(smollm_path):
         refused, peak = None, 0
         while t.is_alive() and time.monotonic() < deadline:
             peak = max(peak, _rss_mib(srv.proc.pid))
-            if peak > ceiling * budget.REFUSE_AT + 1:
+            if peak > ceiling * frontmem.REFUSE_AT + 1:
                 status, _, out = srv.post("/completion", {"prompt": "Hi", "n_predict": 2})
                 if status == 503:
                     refused = out
@@ -170,10 +171,10 @@ def test_a_stream_whose_client_does_not_read_is_cancelled_past_its_buffer():
     p = _Pending("test")
     cancel = RequestCancel()
     piece = 64 << 10
-    n = budget.MAX_BUFFERED // piece
+    n = MAX_BUFFERED // piece
     for _ in range(n + 10):
         p.put_piece({"op": "piece", "text": "x"}, piece)
     assert p.queue.qsize() == n            # the rest were dropped
-    assert p.buffered <= budget.MAX_BUFFERED
+    assert p.buffered <= MAX_BUFFERED
     p.took(p.queue.get(), cancel)
     assert cancel.cancelled and "too slowly" in cancel.reason

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from offgrid.jsonlimit import MAX_DEPTH
-from offgrid.server import ollama
+from offgrid.server.api import ollama
 
 try:
     from .serverproc import ServerProcess
@@ -69,7 +69,7 @@ EXTREMES = ["1e400", "-1e400", "1" + "0" * 400, "-1" + "0" * 400, "1844674407370
 def numeric_fields(pattern="*.py"):
     """Every field name the front reads as a number (its source says which)."""
     names = set()
-    for p in (ROOT / "offgrid" / "server").glob(pattern):
+    for p in (ROOT / "offgrid" / "server" / "api").glob(pattern):
         names |= set(re.findall(r'\.(?:int|float)\(\s*"([A-Za-z_]+)"', p.read_text()))
     names |= {"keep_alive"}
     if pattern == "*.py":

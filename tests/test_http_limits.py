@@ -22,8 +22,9 @@ import time
 
 import pytest
 
-from offgrid.server import reader
-from offgrid.server.http import make_server
+from offgrid.server.httpd import reader
+from offgrid.server.api.routes import APP
+from offgrid.server.httpd.server import make_server
 
 try:
     from . import rawhttp
@@ -162,24 +163,29 @@ def test_600_silent_connections_lock_out_neither_health_nor_completions(srv):
     assert srv.proc.poll() is None and srv.proc.pid == pid
 
 
+def take_the_share(port, hog):
+    """PEER_SHARE connections from 127.0.0.1 (into ``hog``), each having spoken (half a
+    request: each holds a handler thread), once the server counts them all: one more
+    from that address is refused.  Returns that refusal's responses."""
+    for _ in range(PEER_SHARE):
+        s = connect_from(port)
+        s.sendall(b"GET /health HTTP/1.1\r\n")
+        hog.append(s)
+    deadline, refused = time.monotonic() + 10, None
+    while time.monotonic() < deadline:
+        with connect_from(port) as s:
+            s.sendall(rawhttp.request("GET", "/v1/models", headers={"Connection": "close"}))
+            refused = rawhttp.parse_responses(rawhttp.read_until_closed(s, timeout=5))
+        if refused and refused[0][0] == 503:
+            return refused
+        time.sleep(0.1)
+    raise AssertionError("the share was never taken: %r" % (refused,))
+
+
 def test_one_peer_holding_its_share_locks_out_neither_health_nor_other_peers(srv):
     hog = []
     try:
-        # each has spoken (half a request), so each holds a handler thread
-        for _ in range(PEER_SHARE):
-            s = connect_from(srv.port)
-            s.sendall(b"GET /health HTTP/1.1\r\n")
-            hog.append(s)
-        # wait until the share is taken: one more from the hog is refused
-        deadline, refused = time.monotonic() + 10, None
-        while time.monotonic() < deadline:
-            with connect_from(srv.port) as s:
-                s.sendall(rawhttp.request("GET", "/v1/models", headers={"Connection": "close"}))
-                refused = rawhttp.parse_responses(rawhttp.read_until_closed(s, timeout=5))
-            if refused and refused[0][0] == 503:
-                break
-            time.sleep(0.1)
-        assert refused and refused[0][0] == 503, refused
+        refused = take_the_share(srv.port, hog)
         assert json.loads(refused[0][2])["error"]["message"] == \
             "too many connections from this address"
         # the hog's own /health, and another peer's work, still get through
@@ -196,11 +202,7 @@ def test_one_peer_holding_its_share_locks_out_neither_health_nor_other_peers(srv
 def test_a_head_request_for_health_beyond_the_share_gets_no_body(srv):
     hog = []
     try:
-        for _ in range(PEER_SHARE):
-            s = connect_from(srv.port)
-            s.sendall(b"GET /health HTTP/1.1\r\n")
-            hog.append(s)
-        time.sleep(0.5)
+        take_the_share(srv.port, hog)
         with connect_from(srv.port) as s:
             s.sendall(rawhttp.request("HEAD", "/health"))
             data = rawhttp.read_until_closed(s, timeout=5)
@@ -212,7 +214,7 @@ def test_a_head_request_for_health_beyond_the_share_gets_no_body(srv):
 
 
 def test_the_lobby_survives_an_exception_and_serves_on():
-    httpd = make_server("127.0.0.1", 0)
+    httpd = make_server("127.0.0.1", 0, APP)
     admit, calls = httpd.admit, []
 
     def flaky_admit(addr):
@@ -237,7 +239,7 @@ def test_the_lobby_survives_an_exception_and_serves_on():
 
 
 def test_a_full_lobby_drops_its_oldest_so_a_newcomer_is_served():
-    httpd = make_server("127.0.0.1", 0)
+    httpd = make_server("127.0.0.1", 0, APP)
     httpd.lobby.max_waiting = 4
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     port = httpd.server_address[1]

@@ -27,9 +27,10 @@ CURSOR_REST = "ens, min_run, need_logits)"
 
 def _chunks(n, lines=32):
     """n chunks of real source, as editors send them: (filename, text)."""
-    files = sorted((ROOT / "offgrid" / "server").glob("*.py"))[:n]
-    return [(f.name, "\n".join(f.read_text("utf-8").split("\n")[10:10 + lines]) + "\n")
-            for f in files]
+    texts = [(f.name, f.read_text("utf-8").split("\n"))
+             for f in sorted((ROOT / "offgrid" / "server").rglob("*.py"))]
+    return [(name, "\n".join(text[10:10 + lines]) + "\n")
+            for name, text in texts if len(text) >= 10 + lines][:n]
 
 
 def _request(n_chunks=16, prefix_lines=256, suffix_lines=64, chunk_lines=32):

@@ -6,6 +6,14 @@ import time
 from offgrid.jobs import Threads
 
 
+def wait_idle_threads(pool, n, timeout=5):
+    """Wait until ``n`` of the pool's threads wait for a job (its own count of them)."""
+    deadline = time.monotonic() + timeout
+    while pool._idle < n:
+        assert time.monotonic() < deadline, "%d idle threads, not %d" % (pool._idle, n)
+        time.sleep(0.001)
+
+
 def test_every_job_starts_at_once_even_while_others_block():
     pool = Threads("t")
     release = threading.Event()
@@ -38,11 +46,11 @@ def test_a_thread_that_is_done_runs_the_next_job():
         finished = threading.Event()
         pool.submit(lambda f=finished: (job(False), f.set()))
         assert finished.wait(5)
-        time.sleep(0.005)           # the thread gets back to waiting
+        wait_idle_threads(pool, 1)      # the thread is back waiting for work
     pool.submit(job, True)
     assert done.wait(5)
     n = len({id(t) for t in seen})
-    assert n < 5, "each job got a new thread: %d threads" % n
+    assert n == 1, "jobs got new threads: %d threads for 21 jobs one after another" % n
 
 
 def test_no_more_than_max_idle_threads_wait():
@@ -63,10 +71,17 @@ def test_no_more_than_max_idle_threads_wait():
 def test_a_job_that_raises_leaves_the_thread_serving():
     pool = Threads("t", max_idle=1)
     ran = threading.Event()
+    threads = []
 
     def bad():
+        threads.append(threading.current_thread())
         raise RuntimeError("a bug")
+
+    def good():
+        threads.append(threading.current_thread())
+        ran.set()
     pool.submit(bad)
-    time.sleep(0.05)
-    pool.submit(ran.set)
+    wait_idle_threads(pool, 1)          # it logged the error and waits for work again
+    pool.submit(good)
     assert ran.wait(5)
+    assert threads[0] is threads[1]

@@ -35,7 +35,7 @@ _PROBE = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
 from offgrid.engine.model import Model
-from offgrid.engine.sampling import SamplingParams
+from offgrid.request import SamplingParams
 from offgrid.engine.session import ChatSession, GenerationParams
 model = Model.load(sys.argv[2], progress=False)
 with ChatSession(model, n_ctx=512, n_batch=256, n_threads=2) as s:

@@ -18,8 +18,10 @@ import ollama
 import pytest
 
 try:
+    from . import rawhttp
     from .serverproc import ServerProcess
 except ImportError:
+    import rawhttp
     from serverproc import ServerProcess
 
 QWEN = Path(__file__).resolve().parent.parent / "models" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
@@ -285,16 +287,6 @@ def test_langchain_chat_ollama_invokes_and_streams(srv):
     assert "".join(chunk.content for chunk in llm.stream("Say hello.")).strip()
 
 
-def test_the_readme_example_answers_as_the_readme_says(srv):
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme[readme.index("### Ollama"):]
-    body = json.loads(re.search(r"curl http://127\.0\.0\.1:8080/api/generate -d '(.*)'",
-                                section).group(1))
-    status, _, r = srv.post("/api/generate", body)
-    assert status == 200 and r["response"] == "a + b"
-    assert r["done"] and r["done_reason"] == "stop" and 0 < r["eval_count"] <= 8
-
-
 # -- streams that end early ---------------------------------------------------------
 
 def _open_stream(srv, path, body):
@@ -336,9 +328,8 @@ def test_an_error_after_the_first_line_is_the_streams_last_line(srv):
     c, r = _open_stream(srv, "/api/chat", {
         "model": NAME, "messages": [{"role": "user", "content": "Count from 1 to 1000."}],
         "options": {"temperature": 0, "num_predict": 1000}})
-    children = Path("/proc/%d/task/%d/children" % (srv.proc.pid, srv.proc.pid)).read_text()
-    for pid in children.split():
-        os.kill(int(pid), signal.SIGKILL)
+    for pid in rawhttp.children(srv.proc.pid):
+        os.kill(pid, signal.SIGKILL)
     rest = r.read().decode()
     c.close()
     last = json.loads(rest.strip().splitlines()[-1])

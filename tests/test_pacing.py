@@ -1,7 +1,7 @@
-"""StreamPacer (engine/pacing.py) on a fake clock, and burst.gathered (server/burst.py)."""
+"""StreamPacer (engine/pacing.py) on a fake clock, and burst.gathered (server/httpd/burst.py)."""
 
 from offgrid.engine.pacing import StreamPacer
-from offgrid.server import burst
+from offgrid.server.httpd import burst
 
 
 class Clock:

@@ -4,20 +4,20 @@ Qwen2.5-Coder-0.5B-Instruct (a tool-calling Qwen template in its GGUF)
 serves text, streams, function calls and JSON schemas.  Function calls come
 from ``tool_choice`` (a grammar makes the model write one).  The last test
 feeds our event writer to the SDK's stream state, for the reasoning items a
-non-thinking model never makes.
+non-thinking model never makes (served as a stream from loopback, so the SDK
+is driven through its public API only).
 """
 
 import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import openai
 import pytest
-from openai.lib.streaming.responses._responses import ResponseStreamState
-from openai.types.responses import ResponseStreamEvent
-from openai._models import construct_type_unchecked
 
 from offgrid.request import Completion, FinishReason, Usage
-from offgrid.server import responses as dialect
-from offgrid.server.params import Fields, generation_from
+from offgrid.server.api import responses as dialect
+from offgrid.server.api.fields import Fields, generation_from
 
 try:
     from .serverproc import ROOT, ServerProcess
@@ -165,7 +165,7 @@ def test_bad_input_is_a_400_in_openai_shape(srv, bad):
     assert body["error"]["type"] == "invalid_request_error" and body["error"]["message"]
 
 
-# -- reasoning, through the SDK's own stream state --------------------------------------------
+# -- reasoning, through the SDK's own stream reader --------------------------------------------
 
 class _Events:
     def __init__(self):
@@ -177,6 +177,37 @@ class _Events:
 
     def end(self):
         pass
+
+
+def _sdk_reads(events):
+    """The final Response the SDK's ``responses.stream`` makes of these (event, object) pairs,
+    served as an event stream by a one-request server on loopback."""
+    body = b"".join(b"event: %s\ndata: %s\n\n" % (name.encode(), json.dumps(obj).encode())
+                    for name, obj in events)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        client = openai.OpenAI(base_url="http://127.0.0.1:%d/v1" % server.server_address[1],
+                               api_key="none", max_retries=0)
+        with client.responses.stream(model="m", input="x") as stream:
+            return stream.get_final_response()
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_reasoning_becomes_a_reasoning_item_streamed_and_whole():
@@ -192,10 +223,7 @@ def test_reasoning_becomes_a_reasoning_item_streamed_and_whole():
         st.delta(d)
     st.finish(c)
     assert all(name == obj["type"] for name, obj in es.sent)
-    state = ResponseStreamState(input_tools=openai.omit, text_format=openai.omit)
-    for _, obj in es.sent:
-        state.handle_event(construct_type_unchecked(type_=ResponseStreamEvent, value=obj))
-    final = state._completed_response
+    final = _sdk_reads(es.sent)
     assert [o.type for o in final.output] == ["reasoning", "message", "function_call"]
     assert final.output[0].content[0].text == "The user asks."
     assert final.output_text == "Let me look."

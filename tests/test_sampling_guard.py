@@ -17,7 +17,7 @@ import pytest
 
 from offgrid import libllama
 from offgrid.engine.session import ChatSession, FinishReason, GenerationParams
-from offgrid.engine.sampling import SamplingParams
+from offgrid.request import SamplingParams
 
 try:
     from .serverproc import TEST_THREADS

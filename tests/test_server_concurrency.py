@@ -67,15 +67,27 @@ def wait_busy(srv, n=1, queued=0, timeout=30):
     raise AssertionError("server never got busy")
 
 
-def wait_generating(srv, n_cached=12, timeout=30):
-    """Wait until the one session holds n_cached tokens: its prompt is done, output flows."""
+def wait_cached(srv, n_cached, timeout=30):
+    """Wait until a busy session holds ``n_cached`` tokens (/slots shows its cache grow as
+    the prompt is decoded, a batch at a time, then as it generates)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         status, _, slots = srv.get("/slots")
         if any(s["is_processing"] and s["n_cached"] >= n_cached for s in slots):
             return
         time.sleep(0.02)
-    raise AssertionError("the request never started generating")
+    raise AssertionError("no busy session ever held %d tokens" % n_cached)
+
+
+def wait_generating(srv, n_cached=12, timeout=30):
+    """Wait until the one session holds n_cached tokens: its prompt is done, output flows."""
+    wait_cached(srv, n_cached, timeout)
+
+
+def wait_in_prompt(srv, timeout=30):
+    """Wait until the session has decoded the first batch (-b 128) of a long prompt: its
+    evaluation is under way, and most of it still to come."""
+    wait_cached(srv, 128, timeout)
 
 
 def test_newer_request_with_same_id_slot_cancels_the_running_one(one):
@@ -191,8 +203,7 @@ def test_client_that_disconnects_during_the_prompt_frees_the_session(one):
     body = json.dumps({"prompt": prompt, "n_predict": 4, "cache_prompt": False}).encode()
     sock.sendall(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
                  % (len(body), body))
-    wait_busy(one)
-    time.sleep(0.3)
+    wait_in_prompt(one)
     sock.close()
     t0 = time.monotonic()
     one.wait_idle(timeout=10)
@@ -209,8 +220,7 @@ def test_a_request_cancelled_in_its_prompt_reports_only_the_prompt_work_it_did(o
     a = Call(one, "/completion", {"prompt": prompt, "n_predict": 4, "cache_prompt": False,
                                   "id_slot": 7})
     a.start()
-    wait_busy(one)
-    time.sleep(0.3)
+    wait_in_prompt(one)
     one.post("/completion", {"prompt": "x", "n_predict": 1, "id_slot": 7})
     a.join(30)
     status, body = a.result

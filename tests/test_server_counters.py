@@ -3,8 +3,8 @@
 import threading
 
 from offgrid.request import RequestCancel
-from offgrid.server.metrics import Metrics
-from offgrid.server.pool import Supersede
+from offgrid.server.serving.metrics import Metrics
+from offgrid.server.serving.supersede import Supersede
 
 
 def test_a_snapshot_can_be_taken_while_other_threads_count_new_endpoints():

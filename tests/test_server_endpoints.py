@@ -252,10 +252,17 @@ def test_apply_template_returns_prompt(srv):
 
 
 def test_metrics_are_prometheus_text(srv):
-    m = srv.metrics()
-    assert m["llamacpp:tokens_predicted_total"] > 0
+    # its own request to count, whatever ran before it on this server
+    before = srv.metrics()
+    status, _, body = srv.post("/infill", editor_body("def f():\n", n_predict=3,
+                                                      t_max_prompt_ms=0, response_fields=None))
+    assert status == 200 and body["tokens_predicted"] > 0, body
+    m = srv.wait_idle()
+    assert m["llamacpp:tokens_predicted_total"] == \
+        before["llamacpp:tokens_predicted_total"] + body["tokens_predicted"]
     assert m["offgrid_sessions_idle"] + m["offgrid_sessions_busy"] == 2
-    assert 'offgrid_requests_total{endpoint="infill"}' in m
+    key = 'offgrid_requests_total{endpoint="infill"}'
+    assert m[key] == before.get(key, 0) + 1
     assert m["llamacpp:prompt_tokens_cached_total"] == m["offgrid_prompt_tokens_cached_total"]
 
 

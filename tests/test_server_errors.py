@@ -4,7 +4,8 @@ import threading
 
 import pytest
 
-from offgrid.server.http import make_server
+from offgrid.server.api.routes import APP
+from offgrid.server.httpd.server import make_server
 
 try:
     from .serverproc import ServerProcess
@@ -66,7 +67,7 @@ def test_malformed_json_is_400(srv):
 
 
 def test_health_says_loading_before_the_model_is_ready():
-    httpd = make_server("127.0.0.1", 0)       # no service yet: what `offgrid` shows while loading
+    httpd = make_server("127.0.0.1", 0, APP)       # no service yet: what `offgrid` shows while loading
     t = threading.Thread(target=httpd.serve_forever, daemon=True)
     t.start()
     try:

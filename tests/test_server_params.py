@@ -1,4 +1,4 @@
-"""Request fields parsed at the edge (server/params.py) the llama-server way.
+"""Request fields parsed at the edge (server/api/fields.py) the llama-server way.
 
 --temp and --seed: llama-server's test suite starts every server with ``--temp 0.8 --seed 42``
 and expects two identical requests to sample the same text; a request's own
@@ -7,7 +7,7 @@ field still wins.
 
 from offgrid.__main__ import parse_args
 from offgrid.request import SamplingParams
-from offgrid.server.params import Fields, generation_from
+from offgrid.server.api.fields import Fields, generation_from
 
 N_VOCAB = 1000
 SERVER = SamplingParams(temperature=0.0, seed=42)
@@ -51,14 +51,14 @@ def test_the_flags_are_llama_servers():
 # -- llama-server's JSON prompt form (params.prompt_from) -----------------------------
 
 def test_a_json_prompt_object_is_its_prompt_string():
-    from offgrid.server.params import prompt_from
+    from offgrid.server.api.fields import prompt_from
     assert prompt_from({"prompt_string": "I believe"}).parts == ["I believe"]
 
 
 def test_a_json_prompt_with_multimodal_data_is_refused():
     import pytest
-    from offgrid.server.errors import BadRequest
-    from offgrid.server.params import prompt_from
+    from offgrid.server.httpd.httperrors import BadRequest
+    from offgrid.server.api.fields import prompt_from
     with pytest.raises(BadRequest, match="multimodal"):
         prompt_from({"prompt_string": "x <__media__>", "multimodal_data": ["iVBOR"]})
 
@@ -66,27 +66,27 @@ def test_a_json_prompt_with_multimodal_data_is_refused():
 # -- several prompts (params.prompts_from), llama-server's reading ------------------
 
 def test_a_list_without_token_ids_is_several_prompts():
-    from offgrid.server.params import prompts_from
+    from offgrid.server.api.fields import prompts_from
     got = prompts_from([[1, 2], "text", {"prompt_string": "json"}, [3, "mixed"]])
     assert [p.parts for p in got] == [[[1, 2]], ["text"], ["json"], [[3], "mixed"]]
 
 
 def test_a_list_with_a_token_id_at_its_top_is_one_prompt():
-    from offgrid.server.params import prompts_from
+    from offgrid.server.api.fields import prompts_from
     got = prompts_from([1, 2, "text", 3])
     assert [p.parts for p in got] == [[[1, 2], "text", [3]]]
 
 
 def test_one_element_lists_are_one_prompt():
-    from offgrid.server.params import prompts_from
+    from offgrid.server.api.fields import prompts_from
     assert [p.parts for p in prompts_from(["x"])] == [["x"]]
     assert [p.parts for p in prompts_from([[5, 6]])] == [[[5, 6]]]
 
 
 def test_too_many_prompts_are_refused():
     import pytest
-    from offgrid.server.errors import BadRequest
-    from offgrid.server.params import MAX_PROMPTS, prompts_from
+    from offgrid.server.httpd.httperrors import BadRequest
+    from offgrid.server.api.fields import MAX_PROMPTS, prompts_from
     with pytest.raises(BadRequest, match="at most"):
         prompts_from(["x"] * (MAX_PROMPTS + 1))
 
@@ -113,6 +113,6 @@ def test_logit_bias_keys_that_are_numbers_are_ids_and_others_text():
 
 def test_logit_bias_text_without_a_tokenizer_is_refused():
     import pytest
-    from offgrid.server.errors import BadRequest
+    from offgrid.server.httpd.httperrors import BadRequest
     with pytest.raises(BadRequest, match="not a token id"):
         generation_from(Fields({"logit_bias": [["x", 1]]}), N_VOCAB)

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from offgrid.server import watcher as watcher_module
-from offgrid.server.watcher import DisconnectWatcher
+from offgrid.server.serving import watcher as watcher_module
+from offgrid.server.serving.watcher import DisconnectWatcher
 from offgrid.engine.session import RequestCancel
 
 

@@ -26,8 +26,10 @@ import openai
 import pytest
 
 try:
+    from .rawhttp import argv_of, children, tree_rss
     from .serverproc import ServerProcess
 except ImportError:
+    from rawhttp import argv_of, children, tree_rss
     from serverproc import ServerProcess
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
@@ -83,47 +85,10 @@ def make_shelf(folder):
     return folder
 
 
-def tree_rss(pid):
-    """Resident bytes of a process and all its descendants."""
-    total, todo = 0, [pid]
-    page = os.sysconf("SC_PAGE_SIZE")
-    while todo:
-        p = todo.pop()
-        try:
-            with open("/proc/%d/statm" % p) as fh:
-                total += int(fh.read().split()[1]) * page
-            for task in os.listdir("/proc/%d/task" % p):
-                with open("/proc/%d/task/%s/children" % (p, task)) as fh:
-                    todo += [int(c) for c in fh.read().split()]
-        except (OSError, ValueError):
-            continue
-    return total
-
-
-def worker_pids(pid):
-    """The server's child processes (its model workers)."""
-    out = []
-    try:
-        for task in os.listdir("/proc/%d/task" % pid):
-            with open("/proc/%d/task/%s/children" % (pid, task)) as fh:
-                out += [int(c) for c in fh.read().split()]
-    except OSError:
-        pass
-    return out
-
-
-def cmdline(pid):
-    try:
-        with open("/proc/%d/cmdline" % pid, "rb") as fh:
-            return fh.read().replace(b"\0", b" ").decode("utf-8", "replace")
-    except OSError:
-        return ""
-
-
 def worker_of(srv, path):
     """The pid of the worker serving the model file ``path``, or None."""
-    for pid in worker_pids(srv.proc.pid):
-        if str(path) in cmdline(pid):
+    for pid in children(srv.proc.pid):
+        if any(str(path) in arg for arg in argv_of(pid)):
             return pid
     return None
 
@@ -527,8 +492,9 @@ def test_without_autoload_a_model_not_loaded_is_a_400_until_loaded(preset):
 # -- loading progress -------------------------------------------------------------------------
 
 def test_a_loading_worker_reports_its_progress_to_the_front():
-    from offgrid.__main__ import parse_args, worker_args
-    from offgrid.server.workers import WorkerClient
+    from offgrid.__main__ import parse_args
+    from offgrid.server.models.launch import worker_args
+    from offgrid.server.models.worker_client import WorkerClient
 
     args = parse_args(["-m", str(SMOL), "-t", "1", "-c", "256"])
     seen = []
@@ -544,7 +510,7 @@ def test_a_loading_worker_reports_its_progress_to_the_front():
 # -- what the shelf reads from disk ----------------------------------------------------------
 
 def test_a_folder_scan_names_models_by_stem_and_split_files_as_one(tmp_path):
-    from offgrid.server.shelf_files import scan
+    from offgrid.server.models.folders import scan
     (tmp_path / "a.gguf").write_bytes(b"GGUF")
     (tmp_path / "notes.txt").write_text("not a model")
     (tmp_path / "mmproj-a.gguf").write_bytes(b"GGUF")
@@ -561,7 +527,7 @@ def test_a_folder_scan_names_models_by_stem_and_split_files_as_one(tmp_path):
 
 
 def test_a_preset_reads_llama_servers_keys_and_reports_the_rest(tmp_path):
-    from offgrid.server.shelf_files import PresetError, read_preset
+    from offgrid.server.models.folders import PresetError, read_preset
     ini = tmp_path / "p.ini"
     ini.write_text(PRESET)
     defaults, models, ignored = read_preset(str(ini))
@@ -579,12 +545,12 @@ def test_a_preset_reads_llama_servers_keys_and_reports_the_rest(tmp_path):
                                            ("1h30m", 5400.0), ("250ms", 0.25), ("-1", -1.0),
                                            (-5, -1.0), ("-1m", -1.0), ("90", 90.0)])
 def test_keep_alive_reads_as_ollama_reads_it(value, seconds):
-    from offgrid.server.shelf_files import parse_duration
+    from offgrid.server.models.folders import parse_duration
     assert parse_duration(value) == seconds
 
 
 @pytest.mark.parametrize("value", ["soon", "5 minutes", "", [], True, {"m": 5}])
 def test_keep_alive_that_is_no_duration_is_refused(value):
-    from offgrid.server.shelf_files import parse_duration
+    from offgrid.server.models.folders import parse_duration
     with pytest.raises(ValueError):
         parse_duration(value)

@@ -112,7 +112,7 @@ from offgrid.request import GenerationParams, SamplingParams   # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 # real files of different kinds: Python, Markdown, C
-FILES = [ROOT / "offgrid" / "server" / "pool.py", ROOT / "README.md",
+FILES = [ROOT / "offgrid" / "server" / "models" / "sessions.py", ROOT / "README.md",
          ROOT / "tests" / "gguf.py"]
 NEAR_TIE = 0.25     # nats between the two most likely tokens
 

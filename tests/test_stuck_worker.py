@@ -28,8 +28,8 @@ from offgrid.engine.session import ChatSession, shared_decoder
 from offgrid.engine.worker import Loaded, Worker
 from offgrid.errors import WorkerDied
 from offgrid.request import GenerationParams, RequestCancel
-from offgrid.server.service import ModelEntry
-from offgrid.server.workers import WorkerClient
+from offgrid.server.models.entry import ModelEntry
+from offgrid.server.models.worker_client import WorkerClient
 
 try:
     from .inprocworker import InProcessWorker

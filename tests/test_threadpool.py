@@ -20,7 +20,7 @@ _PROBE = r"""
 import os, sys
 sys.path.insert(0, sys.argv[1])
 from offgrid.engine.model import Model
-from offgrid.engine.sampling import SamplingParams
+from offgrid.request import SamplingParams
 from offgrid.engine.session import ChatSession, GenerationParams
 
 def threads():
@@ -69,7 +69,7 @@ import sys, time
 sys.path.insert(0, sys.argv[1])
 from offgrid import libllama
 from offgrid.engine.model import Model
-from offgrid.engine.sampling import SamplingParams
+from offgrid.request import SamplingParams
 from offgrid.engine.session import ChatSession, GenerationParams, pause_pools
 
 poll, _, then = sys.argv[3].partition("+")

@@ -7,7 +7,7 @@ the FIM tokens each factory promises.
 
 import pytest
 
-from offgrid.engine.sampling import SamplingParams
+from offgrid.request import SamplingParams
 from offgrid.engine.session import ChatSession, GenerationParams
 
 try:

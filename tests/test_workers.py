@@ -9,6 +9,7 @@ crashed model succeeds within 10 s on a restarted worker; /metrics counts
 the death; no process is left behind.
 """
 
+import json
 import os
 import signal
 import threading
@@ -17,26 +18,11 @@ import time
 import pytest
 
 try:
+    from .rawhttp import argv_of, children
     from .serverproc import ServerProcess, parse_sse
 except ImportError:
+    from rawhttp import argv_of, children
     from serverproc import ServerProcess, parse_sse
-
-
-def children(pid):
-    """PIDs of the live (not zombie) child processes of ``pid``."""
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open("/proc/%s/stat" % name) as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1]) == pid and fields[0] != "Z":
-            out.append(int(name))
-    return out
 
 
 def alive(pid):
@@ -52,12 +38,8 @@ def worker_of(srv, model_path, timeout=60):
     deadline = time.monotonic() + timeout
     while True:
         for pid in children(srv.proc.pid):
-            try:
-                with open("/proc/%d/cmdline" % pid, "rb") as fh:
-                    argv = fh.read().split(b"\0")
-            except OSError:
-                continue
-            if str(model_path).encode() in argv:
+            # the worker's one argument is its settings as JSON (protocol.WorkerSettings)
+            if any('"model": %s' % json.dumps(str(model_path)) in a for a in argv_of(pid)):
                 return pid
         if time.monotonic() > deadline:
             raise AssertionError("no worker for %s" % model_path)
@@ -171,13 +153,12 @@ def test_a_worker_killed_in_a_long_prompt_answers_500_and_the_next_request_succe
                                                "cache_prompt": False}, timeout=120)
     t = threading.Thread(target=post, daemon=True)
     t.start()
+    # inside the prompt's decode: its first batch (of 512) is in the cache, 3 are to come
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        status, _, slots = srv.get("/slots")
-        if any(s["is_processing"] and s["model"] == gemma_id for s in slots):
-            break
+    while not any(s["is_processing"] and s["model"] == gemma_id and s["n_cached"] > 0
+                  for s in srv.get("/slots")[2]):
+        assert time.monotonic() < deadline, "the long prompt's decode never began"
         time.sleep(0.02)
-    time.sleep(0.2)     # inside the prompt's decode
     os.kill(victim, signal.SIGKILL)
     t.join(60)
     status, _, body = result["r"]

@@ -3,6 +3,7 @@
 Pure Python; it runs in a model's worker process beside the engine and
 never imports libllama (a model is passed in where tokens are needed).
 
+    prompt.py       a chat request made ready: prompt text, grammar, how to read the reply
     template.py     ChatTemplate: messages and tools to prompt text, per family
     select.py       which template a model uses (its own, --chat-template, a built-in)
     reply.py        model text back to content, reasoning and tool calls (streamed too)

@@ -648,8 +648,3 @@ def schema_to_grammar(schema):
     if g.rules["root"] is None:
         g.rules["root"] = g.primitive("object")
     return g.text()
-
-
-def json_object_grammar():
-    """GBNF for any JSON object (``response_format: {"type": "json_object"}``)."""
-    return schema_to_grammar({"type": "object"})

@@ -2,12 +2,21 @@
 
 Everything here runs in a model's worker process (``offgrid.engine.worker``)
 and reaches libllama only through the named handle classes of
-``offgrid.libllama``.  The HTTP front (``offgrid.server``) never imports it.
+``offgrid.libllama``.  The HTTP front (``offgrid.server``) never imports it,
+but for the pure-Python prefix measure of ``cachereuse``.
 
-    model.py        Model: a loaded GGUF, its vocabulary and metadata
-    session.py      ChatSession: one llama_context, prompt evaluation and generation
-    sampling.py     SamplingParams and the libllama sampler chain built from them
+    worker.py       the worker process: its frames, its calls, the Loaded model
+    model.py        Model: a loaded GGUF, its vocabulary and metadata (rpc.py: --rpc)
+    batch.py        BatchDecoder: the sessions' one llama_context and shared decode steps
+    session.py      ChatSession: one session's prompt evaluation and generation
+    sampling.py     the libllama sampler chain of a request's SamplingParams
     cachereuse.py   which cached runs of tokens a new prompt can keep (pure Python)
     textstream.py   bytes to text: whole characters, stop strings, indentation stops
     infill.py       the fill-in-the-middle prompt layout (llama-server's)
+    promptfit.py    a FIM prompt fitted into t_max_prompt_ms; fill.py: what it
+                    dropped, evaluated while the worker is idle
+    lookup.py       speculative drafts from the request's own text
+    threads.py      -t auto: thread counts from measured decode speed
+    pacing.py       streamed pieces gathered over --stream-interval-ms
+    embed.py        embeddings and rerank scores, in a context of their own
 """

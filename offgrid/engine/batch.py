@@ -144,6 +144,7 @@ class BatchDecoder:
         self._prompt_token = None           # seconds a prompt token adds to a step
         self.n_steps = 0                    # decode steps made (for tests and /metrics)
         self.n_shared_steps = 0             # steps that held several members' parts
+        self.n_step_members = 0             # members' parts summed over the steps
         self.closed = False
 
     def member(self):
@@ -276,7 +277,9 @@ class BatchDecoder:
 
     def _finish(self, step, status):
         self.n_steps += 1
-        if len({id(p.member) for p, _, _ in step}) > 1:
+        members = len({id(p.member) for p, _, _ in step})
+        self.n_step_members += members
+        if members > 1:
             self.n_shared_steps += 1
         # an abort nobody in the step asked for: give it to them all, rather
         # than decode the step again and again

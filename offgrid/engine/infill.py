@@ -8,12 +8,12 @@
 Without FIM_SEP each chunk is introduced by a plain "--- snippet ---" line
 instead.  To fit a batch, the prefix keeps its last 3/4 * n_batch tokens and
 the suffix its first n_batch/4 - (2 + len(prompt)) tokens; the extra chunks
-fill what is left of the context, keeping their end.  ``spm_infill`` puts the
-suffix first (SPM order), for models trained that way.
+fill what is left of the context, keeping their end.  ``spm_infill`` (the worker's
+--spm-infill) puts the suffix first (SPM order), for models trained that way.
 """
 
 from ..errors import NotSupported
-from ..request import InfillRequest  # noqa: F401
+
 
 # llama-server's chunk separator when the model has no FIM_SEP token
 CHUNK_PREFIX = "\n\n--- snippet ---\n\n"

@@ -36,7 +36,6 @@ import math
 
 from .. import libllama
 from ..errors import InvalidRequest
-from ..request import DEFAULT_SAMPLERS, SAMPLER_ALIASES, SamplingParams  # noqa: F401
 
 Sampler = libllama.SamplerHandle
 
@@ -143,13 +142,13 @@ def build_sampler(lib, params, n_vocab, n_ctx, eog_tokens=(), vocab=None, candid
                     chain.add(Sampler.top_k(lib, params.top_k))
             elif name == "typ_p":
                 if params.typical_p < 1.0:
-                    chain.add(Sampler.typical(lib, params.typical_p, 1))
+                    chain.add(Sampler.typical(lib, params.typical_p, params.min_keep))
             elif name == "top_p":
                 if params.top_p < 1.0:
-                    chain.add(Sampler.top_p(lib, params.top_p, 1))
+                    chain.add(Sampler.top_p(lib, params.top_p, params.min_keep))
             elif name == "min_p":
                 if params.min_p > 0.0:
-                    chain.add(Sampler.min_p(lib, params.min_p, 1))
+                    chain.add(Sampler.min_p(lib, params.min_p, params.min_keep))
             elif name == "infill":
                 if vocab is not None:
                     chain.add(Sampler.infill(lib, vocab))

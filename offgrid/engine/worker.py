@@ -1,6 +1,6 @@
 """A model's worker process: one loaded model, its sessions, and the front on a pipe.
 
-    python -m offgrid.engine.worker --model PATH [settings]    (started by server/workers.py)
+    python -m offgrid.engine.worker --settings JSON    (started by server/models/worker_client.py)
 
 The front (``offgrid.server``) never loads libllama; each model runs here, so
 an abort, a segfault or a runaway allocation inside libllama costs this
@@ -54,37 +54,10 @@ from .session import (ChatSession, context_size, decode_threads, pause_pools, sh
 
 
 def parse_args(argv=None):
+    """The worker's one argument: ``--settings JSON``, the front's parse of its flags."""
     p = argparse.ArgumentParser(prog="offgrid.engine.worker")
-    p.add_argument("--model", required=True)
-    p.add_argument("--ctx-size", type=int, default=4096)
-    p.add_argument("--batch-size", type=int, default=512)
-    p.add_argument("--ubatch-size", type=int, default=None)
-    p.add_argument("--spec-type", default="none")
-    p.add_argument("--spec-draft-n-max", type=int, default=8)
-    p.add_argument("--threads", default=None)          # a count, or "auto"
-    p.add_argument("--threads-batch", default=None)
-    p.add_argument("--parallel", type=int, default=1)
-    p.add_argument("--no-swa-full", action="store_true")
-    p.add_argument("--context-shift", action="store_true")
-    p.add_argument("--chat-template", default=None, help="Jinja text or a built-in name")
-    p.add_argument("--pooling", choices=sorted(POOLING), default=None,
-                   help="embedding pooling (default: the model's, else engine/embed.py's)")
-    p.add_argument("--lib", default=None)
-    # the model's layers on rpc-servers (engine/rpc.py); the front checked the values
-    p.add_argument("--rpc", default=None, help="HOST:PORT[,HOST:PORT...]")
-    p.add_argument("--n-gpu-layers", type=int, default=None, help="layers on the --rpc "
-                   "devices (default: all)")
-    p.add_argument("--tensor-split", default=None, help="a proportion per --rpc device")
-    p.add_argument("--no-repack", action="store_true")
-    p.add_argument("--decode-lock", default=None,
-                   help="a file every worker of one server flocks around each decode")
-    # chat defaults a request may override (llama-server's --reasoning, --reasoning-format)
-    p.add_argument("--reasoning", choices=("on", "off", "auto"), default="auto")
-    p.add_argument("--reasoning-format", choices=("none", "auto", "deepseek", "deepseek-legacy"),
-                   default="auto")
-    p.add_argument("--stream-interval-ms", type=float, default=0.0)
-    p.add_argument("--verbose", action="store_true")
-    return p.parse_args(argv)
+    p.add_argument("--settings", required=True, help="a protocol.WorkerSettings, as JSON")
+    return protocol.decode_settings(json.loads(p.parse_args(argv).settings))
 
 
 class FileTurns:
@@ -147,10 +120,9 @@ class Loaded:
         """The model and its sessions; ``on_sized(kv_bytes)`` is called once the
         model's shape is known and before its KV caches are made (the front's
         memory ceiling depends on them)."""
-        split = [float(x) for x in args.tensor_split.split(",")] if args.tensor_split else None
         model = Model.load(args.model, lib_path=args.lib, verbose=args.verbose,
                            progress=progress, rpc_endpoints=rpc.split_endpoints(args.rpc),
-                           n_gpu_layers=args.n_gpu_layers, tensor_split=split,
+                           n_gpu_layers=args.n_gpu_layers, tensor_split=args.tensor_split,
                            repack=not args.no_repack, on_rpc_stall=on_rpc_stall)
         if on_sized is not None:
             n_sessions = max(1, args.parallel)
@@ -192,22 +164,15 @@ class Loaded:
 
     def info(self):
         m, s = self.model, self.sessions[0]
-        t = self.template
-        return {
-            "path": os.path.abspath(m.path), "name": m.name, "n_vocab": m.n_vocab,
-            "n_ctx_train": m.n_ctx_train, "n_embd": m.n_embd, "n_params": m.n_params,
-            "size": m.size, "file_size": os.path.getsize(m.path), "desc": m.desc,
-            "n_ctx": s.n_ctx, "n_batch": s.n_batch, "n_sessions": len(self.sessions),
-            "has_fim": m.has_fim, "chat_template": m.chat_template or "",
-            "caps": t.caps.as_dict(), "tool_syntax": getattr(t, "tool_syntax", "generic"),
-            "meta": m.meta, "pid": os.getpid(), "kv_bytes": self.kv_bytes(),
-            # embeddings (engine/embed.py): how they pool, what an input may hold
-            "n_embd_out": m.n_embd_out, "pooling": self.embedder.pooling,
-            "pooling_from": self.embedder.pooling_from, "embd_max_tokens": self.embedder.max_tokens,
-            "embd_batch": self.embedder.n_batch, "rank_head": model_pooling(m) == POOLING["rank"],
-            # where its layers are: the CPU, then each --rpc device
-            "devices": m.devices,
-        }
+        return protocol.ModelInfo(
+            path=os.path.abspath(m.path), name=m.name, n_vocab=m.n_vocab,
+            n_ctx_train=m.n_ctx_train, n_embd=m.n_embd, n_params=m.n_params, size=m.size,
+            file_size=os.path.getsize(m.path), n_ctx=s.n_ctx, n_sessions=len(self.sessions),
+            has_fim=m.has_fim, chat_template=m.chat_template or "",
+            caps=self.template.caps.as_dict(), meta=m.meta, kv_bytes=self.kv_bytes(),
+            n_embd_out=m.n_embd_out, pooling=self.embedder.pooling,
+            rank_head=model_pooling(m) == POOLING["rank"], devices=m.devices,
+            speculative=any(s.draft_max > 0 for s in self.sessions))
 
     def kv_bytes(self):
         """The KV caches' size, from the model's shape (f16 keys and values)."""
@@ -236,11 +201,12 @@ class Worker:
     """Answers the front's frames for one Loaded model."""
 
     def __init__(self, loaded, out, reasoning="auto", reasoning_format="auto", out_lock=None,
-                 spec_type="none", stream_interval=0.0):
+                 spec_type="none", stream_interval=0.0, spm_infill=False):
         """``stream_interval``: seconds a streamed request's pieces are gathered
         over (engine/pacing.py; --stream-interval-ms)."""
         self.loaded = loaded
         self.stream_interval = stream_interval
+        self.spm_infill = spm_infill        # --spm-infill: FIM prompts suffix first
         self.model = loaded.model
         # --spec-type auto: chat replies do not draft (their text repeats the
         # prompt's far less than code does)
@@ -388,9 +354,11 @@ class Worker:
         return [len(s.cached) for s in self.loaded.sessions]
 
     def call_batching(self):
-        """Decode steps made so far, and how many of them carried several sessions' work."""
+        """Decode steps made so far, how many of them carried several sessions' work, and
+        the sessions they carried in all."""
         d = self.loaded.decoder
-        return {"steps": d.n_steps if d else 0, "shared_steps": d.n_shared_steps if d else 0}
+        return {"steps": d.n_steps if d else 0, "shared_steps": d.n_shared_steps if d else 0,
+                "members": d.n_step_members if d else 0}
 
     def call_threads(self):
         """The thread counts decodes use now and how often they changed (engine/threads.py)."""
@@ -468,6 +436,7 @@ class Worker:
         fitted into that budget (``dropped`` says what went, or is None)."""
         s = self.loaded.sessions[0]
         req = protocol.decode_infill(request)
+        req.spm_infill = self.spm_infill
 
         laid = []
 
@@ -752,8 +721,8 @@ def main(argv=None):
     # path, and before anyone measures what a loaded worker holds.
     loaded.model.grammar_facts
     worker = Worker(loaded, out, args.reasoning, args.reasoning_format, out_lock,
-                    args.spec_type, args.stream_interval_ms / 1000.0)
-    worker.send({"op": "ready", "info": loaded.info()})
+                    args.spec_type, args.stream_interval_ms / 1000.0, args.spm_infill)
+    worker.send({"op": "ready", "info": protocol.encode_info(loaded.info())})
     worker.serve(inp)
     # The front is gone.  Requests may still be running on other threads
     # inside libllama: end the process rather than free what they use.

@@ -61,7 +61,9 @@ SAME_SWITCH = {"--verbose": "-v", "-v": "-v", "--metrics": "--metrics",
                "--models-autoload": "--models-autoload",
                "--embedding": "--embeddings", "--embeddings": "--embeddings",
                "--reranking": "--reranking", "--rerank": "--reranking",
-               "--context-shift": "--context-shift", "--no-context-shift": "--no-context-shift"}
+               "--context-shift": "--context-shift", "--no-context-shift": "--no-context-shift",
+               "--no-ui": "--no-webui", "--no-webui": "--no-webui", "--ui": "--webui",
+               "--webui": "--webui"}
 
 # Switches that ask for what offgrid always does; accepted, and logged as such.
 #   --offline        offgrid never downloads anything
@@ -69,13 +71,11 @@ SAME_SWITCH = {"--verbose": "-v", "-v": "-v", "--metrics": "--metrics",
 #   --swa-full       offgrid keeps a full-size KV cache for SWA models unless --no-swa-full
 #   --cont-batching  -np sessions run requests at once (in turns per decode, not one batch)
 #   --slots          /slots is always served
-#   --no-ui          offgrid has no web UI
 #   --kv-unified     each -np session has a cache of its own; the launcher then gives
 #                    each the whole --ctx-size (per_session_ctx), what one slot may use of
 #                    llama-server's shared one
-AS_DEFAULT = {"--offline", "--jinja", "--swa-full", "--cont-batching", "-cb", "--no-ui",
-              "--kv-unified"}
-# Flags offgrid leaves aside on purpose (README "Differences from llama-server");
+AS_DEFAULT = {"--offline", "--jinja", "--swa-full", "--cont-batching", "-cb", "--kv-unified"}
+# Flags offgrid leaves aside on purpose (docs/compatibility.md, "Differences from llama-server");
 # accepted, and logged apart from the dropped ones.
 #   --no-jinja         chat templates are always the model's Jinja template
 #   -fa/--flash-attn   libllama picks flash attention itself (its "auto")

@@ -13,7 +13,7 @@ is rebuilt from whatever XML is there, so files can be run one at a time
     pass offgrid tests that pass on offgrid
     gaps         pass on llama-server, fail on offgrid: offgrid's work to do
     by design    would be gaps, but offgrid differs on purpose (``deliberate.txt``
-                 lists them with the reason; README "Differences from llama-server")
+                 lists them with the reason; docs/compatibility.md)
     both fail    fail on both (mostly tests that assert the words of the suite's
                  toy models, which our registry models do not say)
 
@@ -39,7 +39,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -52,7 +51,9 @@ ROOT = HERE.parent.parent
 RESULTS = HERE / "results"
 DELIBERATE = HERE / "deliberate.txt"
 sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(HERE.parent))    # tests/: its helpers, written once
 import suite  # noqa: E402
+from serverproc import free_port  # noqa: E402
 
 # The files run by default: the ones offgrid means to match (issue 15's eleven).
 CORE = ["basic", "tokenize", "security", "infill", "completion", "chat_completion", "stream",
@@ -87,12 +88,6 @@ def llama_server():
                           "--server"], cwd=str(ROOT), stdout=subprocess.PIPE, check=True,
                          text=True).stdout.strip().splitlines()
     return str(Path(out[-1]) / "llama-server")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def suite_env(target, log, binary=None):
@@ -322,7 +317,7 @@ def render(rows, gaps, dropped, on_purpose=None):
         lines.append("- dropped: %s, used by %s" % (flag, plural(len(tests), "test")))
     if not dropped:
         lines.append("- none")
-    lines += ["", "Flags offgrid leaves aside on purpose (README \"Differences from "
+    lines += ["", "Flags offgrid leaves aside on purpose (docs/compatibility.md, \"Differences from "
               "llama-server\"), by the number of tests that passed them:", ""]
     for flag, tests in sorted((on_purpose or {}).items(), key=lambda kv: (-len(kv[1]), kv[0])):
         lines.append("- on purpose: %s, used by %s" % (flag, plural(len(tests), "test")))

@@ -1,0 +1,430 @@
+"""OpenAI's Responses API: POST /v1/responses, stateless.
+
+    body --here--> Messages, Tools, tool_choice, output schema (offgrid/request.py)
+         --chat.prepare--> the worker's "prepare_chat" (template, grammar)
+         --Service.generate--> the reply (deltas while streaming)
+         --here--> a Response object, or its stream of typed events
+
+What maps to what:
+
+    instructions                         a "system" Message first
+    input: a string                      one "user" Message
+    input: message items (input_text / output_text / text parts)   Messages
+    function_call {call_id,name,arguments}   a ToolCall of the assistant Message
+    function_call_output {call_id,output}    a "tool" Message
+    reasoning {content: reasoning_text}      the next assistant Message's reasoning_content
+    tools [{type: function, name, ...}]  Tool;  tool_choice auto/none/required/{name}
+    text.format json_schema / json_object    the output schema (a grammar)
+    max_output_tokens, temperature, top_p    GenerationParams
+
+The output is a ``reasoning`` item (from the reply's reasoning split), a
+``message`` item with one ``output_text`` part, and a ``function_call``
+item per call.  Nothing is stored: ``previous_response_id`` and
+``conversation`` get a 400, ``store`` is accepted and ignored.
+"""
+
+from ...request import FinishReason, Message, ToolCall
+from . import formats, openai_chat as chat, pipeline
+from ..httpd.httperrors import BadRequest
+from .pipeline import Format, Generation, Prompt
+from .fields import (MAX_N_PREDICT, Fields, generation_from, id_slot_from, tool_choice_from,
+                     tool_of)
+
+# -- the request ------------------------------------------------------------------------
+
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def _text_of(content, where):
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise BadRequest("'%s' must be a string or an array of text parts" % where)
+    out = []
+    for i, p in enumerate(content):
+        if not isinstance(p, dict) or p.get("type") not in _TEXT_PARTS \
+                or not isinstance(p.get("text"), str):
+            raise BadRequest("'%s[%d]' must be an input_text part; only text is supported"
+                             % (where, i))
+        out.append(p["text"])
+    return "\n".join(out)
+
+
+def messages_from(instructions, items):
+    """``instructions`` and ``input`` (a string or items) as our chat Messages."""
+    out = []
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise BadRequest("'instructions' must be a string")
+        out.append(Message("system", instructions))
+    if isinstance(items, str):
+        out.append(Message("user", items))
+        return out
+    if not isinstance(items, list) or not items:
+        raise BadRequest("'input' must be a string or a non-empty array of items")
+
+    def assistant(fresh):
+        """The assistant Message to add to: the last one while it can take it, or a new one."""
+        last = out[-1] if out else None
+        if last is None or last.role != "assistant" or not fresh(last):
+            last = Message("assistant")
+            out.append(last)
+        return last
+
+    for i, it in enumerate(items):
+        where = "input[%d]" % i
+        if not isinstance(it, dict):
+            raise BadRequest("'%s' must be an object" % where)
+        kind = it.get("type", "message")
+        if kind == "message":
+            role = it.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise BadRequest("'%s.role' must be user, assistant, system or developer" % where)
+            text = _text_of(it.get("content"), where + ".content")
+            if role == "assistant":
+                assistant(lambda m: not m.content and not m.tool_calls).content = text
+            else:
+                out.append(Message(role, text))
+        elif kind == "function_call":
+            name, args, call_id = it.get("name"), it.get("arguments", "{}"), it.get("call_id")
+            if not isinstance(name, str) or not isinstance(args, str) \
+                    or not isinstance(call_id, str):
+                raise BadRequest("'%s' (function_call) needs string 'call_id', 'name' and "
+                                 "'arguments'" % where)
+            assistant(lambda m: True).tool_calls.append(ToolCall(name, args, call_id))
+        elif kind == "function_call_output":
+            call_id = it.get("call_id")
+            if not isinstance(call_id, str):
+                raise BadRequest("'%s.call_id' must be a string" % where)
+            out.append(Message("tool", _text_of(it.get("output", ""), where + ".output"),
+                               tool_call_id=call_id))
+        elif kind == "reasoning":
+            parts = it.get("content") or it.get("summary") or []
+            if not isinstance(parts, list):
+                raise BadRequest("'%s.content' must be an array" % where)
+            text = "\n".join(p.get("text", "") for p in parts
+                             if isinstance(p, dict) and isinstance(p.get("text"), str))
+            out.append(Message("assistant", reasoning_content=text))
+        else:
+            raise BadRequest("'%s': items of type %r are not supported (message, function_call, "
+                             "function_call_output and reasoning are)" % (where, kind))
+    return out
+
+
+def tools_from(v):
+    """Responses' function tools ({type, name, description, parameters}) as Tools."""
+    if v is None:
+        return []
+    if not isinstance(v, list):
+        raise BadRequest("'tools' must be an array")
+    out = []
+    for i, t in enumerate(v):
+        if not isinstance(t, dict) or t.get("type") != "function" \
+                or not isinstance(t.get("name"), str) or not t["name"]:
+            raise BadRequest("'tools[%d]' must be {\"type\": \"function\", \"name\": ..., "
+                             "\"parameters\": ...}; built-in tools are not available" % i)
+        out.append(tool_of(t["name"], t.get("description"), t.get("parameters") or {},
+                           "'tools[%d]'" % i))
+    return out
+
+
+def _tool_choice(v, tools):
+    if isinstance(v, dict) and v.get("type") == "function":
+        v = {"type": "function", "function": {"name": v.get("name")}}  # chat's form
+    return tool_choice_from(v, tools)
+
+
+def _schema_from(text):
+    """The output schema of ``text.format``: None (free text) or a JSON schema."""
+    if text is None:
+        return None
+    if not isinstance(text, dict):
+        raise BadRequest("'text' must be an object")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        schema = fmt.get("schema")
+        if not isinstance(schema, dict):
+            raise BadRequest("'text.format.schema' must be an object")
+        return schema or {"type": "object"}
+    raise BadRequest("'text.format.type' must be \"text\", \"json_object\" or \"json_schema\"")
+
+
+def _thinking_from(f):
+    r = f.raw("reasoning")
+    if r is None:
+        return None, {}
+    if not isinstance(r, dict):
+        raise BadRequest("'reasoning' must be an object")
+    effort = r.get("effort")
+    if effort is None:
+        return None, {}
+    if not isinstance(effort, str):
+        raise BadRequest("'reasoning.effort' must be a string")
+    return (False, {}) if effort == "none" else (None, {"reasoning_effort": effort})
+
+
+# -- the response -----------------------------------------------------------------------
+
+class _Ids:
+    """The ids of one response and its items."""
+
+    def __init__(self):
+        self.hex = formats.new_id("x")[2:]
+        self.response = "resp_" + self.hex
+
+    def item(self, prefix, index):
+        """The id of output item ``index`` ("rs", "msg" or "fc")."""
+        return "%s_%s_%d" % (prefix, self.hex, index)
+
+
+def _reasoning_item(item_id, text, status="completed"):
+    content = [{"type": "reasoning_text", "text": text}] if text is not None else []
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content,
+            "status": status}
+
+
+def _text_part(text):
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _message_item(item_id, text, status="completed"):
+    return {"type": "message", "id": item_id, "role": "assistant", "status": status,
+            "content": [_text_part(text)] if text is not None else []}
+
+
+def _call_item(item_id, tc, status="completed", arguments=None):
+    return {"type": "function_call", "id": item_id, "call_id": tc["id"],
+            "name": tc["name"], "status": status,
+            "arguments": tc["arguments"] if arguments is None else arguments}
+
+
+def _item_status(c):
+    """A finished reply's status: cut at max_output_tokens, its text item is "incomplete"."""
+    return "incomplete" if c.finish_reason is FinishReason.LENGTH else "completed"
+
+
+def output_items(ids, reply, status="completed"):
+    out = []
+    if reply["reasoning_content"]:
+        out.append(_reasoning_item(ids.item("rs", len(out)), reply["reasoning_content"],
+                                   status if not reply["content"] else "completed"))
+    if reply["content"] or not reply["tool_calls"]:
+        out.append(_message_item(ids.item("msg", len(out)), reply["content"], status))
+    for tc in reply["tool_calls"]:
+        out.append(_call_item(ids.item("fc", len(out)), tc))
+    return out
+
+
+class _Request:
+    """What the response object echoes of the request."""
+
+    def __init__(self, f, gen, tool_choice, raw_tools):
+        self.instructions = f.raw("instructions")
+        self.max_output_tokens = gen.n_predict if gen.n_predict >= 0 else None
+        self.temperature = gen.sampling.temperature
+        self.top_p = gen.sampling.top_p
+        self.tool_choice = tool_choice if isinstance(tool_choice, str) and tool_choice in (
+            "auto", "none", "required") else {"type": "function", "name": tool_choice}
+        self.tools = raw_tools or []
+        self.text = f.raw("text") or {"format": {"type": "text"}}
+        self.parallel_tool_calls = f.raw("parallel_tool_calls", True)
+        self.metadata = f.raw("metadata") or {}
+
+
+def response_object(ids, model, req, created, output, c=None):
+    """A Response: in progress (``c`` None) or finished with ``c``'s usage and status."""
+    status, incomplete = "in_progress", None
+    usage = None
+    if c is not None:
+        status = "completed"
+        if c.finish_reason is FinishReason.LENGTH:
+            status, incomplete = "incomplete", {"reason": "max_output_tokens"}
+        u = c.usage
+        usage = {"input_tokens": u.prompt_tokens,
+                 "input_tokens_details": {"cached_tokens": u.cached_tokens},
+                 "output_tokens": u.completion_tokens,
+                 "output_tokens_details": {"reasoning_tokens": 0},
+                 "total_tokens": u.prompt_tokens + u.completion_tokens}
+    return {"id": ids.response, "object": "response", "created_at": created, "status": status,
+            "error": None, "incomplete_details": incomplete, "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens, "model": model, "output": output,
+            "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": None,
+            "reasoning": {"effort": None, "summary": None}, "store": False,
+            "temperature": req.temperature, "text": req.text, "tool_choice": req.tool_choice,
+            "tools": req.tools, "top_p": req.top_p, "truncation": "disabled", "usage": usage,
+            "metadata": req.metadata, "user": None}
+
+
+# -- the endpoint -----------------------------------------------------------------------
+
+def responses(h, body):
+    """POST /v1/responses."""
+    f = Fields(body)
+    svc = h.service
+    for name in ("previous_response_id", "conversation"):
+        if f.has(name):
+            raise BadRequest("'%s' is not supported: offgrid stores no responses; send the "
+                             "whole conversation in 'input'" % name)
+    if f.bool("background", False):
+        raise BadRequest("'background' is not supported: offgrid stores no responses")
+    f.bool("store", False)          # accepted and ignored: nothing is stored
+    if not f.has("input"):
+        raise BadRequest("'input' is required")
+    f.int("max_output_tokens", 0, lo=1, hi=MAX_N_PREDICT)
+    entry = svc.entry_for(f.raw("model"))
+    messages = messages_from(f.raw("instructions"), f.raw("input"))
+    tools = tools_from(f.raw("tools"))
+    tool_choice = _tool_choice(f.raw("tool_choice"), tools)
+    enable_thinking, kwargs = _thinking_from(f)
+    parallel = f.bool("parallel_tool_calls", None)
+    what = "POST /v1/responses"
+    plan = chat.prepare(entry, messages, tools, tool_choice, schema=_schema_from(f.raw("text")),
+                        enable_thinking=enable_thinking, kwargs=kwargs,
+                        parallel_tool_calls=parallel, what=what)
+    gen = generation_from(f, entry.n_vocab, svc.n_predict_default, ("max_output_tokens",),
+                          svc.sampling_default)
+    gen.stop = []       # the Responses API has no stop strings
+    chat.apply_plan(gen, plan)
+    req = _Request(f, gen, tool_choice, f.raw("tools"))
+    g = Generation(entry, gen, [Prompt(plan["tokens"])], "v1/responses", what,
+                   stream=f.bool("stream", False), id_slot=id_slot_from(f), chat=plan["chat"])
+    pipeline.run(h, g, ResponsesFormat(entry.id, req))
+
+
+class ResponsesFormat(Format):
+    """A Response object, or the Responses event sequence (``_Stream``)."""
+
+    def __init__(self, model, req):
+        self.model, self.req = model, req
+        self.ids, self.created = _Ids(), formats.now()
+        self._stream = None
+
+    def _st(self, out):
+        if self._stream is None:
+            self._stream = _Stream(out, self.ids, self.model, self.req, self.created)
+        return self._stream
+
+    def open(self, out):
+        self._st(out).start()
+
+    def piece(self, out, job, d, probs):
+        return self._st(out).delta(d)
+
+    def choice_end(self, out, job, c):
+        self._st(out).finish(c)
+
+    def body(self, jobs, done):
+        c = done[0]
+        return response_object(self.ids, self.model, self.req, self.created,
+                               output_items(self.ids, c.reply, _item_status(c)), c)
+
+
+class _Stream:
+    """The Responses event sequence from reply deltas.
+
+    response.created and response.in_progress go out as the stream opens
+    (``ResponsesFormat.open``), before the prompt is evaluated; each output
+    item is added, gets its content part and deltas, and is done when a
+    delta of another kind arrives or the reply ends; then
+    response.completed (or response.incomplete at max_output_tokens) carries
+    the whole response.  Every event has a ``sequence_number``.
+    """
+
+    def __init__(self, es, ids, model, req, created):
+        self.es, self.ids, self.model, self.req, self.created = es, ids, model, req, created
+        self.seq = 0
+        self.started = False
+        self.output = []        # finished items
+        self.kind = None        # the open item's type: "reasoning", "message" or None
+        self.item_id = None     # the open item's id
+        self.text = ""          # the open item's text so far
+
+    def _send(self, kind, **fields):
+        obj = dict({"type": kind, "sequence_number": self.seq}, **fields)
+        self.seq += 1
+        return self.es.send(obj, kind)
+
+    def _response(self, c=None):
+        return response_object(self.ids, self.model, self.req, self.created, list(self.output), c)
+
+    def start(self):
+        if not self.started:
+            self.started = True
+            self._send("response.created", response=self._response())
+            self._send("response.in_progress", response=self._response())
+
+    def _where(self):
+        return {"item_id": self.item_id, "output_index": len(self.output), "content_index": 0}
+
+    def _open(self, kind):
+        self._close()
+        self.kind, self.text = kind, ""
+        if kind == "reasoning":
+            self.item_id = self.ids.item("rs", len(self.output))
+            item, part = _reasoning_item(self.item_id, None, "in_progress"), \
+                {"type": "reasoning_text", "text": ""}
+        else:
+            self.item_id = self.ids.item("msg", len(self.output))
+            item, part = _message_item(self.item_id, None, "in_progress"), _text_part("")
+        self._send("response.output_item.added", output_index=len(self.output), item=item)
+        self._send("response.content_part.added", part=part, **self._where())
+
+    def _close(self, status="completed"):
+        if self.kind is None:
+            return
+        w = self._where()
+        if self.kind == "reasoning":
+            item = _reasoning_item(self.item_id, self.text, status)
+            self._send("response.reasoning_text.done", text=self.text, **w)
+        else:
+            item = _message_item(self.item_id, self.text, status)
+            self._send("response.output_text.done", text=self.text, logprobs=[], **w)
+        self._send("response.content_part.done", part=item["content"][0], **w)
+        self._send("response.output_item.done", output_index=w["output_index"], item=item)
+        self.output.append(item)
+        self.kind = None
+
+    def delta(self, d):
+        self.start()
+        if "tool_call" in d:
+            self._close()
+            _, tc = d["tool_call"]
+            i = len(self.output)
+            fid = self.ids.item("fc", i)
+            self._send("response.output_item.added", output_index=i,
+                       item=_call_item(fid, tc, "in_progress", ""))
+            ok = self._send("response.function_call_arguments.delta", item_id=fid,
+                            output_index=i, delta=tc["arguments"])
+            self._send("response.function_call_arguments.done", item_id=fid, output_index=i,
+                       name=tc["name"], arguments=tc["arguments"])
+            item = _call_item(fid, tc)
+            self._send("response.output_item.done", output_index=i, item=item)
+            self.output.append(item)
+            return ok
+        if "reasoning_content" in d:
+            if self.kind != "reasoning":
+                self._open("reasoning")
+            self.text += d["reasoning_content"]
+            return self._send("response.reasoning_text.delta", delta=d["reasoning_content"],
+                              **self._where())
+        if self.kind != "message":
+            self._open("message")
+        text = d.get("content", "")
+        self.text += text
+        return self._send("response.output_text.delta", delta=text, logprobs=[], **self._where())
+
+    def finish(self, c):
+        self.start()
+        if not self.output and self.kind is None:
+            self._open("message")       # a response always has its message
+        self._close(_item_status(c))
+        done = self._response(c)
+        self._send("response.completed" if done["status"] == "completed"
+                   else "response.incomplete", response=done)

@@ -1,0 +1,156 @@
+"""llama-server's router API over the shelf: the model objects of GET /models, POST
+/models/load and /models/unload, and the per-model lines of /metrics.
+
+Shapes as llama-server's ``server-models.cpp`` (``get_router_models``,
+``post_router_models_load``/``unload``): each model object carries OpenAI's
+fields (``id``, ``object``, ``created``, ``owned_by``), the router's
+(``aliases``, ``tags``, ``status`` with its ``value``, ``source``), and,
+once the model has been loaded, the ``meta`` llama-server's ``/v1/models``
+gives.  Reading them never wakes a model (see ``shelf.py``).
+"""
+
+from ..httpd.httperrors import BadRequest
+from .fields import Fields
+
+_SETTINGS = ("ctx_size", "parallel", "threads", "threads_batch", "batch_size", "ubatch_size",
+             "chat_template", "load_on_startup", "stop_timeout", "keep_alive")
+
+
+def _preset_ini(name, preset):
+    """A model's preset settings in llama-server's INI words, as its /models shows them."""
+    lines = ["[%s]" % name]
+    for key in _SETTINGS:
+        if key in preset:
+            value = preset[key]
+            if isinstance(value, bool):
+                value = "true" if value else "false"
+            lines.append("%s = %s" % (key.replace("_", "-"), value))
+    return "\n".join(lines) + "\n"
+
+
+def capabilities(info):
+    """What a model is for, from its worker's report: "chat", "infill", "embedding".
+
+    A model whose GGUF names a pooling type is an embedding (or rerank) model;
+    one with FIM tokens and no chat template is a code-completion model (chat
+    would fall back to chatml, which it was never trained on).  The chat page
+    offers chat with the others only.
+    """
+    arch = info.meta.get("general.architecture", "")
+    dedicated = info.meta.get("%s.pooling_type" % arch) is not None
+    caps = []
+    if not dedicated and (info.chat_template or not info.has_fim):
+        caps.append("chat")
+    if info.has_fim:
+        caps.append("infill")
+    if dedicated or info.pooling != "none":
+        caps.append("embedding")
+    return caps
+
+
+def model_object(shelf, e, created):
+    """One model of GET /models: what it is, its status, its settings."""
+    status = {"value": e.status}
+    if e.status == "loading" and e.progress is not None:
+        status["progress"] = {"value": round(float(e.progress), 3)}
+    if e.error and e.status in ("error", "unloaded"):
+        # broken (error), or the last load could not make room (unloaded)
+        status["failed"] = True
+        status["error"] = e.error
+    preset = e.preset or {}
+    if preset:
+        status["preset"] = _preset_ini(e.id, preset)
+    settings = {k: v for k, v in preset.items() if k in _SETTINGS and k != "chat_template"}
+    if e.settings.get("chat_template") or preset.get("chat_template"):
+        settings["chat_template"] = e.settings.get("chat_template") or preset["chat_template"]
+    info = e.info
+    if info is not None:
+        settings.update(n_ctx=info.n_ctx, parallel=info.n_sessions)
+    left, then = shelf.expires_in(e)
+    settings["pinned"] = e.pinned
+    if e.worker is not None and left is not None:
+        settings["unloads_in"] = max(0.0, round(left, 1)) if not e.active else None
+        settings["unloads_to"] = then
+    out = {
+        "id": e.id, "object": "model", "created": created, "owned_by": "offgrid",
+        "aliases": list(e.aliases), "tags": [], "path": e.path, "status": status,
+        "source": e.source.replace(" ", "_"), "pinned": e.pinned, "settings": settings,
+        "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
+    }
+    if info is not None:
+        out["meta"] = {"n_vocab": info.n_vocab, "n_ctx_train": info.n_ctx_train,
+                       "n_embd": info.n_embd, "n_params": info.n_params,
+                       "size": info.size, "n_ctx": info.n_ctx, "fim": info.has_fim}
+        out["capabilities"] = capabilities(info)     # offgrid's: known once it has loaded
+    return out
+
+
+def _named(svc, body):
+    f = Fields(body)
+    name = f.str("model")
+    if not name:
+        raise BadRequest("'model' is required: the name of a model on the shelf")
+    e = svc.shelf.lookup(name)     # exact names only: never a path
+    if e is None:
+        raise svc.shelf.not_found(name)
+    return e
+
+
+def load(h, body):
+    """POST /models/load {"model": NAME}: start loading it; poll GET /models for its status."""
+    e = _named(h.service, body)
+    if e.worker is not None or e.status == "loading":
+        raise BadRequest("model %s is already running" % e.id)
+    h.service.shelf.load(e, wait=False)
+    h.send_json(200, {"success": True})
+
+
+def unload(h, body):
+    """POST /models/unload {"model": NAME}: end its worker now (its memory goes back)."""
+    e = _named(h.service, body)
+    if not h.service.shelf.unload(e, "POST /models/unload"):
+        raise BadRequest("model %s is not running" % e.id)
+    h.send_json(200, {"success": True})
+
+
+# -- /metrics ------------------------------------------------------------------------------
+
+def metric_lines(shelf, label):
+    """Prometheus lines, one per model for each of these; ``label`` escapes a value."""
+    per_model = [
+        ("counter", "offgrid_worker_starts_total", "Worker processes started, per model.",
+         lambda e: e.worker_starts),
+        ("counter", "offgrid_worker_deaths_total", "Worker processes that died, per model.",
+         lambda e: e.worker_deaths),
+        ("gauge", "offgrid_worker_ready", "Whether the model's worker is serving (1) or "
+         "not (0: loading, unloaded, sleeping).", lambda e: int(e.status == "loaded")),
+        ("counter", "offgrid_model_loads_total", "Loads of the model (at start, on demand, "
+         "POST /models/load).", lambda e: e.loads),
+        ("counter", "offgrid_model_unloads_total", "Unloads of the model (idle, keep_alive, "
+         "evicted, POST /models/unload).", lambda e: e.unloads),
+        ("counter", "offgrid_model_evictions_total", "Unloads to make room for another model.",
+         lambda e: e.evictions),
+        ("counter", "offgrid_model_load_seconds_total", "Seconds spent loading the model.",
+         lambda e: round(e.load_seconds, 3)),
+        ("gauge", "offgrid_model_resident_bytes", "Memory its worker process holds (RSS).",
+         shelf.resident),
+    ]
+    entries = shelf.entries
+    out = []
+    for kind, name, help_text, value in per_model:
+        out += ["# HELP %s %s" % (name, help_text), "# TYPE %s %s" % (name, kind)]
+        for e in entries:
+            out.append('%s{model="%s"} %s' % (name, label(e.id), value(e)))
+    # where each loaded model's layers are (engine/rpc.py): the CPU, the --rpc devices
+    out += ["# HELP offgrid_model_device_layers Layers of the model on each device (CPU: "
+            "this machine; RPCn: an rpc-server at endpoint).",
+            "# TYPE offgrid_model_device_layers gauge"]
+    for e in entries:
+        for d in e.info.devices if e.status == "loaded" and e.info is not None else []:
+            out.append('offgrid_model_device_layers{model="%s",device="%s",endpoint="%s"} %d'
+                       % (label(e.id), label(d["name"]), label(d.get("endpoint") or ""),
+                          d["layers"]))
+    return out
+
+
+__all__ = ["capabilities", "load", "metric_lines", "model_object", "unload"]

@@ -1,0 +1,113 @@
+"""The route table: path -> the function that answers it, and the error shape of its dialect.
+
+Each function gets the Handler and the parsed JSON body (None for GET).
+The HTTP layer (``httpd/``) is handed this table (``APP``) and knows no
+route itself.
+"""
+
+from collections import namedtuple
+
+from ..httpd.httperrors import Unavailable
+from .errormap import respond
+from . import anthropic, embeddings, ollama, ollama_admin, openai_chat, responses, router_models
+from . import webui
+from .status import health, metrics, models, props, slots
+from .native import completion, detokenize, infill, tokenize
+from .openai_completions import v1_completions
+
+# dialect: the shape of the route's error bodies (errormap.error_body)
+Route = namedtuple("Route", "handler methods auth needs_service dialect", defaults=("openai",))
+
+
+# -- the table ------------------------------------------------------------------------
+
+_GET, _POST = ("GET",), ("POST",)
+
+ROUTES = {
+    "/health": Route(health, _GET, False, False),
+    "/v1/health": Route(health, _GET, False, False),
+    "/props": Route(props, _GET, True, True),
+    "/models": Route(models, _GET, True, True),
+    "/v1/models": Route(models, _GET, True, True),
+    "/models/load": Route(router_models.load, _POST, True, True),
+    "/models/unload": Route(router_models.unload, _POST, True, True),
+    "/slots": Route(slots, _GET, True, True),
+    "/metrics": Route(metrics, _GET, True, True),
+    "/tokenize": Route(tokenize, _POST, True, True),
+    "/detokenize": Route(detokenize, _POST, True, True),
+    "/apply-template": Route(openai_chat.apply_template, _POST, True, True),
+    "/completion": Route(completion, _POST, True, True),
+    "/completions": Route(completion, _POST, True, True),
+    "/infill": Route(infill, _POST, True, True),
+    "/v1/completions": Route(v1_completions, _POST, True, True),
+    "/v1/chat/completions": Route(openai_chat.chat_completions, _POST, True, True),
+    "/chat/completions": Route(openai_chat.chat_completions, _POST, True, True),
+    # embeddings and rerank (server/embeddings.py)
+    "/v1/embeddings": Route(embeddings.v1_embeddings, _POST, True, True),
+    "/embedding": Route(embeddings.embedding, _POST, True, True),
+    "/embeddings": Route(embeddings.embedding, _POST, True, True),
+    "/rerank": Route(embeddings.rerank, _POST, True, True),
+    "/reranking": Route(embeddings.rerank, _POST, True, True),
+    "/v1/rerank": Route(embeddings.rerank, _POST, True, True),
+    "/v1/reranking": Route(embeddings.rerank, _POST, True, True),
+    "/v1/chat/completions/input_tokens": Route(openai_chat.input_tokens, _POST, True, True),
+    "/chat/completions/input_tokens": Route(openai_chat.input_tokens, _POST, True, True),
+    # the chat page (api/webui.py) for browsers; "/" answers Ollama's clients' heartbeat
+    "/": Route(webui.root, _GET, False, False),
+    **{path: Route(webui.asset, _GET, False, False) for path in webui.FILES},
+    # Ollama's API (api/ollama.py)
+    "/api/version": Route(ollama_admin.version, _GET, False, False, "ollama"),
+    "/api/tags": Route(ollama_admin.tags, _GET, True, True, "ollama"),
+    "/api/ps": Route(ollama_admin.ps, _GET, True, True, "ollama"),
+    "/api/show": Route(ollama_admin.show, _POST, True, True, "ollama"),
+    "/api/generate": Route(ollama.generate, _POST, True, True, "ollama"),
+    "/api/chat": Route(ollama.chat_, _POST, True, True, "ollama"),
+    "/api/embed": Route(ollama.embed, _POST, True, True, "ollama"),
+    "/api/embeddings": Route(ollama.embeddings_, _POST, True, True, "ollama"),
+    "/api/pull": Route(ollama.manage, _POST, True, False, "ollama"),
+    "/api/push": Route(ollama.manage, _POST, True, False, "ollama"),
+    "/api/create": Route(ollama.manage, _POST, True, False, "ollama"),
+    "/api/copy": Route(ollama.manage, _POST, True, False, "ollama"),
+    "/api/delete": Route(ollama.manage, ("DELETE",), True, False, "ollama"),
+    "/v1/messages": Route(anthropic.messages, _POST, True, True, "anthropic"),
+    "/v1/messages/count_tokens": Route(anthropic.count_tokens, _POST, True, True, "anthropic"),
+    "/v1/responses": Route(responses.responses, _POST, True, True),
+}
+
+
+def dialect_of(path):
+    """The error shape for a path: its route's dialect; Ollama's for any other /api/ path."""
+    route = ROUTES.get(path)
+    if route is not None:
+        return route.dialect
+    return "ollama" if path.startswith("/api/") else "openai"
+
+
+class App:
+    """What the HTTP layer (``httpd/``) is handed: the table, the call into a route,
+    and the one error exit."""
+
+    @staticmethod
+    def route(path):
+        return ROUTES.get(path)
+
+    @staticmethod
+    def dispatch(h, route, body):
+        """Run ``route`` for one request; the models it uses are held until it is answered
+        (``Service.request_scope``)."""
+        svc = h.service
+        if not route.needs_service:
+            route.handler(h, body)
+            return
+        if svc is None:
+            raise Unavailable("Loading model")
+        with svc.request_scope(body):
+            route.handler(h, body)
+
+    @staticmethod
+    def error_response(exc, what, service=None):
+        """(HTTPError, body, stream event) for ``exc`` on ``what`` ("METHOD /path")."""
+        return respond(exc, what, dialect_of(what.split(" ", 1)[-1]), service)
+
+
+APP = App()

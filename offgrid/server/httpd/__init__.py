@@ -1,0 +1,1 @@
+"""HTTP plumbing on http.server: connections, reading, limits, streams. Knows no route."""

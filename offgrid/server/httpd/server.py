@@ -1,0 +1,285 @@
+"""The listening side: connections, their limits, several addresses, and shutdown's drain.
+
+``make_server`` builds a Server whose Handler class carries the settings of
+the command line and the application it serves (``app``: the route table,
+the dispatch and the one error exit, from ``server/api/routes.py``).
+"""
+
+import errno
+import hashlib
+import ipaddress
+import logging
+import socket
+import threading
+import time
+from http.server import ThreadingHTTPServer
+
+from ...jobs import Threads
+from .handler import Handler
+from .httperrors import Unavailable
+from .frontmem import FrontMemory
+from .lobby import Lobby
+from .seats import Seats
+
+log = logging.getLogger("offgrid.http")
+
+
+class _HealthProbe:
+    """What the app's /health handler needs of a handler, for the lobby to answer it."""
+
+    def __init__(self, service):
+        self.service = service
+        self.reply = None
+
+    def send_json(self, status, obj, headers=None):
+        self.reply = (status, obj)
+
+
+class Server(ThreadingHTTPServer):
+    """ThreadingHTTPServer with our settings, a connection cap and a drain for shutdown.
+
+    A new connection waits in the ``lobby`` (one thread for all of them)
+    until its first byte arrives; only then does it get a handler thread and
+    count against the cap.  What a connection may hold, and why:
+
+    * connections that have spoken: ``max_connections`` threads in all, and
+      at most ``peer_share`` of them for one peer, beyond which the one that
+      has waited longest for a request head is dropped to seat the newcomer
+      (``seats.py``: trickling bytes holds a seat only until it is needed),
+      and only if none is waiting the lobby answers 503 "too many connections";
+    * connections that have not: a place in the lobby (``max_waiting``, the
+      oldest dropped when it is full) for ``first_byte_timeout`` seconds, 408
+      after;
+    * /health: answered by the lobby when there is no slot, so a full server
+      still says so to its monitor.
+    """
+    # Handler threads must not keep the process alive past shutdown: the
+    # shutdown sequence itself waits for the requests that matter (drain).
+    daemon_threads = True
+    # Restarting the server right after a stop must not fail on TIME_WAIT.
+    allow_reuse_address = True
+    # The listen backlog: connections the kernel completes before accept().
+    # A burst past it has its SYNs dropped, and those clients wait a second
+    # for the retransmit (seen: /health timing out while 600 connections
+    # opened at once against 128, ListenOverflows rising).  Linux caps it at
+    # net.core.somaxconn (4096 by default since 5.4).
+    request_queue_size = 1024
+    # Connections with a handler thread at once; one more gets 503 and is
+    # closed, so a flood of clients cannot run the process out of threads.
+    max_connections = 512
+    # The fraction of max_connections one peer may hold (an IPv4 address, an
+    # IPv6 /64: what one host controls).  Half: one misbehaving client or host
+    # leaves at least the other half to everyone else.  Every local program is
+    # the one peer 127.0.0.1, so together they get 256 connections, far more
+    # than editors open (a few each, --parallel sessions serve them anyway).
+    peer_share = 0.5
+    # Seconds a new connection may stay silent.  Real clients send their
+    # request at once; this only bounds how long a silent one holds a socket
+    # (never a thread: it waits in the lobby).  --timeout, if shorter, wins.
+    first_byte_timeout = 3.0
+    # Silent connections held at once (one file descriptor each); past it the
+    # oldest is dropped, so a flood of them cannot keep real clients out.
+    max_waiting = 1024
+
+    def __init__(self, *args, **kwargs):
+        self._cond = threading.Condition()
+        # connections with a thread, per peer, and which wait for a request head
+        self.seats = Seats()
+        self._n_requests = 0            # requests between _dispatch's start and end
+        self._handlers = Threads("http-connection")
+        self.closing = False
+        super().__init__(*args, **kwargs)
+        self.lobby = Lobby(self, min(self.first_byte_timeout, self.RequestHandlerClass.timeout),
+                           self.max_waiting, Handler.server_version)
+
+    # -- connections ----------------------------------------------------------------
+    def get_request(self):
+        try:
+            return super().get_request()
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE):
+                # out of descriptors: the listening socket stays readable, and
+                # serve_forever would retry accept() in a hot loop
+                time.sleep(0.05)
+            raise
+
+    def process_request(self, request, client_address):
+        self.lobby.add(request, client_address)
+
+    def admit(self, client_address):
+        """Give a connection that spoke a slot: None, or why not (the lobby's 503 message)."""
+        # full: the connection waiting longest for its request head makes room (seats.py)
+        return self.seats.admit(_peer(client_address), self.max_connections, self.peer_share)
+
+    def head_waiting(self, sock, client_address):
+        """A connection waits for a request head (its handler, as each request begins):
+        it may be dropped for a newcomer until the head is in (head_done)."""
+        self.seats.waiting(sock, _peer(client_address))
+
+    def head_done(self, sock):
+        self.seats.serving(sock)
+
+    def start_handler(self, request, client_address):
+        """A handler thread for an admitted connection (the lobby's thread calls this).
+
+        Threads are kept for the next connection (offgrid/jobs.py): a new
+        one per connection cost each request 0.15 ms.
+        """
+        try:
+            self._handlers.submit(self.process_request_thread, request, client_address)
+        except BaseException:
+            log.exception("could not start a thread for a connection")
+            self.seats.ended(request, _peer(client_address))
+            self.shutdown_request(request)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.seats.ended(request, _peer(client_address))
+
+    def reply_when_full(self, head, refusal):
+        """(status, body, head_only) for a request that got no slot: /health, or 503."""
+        line = head.split(b"\n", 1)[0].split()
+        if len(line) == 3 and line[0] in (b"GET", b"HEAD") \
+                and line[1].split(b"?", 1)[0] in (b"/health", b"/v1/health"):
+            probe = _HealthProbe(self.RequestHandlerClass.service)
+            try:
+                self.RequestHandlerClass.app.route("/health").handler(probe, None)
+            except Exception:
+                log.exception("/health failed in the lobby")
+            if probe.reply is not None:
+                return probe.reply + (line[0] == b"HEAD",)
+        path = line[1].split(b"?", 1)[0].decode("latin-1") if len(line) >= 2 else ""
+        return self.error_reply(Unavailable(refusal), path) + (False,)
+
+    def error_reply(self, err, path=""):
+        """(status, body) of an HTTPError the lobby answers itself, through the app's one
+        error exit (the path's dialect, when the head was read)."""
+        err, body, _ = self.RequestHandlerClass.app.error_response(err, "- " + path, None)
+        return err.status, body
+
+    def server_close(self):
+        lobby = getattr(self, "lobby", None)     # absent when binding failed in __init__
+        if lobby is not None:
+            lobby.stop()
+        super().server_close()
+
+    # -- requests -------------------------------------------------------------------
+    def requests_in_flight(self):
+        """Requests between begin_request and end_request now (this one included)."""
+        return self._n_requests
+
+    def begin_request(self):
+        """Count a request in; False once the server is draining."""
+        with self._cond:
+            if self.closing:
+                return False
+            self._n_requests += 1
+            return True
+
+    def end_request(self):
+        with self._cond:
+            self._n_requests -= 1
+            self._cond.notify_all()
+
+    def drain(self, timeout):
+        """Refuse new requests, wait for those being answered; True if they all were."""
+        with self._cond:
+            self.closing = True
+            return self._cond.wait_for(lambda: self._n_requests == 0, timeout)
+
+
+def _peer(client_address):
+    """Who a connection is from, for the per-peer share: the IPv4 address or IPv6 /64."""
+    host = client_address[0] if isinstance(client_address, tuple) else ""
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if ip.version == 6:
+        if ip.ipv4_mapped is not None:     # an IPv4 client of a dual-stack socket
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network("%s/64" % ip, strict=False))
+    return str(ip)
+
+
+def _raise_fd_limit(need):
+    """Raise the soft descriptor limit towards ``need`` (each connection holds one)."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        if soft != resource.RLIM_INFINITY and soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ImportError, ValueError, OSError):
+        pass        # not POSIX, or not allowed: the limits below still bound threads
+
+
+class Servers:
+    """Several listening addresses served as one Server (llama-server's ``--host A,B``).
+
+    Each address is a Server of its own (its lobby, its connection limits),
+    all with the one Handler class, so the service set on it reaches them all.
+    """
+
+    def __init__(self, servers):
+        self.servers = servers
+        self.RequestHandlerClass = servers[0].RequestHandlerClass
+        self.server_address = servers[0].server_address
+
+    def serve_forever(self, poll_interval=0.5):
+        for other in self.servers[1:]:
+            threading.Thread(target=other.serve_forever, kwargs={"poll_interval": poll_interval},
+                             name="http-%s" % other.server_address[0], daemon=True).start()
+        self.servers[0].serve_forever(poll_interval)
+
+    def shutdown(self):
+        for server in self.servers:
+            server.shutdown()
+
+    def drain(self, timeout):
+        deadline = time.monotonic() + timeout
+        return all([server.drain(max(0.0, deadline - time.monotonic()))
+                    for server in self.servers])
+
+    def server_close(self):
+        for server in self.servers:
+            server.server_close()
+
+
+def make_server(host, port, app, service=None, api_keys=(), cors_origins=(), max_body=None,
+                verbose=False, timeout=None, read_timeout=None, front_max_rss=None):
+    """A Server bound to host:port serving ``app``, whose Handler class carries these
+    settings.
+
+    ``host`` may be a comma list of addresses: a Servers, every address on
+    the same port (port 0: the one the first address got).
+    """
+    attrs = {"app": app, "service": service, "cors_origins": tuple(cors_origins), "verbose": verbose,
+             "api_keys": tuple(hashlib.sha256(k.encode("utf-8")).digest() for k in api_keys)}
+    if max_body is not None:
+        attrs["max_body"] = max_body
+    if timeout is not None:
+        attrs["timeout"] = timeout
+    if read_timeout is not None:
+        attrs["read_timeout"] = read_timeout
+    if front_max_rss:
+        attrs["front_memory"] = FrontMemory(front_max_rss)
+    handler = type("OffgridHandler", (Handler,), attrs)
+    # descriptors for the cap, the lobby, and the models, pipes and logs beside them
+    _raise_fd_limit(Server.max_connections + Server.max_waiting + 256)
+    hosts = [h.strip() for h in host.split(",") if h.strip()] or [host]
+    servers = []
+    try:
+        for one in hosts:
+            server_class = Server
+            if ":" in one:
+                server_class = type("Server6", (Server,), {"address_family": socket.AF_INET6})
+            servers.append(server_class((one.strip("[]"), port), handler))
+            port = servers[0].server_address[1]
+    except OSError:
+        for server in servers:
+            server.server_close()
+        raise
+    return servers[0] if len(servers) == 1 else Servers(servers)

@@ -1,0 +1,176 @@
+"""Starting a model's worker from the command line's flags, and the shelf of a command line.
+
+``__main__`` parses the flags; ``build_shelf`` turns them into the shelf
+(``-m``, ``--fim-model``, the folders and the preset) with ``start_worker``
+as its loader; ``worker_args`` is the engine's share of the flags, handed to
+each worker process on its command line.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+from ... import protocol
+from ...errors import ModelLoadError
+from .entry import ModelEntry
+from .folders import PresetError, default_memory_budget, parse_size, read_preset
+from .shelf import Shelf
+from .worker_client import WorkerClient
+
+
+def worker_settings(path, args, chat_template=None, decode_lock=None):
+    """The engine's share of our flags for one model (``protocol.WorkerSettings``)."""
+    return protocol.WorkerSettings(
+        model=path, ctx_size=args.ctx_size, batch_size=args.batch_size,
+        ubatch_size=args.ubatch_size, parallel=max(1, args.parallel), threads=args.threads,
+        threads_batch=args.threads_batch, spec_type=args.spec_type,
+        spec_draft_n_max=args.spec_draft_n_max, stream_interval_ms=args.stream_interval_ms,
+        chat_template=chat_template, pooling="rank" if args.reranking else args.pooling,
+        no_swa_full=args.no_swa_full, no_repack=args.no_repack,
+        context_shift=args.context_shift, spm_infill=args.spm_infill, reasoning=args.reasoning,
+        reasoning_format=args.reasoning_format, lib=args.lib, decode_lock=decode_lock,
+        rpc=args.rpc or None, n_gpu_layers=args.n_gpu_layers if args.rpc else None,
+        tensor_split=list(args.tensor_split) if args.rpc and args.tensor_split else None,
+        verbose=args.verbose)
+
+
+def worker_args(path, args, chat_template=None, decode_lock=None):
+    """The worker's command line for one model: its settings, as JSON."""
+    settings = worker_settings(path, args, chat_template, decode_lock)
+    return ["--settings", json.dumps(protocol.encode_settings(settings))]
+
+
+def default_max_rss(info):
+    """A worker's memory ceiling: its model file, its KV caches, and a margin for the
+    rest (compute buffers, the logits of a batch, Python): half the model, 1 GiB at least."""
+    return ceiling_of(info.file_size, info.kv_bytes)
+
+
+def ceiling_of(file_size, kv_bytes):
+    """default_max_rss of a model file of ``file_size`` bytes and KV caches of ``kv_bytes``."""
+    return file_size + kv_bytes + max(1 << 30, file_size // 2)
+
+
+# A preset's settings that are our flags, by their argparse names.
+PRESET_FLAGS = ("ctx_size", "parallel", "threads", "threads_batch", "batch_size",
+                "ubatch_size")
+
+
+def model_args(entry, args):
+    """Our flags as they apply to one model: the preset's settings under the command line's."""
+    out = argparse.Namespace(**vars(args))
+    preset = entry.preset or {}
+    explicit = getattr(args, "explicit", set())
+    for key in PRESET_FLAGS:
+        if key in preset and key not in explicit:
+            setattr(out, key, preset[key])
+    return out
+
+
+def read_template(value):
+    """--chat-template's value: a Jinja file's text, else the name as it is."""
+    if value and os.path.isfile(value):
+        with open(value, encoding="utf-8") as fh:
+            return fh.read()
+    return value
+
+
+def start_worker(entry, args, decode_lock=None):
+    """Start the worker of one shelf model and wait for it to load; the WorkerClient.
+
+    Raises ModelLoadError when the model does not load.
+    """
+    path = entry.path
+    if not os.path.isfile(path):
+        raise ModelLoadError("model file not found: %s" % path)
+    a = model_args(entry, args)
+    template = entry.settings.get("chat_template") or (entry.preset or {}).get("chat_template")
+    try:
+        template = read_template(template)
+    except OSError as e:
+        raise ModelLoadError("cannot read the chat template of %s: %s" % (entry.id, e))
+    # The memory ceiling holds from the worker's first instruction (engine/lifeline.py,
+    # worker_client.py): --worker-max-rss as given; by default, until the worker says
+    # what its KV caches take (its sizing frame, before it makes them), its file and
+    # margin alone.
+    sized = None
+    if args.worker_max_rss is None:
+        file_size = os.path.getsize(path)
+        max_rss = ceiling_of(file_size, 0)
+
+        def sized(frame):
+            return ceiling_of(frame.get("file_size", file_size), frame.get("kv_bytes", 0))
+    elif args.worker_max_rss > 0:
+        max_rss = int(args.worker_max_rss * (1 << 20))
+    else:
+        max_rss = None
+    worker = WorkerClient(entry.id, worker_args(path, a, template, decode_lock),
+                          max_rss=max_rss, verbose=args.verbose, sized_rss=sized)
+    worker.on_progress = lambda fraction: setattr(entry, "progress", fraction)
+    worker.timeout = max(1.0, args.worker_timeout)
+    entry.loading = worker          # POST /models/unload and shutdown stop the load
+    try:
+        worker.start()
+    except BaseException:
+        worker.close()
+        raise
+    finally:
+        entry.loading = None
+    if args.worker_max_rss is None:
+        worker.max_rss = default_max_rss(worker.info)
+    return worker
+
+
+def build_shelf(args, decode_lock):
+    """The shelf of this command line: -m and --fim-model first, then the folders and the
+    preset.  Returns (shelf, text entry or None, fim entry or None); raises ValueError
+    for a flag that cannot be used."""
+    preset = None
+    if args.models_preset:
+        try:
+            defaults, sections, ignored = read_preset(args.models_preset)
+        except PresetError as e:
+            raise ValueError("--models-preset: %s" % e)
+        for what in ignored:
+            print("offgrid: --models-preset: ignoring %s (not an offgrid setting)" % what,
+                  file=sys.stderr)
+        preset = (defaults, sections)
+    for d in args.models_dir:
+        if not os.path.isdir(d):
+            raise ValueError("--models-dir %s is not a folder" % d)
+    if args.models_memory is None:
+        memory = default_memory_budget()
+    else:
+        try:
+            memory = parse_size(args.models_memory)
+        except ValueError as e:
+            raise ValueError("--models-memory: %s" % e)
+    shelf = Shelf(lambda entry: start_worker(entry, args, decode_lock), dirs=args.models_dir,
+                  preset=preset, models_max=args.models_max, memory=memory,
+                  autoload=args.models_autoload, sleep_idle=args.sleep_idle_seconds,
+                  fallback=not (args.models_dir or args.models_preset))
+    text = fim = None
+    if args.model:
+        stem = os.path.basename(args.model)
+        names = list(args.alias) or [stem]
+        if stem.lower().endswith(".gguf"):
+            names.append(stem[:-len(".gguf")])
+        text = shelf.add(ModelEntry(id=names[0], aliases=names[1:],
+                                    path=os.path.abspath(args.model),
+                                    settings={"chat_template": args.chat_template}))
+    if args.fim_model and not (args.model and os.path.abspath(args.fim_model)
+                               == os.path.abspath(args.model)):
+        stem = os.path.basename(args.fim_model)
+        names = [stem] + ([stem[:-len(".gguf")]] if stem.lower().endswith(".gguf") else [])
+        fim = shelf.add(ModelEntry(id=names[0], aliases=names[1:], pinned=True,
+                                   path=os.path.abspath(args.fim_model)))
+    elif args.fim_model:
+        text.pinned = True
+    shelf.rescan()
+    for name in args.pin:
+        e = shelf.find(name)
+        if e is None:
+            raise ValueError("--pin %s: no such model on the shelf" % name)
+        e.pinned = True
+    return shelf, text, fim

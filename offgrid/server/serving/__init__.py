@@ -1,0 +1,1 @@
+"""Serving requests: the Service, supersede, the disconnect watcher, the counters."""
