@@ -78,7 +78,7 @@ def embed(h, entry, inputs, what, normalize=2, truncate=False):
             sent += out["vectors"]
             counts += out["n_tokens"]
     finally:
-        svc.watcher.unwatch(sock)
+        svc.watcher.unwatch(sock, cancel)
     if entry.info.pooling == "none":
         vectors = [[protocol.decode_vector(r) for r in rows] for rows in sent]
     else:
