@@ -219,6 +219,15 @@ def parse_args(argv=None):
                    help="memory ceiling of each model's worker process in MiB; past it the "
                    "worker is killed and restarted (default: model file + KV cache + "
                    "a margin; 0: none)")
+    p.add_argument("--front-max-rss", type=float, default=None, metavar="MIB",
+                   help="memory ceiling of the front process (HTTP, queues, responses) in "
+                   "MiB: past three quarters of it new work gets 503 until running requests "
+                   "finish (default: 4096, or half the RAM if less; 0: none)")
+    p.add_argument("--worker-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a loaded model's worker that does not answer its heartbeat for this "
+                   "long (or makes no decode step for 4 times this with generations running, "
+                   "or leaves a call unanswered for 10 times this) is stuck: it is killed and "
+                   "restarted, and its requests get a 500 naming the model (default: 30)")
     p.add_argument("-v", "--verbose", action="store_true", help="log requests and libllama")
     p.add_argument("--version", action="version", version="offgrid " + __version__)
     args = p.parse_args(argv)
@@ -287,6 +296,7 @@ def main(argv=None):
                         format="%(levelname)s %(name)s: %(message)s")
     from .server.api.routes import APP
     from .server.httpd.httperrors import HTTPError
+    from .server.httpd.frontmem import ceiling_from_flag
     from .server.httpd.server import make_server
     from .server.models.launch import build_shelf
     from .server.serving.service import Service
@@ -304,7 +314,8 @@ def main(argv=None):
               "this address can use the server (set --api-key)" % args.host, file=sys.stderr)
     try:
         httpd = make_server(args.host, args.port, APP, None, api_keys, args.cors_origin,
-                            args.max_body, args.verbose, args.timeout, args.read_timeout)
+                            args.max_body, args.verbose, args.timeout, args.read_timeout,
+                            ceiling_from_flag(args.front_max_rss))
     except OSError as e:
         print("offgrid: cannot listen on %s:%d: %s" % (args.host, args.port, e), file=sys.stderr)
         return 1

@@ -25,16 +25,23 @@ Front -> worker
     back each keystroke).
     {"op": "cancel", "id": N, "reason": TEXT}
         stop request N; a running decode stops within one graph node
+    {"op": "ping", "seq": N}
+        the heartbeat: answered at once by a pong, whatever runs
 Worker -> front
     {"op": "ready", "info": {...}}      once, when the model and its sessions are loaded
                                         (a ModelInfo)
     {"op": "failed", "error": ERR}      instead of "ready": the model did not load
     {"op": "progress", "value": F}      while loading: the fraction libllama has read
+    {"op": "sizing", "kv_bytes": N, "file_size": M}
+                                        while loading, before the KV caches are made:
+                                        what they will take (the default memory ceiling)
     {"op": "fatal", "error": ERR}       last words: ggml is aborting the process; the
                                         requests running get ERR (an RpcUnavailable)
     {"op": "piece", "id": N, "text": TEXT[, "probs": PROBS]}
     {"op": "delta", "id": N, "delta": {"content"|"reasoning_content"|"tool_call": ...}
                                      [, "probs": PROBS]}
+    {"op": "pong", "seq": N, "steps": S, "running": R}
+                                        S decode steps made so far, R generations running
     {"op": "result", "id": N, "value": VALUE}
     {"op": "error", "id": N, "error": ERR}
 An embedding (the "embed" call) travels as encode_vector(): the base64 of
@@ -88,11 +95,12 @@ def encode(obj):
     return _HEADER.pack(len(data)) + data
 
 
-def read_frame(f):
-    """The next object from the binary stream ``f``; None at a clean end of stream."""
+def read_frame(f, sized=False):
+    """The next object from the binary stream ``f``; None at a clean end of stream.
+    ``sized``: (object, its frame's bytes), (None, 0) at the end."""
     head = f.read(_HEADER.size)
     if not head:
-        return None
+        return (None, 0) if sized else None
     if len(head) < _HEADER.size:
         raise ProtocolError("stream ended inside a frame header")
     (n,) = _HEADER.unpack(head)
@@ -101,7 +109,8 @@ def read_frame(f):
     data = f.read(n)
     if len(data) < n:
         raise ProtocolError("stream ended inside a frame")
-    return json.loads(data.decode("utf-8", "surrogatepass"))
+    obj = json.loads(data.decode("utf-8", "surrogatepass"))
+    return (obj, n) if sized else obj
 
 
 # -- errors ---------------------------------------------------------------------------

@@ -43,6 +43,7 @@ import re
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
+from .. import jsonlimit
 from .template import ToolCall, new_tool_call_id
 
 _WS = " \t\n\r\v\f"
@@ -128,7 +129,7 @@ def _skip_ws(text, i):
 def _arguments_text(args):
     if isinstance(args, str):
         try:
-            json.loads(args)
+            jsonlimit.loads(args)
             return args
         except ValueError:
             return json.dumps(args, ensure_ascii=False)
@@ -164,7 +165,7 @@ def _xml_value(raw):
     v = raw[1:] if raw.startswith("\n") else raw
     v = v[:-1] if v.endswith("\n") else v
     try:
-        parsed = json.loads(v)
+        parsed = jsonlimit.loads(v)
         if not isinstance(parsed, str):
             return parsed
     except ValueError:

@@ -17,6 +17,7 @@ built-in templates): this package never imports the engine or libllama.
 import json
 import threading
 
+from .. import jsonlimit
 from . import template as chat_engine
 from .template import ChatTemplateError
 
@@ -77,7 +78,7 @@ class BuiltinTemplate:
 
 def _json_or_text(s):
     try:
-        return json.loads(s)
+        return jsonlimit.loads(s)
     except ValueError:
         return s
 

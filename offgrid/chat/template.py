@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from . import jinja
+from .. import jsonlimit
 from ..errors import InvalidRequest
 from ..request import Message, Tool, ToolCall  # noqa: F401  (the typed chat request)
 from .jsonschema import Grammar, json_literal, literal
@@ -38,6 +39,23 @@ from .jsonschema import Grammar, json_literal, literal
 
 class ChatTemplateError(InvalidRequest):
     """The template could not render these messages (it refused them, or failed)."""
+
+
+class TemplateBudgetError(ChatTemplateError):
+    """The template ran past its budget of steps, size or time (jinja.Budget): at load
+    the model cannot be used; for a request, its messages are too much for it."""
+
+
+# What probing a template at load may spend, all probes together: a real
+# template needs a few thousand steps a probe (the largest of llama.cpp's
+# seventy about 9,000 for a short conversation), a template that loops for good
+# fails the load within seconds instead of spinning a core.
+LOAD_STEPS = 2_000_000
+LOAD_SECONDS = 10.0
+
+
+def load_budget():
+    return jinja.Budget(max_steps=LOAD_STEPS, seconds=LOAD_SECONDS)
 
 
 # ---------------------------------------------------------------------------
@@ -82,7 +100,7 @@ def _tracked(v):
     return v
 
 
-def _probe(template, messages, tools=None, extra=None):
+def _probe(template, budget, messages, tools=None, extra=None):
     """Render sample inputs with usage statistics: (ok, variables, output, stats)."""
     variables = {"messages": _tracked(messages), "tools": _tracked(tools or []),
                  "bos_token": jinja.TrackedStr(""), "eos_token": jinja.TrackedStr(""),
@@ -90,8 +108,13 @@ def _probe(template, messages, tools=None, extra=None):
     variables.update(extra or {})
     stats = jinja.Stats()
     try:
-        out = template.render(variables, stats=stats)
+        out = template.render(variables, stats=stats, budget=budget)
         return True, variables, out, stats
+    except jinja.BudgetExceeded as e:       # no answer at all: the template is unusable
+        raise TemplateBudgetError("the chat template ran past its budget while it was "
+                                  "probed: %s" % e)
+    except MemoryError:     # past the worker's memory ceiling (engine/lifeline.py)
+        raise TemplateBudgetError("the chat template ran out of memory while it was probed")
     except Exception:       # a probe that fails is an answer, not an error
         return False, variables, "", stats
 
@@ -113,12 +136,16 @@ def _probe_tool_messages(args, n_calls=1):
             {"role": "user", "content": "User message"}]
 
 
-def detect_caps(template):
-    """llama-server's caps_get(): which inputs the template reads, and how."""
+def detect_caps(template, budget=None):
+    """llama-server's caps_get(): which inputs the template reads, and how.
+
+    ``budget`` (a jinja.Budget) is what all the probes may spend together;
+    past it TemplateBudgetError."""
+    budget = budget or load_budget()
     caps = Caps()
     marker = "STRING_MARKER"
 
-    ok, v, out, st = _probe(template, [{"role": "user", "content": marker}])
+    ok, v, out, st = _probe(template, budget, [{"role": "user", "content": marker}])
     content = v["messages"][0]["content"]
     checks_for_string = st.has_op(content, "test_is_string")
     as_array = st.has_op(content, "selectattr") or st.has_op(content, "array_access")
@@ -127,17 +154,17 @@ def detect_caps(template):
     if not ok or (as_array and marker not in out):
         caps.supports_string_content = False
     if checks_for_string:
-        ok, v, out, st = _probe(template, [{"role": "user", "content": []}])
+        ok, v, out, st = _probe(template, budget, [{"role": "user", "content": []}])
         content = v["messages"][0]["content"]
         if ok and (st.has_op(content, "selectattr") or st.has_op(content, "array_access")):
             caps.supports_typed_content = True
 
-    ok, v, out, st = _probe(template, [{"role": "system", "content": "System message"},
+    ok, v, out, st = _probe(template, budget, [{"role": "system", "content": "System message"},
                                        {"role": "user", "content": "User message"}])
     if not st.was_used(v["messages"][0]["content"]):
         caps.supports_system_role = False
 
-    ok, v, out, st = _probe(template, _probe_tool_messages({"arg": "value"}), _PROBE_TOOLS)
+    ok, v, out, st = _probe(template, budget, _probe_tool_messages({"arg": "value"}), _PROBE_TOOLS)
     if ok:
         if not st.was_used(v["tools"][0]["function"]["name"]):
             caps.supports_tools = False
@@ -147,7 +174,7 @@ def detect_caps(template):
         elif st.was_used(calls[0]["function"]["arguments"]["arg"]):
             caps.supports_object_arguments = True
     if not caps.supports_object_arguments:
-        ok, v, out, st = _probe(template, _probe_tool_messages('{"arg": "value"}'), _PROBE_TOOLS)
+        ok, v, out, st = _probe(template, budget, _probe_tool_messages('{"arg": "value"}'), _PROBE_TOOLS)
         if not ok:
             caps.supports_tool_calls = caps.supports_tools = False
         else:
@@ -157,7 +184,7 @@ def detect_caps(template):
                 caps.supports_tool_calls = False
 
     args = {"arg": "value"} if caps.supports_object_arguments else '{"arg": "value"}'
-    ok, v, out, st = _probe(template, _probe_tool_messages(args, 2), _PROBE_TOOLS)
+    ok, v, out, st = _probe(template, budget, _probe_tool_messages(args, 2), _PROBE_TOOLS)
     if not ok or not st.was_used(v["messages"][1]["tool_calls"][1]["function"]):
         caps.supports_parallel_tool_calls = False
 
@@ -168,13 +195,13 @@ def detect_caps(template):
             {"role": "assistant", "content": "Assistant message",
              "reasoning_content": "Reasoning content"},
             {"role": "user", "content": "User message"}]
-    ok, v, out, st = _probe(template, msgs, extra=dict(_preserve_reasoning_vars(True),
+    ok, v, out, st = _probe(template, budget, msgs, extra=dict(_preserve_reasoning_vars(True),
                                                         enable_thinking=True))
     if placeholder in out:
         caps.supports_preserve_reasoning = True
 
     effort = jinja.TrackedStr("low")
-    ok, v, out, st = _probe(template, [{"role": "user", "content": "User message"}],
+    ok, v, out, st = _probe(template, budget, [{"role": "user", "content": "User message"}],
                             extra={"enable_thinking": True, "reasoning_effort": effort,
                                    "reasoning_strength": effort})
     caps.supports_reasoning_effort = st.was_used(effort)
@@ -314,7 +341,7 @@ def _gemma4_tool_responses(messages):
             resp = r.get("content")
             if isinstance(resp, str):
                 try:
-                    resp = json.loads(resp)
+                    resp = jsonlimit.loads(resp)
                 except ValueError:
                     pass
             name = ""
@@ -459,13 +486,14 @@ class ChatTemplate:
         self.source = self.template.source
         self.bos_token, self.eos_token = bos_token, eos_token
         self.add_bos, self.add_eos = add_bos, add_eos
-        self.caps = detect_caps(self.template)
+        budget = load_budget()
+        self.caps = detect_caps(self.template, budget)
         self.family = template_family(self.source)
         self.tool_syntax = tool_syntax_of(self.source)
         self.call_form = call_form_of(self.source, self.tool_syntax)
         self.reasoning_markers = reasoning_markers_of(self.source)
         self.supports_thinking, self.reasoning_start, self.reasoning_end = \
-            self._analyze_reasoning()
+            self._analyze_reasoning(budget)
 
     # -- rendering -------------------------------------------------------------
     def render(self, messages, tools=(), add_generation_prompt=True, enable_thinking=None,
@@ -549,8 +577,11 @@ class ChatTemplate:
                 break
         return fmt
 
+    def _render_probe(self, budget, *args):
+        return self._render(*args, budget=budget)
+
     def _render(self, messages, tools, add_generation_prompt, enable_thinking, kwargs, now,
-                json_schema):
+                json_schema, budget=None):
         src = self.source
         if enable_thinking is None:
             enable_thinking = self.supports_thinking
@@ -576,7 +607,7 @@ class ChatTemplate:
                     args = tc["function"]["arguments"]
                     if isinstance(args, str):
                         try:
-                            tc["function"]["arguments"] = json.loads(args)
+                            tc["function"]["arguments"] = jsonlimit.loads(args)
                         except ValueError as e:
                             raise ChatTemplateError("tool call arguments are not valid JSON: %s"
                                                     % e)
@@ -605,7 +636,11 @@ class ChatTemplate:
         if isinstance(effort, str) and effort:
             variables.setdefault("reasoning_strength", effort)
         try:
-            text = self.template.render(variables, now=now)
+            text = self.template.render(variables, now=now, budget=budget)
+        except jinja.BudgetExceeded as e:
+            raise TemplateBudgetError("the chat template ran past its budget: %s" % e)
+        except MemoryError:
+            raise TemplateBudgetError("the chat template ran out of memory")
         except jinja.TemplateRaised as e:
             raise ChatTemplateError("the chat template refused these messages: %s" % e.message)
         except jinja.TemplateError as e:
@@ -655,7 +690,7 @@ class ChatTemplate:
             j["content"] = "\n".join(p["text"] for p in c)
         return j
 
-    def _analyze_reasoning(self):
+    def _analyze_reasoning(self, budget=None):
         """(supports_thinking, start, end): whether llama-server calls this template
         thinking-capable, and the reasoning delimiters as the template writes them.
 
@@ -679,7 +714,7 @@ class ChatTemplate:
         user = Message("user", "U_USER_MSG Hello END_U")
         thought = "REASON_PART I am thinking END_R"
         try:
-            with_r = self._render([user, Message("assistant", "A_ASST_MSG I can help END_A",
+            with_r = self._render_probe(budget, [user, Message("assistant", "A_ASST_MSG I can help END_A",
                                                  reasoning_content=thought)],
                                   (), False, True, None, None, None)
             k = with_r.find(thought)
@@ -687,8 +722,10 @@ class ChatTemplate:
             if after:                   # reasoning is written back between markers
                 before = _BEFORE.search(with_r[:k])
                 return True, before.group(0) if before else "", after.group(0)
-            on = self._render([user], (), True, True, None, None, None)
-            off = self._render([user], (), True, False, None, None, None)
+            on = self._render_probe(budget, [user], (), True, True, None, None, None)
+            off = self._render_probe(budget, [user], (), True, False, None, None, None)
+        except TemplateBudgetError:
+            raise
         except ChatTemplateError:
             return known, "", ""
         toggled, start = _toggle_adds_markers(off, on)

@@ -111,7 +111,8 @@ SEQ_GAP = 1     # scratch for text inserted before a reused run (_evaluate_gap)
 SEQ_PIN = 2
 
 
-def _context_size(model, n_ctx):
+def context_size(model, n_ctx):
+    """The cells of one session's context: -c, 0 for the model's own, never past it."""
     if not n_ctx or n_ctx <= 0:     # 0: the model's own context, as llama-server's -c 0
         n_ctx = model.n_ctx_train if model.n_ctx_train > 0 else 4096
     return min(n_ctx, model.n_ctx_train) if model.n_ctx_train > 0 else n_ctx
@@ -135,7 +136,7 @@ def shared_decoder(model, n_sessions, n_ctx=4096, n_batch=512, n_ubatch=None, sw
                            % model.name)
     if threads is None:
         threads = decode_threads(model, n_threads, n_threads_batch)
-    n_ctx = _context_size(model, n_ctx)
+    n_ctx = context_size(model, n_ctx)
     n_gen, n_batch_threads = threads.generation.max_threads, threads.batch.max_threads
     ctx = libllama.ContextHandle(
         model.lib, model.handle, n_ctx * n_sessions, n_batch, n_ubatch or n_batch, n_gen,

@@ -49,7 +49,7 @@ from .fill import IdleFill
 from .infill import layout_infill
 from .model import Model
 from .pacing import StreamPacer
-from .session import (ChatSession, decode_threads, pause_pools, shared_decoder,
+from .session import (ChatSession, context_size, decode_threads, pause_pools, shared_decoder,
                       take_turns_with)
 
 
@@ -116,11 +116,17 @@ class Loaded:
         self.embedder = embedder or Embedder.for_model(model, n_ctx=sessions[0].n_ctx)
 
     @classmethod
-    def load(cls, args, progress=True, on_rpc_stall=None):
+    def load(cls, args, progress=True, on_rpc_stall=None, on_sized=None):
+        """The model and its sessions; ``on_sized(kv_bytes)`` is called once the
+        model's shape is known and before its KV caches are made (the front's
+        memory ceiling depends on them)."""
         model = Model.load(args.model, lib_path=args.lib, verbose=args.verbose,
                            progress=progress, rpc_endpoints=rpc.split_endpoints(args.rpc),
                            n_gpu_layers=args.n_gpu_layers, tensor_split=args.tensor_split,
                            repack=not args.no_repack, on_rpc_stall=on_rpc_stall)
+        if on_sized is not None:
+            n_sessions = max(1, args.parallel)
+            on_sized(kv_bytes_of(model.meta, context_size(model, args.ctx_size) * n_sessions))
         sessions = []
         decoder = None
         threads = decode_threads(model, args.threads, args.threads_batch)
@@ -170,20 +176,25 @@ class Loaded:
 
     def kv_bytes(self):
         """The KV caches' size, from the model's shape (f16 keys and values)."""
-        meta, s = self.model.meta, self.sessions[0]
-        arch = meta.get("general.architecture", "")
+        return kv_bytes_of(self.model.meta, self.sessions[0].n_ctx * len(self.sessions))
 
-        def num(key, default=0):
-            try:
-                return int(meta.get("%s.%s" % (arch, key), default))
-            except (TypeError, ValueError):
-                return default
-        n_head = num("attention.head_count", 1) or 1
-        head = num("embedding_length", 0) // n_head
-        n_kv = num("attention.head_count_kv", n_head)
-        per_token = num("block_count") * n_kv * (num("attention.key_length", head)
-                                                 + num("attention.value_length", head)) * 2
-        return per_token * s.n_ctx * len(self.sessions)
+
+def kv_bytes_of(meta, n_cells):
+    """Bytes of a KV cache of ``n_cells`` tokens for a model of this metadata (f16 keys
+    and values)."""
+    arch = meta.get("general.architecture", "")
+
+    def num(key, default=0):
+        try:
+            return int(meta.get("%s.%s" % (arch, key), default))
+        except (TypeError, ValueError):
+            return default
+    n_head = num("attention.head_count", 1) or 1
+    head = num("embedding_length", 0) // n_head
+    n_kv = num("attention.head_count_kv", n_head)
+    per_token = num("block_count") * n_kv * (num("attention.key_length", head)
+                                             + num("attention.value_length", head)) * 2
+    return per_token * n_cells
 
 
 class Worker:
@@ -264,7 +275,14 @@ class Worker:
             if frame is None:
                 return None
             op = frame.get("op")
-            if op == "cancel":
+            if op == "ping":
+                # the front's heartbeat (server/workers.py), answered by the thread
+                # that reads frames: neither libllama (its calls release the GIL)
+                # nor a template (Python switches threads every 5 ms) holds it up.
+                # It carries the decode steps made so far and the generations
+                # running, so the front also sees a decode that stopped moving.
+                self.send(self.pong(frame.get("seq")))
+            elif op == "cancel":
                 with self._lock:
                     cancel = self._cancels.get(frame["id"])
                 if cancel is not None:
@@ -278,6 +296,14 @@ class Worker:
             elif op == "call":
                 self.fill.busy()
                 return functools.partial(self._call, frame)
+
+    def pong(self, seq):
+        d = self.loaded.decoder
+        with self._lock:
+            running = len(self._cancels)
+        # no shared decoder (a test's sessions of their own): no steps to report
+        return {"op": "pong", "seq": seq, "steps": d.n_steps if d is not None else None,
+                "running": running}
 
     def _answer(self, rid, fn, *args):
         try:
@@ -574,6 +600,8 @@ class Worker:
             self.fill.want(session, fit[1], gen.cache_reuse)
         self.prompt_rate.observe(c.usage)
         c.usage.dropped = gen.prompt_dropped
+        if stream:
+            c.probs = None      # they went out with the pieces: not again in the result
         out = {"completion": protocol.encode_completion(c), "n_cached": len(cached)}
         if frame.get("want_cached"):
             # what the front does not have already: the cache after the
@@ -653,8 +681,13 @@ def main(argv=None):
     args = parse_args(argv)
     if args.decode_lock:
         take_turns_with(FileTurns(args.decode_lock, on_handoff=pause_pools))
-    inp, out = sys.stdin.buffer, sys.stdout.buffer
-    # nothing else may write to the frame stream: print() goes to stderr
+    inp = sys.stdin.buffer
+    # Nothing else may write to the frame stream: frames go to a descriptor of
+    # their own, and descriptor 1 becomes stderr, so that print() and whatever C
+    # writes to stdout (ggml's abort runs gdb for a backtrace, which printed
+    # "[New LWP ...]" into the frames) reach the terminal instead.
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
     sys.stdout = sys.stderr
     if args.verbose:
         # -v: the engine's own log lines (thread-count switches, ...) on stderr
@@ -694,8 +727,16 @@ def main(argv=None):
             libllama.on_ggml_abort(libllama.load(args.lib, verbose=args.verbose), last_word)
         except OffgridError:
             pass        # Loaded.load says what is wrong with the library
+    def sized(kv_bytes):
+        # what the KV caches will take, before they are made: the front's default
+        # memory ceiling counts them (server/workers.py)
+        with out_lock:
+            out.write(protocol.encode({"op": "sizing", "kv_bytes": kv_bytes,
+                                       "file_size": os.path.getsize(args.model)}))
+            out.flush()
+
     try:
-        loaded = Loaded.load(args, progress, stalled)
+        loaded = Loaded.load(args, progress, stalled, sized)
     except Exception as e:
         with out_lock:
             out.write(protocol.encode({"op": "failed", "error": protocol.encode_error(e)}))

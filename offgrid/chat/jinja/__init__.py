@@ -41,17 +41,20 @@ records nothing.
 
 Known differences from llama.cpp: strings here are sequences of characters
 where llama.cpp's are bytes, so ``length``, indexing and slicing differ for
-text outside ASCII; nothing else is known to differ.
+text outside ASCII; integers past 64 bits are an error here (llama.cpp's
+wrap); and every rendering has a budget (``Budget``: steps, sizes, time)
+past which it fails with ``BudgetExceeded``, where llama.cpp's would run on.
 """
 
 from .lexer import lex
 from .nodes import _Break, _Continue, render_parts
 from .parser import Parser
 from .values import (
-    Context, Stats, TemplateError, TemplateRaised, TemplateSyntaxError, TrackedStr, Unsupported)
+    Budget, BudgetExceeded, Context, Stats, TemplateError, TemplateRaised, TemplateSyntaxError,
+    TrackedStr, Unsupported)
 
 __all__ = ["Template", "TemplateError", "TemplateSyntaxError", "Unsupported", "TemplateRaised",
-           "Stats", "TrackedStr"]
+           "BudgetExceeded", "Budget", "Stats", "TrackedStr"]
 
 
 class Template:
@@ -61,14 +64,16 @@ class Template:
         tokens, self.source = lex(source)
         self.body = Parser(tokens, self.source).parse()
 
-    def render(self, variables=None, now=None, stats=None):
+    def render(self, variables=None, now=None, stats=None, budget=None):
         """The text the template produces for ``variables`` (a dict of plain values).
 
         ``now`` (a Unix time) is what ``strftime_now`` formats; ``stats``, a
-        Stats, records which values the rendering touched.  Templates may
-        modify the lists and dicts they are given, so pass copies.
+        Stats, records which values the rendering touched.  ``budget`` (a
+        Budget; by default a new one of the default size) bounds its steps,
+        sizes and time: past it, BudgetExceeded.  Templates may modify the
+        lists and dicts they are given, so pass copies.
         """
-        ctx = Context(variables, stats, now, self.source)
+        ctx = Context(variables, stats, now, self.source, budget)
         out = []
         try:
             for stmt in self.body:
@@ -77,4 +82,5 @@ class Template:
             raise TemplateError("{% break %} or {% continue %} outside a loop")
         except RecursionError:
             raise TemplateError("the template recurses too deeply")
+        ctx.budget.chars(sum(map(len, out)))       # the whole text, before it is joined
         return "".join(out)

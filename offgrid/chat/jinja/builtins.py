@@ -166,6 +166,9 @@ def _str_replace(a):
     s, old, new = str(a.pos(0)), a.pos(1), a.pos(2)
     if len(a) > 3 and as_int(a.pos(3)) > 0:
         raise Unsupported("replace() with a count is not supported")
+    if len(new) > len(old):     # the result's size, before it is built
+        n = s.count(old) if old else len(s) + 1
+        a.ctx.budget.chars(len(s) + n * (len(new) - len(old)))
     return s.replace(old, new) if old != new else s
 
 
@@ -259,11 +262,13 @@ def _str_indent(a):
     if kind(s) != "str":
         raise TemplateError("indent() first argument must be a string")
     if kind(width) == "int":
+        a.ctx.budget.chars(width)
         pad = " " * width
     elif kind(width) == "str":
         pad = width
     else:
         pad = "    "
+    a.ctx.budget.chars(len(s) + (s.count("\n") + 1) * len(pad))    # before it is built
     lines = s.split("\n") if s else []
     if s.endswith("\n"):
         lines.pop()
@@ -356,6 +361,7 @@ def _join(a):
         if kind(item) not in ("str", "int", "float"):
             raise TemplateError("join() can only join arrays of strings or numbers")
         parts.append(to_str(item))
+    a.ctx.budget.chars(sum(map(len, parts)) + len(delim) * max(0, len(parts) - 1))
     return delim.join(parts)
 
 

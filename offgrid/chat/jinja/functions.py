@@ -39,7 +39,7 @@ def _tojson(a):
     seps = list(separators) if kind(separators) in ("array", "tuple") else []
     item_sep = to_str(seps[0]) if seps else (", " if ind < 0 else ",")
     key_sep = to_str(seps[1]) if len(seps) > 1 else ": "
-    return to_json(a.pos(0), ind, item_sep, key_sep, truthy(ensure_ascii))
+    return to_json(a.pos(0), ind, item_sep, key_sep, truthy(ensure_ascii), a.ctx.budget)
 
 
 def _dict(a):
@@ -92,6 +92,7 @@ def _range(a):
         start, stop, step = vals
     if step == 0:
         raise TemplateError("range() step argument must not be zero")
+    a.ctx.budget.items(len(range(start, stop, step)))      # before the list is made
     return list(range(start, stop, step))
 
 

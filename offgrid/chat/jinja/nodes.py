@@ -39,8 +39,14 @@ class Node:
     label = "statement"
 
     def run(self, ctx):
+        # every evaluation is a step of the rendering's budget (values.Budget),
+        # and every result is held to its sizes
+        budget = ctx.budget
+        budget.steps += 1
         try:
-            return self.eval(ctx)
+            if not budget.steps & 1023:
+                budget.check()
+            return budget.value(self.eval(ctx))
         except (_Break, _Continue):
             raise
         except TemplateError as e:
@@ -70,6 +76,7 @@ def run_body(stmts, ctx):
     out = []
     for s in stmts:
         render_parts(s.run(ctx), out)
+    ctx.budget.chars(sum(map(len, out)))
     return "".join(out)
 
 
@@ -195,7 +202,10 @@ class Binary(Node):
             x, y = float(a), float(b)
             if op in ("+", "-", "*"):
                 if not is_float:
-                    return a + b if op == "+" else (a - b if op == "-" else a * b)
+                    if op == "*" and a.bit_length() + b.bit_length() > 66:
+                        ctx.budget.integer(1 << 64)         # before the multiplication
+                    return ctx.budget.integer(a + b if op == "+" else (a - b if op == "-"
+                                                                      else a * b))
                 return x + y if op == "+" else (x - y if op == "-" else x * y)
             if op == "/":
                 if y == 0:      # IEEE division, as in C++
@@ -218,14 +228,19 @@ class Binary(Node):
                 return x <= y
         if ka in ("array", "tuple") and kb in ("array", "tuple"):
             if op == "+":
+                ctx.budget.items(len(a) + len(b))
                 return list(a) + list(b)
         elif kb in ("array", "tuple") and membership:
             found = _test_in(Args(ctx, [a, b], "in"))
             return found if op == "in" else not found
         if (ka == "str" or kb == "str") and op in ("~", "+"):
-            return to_str(a) + to_str(b)
+            a, b = to_str(a), to_str(b)
+            ctx.budget.chars(len(a) + len(b))
+            return a + b
         if op == "*" and ((ka == "str" and kb == "int") or (ka == "int" and kb == "str")):
-            return (a if ka == "str" else b) * max(0, b if kb == "int" else a)
+            s, n = (a, b) if ka == "str" else (b, a)
+            ctx.budget.chars(len(s) * max(0, n))    # before it is built
+            return s * max(0, n)
         if ka == "str" and kb == "str" and membership:
             found = _test_in(Args(ctx, [a, b], "in"))
             return found if op == "in" else not found

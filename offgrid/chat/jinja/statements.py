@@ -57,7 +57,9 @@ class For(Node):
 
         target = self.target
         kept, values = [], []
+        budget = ctx.budget
         for item in items:
+            budget.tick()       # a turn is a step, whether or not its body has any
             if type(target) is Name:
                 current = item[0] if k == "object" else item
                 bind = [(target.name, current)]
@@ -88,6 +90,7 @@ class For(Node):
         n = len(kept)
         no_iteration = True
         for i in range(n):
+            budget.tick()
             loop = Loop(index=i + 1, index0=i, revindex=n - i, revindex0=n - i - 1,
                         first=i == 0, last=i == n - 1, length=n,
                         previtem=kept[i - 1] if i > 0 else Undefined("previtem"),
@@ -106,6 +109,7 @@ class For(Node):
         if no_iteration:
             for stmt in self.orelse:
                 render_parts(stmt.run(ctx), out)
+        budget.chars(sum(map(len, out)))
         return "".join(out)
 
 

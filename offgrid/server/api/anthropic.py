@@ -26,6 +26,7 @@ documents and Anthropic's server tools are refused with a 400.
 
 import json
 
+from ... import jsonlimit
 from ...request import FinishReason, Message, ToolCall
 from . import formats, openai_chat as chat, pipeline
 from ..httpd.httperrors import BadRequest
@@ -203,7 +204,7 @@ def stop_reason(c):
 
 def _tool_use(tc):
     try:
-        args = json.loads(tc["arguments"] or "{}")
+        args = jsonlimit.loads(tc["arguments"] or "{}")
     except ValueError:
         args = {}
     return {"type": "tool_use", "id": tc["id"], "name": tc["name"],

@@ -79,7 +79,7 @@ def embed(h, entry, inputs, what, normalize=2, truncate=False):
             counts += out["n_tokens"]
             count_work(svc, out)
     finally:
-        svc.watcher.unwatch(sock)
+        svc.watcher.unwatch(sock, cancel)
     if entry.info.pooling == "none":
         vectors = [[protocol.decode_vector(r) for r in rows] for rows in sent]
     else:

@@ -12,6 +12,7 @@ on /v1/messages.
 """
 
 import logging
+import traceback
 
 from ... import errors
 from ..httpd.httperrors import (BadRequest, ContextExceeded, HTTPError, NotImplementedByModel,
@@ -78,15 +79,31 @@ def error_event(dialect="openai"):
     return "error" if dialect in ("anthropic", "responses") else None
 
 
+def log_internal(exc, what):
+    """A bug met by one request: one line naming where (the whole traceback with -v).
+
+    One line, because a request can make the traceback huge (a RecursionError's
+    thousand frames were 217 KB of log for a 1.2 KB request), and many
+    requests can make many of them.
+    """
+    if log.isEnabledFor(logging.INFO):      # -v
+        log.error("internal error on %s", what, exc_info=exc)
+        return
+    where = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+    at = " at %s:%d in %s" % (where[0].filename, where[0].lineno, where[0].name) if where else ""
+    log.error("internal error on %s: %s: %.200s%s (run with -v for the traceback)",
+              what, type(exc).__name__, exc, at)
+
+
 def respond(exc, what, dialect, service=None):
     """The one error exit: (HTTPError, body, stream event name) for ``exc`` in ``dialect``.
 
     ``what`` ("METHOD /path") names the request in the log: an exception that
-    is not ours is logged with its traceback; a 5xx counts in /metrics.
+    is not ours is logged (``log_internal``); a 5xx counts in /metrics.
     """
     err = to_http_error(exc)
     if err.status >= 500 and not isinstance(exc, (HTTPError, errors.OffgridError)):
-        log.error("internal error on %s", what, exc_info=exc)
+        log_internal(exc, what)
     if service is not None and err.status >= 500:
         service.metrics.error()
     return err, error_body(err, dialect), error_event(dialect)

@@ -32,10 +32,13 @@ MAX_N_PREDICT = 2 ** 31 - 1
 MAX_REPEAT_LAST_N = 1 << 20
 # Token probabilities: llama-server sets no upper bound on n_probs (it clips
 # to the vocabulary), but each generated token then carries n_probs entries
-# in the response: a bound keeps one request from asking for megabytes per
-# token.  OpenAI's own bounds are top_logprobs <= 20, logprobs <= 5.
-MAX_N_PROBS = 1024
-MAX_TOP_LOGPROBS = 20
+# in the response (95 KB of JSON and 1 MB of the front's memory per token at
+# 1024).  Every field that asks for alternatives is held to OpenAI's bound
+# on top_logprobs, 20 (its logprobs on /v1/completions is 5; llama-server
+# allows more, and so does this, up to the same 20); server/budget.py bounds
+# what a whole response may hold.
+MAX_N_PROBS = 20
+MAX_TOP_LOGPROBS = MAX_N_PROBS
 
 
 class Fields:
@@ -557,7 +560,7 @@ def native_probs_from(f, gen, n_vocab):
     ``post_sampling_probs``, set on ``gen``.  As llama-server: 0 or less is off,
     more than the vocabulary is the vocabulary."""
     name = "n_probs" if f.has("n_probs") else "logprobs"
-    n = f.int(name, 0, hi=MAX_N_PROBS)
+    n = _alternatives(f, name, None)
     post = f.bool("post_sampling_probs", False)
     if n > 0:
         gen.with_probs, gen.n_probs = True, min(n, n_vocab)
@@ -572,7 +575,7 @@ def chat_probs_from(f, gen):
     top_logprobs without logprobs, and so does this.
     """
     on = f.bool("logprobs", False)
-    top = f.int("top_logprobs", 0, lo=0, hi=MAX_TOP_LOGPROBS)
+    top = _alternatives(f, "top_logprobs", 0)
     if f.has("top_logprobs") and not on:
         raise BadRequest("top_logprobs requires logprobs to be set to true")
     if on:
@@ -587,5 +590,14 @@ def completion_probs_from(f, gen, n_vocab):
         return
     if f.raw("logprobs") is False:      # some clients send false for "none"
         return
-    n = f.int("logprobs", 0, lo=0, hi=MAX_N_PROBS)
+    n = _alternatives(f, "logprobs", 0)
     gen.with_probs, gen.n_probs = True, min(n, n_vocab)
+
+
+def _alternatives(f, name, lo):
+    """A count of alternative tokens per generated token, at most MAX_N_PROBS."""
+    n = f.int(name, 0, lo=lo)
+    if n > MAX_N_PROBS:
+        raise BadRequest("'%s' is at most %d (OpenAI's bound on top_logprobs): each generated "
+                         "token carries that many alternatives, got %d" % (name, MAX_N_PROBS, n))
+    return n

@@ -53,6 +53,7 @@ import datetime
 import json
 import time
 
+from ... import jsonlimit
 from ...request import FinishReason, InfillRequest, Message
 from . import embeddings, openai_chat as chat, pipeline
 from ..httpd.httperrors import BadRequest, NotImplementedByModel
@@ -87,9 +88,13 @@ def _now():
 
 
 def rfc3339(t):
-    """A POSIX time as Ollama writes times: RFC 3339, UTC."""
-    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc) \
-        .isoformat().replace("+00:00", "Z")
+    """A POSIX time as Ollama writes times: RFC 3339, UTC; one past the calendar (a
+    file's odd mtime, a far expiry) is its last second rather than an error."""
+    try:
+        d = datetime.datetime.fromtimestamp(t, datetime.timezone.utc)
+    except (OverflowError, ValueError, OSError):
+        return "9999-12-31T23:59:59Z" if t > 0 else "0001-01-01T00:00:00Z"
+    return d.isoformat().replace("+00:00", "Z")
 
 
 def model_name(f, required=True):
@@ -221,8 +226,8 @@ def generate(h, body):
     what = "POST /api/generate"
     plan = None
     if suffix:
-        if not entry.has_fim:
-            entry = svc.fim
+        if not entry.has_fim and svc.fim is not None:
+            entry = svc.fim         # --fim-model, or the default model (none on a router)
         if not entry.has_fim:
             raise BadRequest("%s does not support insert: it has no fill-in-the-middle tokens"
                              % json.dumps(name))
@@ -327,7 +332,7 @@ def _tools_from(v):
 def _arguments(text):
     """A tool call's arguments as an object (Ollama's shape), from the reply's JSON text."""
     try:
-        args = json.loads(text or "{}")
+        args = jsonlimit.loads(text or "{}")
     except ValueError:
         args = None
     return args if isinstance(args, dict) else {}

@@ -9,7 +9,9 @@ pipeline does the rest, once for every dialect (llama.cpp's
 
     jobs      each prompt ``n`` times, numbered as llama-server numbers its
               child tasks: the prompts in order, each followed by its
-              further choices; at most MAX_JOBS of them
+              further choices; at most MAX_JOBS of them, and what a response
+              that is not streamed would hold of token probabilities at most
+              budget.MAX_PROB_ENTRIES
     seeds     choice k of a prompt samples with ``seed + k``
     cancel    one RequestCancel for the whole request: the client hanging up
               (the disconnect watcher), a newer request with the same
@@ -35,6 +37,7 @@ from typing import List, Optional
 
 from ...request import GenerationParams, PromptProgress
 from ..httpd.httperrors import BadRequest
+from . import budget
 
 # Jobs (prompts x choices) one request may create.  Each waits for a session
 # of its own, so one request could otherwise fill a model's queue (64 prompts
@@ -125,6 +128,8 @@ def jobs_of(g):
         raise BadRequest("this request asks for %d generations (%d prompts x %d choices); "
                          "at most %d are allowed in one request"
                          % (n_jobs, len(g.prompts), g.n, MAX_JOBS))
+    # what the response would hold of token probabilities, if it does not stream
+    budget.check_probs(g.gen, n_jobs, g.entry.n_ctx, g.stream)
     jobs = [Job(i, p, k) for i, (p, k) in
             enumerate((p, k) for p in g.prompts for k in range(g.n))]
     base_seed = g.gen.sampling.seed

@@ -3,7 +3,6 @@
 None of these loads a model: they read the shelf as it is.
 """
 
-from ...errors import OffgridError
 from ...request import GenerationParams
 from ..httpd.httperrors import HTTPError, Unavailable
 from . import formats, router_models
@@ -25,10 +24,12 @@ def health(h, _body):
         h.send_json(503, _unhealthy("shutting down", "server is shutting down"))
     else:
         entries = svc.entries
-        models = [{"id": e.id, "status": e.status} for e in entries]
+        models = [{"id": e.id, "status": _health_status(e)} for e in entries]
         # a model can serve if it is loaded, or a request may load it; not while its
-        # worker restarts after a death, nor when it cannot load at all
-        servable = [e for e in entries if e.status in ("loaded", "unloaded", "sleeping")
+        # worker restarts after a death, nor when it cannot load at all, nor while
+        # its worker misses its heartbeat
+        servable = [e for e in entries if _health_status(e) in ("loaded", "unloaded",
+                                                                  "sleeping")
                     or (e.status == "loading" and e.worker is None)]
         if entries and not servable:
             h.send_json(503, _unhealthy("loading", "Loading model", models=models))
@@ -43,13 +44,18 @@ def _threads_of(entry):
 
 
 def _ask(entry, op):
-    """A loaded model's worker's answer to ``op``, or None while it is not there to ask."""
-    if entry.state != "ready":
-        return None
-    try:
-        return entry.call(op, op)
-    except (OffgridError, Unavailable):
-        return None         # it died just now
+    """A loaded model's worker's answer to ``op``, or None while it is not there to ask:
+    within a second, else its last answer (reading the shelf never waits on a worker)."""
+    return entry.peek(op)
+
+
+def _health_status(entry):
+    """A model's status for /health and /slots: "unresponsive" while its worker misses
+    heartbeats (models/worker_client.py kills and restarts it soon after)."""
+    w = entry.worker
+    if w is not None and w.unresponsive:
+        return "unresponsive"
+    return entry.status
 
 
 def props(h, _body):
@@ -118,15 +124,11 @@ def slots(h, _body):
             continue        # not loaded: no sessions
         # live from the worker (a running request's cache grows); the front's
         # record from the last request while the worker is not there
-        n_cached = [s.n_cached for s in e.pool.sessions]
-        if e.state == "ready":
-            try:
-                n_cached = e.call("slots", "GET /slots")
-            except (OffgridError, Unavailable):
-                pass        # it died just now: the front's record will do
+        n_cached = e.peek("slots") or [s.n_cached for s in e.pool.sessions]
         threads = _threads_of(e) or {}
         for s, n in zip(e.pool.sessions, n_cached):
-            out.append({"id": s.index, "model": e.id, "n_ctx": e.n_ctx, "state": e.status,
+            out.append({"id": s.index, "model": e.id, "n_ctx": e.n_ctx,
+                        "state": _health_status(e),
                         "is_processing": e.pool.is_busy(s), "n_cached": n,
                         "n_threads": threads.get("generation"),
                         "n_threads_batch": threads.get("batch")})

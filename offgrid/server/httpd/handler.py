@@ -35,7 +35,9 @@ reading itself is ``reader``'s):
 * connections: a new one waits without a thread in the ``lobby`` until it
   speaks (``Server.first_byte_timeout``, 408 after); then at most
   ``Server.max_connections`` at once, ``Server.peer_share`` of them for one
-  peer (503 beyond), with /health answered by the lobby when none is free.
+  peer; beyond, the connection waiting longest for its request head is
+  dropped for the newcomer (``seats``), or when none is, 503, with /health
+  answered by the lobby when none is free.
 
 A request answered without reading its body (413, 401, 404 ...) closes its
 connection after a short, bounded drain ("lingering close"), so the client
@@ -94,6 +96,8 @@ class Handler(BaseHTTPRequestHandler):
     verbose = False
     # The Service, or None while the models load: opaque here, for the app's handlers.
     service = None
+    # --front-max-rss (budget.FrontMemory): new work is refused (503) near it
+    front_memory = None
     # The application: route, dispatch, error_response (see the module docstring).
     app = None
 
@@ -106,6 +110,8 @@ class Handler(BaseHTTPRequestHandler):
         self._body_pending = False
 
     def handle_one_request(self):
+        # until its head is in, this connection may be dropped for a newcomer (seats.py)
+        self.server.head_waiting(self.connection, self.client_address)
         self._stream = None
         self._body_pending = False
         # what send_error needs if the request line never arrives whole
@@ -192,6 +198,7 @@ class Handler(BaseHTTPRequestHandler):
         self.rfile.head_left = self.max_header_bytes     # the line is in; the headers follow
         try:
             self.headers = reader.read_headers(self.rfile)
+            self.server.head_done(self.connection)
         except reader.LineTooLong as err:
             self.send_error(431, "Line too long", str(err))
             return False
@@ -249,6 +256,9 @@ class Handler(BaseHTTPRequestHandler):
             if route.auth:
                 self._check_origin()
                 self._check_auth()
+            if method == "POST" and route.needs_service and self.front_memory is not None:
+                # before its body takes any room
+                self.front_memory.check(self.server.requests_in_flight() - 1)
             body = self._read_json() if method == "POST" else None
             self.app.dispatch(self, route, body)
         except Exception as exc:           # the one exit for errors

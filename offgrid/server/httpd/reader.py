@@ -39,6 +39,7 @@ import select
 import socket
 import time
 
+from ... import jsonlimit
 from .httperrors import BadRequest, LengthRequired, PayloadTooLarge, RequestTimeout
 
 # A JSON string escape of a UTF-16 surrogate: only with one can a lone
@@ -314,6 +315,11 @@ def parse_json_object(data):
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise BadRequest("the request body is not valid UTF-8 (byte %d)" % e.start)
+    # measured before json.loads recurses into it, and everything after it
+    # (offgrid/jsonlimit.py)
+    if jsonlimit.depth_over(text):
+        raise BadRequest("the request body nests arrays and objects more than %d levels deep"
+                         % jsonlimit.MAX_DEPTH)
     try:
         body = json.loads(text, parse_constant=_no_constant)
     except RecursionError:

@@ -5,7 +5,6 @@ the command line and the application it serves (``app``: the route table,
 the dispatch and the one error exit, from ``server/api/routes.py``).
 """
 
-import collections
 import errno
 import hashlib
 import ipaddress
@@ -18,7 +17,9 @@ from http.server import ThreadingHTTPServer
 from ...jobs import Threads
 from .handler import Handler
 from .httperrors import Unavailable
+from .frontmem import FrontMemory
 from .lobby import Lobby
+from .seats import Seats
 
 log = logging.getLogger("offgrid.http")
 
@@ -42,8 +43,10 @@ class Server(ThreadingHTTPServer):
     count against the cap.  What a connection may hold, and why:
 
     * connections that have spoken: ``max_connections`` threads in all, and
-      at most ``peer_share`` of them for one peer, beyond which the lobby
-      answers 503 "too many connections";
+      at most ``peer_share`` of them for one peer, beyond which the one that
+      has waited longest for a request head is dropped to seat the newcomer
+      (``seats.py``: trickling bytes holds a seat only until it is needed),
+      and only if none is waiting the lobby answers 503 "too many connections";
     * connections that have not: a place in the lobby (``max_waiting``, the
       oldest dropped when it is full) for ``first_byte_timeout`` seconds, 408
       after;
@@ -80,8 +83,8 @@ class Server(ThreadingHTTPServer):
 
     def __init__(self, *args, **kwargs):
         self._cond = threading.Condition()
-        self._n_connections = 0
-        self._per_peer = collections.Counter()      # peer -> connections with a thread
+        # connections with a thread, per peer, and which wait for a request head
+        self.seats = Seats()
         self._n_requests = 0            # requests between _dispatch's start and end
         self._handlers = Threads("http-connection")
         self.closing = False
@@ -105,15 +108,16 @@ class Server(ThreadingHTTPServer):
 
     def admit(self, client_address):
         """Give a connection that spoke a slot: None, or why not (the lobby's 503 message)."""
-        peer = _peer(client_address)
-        with self._cond:
-            if self._n_connections >= self.max_connections:
-                return "too many connections"
-            if self._per_peer[peer] >= max(1, int(self.max_connections * self.peer_share)):
-                return "too many connections from this address"
-            self._n_connections += 1
-            self._per_peer[peer] += 1
-        return None
+        # full: the connection waiting longest for its request head makes room (seats.py)
+        return self.seats.admit(_peer(client_address), self.max_connections, self.peer_share)
+
+    def head_waiting(self, sock, client_address):
+        """A connection waits for a request head (its handler, as each request begins):
+        it may be dropped for a newcomer until the head is in (head_done)."""
+        self.seats.waiting(sock, _peer(client_address))
+
+    def head_done(self, sock):
+        self.seats.serving(sock)
 
     def start_handler(self, request, client_address):
         """A handler thread for an admitted connection (the lobby's thread calls this).
@@ -125,22 +129,14 @@ class Server(ThreadingHTTPServer):
             self._handlers.submit(self.process_request_thread, request, client_address)
         except BaseException:
             log.exception("could not start a thread for a connection")
-            self._connection_ended(client_address)
+            self.seats.ended(request, _peer(client_address))
             self.shutdown_request(request)
 
     def process_request_thread(self, request, client_address):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._connection_ended(client_address)
-
-    def _connection_ended(self, client_address):
-        peer = _peer(client_address)
-        with self._cond:
-            self._n_connections -= 1
-            self._per_peer[peer] -= 1
-            if self._per_peer[peer] <= 0:
-                del self._per_peer[peer]
+            self.seats.ended(request, _peer(client_address))
 
     def reply_when_full(self, head, refusal):
         """(status, body, head_only) for a request that got no slot: /health, or 503."""
@@ -170,6 +166,10 @@ class Server(ThreadingHTTPServer):
         super().server_close()
 
     # -- requests -------------------------------------------------------------------
+    def requests_in_flight(self):
+        """Requests between begin_request and end_request now (this one included)."""
+        return self._n_requests
+
     def begin_request(self):
         """Count a request in; False once the server is draining."""
         with self._cond:
@@ -249,7 +249,7 @@ class Servers:
 
 
 def make_server(host, port, app, service=None, api_keys=(), cors_origins=(), max_body=None,
-                verbose=False, timeout=None, read_timeout=None):
+                verbose=False, timeout=None, read_timeout=None, front_max_rss=None):
     """A Server bound to host:port serving ``app``, whose Handler class carries these
     settings.
 
@@ -264,6 +264,8 @@ def make_server(host, port, app, service=None, api_keys=(), cors_origins=(), max
         attrs["timeout"] = timeout
     if read_timeout is not None:
         attrs["read_timeout"] = read_timeout
+    if front_max_rss:
+        attrs["front_memory"] = FrontMemory(front_max_rss)
     handler = type("OffgridHandler", (Handler,), attrs)
     # descriptors for the cap, the lobby, and the models, pipes and logs beside them
     _raise_fd_limit(Server.max_connections + Server.max_waiting + 256)

@@ -30,6 +30,7 @@ class ModelEntry:
         self.preset = None              # from --models-preset: [*] then [name]
         self.shelf = None
         self.worker = worker            # server.workers.WorkerClient, None while unloaded
+        self.loading = None             # the WorkerClient starting, while it loads
         self.pool = pool                # ChatPool of its sessions, None while unloaded
         # what the worker reported at its last load: kept while unloaded, so listings
         # and /props still describe the model without waking it
@@ -137,3 +138,9 @@ class ModelEntry:
         if w is None:
             raise Unavailable("model %s is not loaded" % self.id)
         return w.call(method, what, **args)
+
+    def peek(self, method):
+        """A shelf read's answer from the worker (WorkerClient.peek): never waits long,
+        None while there is none."""
+        w = self.worker
+        return w.peek(method) if w is not None else None

@@ -8,6 +8,7 @@ what users write.  Pure functions: ``shelf.py`` decides what to do with them.
 """
 
 import configparser
+import math
 import os
 import re
 
@@ -29,9 +30,16 @@ _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|\u00b5s|ms|s|m|h)")
 _UNITS = {"ns": 1e-9, "us": 1e-6, "\u00b5s": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
+# The longest keep_alive: Go's longest time.Duration (2**63 - 1 ns, 292 years),
+# Ollama's own bound; past it Ollama refuses the duration, and the expiry
+# /api/ps would show is past any calendar.  A negative value says "for good".
+MAX_DURATION = (2 ** 63 - 1) / 1e9
+
+
 def parse_duration(value):
     """Seconds from Ollama's ``keep_alive``: a number of seconds or a Go duration ("5m",
-    "1h30m", "-1"); any negative value means never (returned as -1)."""
+    "1h30m", "-1"); any negative value means never (returned as -1).  ValueError for
+    anything else, and for durations past MAX_DURATION."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ValueError("'keep_alive' must be a duration (\"5m\") or a number of seconds")
     if isinstance(value, str):
@@ -44,13 +52,29 @@ def parse_duration(value):
             parts = _DURATION_PART.findall(body)
             if not body or "".join(a + b for a, b in parts) != body:
                 raise ValueError("'keep_alive' %r is not a duration (say \"5m\", \"30s\", "
-                                 "\"1h\", 0 or -1)" % value)
+                                 "\"1h\", 0 or -1)" % _clip(value))
             seconds = sign * sum(float(n) * _UNITS[u] for n, u in parts)
     else:
-        seconds = float(value)
+        try:
+            seconds = float(value)
+        except OverflowError:       # an integer of hundreds of digits
+            seconds = math.inf if value > 0 else -math.inf
     if seconds != seconds:
         raise ValueError("'keep_alive' must be a number")
-    return -1.0 if seconds < 0 else seconds
+    if seconds < 0:
+        return -1.0
+    if seconds > MAX_DURATION:
+        raise ValueError("'keep_alive' %s is out of range: at most %d seconds (292 years); "
+                         "a negative value keeps the model loaded for good"
+                         % (_clip(value), int(MAX_DURATION)))
+    return seconds
+
+
+def _clip(value, n=40):
+    text = value if isinstance(value, str) else repr(value)
+    if len(text) > n:
+        text = text[:n] + "... (%d characters)" % len(text)
+    return repr(text) if isinstance(value, str) else text
 
 
 def physical_memory():

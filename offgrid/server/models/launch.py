@@ -44,7 +44,12 @@ def worker_args(path, args, chat_template=None, decode_lock=None):
 def default_max_rss(info):
     """A worker's memory ceiling: its model file, its KV caches, and a margin for the
     rest (compute buffers, the logits of a batch, Python): half the model, 1 GiB at least."""
-    return info.file_size + info.kv_bytes + max(1 << 30, info.file_size // 2)
+    return ceiling_of(info.file_size, info.kv_bytes)
+
+
+def ceiling_of(file_size, kv_bytes):
+    """default_max_rss of a model file of ``file_size`` bytes and KV caches of ``kv_bytes``."""
+    return file_size + kv_bytes + max(1 << 30, file_size // 2)
 
 
 # A preset's settings that are our flags, by their argparse names.
@@ -85,19 +90,35 @@ def start_worker(entry, args, decode_lock=None):
         template = read_template(template)
     except OSError as e:
         raise ModelLoadError("cannot read the chat template of %s: %s" % (entry.id, e))
+    # The memory ceiling holds from the worker's first instruction (engine/lifeline.py,
+    # worker_client.py): --worker-max-rss as given; by default, until the worker says
+    # what its KV caches take (its sizing frame, before it makes them), its file and
+    # margin alone.
+    sized = None
+    if args.worker_max_rss is None:
+        file_size = os.path.getsize(path)
+        max_rss = ceiling_of(file_size, 0)
+
+        def sized(frame):
+            return ceiling_of(frame.get("file_size", file_size), frame.get("kv_bytes", 0))
+    elif args.worker_max_rss > 0:
+        max_rss = int(args.worker_max_rss * (1 << 20))
+    else:
+        max_rss = None
     worker = WorkerClient(entry.id, worker_args(path, a, template, decode_lock),
-                          verbose=args.verbose)
+                          max_rss=max_rss, verbose=args.verbose, sized_rss=sized)
     worker.on_progress = lambda fraction: setattr(entry, "progress", fraction)
+    worker.timeout = max(1.0, args.worker_timeout)
+    entry.loading = worker          # POST /models/unload and shutdown stop the load
     try:
         worker.start()
     except BaseException:
         worker.close()
         raise
+    finally:
+        entry.loading = None
     if args.worker_max_rss is None:
         worker.max_rss = default_max_rss(worker.info)
-    elif args.worker_max_rss > 0:
-        worker.max_rss = int(args.worker_max_rss * (1 << 20))
-    worker.watch()
     return worker
 
 

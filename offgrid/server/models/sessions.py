@@ -3,10 +3,17 @@
 ChatPool hands out a model's ``--parallel`` sessions, each a SessionSlot:
 the front's record of one ChatSession in the model's worker (its index
 there, and the tokens its cache holds, as the worker reported after the
-last request).  Requests wait in
-arrival order; a freed session goes to the oldest waiter, and among free
+last request).  A freed session goes to the next waiter, and among free
 sessions a request gets the one whose cache shares the longest prefix with its
 prompt, so an editor keeps landing on its warm cache.
+
+Waiters are grouped by owner (the request a job belongs to: its one
+RequestCancel, however many jobs, prompts x choices, it fans out to).  The
+next session goes to the owner holding the fewest sessions, the least
+recently served among equals, and within an owner to its oldest job: a
+request of 64 jobs takes its turn beside a request of one instead of holding
+the queue ahead of it.  A job whose cancel fires leaves the queue at once and
+never starts.
 
 Lock order: a RequestCancel's lock may be taken before the pool's condition
 (cancel hooks notify it), never the other way round.
@@ -35,6 +42,15 @@ class SessionSlot:
         return common_prefix(self.cached, tokens)
 
 
+class _Ticket:
+    """One waiting job."""
+    __slots__ = ("owner", "cancel")
+
+    def __init__(self, owner, cancel):
+        self.owner = owner
+        self.cancel = cancel
+
+
 class ChatPool:
     """A fixed set of sessions behind a lock and a condition."""
 
@@ -42,7 +58,12 @@ class ChatPool:
         self.sessions = list(sessions)
         self._free = list(sessions)
         self._cond = threading.Condition()
-        self._queue = collections.deque()       # waiting tickets, oldest first
+        # owner -> its waiting tickets, oldest first; the owners in turn order
+        # (the least recently served first)
+        self._waiting = collections.OrderedDict()
+        self._n_waiting = 0
+        self._held = {}                         # session -> owner of the job using it
+        self._in_use = collections.Counter()    # owner -> sessions its jobs hold
         self._closed = False
 
     # -- counters for /metrics and /slots -------------------------------------
@@ -56,50 +77,86 @@ class ChatPool:
 
     @property
     def n_waiting(self):
-        return len(self._queue)
+        return self._n_waiting
 
     def is_busy(self, session):
         return session not in self._free
 
     # -- acquire / release ----------------------------------------------------
-    def acquire(self, tokens, cancel, on_wait=None):
+    def acquire(self, tokens, cancel, on_wait=None, owner=None):
         """Wait for a session; returns it, or None if ``cancel`` fired first.
 
-        ``on_wait()`` is called once if no session is free at once (the
-        disconnect watcher starts looking then).  Raises Unavailable once
-        the pool is shutting down.
+        ``owner`` is what the job belongs to, for the turns between requests
+        (None: its ``cancel``, which every job of one request shares).  ``on_wait()`` is called
+        once if no session is free at once (the disconnect watcher starts
+        looking then).  Raises Unavailable once the pool is shutting down.
         """
         wake = self._notify
         cancel.attach(wake)     # outside the condition: see the lock order above
         try:
             with self._cond:
-                ticket = object()
-                self._queue.append(ticket)
+                ticket = _Ticket(owner if owner is not None else cancel, cancel)
+                self._waiting.setdefault(ticket.owner, collections.deque()).append(ticket)
+                self._n_waiting += 1
                 try:
                     while True:
                         if self._closed:
                             raise Unavailable("server is shutting down")
                         if cancel.cancelled:
                             return None
-                        if self._free and self._queue[0] is ticket:
+                        if self._free and self._next() is ticket:
                             session = max(self._free, key=lambda s: s.common_prefix(tokens))
                             self._free.remove(session)
+                            self._held[session] = ticket.owner
+                            self._in_use[ticket.owner] += 1
+                            self._waiting.move_to_end(ticket.owner)     # served: last in turn
                             return session
                         if on_wait is not None:
                             on_wait()
                             on_wait = None
                         self._cond.wait()
                 finally:
-                    self._queue.remove(ticket)
+                    self._leave(ticket)
                     # the next waiter may now be first in line for a free session
                     self._cond.notify_all()
         finally:
             cancel.detach(wake)
 
+    def _next(self):
+        """The ticket a free session goes to (under the condition): of the owners
+        holding the fewest sessions the first in turn, its oldest live ticket."""
+        best, best_n = None, None
+        for owner, tickets in self._waiting.items():
+            n = self._in_use[owner]
+            if best_n is not None and n >= best_n:
+                continue
+            for t in tickets:
+                if not t.cancel.cancelled:      # a cancelled job is leaving: never its turn
+                    best, best_n = t, n
+                    break
+        return best
+
+    def _leave(self, ticket):
+        tickets = self._waiting.get(ticket.owner)
+        if tickets is None:
+            return
+        try:
+            tickets.remove(ticket)
+        except ValueError:
+            return
+        self._n_waiting -= 1
+        if not tickets:
+            del self._waiting[ticket.owner]
+
     def release(self, session):
         with self._cond:
             if session not in self._free:
                 self._free.append(session)
+            owner = self._held.pop(session, None)
+            if owner is not None:
+                self._in_use[owner] -= 1
+                if self._in_use[owner] <= 0:
+                    del self._in_use[owner]
             self._cond.notify_all()
 
     def _notify(self):

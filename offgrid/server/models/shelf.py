@@ -318,7 +318,17 @@ class Shelf:
 
     def unload(self, entry, why="unloaded"):
         """POST /models/unload: end the model's worker now, requests running or not
-        (those get 'worker died'); False if it was not loaded."""
+        (those get 'worker died'), or stop its load (the requests waiting for it
+        get 503); False if it was neither loaded nor loading."""
+        with self._cond:
+            if entry.worker is None:
+                starting = entry.loading if entry.status == "loading" else None
+                if starting is None:
+                    return False
+        if entry.worker is None:
+            self.announce("stopped loading %s (%s)" % (entry.id, why))
+            starting.close(timeout=1.0)     # its loader then finds the load stopped
+            return True
         with self._cond:
             if entry.worker is None:
                 return False
@@ -534,6 +544,9 @@ class Shelf:
         with self._cond:
             self._closed = True
             workers = [(e, e.detach("unloaded")) for e in self._entries if e.worker is not None]
+            # loads under way stop too: their worker would otherwise load on, alone
+            workers += [(e, e.loading) for e in self._entries
+                        if e.worker is None and e.loading is not None]
             self._cond.notify_all()
         self._reaper_stop.set()
         for e, w in workers:

@@ -40,13 +40,18 @@ import threading
 import time
 
 from ... import protocol
-from ...errors import ModelLoadError, RpcUnavailable, WorkerDied
+from ...errors import ModelLoadError, OffgridError, RpcUnavailable, WorkerDied
 from ..httpd import burst
 from ..httpd.httperrors import Unavailable
 
 log = logging.getLogger("offgrid.workers")
 
 _MIB = 1 << 20
+# Bytes of stream frames one request may have waiting for its thread (its
+# client reads slowly; the socket write blocks for up to --timeout): past it
+# the rest are dropped and the request is cancelled, rather than buffered
+# without end (issue 37: n_probs made a token's frame kilobytes).
+MAX_BUFFERED = 8 << 20
 
 
 def package_root():
@@ -56,12 +61,37 @@ def package_root():
         os.path.abspath(__file__)))))
 
 
-def worker_command(worker_args):
-    """argv of a worker: this interpreter, this offgrid, nothing from the environment's path."""
-    code = ("import sys; sys.path.insert(0, %r); from offgrid.engine.worker import main; "
-            "sys.exit(main())" % package_root())
+def worker_command(worker_args, max_data=None):
+    """argv of a worker: this interpreter, this offgrid, nothing from the environment's path.
+
+    Its first instruction is ``engine/lifeline.start``: the process ends with
+    its front, and keeps within ``max_data`` bytes (RLIMIT_DATA), before
+    anything else is imported or loaded.
+    """
+    code = ("import sys; sys.path.insert(0, %r); from offgrid.engine import lifeline; "
+            "lifeline.start(%r); from offgrid.engine.worker import main; sys.exit(main())"
+            % (package_root(), int(max_data) if max_data else None))
     flags = ["-I"] if sys.flags.isolated else []
     return [sys.executable] + flags + ["-c", code] + list(worker_args)
+
+
+def data_limit(max_rss):
+    """The RLIMIT_DATA of a worker whose RSS ceiling is ``max_rss`` bytes: a little
+    above it, since the limit counts memory reserved (thread stacks, buffers not
+    yet touched) and RSS only what is touched; the watchdog holds the ceiling
+    itself, this stops an allocation that would leap past it between two of the
+    watchdog's looks."""
+    return max_rss + max(128 * _MIB, max_rss // 4)
+
+
+def set_data_limit(pid, max_rss):
+    """Move a running worker's RLIMIT_DATA to match ``max_rss`` (Linux's prlimit)."""
+    try:
+        import resource
+        _, hard = resource.prlimit(pid, resource.RLIMIT_DATA)
+        resource.prlimit(pid, resource.RLIMIT_DATA, (data_limit(max_rss), hard))
+    except (ImportError, AttributeError, ValueError, OSError):
+        pass        # gone, or no prlimit here: the watchdog still holds the ceiling
 
 
 def rss_of(pid):
@@ -90,6 +120,19 @@ def describe_exit(returncode, killed_for=None):
     return "exit status %d" % returncode
 
 
+def _reap(proc):
+    """Wait for a worker that ended: (its return code, its peak RSS in bytes, 0 unknown)."""
+    if getattr(proc, "returncode", 0) is None and isinstance(getattr(proc, "pid", None), int):
+        try:
+            # wait4 also says how much memory the process ever held
+            _, status, usage = os.wait4(proc.pid, 0)
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return proc.returncode, usage.ru_maxrss * 1024
+        except (ChildProcessError, AttributeError, OSError):
+            pass        # reaped already (proc.wait below knows its code), or no wait4
+    return proc.wait(), 0
+
+
 def _popen(argv):
     # glibc gives each thread that allocates at once an arena of its own, and
     # keeps what it freed: libllama's grammar sampling peaks near 165 MB on a
@@ -103,11 +146,37 @@ def _popen(argv):
 
 class _Pending:
     """A request waiting for its frames."""
-    __slots__ = ("queue", "what")
+    __slots__ = ("queue", "what", "lock", "buffered", "overflow")
 
     def __init__(self, what):
         self.queue = queue.SimpleQueue()
         self.what = what        # method and path for the log, never content
+        # stream frames waiting for the request's thread (its client reads slowly):
+        # their bytes, and whether they passed MAX_BUFFERED (then the rest are
+        # dropped and the request is cancelled)
+        self.lock = threading.Lock()
+        self.buffered = 0
+        self.overflow = False
+
+    def put_piece(self, frame, n):
+        """Queue a piece or delta frame of ``n`` bytes (the reader's thread), unless
+        the request has more than MAX_BUFFERED waiting already."""
+        with self.lock:
+            if self.overflow or self.buffered + n > MAX_BUFFERED:
+                self.overflow = True
+                return
+            self.buffered += n
+        frame["_n"] = n
+        self.queue.put(frame)
+
+    def took(self, frame, cancel):
+        """The request's thread took ``frame`` off its queue."""
+        with self.lock:
+            self.buffered -= frame.get("_n", 0)
+            overflow = self.overflow
+        if overflow and not cancel.cancelled:
+            cancel.cancel("the client read its stream too slowly (%d MiB of it waited)"
+                          % (MAX_BUFFERED >> 20))
 
 
 class WorkerClient:
@@ -123,14 +192,33 @@ class WorkerClient:
     restart_reset = 60.0
     # How long a request waits for a (re)starting worker before a 503.
     ready_timeout = 300.0
+    # A stuck worker (SIGSTOPped, a deadlock, a C call holding the GIL, a decode
+    # that never returns) is found and replaced like a dead one.  Once loaded it
+    # gets a ping every heartbeat_every seconds, answered by the thread that
+    # reads its frames (engine/worker.py): no pong for `timeout` seconds
+    # (--worker-timeout), or generations running without a decode step for
+    # progress_after times that, or a call unanswered for call_after times
+    # that, and it is killed; its requests get WorkerDied naming the model.
+    heartbeat_every = 2.0
+    timeout = 30.0
+    progress_after = 4
+    call_after = 10
+    # How long a read of the shelf (/slots, /props, /metrics) waits for the
+    # worker's answer before it takes the last one.
+    peek_timeout = 1.0
 
-    def __init__(self, name, worker_args, max_rss=None, verbose=False, spawn=None):
+    def __init__(self, name, worker_args, max_rss=None, verbose=False, spawn=None,
+                 sized_rss=None):
         self.name = name
+        self.worker_args = list(worker_args)
         self.argv = worker_command(worker_args)
         # argv -> a started process with binary stdin/stdout pipes (Popen's
         # interface); tests hand in a worker running on threads of their own
         self.spawn = spawn or _popen
         self.max_rss = max_rss              # bytes, or None: no ceiling
+        # sizes -> the ceiling, called when the worker reports what its KV caches
+        # will take, before it allocates them (the default ceiling depends on it)
+        self.sized_rss = sized_rss
         self.verbose = verbose
         self.info = None
         self.on_progress = None             # fraction -> None, while the model loads
@@ -150,6 +238,12 @@ class WorkerClient:
         self._ids = itertools.count(1)
         self._proc = None
         self._killed_for = None
+        self._last_rss = 0                  # the watchdog's last reading (bytes)
+        # the heartbeat: when the worker last answered, what its last pong said,
+        # and since when its decode steps have not moved with generations running
+        self._alive_at = self._progress_at = time.monotonic()
+        self._steps, self._running = 0, 0
+        self._peeked = {}                   # method -> the last answer of a shelf read
         self._closing = False
         self._failures = 0
         self._started_at = 0.0
@@ -164,12 +258,18 @@ class WorkerClient:
         """
         self._spawn()
         if not self.wait_ready(timeout or self.ready_timeout, raise_unavailable=False):
+            if self._closing:
+                # close() while it loaded: POST /models/unload, or the server's shutdown
+                raise Unavailable("the load of model %s was stopped" % self.name)
             if self.unavailable:
                 raise Unavailable(self.unavailable)
             raise ModelLoadError(self.error or "the worker for %s did not start" % self.name)
         return self
 
     def _spawn(self):
+        # the ceiling holds from the worker's first instruction (lifeline.py)
+        if self.max_rss:
+            self.argv = worker_command(self.worker_args, data_limit(self.max_rss))
         proc = self.spawn(self.argv)
         with self._cond:
             self._proc = proc
@@ -183,11 +283,17 @@ class WorkerClient:
         self.watch(proc)
 
     def watch(self, proc=None):
-        """Start the RSS watchdog of the current worker, if there is a ceiling."""
+        """Start the watchdog of the current worker (its memory, its heartbeat) and the
+        thread that pings it."""
         proc = proc or self._proc
-        if self.max_rss and proc is not None:
+        if proc is not None:
             threading.Thread(target=self._watch, args=(proc,), daemon=True,
                              name="worker-watchdog-%s" % self.name).start()
+            # pings are written by a thread of their own: a write to a worker
+            # that stopped reading blocks once the pipe is full, and the
+            # watchdog must stay free to kill it
+            threading.Thread(target=self._ping, args=(proc,), daemon=True,
+                             name="worker-ping-%s" % self.name).start()
 
     def wait_ready(self, timeout=None, raise_unavailable=True):
         """Wait for a loaded worker; True if ready, else False or Unavailable."""
@@ -258,7 +364,7 @@ class WorkerClient:
         out = proc.stdout
         try:
             while True:
-                frame = protocol.read_frame(out)
+                frame, size = protocol.read_frame(out, sized=True)
                 if frame is None:
                     break
                 op = frame.get("op")
@@ -268,8 +374,28 @@ class WorkerClient:
                             sys.stderr.write("offgrid: model %s is back\n" % self.name)
                         self.info = protocol.decode_info(frame["info"])
                         self.state = "ready"
+                        self._alive_at = self._progress_at = time.monotonic()
+                        self._running = 0
                         self.unavailable, self._said_waiting = None, False
                         self._cond.notify_all()
+                    continue
+                if op == "pong":
+                    now = time.monotonic()
+                    steps, running = frame.get("steps"), frame.get("running", 0)
+                    with self._cond:
+                        self._alive_at = now
+                        if not running or steps is None or steps != self._steps:
+                            self._progress_at = now
+                        self._steps, self._running = steps, running
+                    continue
+                if op == "sizing":
+                    # the model's metadata is read, its KV caches not yet made:
+                    # the ceiling that depends on them applies from here
+                    if self.sized_rss is not None:
+                        rss = self.sized_rss(frame)
+                        if rss:
+                            self.max_rss = rss
+                            set_data_limit(proc.pid, rss)
                     continue
                 if op == "progress":
                     # loading: the fraction libllama reports, for /models and the terminal
@@ -290,16 +416,26 @@ class WorkerClient:
                 with self._cond:
                     p = self._pending.get(frame.get("id"))
                 if p is not None:
-                    p.queue.put(frame)
+                    if op in ("piece", "delta"):
+                        p.put_piece(frame, size)
+                    else:
+                        p.queue.put(frame)
         except (protocol.ProtocolError, OSError, ValueError) as e:
             log.error("worker for %s: unreadable frames (%s)", self.name, e)
             proc.kill()
         self._died(proc)
 
     def _died(self, proc):
-        returncode = proc.wait()
+        returncode, peak = _reap(proc)
         with self._cond:
             how = describe_exit(returncode, self._killed_for)
+            if (returncode == -signal.SIGABRT and not self._killed_for and self.max_rss
+                    and peak >= self.max_rss * 3 // 4):
+                # Past RLIMIT_DATA (lifeline.py) an allocation fails, and in
+                # libllama that is std::bad_alloc and an abort: a worker that
+                # aborts that close to its ceiling ran out of it
+                how += (" (out of memory: it reached %d MiB, near --worker-max-rss %d MiB, "
+                        "where an allocation fails)" % (peak // _MIB, self.max_rss // _MIB))
             closing = self._closing
             loaded = self.info is not None
             pending = list(self._pending.values())
@@ -344,6 +480,44 @@ class WorkerClient:
         threading.Thread(target=self._restart, args=(delay,), daemon=True,
                          name="worker-restart-%s" % self.name).start()
 
+    def _stuck(self, now):
+        """Why the loaded worker counts as stuck now, or None."""
+        with self._cond:
+            if self.state != "ready":
+                return None
+            if now - self._alive_at > self.timeout:
+                return ("stuck: no answer to its heartbeat for %d s (--worker-timeout)"
+                        % (now - self._alive_at))
+            if self._running and now - self._progress_at > self.timeout * self.progress_after:
+                return ("stuck: %d generation%s running and no decode step for %d s"
+                        % (self._running, "" if self._running == 1 else "s",
+                           now - self._progress_at))
+        return None
+
+    @property
+    def unresponsive(self):
+        """Whether the loaded worker has missed a few heartbeats (it may be about to be
+        found stuck): shelf reads do not ask it, /health says so."""
+        return (self.state == "ready"
+                and time.monotonic() - self._alive_at > 2 * self.heartbeat_every + 1.0)
+
+    def _kill(self, proc, why):
+        with self._cond:
+            if self._killed_for is None:
+                self._killed_for = why
+        try:
+            proc.kill()
+        except OSError:
+            pass
+
+    def _ping(self, proc):
+        seq = 0
+        while proc.poll() is None and not self._closing:
+            time.sleep(self.heartbeat_every)
+            if self.state == "ready" and proc is self._proc:
+                seq += 1
+                self._send({"op": "ping", "seq": seq})
+
     def _restart(self, delay):
         time.sleep(delay)
         with self._cond:
@@ -357,28 +531,70 @@ class WorkerClient:
                 self._cond.notify_all()
 
     def _watch(self, proc):
-        """Kill the worker when its RSS passes max_rss; its reader then reports the death."""
+        """Kill the worker when its RSS passes max_rss, or when it is stuck; its reader
+        then reports the death."""
         while proc.poll() is None:
-            rss = rss_of(proc.pid)
+            rss = rss_of(proc.pid) if self.max_rss else None
+            if rss is not None:
+                self._last_rss = rss
+            why = None
             if rss is not None and rss > self.max_rss:
-                with self._cond:
-                    self._killed_for = ("killed: out of memory (RSS %d MiB over --worker-max-rss"
-                                        " %d MiB)" % (rss // _MIB, self.max_rss // _MIB))
-                try:
-                    proc.kill()
-                except OSError:
-                    pass
+                why = ("killed: out of memory (RSS %d MiB over --worker-max-rss %d MiB)"
+                       % (rss // _MIB, self.max_rss // _MIB))
+            elif proc is self._proc:
+                why = self._stuck(time.monotonic())
+            if why:
+                self._kill(proc, why)
                 return
-            time.sleep(self.watch_interval)
+            # Near the ceiling, or loading (no decodes to disturb yet), look ten
+            # times as often: memory grows hundreds of MB a second at worst, and
+            # this catches it before RLIMIT_DATA (lifeline.py), a quarter above,
+            # makes the allocation fail in C, where it is an abort.
+            near = rss is not None and self.max_rss and rss > self.max_rss // 2
+            time.sleep(self.watch_interval / 10 if near or self.state != "ready"
+                       else self.watch_interval)
 
     # -- requests ----------------------------------------------------------------------------
     def call(self, method, what="", **args):
-        """Run a worker method; its value, or the engine's exception raised here."""
-        self.wait_ready(self.ready_timeout)
+        """Run a worker method; its value, or the engine's exception raised here.
+
+        A call unanswered for call_after x timeout seconds finds the worker
+        stuck: it is killed, and this raises WorkerDied saying so."""
+        return self._call(method, what, args)
+
+    def peek(self, method):
+        """A shelf read (slots, threads, batching): the worker's answer within
+        peek_timeout, else the last one it gave (None if none).  Never asks a
+        worker that is not loaded or misses its heartbeat."""
+        if self.state != "ready" or self.unresponsive:
+            return self._peeked.get(method)
+        try:
+            value = self._call(method, method, {}, deadline=self.peek_timeout, peek=True)
+        except (OffgridError, Unavailable):
+            return self._peeked.get(method)
+        self._peeked[method] = value
+        return value
+
+    def _call(self, method, what, args, deadline=None, peek=False):
+        if not peek:
+            self.wait_ready(self.ready_timeout)
         rid, p = self._open(what or method)
         try:
             self._send({"op": "call", "id": rid, "method": method, "args": args})
-            return self._outcome(p.queue.get())
+            deadline = deadline or self.timeout * self.call_after
+            try:
+                frame = p.queue.get(timeout=deadline)
+            except queue.Empty:
+                if peek:
+                    raise Unavailable("model %s did not answer within %g s"
+                                      % (self.name, deadline))
+                # stuck on this call: replace the worker; its death answers us
+                proc = self._proc
+                if proc is not None:
+                    self._kill(proc, "stuck: %s unanswered for %d s" % (what or method,
+                                                                        deadline))
+                frame = p.queue.get()
+            return self._outcome(frame)
         finally:
             self._forget(rid)
 
@@ -427,6 +643,7 @@ class WorkerClient:
                         except queue.Empty:
                             continue
                     if frame["op"] in ("piece", "delta"):
+                        p.took(frame, cancel)
                         frame = self._burst(p, frame, on_event, cancel)
                         if frame is None:
                             continue
@@ -451,6 +668,7 @@ class WorkerClient:
                     return None
                 if frame["op"] not in ("piece", "delta"):
                     return frame
+                p.took(frame, cancel)
 
     def _outcome(self, frame):
         op = frame["op"]

@@ -5,7 +5,8 @@
         watcher.watch(socket)                a closed connection cancels this one
                                              (polled once the request waits or has
                                              run WATCH_AFTER seconds)
-        pool.acquire(prompt)                 wait for a session (FIFO, warm cache first)
+        pool.acquire(prompt, owner)          wait for a session (turns between requests,
+                                             FIFO within one, warm cache first)
         worker.generate(session, ...)        the model's worker process evaluates and
                                              generates, pieces to on_piece
         pool.release, unregister, unwatch    always, in a finally
@@ -205,7 +206,7 @@ class Service:
             yield cancel, look
         finally:
             if sock is not None:
-                self.watcher.unwatch(sock)
+                self.watcher.unwatch(sock, cancel)
             if key is not None:
                 self.supersede.unregister(key, cancel)
             with self._lock:

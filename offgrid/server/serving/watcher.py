@@ -44,8 +44,11 @@ class DisconnectWatcher:
 
     def __init__(self):
         self._lock = threading.Lock()
-        # socket -> RequestCancel; keyed by the socket, not its fileno, so that
-        # unwatch finds the entry even after the handler closed the socket
+        # socket -> [RequestCancel, ...]: every job of the request on that
+        # connection (prompts x choices run at once, each registering its own
+        # cancel, or the one they share); a hang-up fires them all.  Keyed by
+        # the socket, not its fileno, so that unwatch finds the entry even
+        # after the handler closed the socket.
         self._watched = {}
         self._stop = threading.Event()
         self._pipe_open = True          # under _lock: the wake-up pipe may be written
@@ -64,7 +67,7 @@ class DisconnectWatcher:
         request's path, was 0.1 ms of each quick request on 2 cores.
         """
         with self._lock:
-            self._watched[sock] = cancel
+            self._watched.setdefault(sock, []).append(cancel)
             if wake:
                 self._wake()
 
@@ -73,12 +76,22 @@ class DisconnectWatcher:
         with self._lock:
             self._wake()
 
-    def unwatch(self, sock):
+    def unwatch(self, sock, cancel=None):
+        """Forget one registration of ``cancel`` on ``sock`` (None: all of the socket's)."""
         # No wake-up (it cost every request a thread switch): the thread's poll
         # may still hold this socket until the next watch() or hang-up wakes
         # it; a hang-up then cancels a request that is over, which does nothing.
         with self._lock:
-            self._watched.pop(sock, None)
+            cancels = self._watched.get(sock)
+            if cancels is None:
+                return
+            if cancel is not None:
+                for i, c in enumerate(cancels):
+                    if c is cancel:
+                        del cancels[i]
+                        break
+            if cancel is None or not cancels:
+                del self._watched[sock]
 
     def stop(self):
         """End the thread (idempotent); watch and unwatch do nothing harmful after it."""
@@ -127,8 +140,9 @@ class DisconnectWatcher:
         with self._lock:
             # a cancelled request's socket stays watched until its handler
             # unwatches it; polling it again would return at once, forever
-            items = [(sock.fileno(), sock, cancel) for sock, cancel in self._watched.items()
-                     if not cancel.cancelled]
+            items = [(sock.fileno(), sock, live) for sock, live in
+                     ((sock, [c for c in cancels if not c.cancelled])
+                      for sock, cancels in self._watched.items()) if live]
         items = [item for item in items if item[0] >= 0]        # -1: closed already
         # poll, not select: select cannot watch descriptors past 1023,
         # which a busy server's sockets reach
@@ -142,10 +156,11 @@ class DisconnectWatcher:
             return
         if ready.pop(self._wake_r, 0):
             os.read(self._wake_r, 4096)
-        for fd, sock, cancel in items:
+        for fd, sock, cancels in items:
             events = ready.get(fd, 0)
             if events & _GONE or (events and self._closed(sock)):
-                cancel.cancel("client disconnected")
+                for cancel in cancels:
+                    cancel.cancel("client disconnected")
         if ready and not _POLLRDHUP:
             self._stop.wait(self.interval)      # a socket with unread bytes stays readable
 
