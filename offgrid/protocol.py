@@ -171,6 +171,7 @@ def decode_gen(d):
     s["samplers"] = tuple(s["samplers"])
     s["logit_bias"] = [(int(t), float(b)) for t, b in s["logit_bias"]]
     s["grammar_triggers"] = tuple(s["grammar_triggers"])
+    s["rescue_names"] = tuple(s.get("rescue_names", ()))
     d["preserved_tokens"] = frozenset(d["preserved_tokens"])
     return GenerationParams(sampling=SamplingParams(**s), **d)
 

@@ -20,6 +20,11 @@ Tool calls are read in the template's syntax, and only there:
     generic   the whole reply one JSON call {"name", "arguments"} (or
               {"tool_call": ...}, {"tool_calls": [...]}, or a list of calls),
               optionally in a ```json fence
+
+and, whatever the syntax, when the tool-call rescue watched the reply
+(``fmt.bare_calls``, chat/rescue.py): the whole reply one {"name",
+"arguments"} call, maybe in a ```json fence left open (the grammar ends the
+reply with the object)
     harmony   gpt-oss: messages "<|channel|>analysis<|message|>...<|end|>" (reasoning),
               "<|start|>assistant<|channel|>final<|message|>..." (content), and
               "<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}"
@@ -327,8 +332,9 @@ class _Opener:
     calls, {"tool_calls": [...]}, {"tool_call": {...}} and {"function": {...}}.
     """
 
-    def __init__(self, text, names, nested):
+    def __init__(self, text, names, nested, fence=None):
         self.s, self.i, self.names, self.nested = text, 0, names, nested
+        self.fence = nested if fence is None else fence
         self.start = 0          # where the JSON value begins, after any fence
 
     def ws(self):
@@ -367,7 +373,7 @@ class _Opener:
 
     def reply(self):
         self.ws()
-        if self.nested and self.lit("```"):
+        if self.fence and self.lit("```"):
             self.lit("json", optional=True)
             self.ws()
         self.start = self.i
@@ -414,9 +420,11 @@ _HOLD = "hold"      # _bare_calls: not decided yet, send nothing of it
 def _bare_calls(text, fmt, partial):
     """The calls when the whole of ``text`` is a bare call in the template's
     form; _HOLD while (partial) it may still become one; else None."""
-    nested = fmt.tool_syntax != "llama3"
+    # the generic form's extras where it is the template's form; the rescue's
+    # (fmt.bare_calls) writes only {"name", "arguments"}, maybe in a fence
+    nested = fmt.tool_syntax not in ("llama3", "hermes", "mistral")
     s = text.strip(_WS)
-    scan = _Opener(s[:OPENER_LIMIT], fmt.tool_names, nested)
+    scan = _Opener(s[:OPENER_LIMIT], fmt.tool_names, nested, nested or fmt.bare_calls)
     try:
         if not scan.reply():
             return None
@@ -427,8 +435,9 @@ def _bare_calls(text, fmt, partial):
         return _HOLD if partial else None       # the call is still being written
     tail = s[j:].strip(_WS)
     fenced = s.startswith("```")
-    if tail != ("```" if fenced else ""):
-        # only the closing fence may follow, and only while it is coming
+    if tail not in (("```", "") if fenced else ("",)):
+        # only the closing fence may follow, and only while it is coming (a
+        # rescued call ends at its object: its fence is never closed)
         return _HOLD if partial and fenced and "```".startswith(tail) else None
     calls = _calls_of(obj, nested)
     if not calls or (fmt.tool_names and any(c.name not in fmt.tool_names for c in calls)):
@@ -452,7 +461,7 @@ def _calls_of(obj, nested):
 def split_tool_calls(text, fmt, partial=False):
     """(content, calls, pending): calls in the template's syntax (or, for Llama 3
     and generic templates, the whole reply one bare call)."""
-    if fmt.tool_syntax in ("llama3", "generic"):
+    if fmt.tool_syntax in ("llama3", "generic") or fmt.bare_calls:
         bare = _bare_calls(text, fmt, partial)
         if bare == _HOLD:
             return "", [], True

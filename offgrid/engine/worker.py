@@ -83,6 +83,8 @@ def parse_args(argv=None):
     p.add_argument("--reasoning-format", choices=("none", "auto", "deepseek", "deepseek-legacy"),
                    default="auto")
     p.add_argument("--stream-interval-ms", type=float, default=0.0)
+    # tool_choice "auto": a reply that opens as a bare JSON call is held to it (chat/rescue.py)
+    p.add_argument("--no-tool-call-rescue", action="store_true")
     p.add_argument("--verbose", action="store_true")
     return p.parse_args(argv)
 
@@ -225,10 +227,12 @@ class Worker:
     """Answers the front's frames for one Loaded model."""
 
     def __init__(self, loaded, out, reasoning="auto", reasoning_format="auto", out_lock=None,
-                 spec_type="none", stream_interval=0.0):
+                 spec_type="none", stream_interval=0.0, tool_call_rescue=True):
         """``stream_interval``: seconds a streamed request's pieces are gathered
-        over (engine/pacing.py; --stream-interval-ms)."""
+        over (engine/pacing.py; --stream-interval-ms).  ``tool_call_rescue``:
+        chat/rescue.py (off with --no-tool-call-rescue)."""
         self.loaded = loaded
+        self.tool_call_rescue = tool_call_rescue
         self.stream_interval = stream_interval
         self.model = loaded.model
         # --spec-type auto: chat replies do not draft (their text repeats the
@@ -493,18 +497,17 @@ class Worker:
         plan = prepare_chat(self.model, template_for(self.loaded),
                             protocol.decode_messages(messages), protocol.decode_tools(tools),
                             tool_choice, schema, grammar, add_generation_prompt,
-                            enable_thinking, kwargs, parallel_tool_calls, reasoning_format)
+                            enable_thinking, kwargs, parallel_tool_calls, reasoning_format,
+                            rescue=self.tool_call_rescue, check=tokenize)
         out = {"text": plan.text}
         if tokenize:
-            if plan.grammar is not None:
-                check_grammar(self.model, plan.grammar,
-                              plan.grammar_triggers)
+            # the grammars were checked by prepare_chat (check=tokenize)
             out.update(
                 tokens=self.model.tokenize(plan.text, add_special=True, parse_special=True),
                 grammar=plan.grammar, grammar_triggers=list(plan.grammar_triggers),
                 preserved_tokens=sorted(plan.preserved_tokens),
                 chat={"fmt": dataclasses.asdict(plan.reply_format),
-                      "id_length": plan.id_length})
+                      "id_length": plan.id_length, "rescue": plan.rescue})
         return out
 
     # -- generation -------------------------------------------------------------------
@@ -558,6 +561,12 @@ class Worker:
         held = []       # chat: token probabilities not yet sent with a delta
         if chat is not None:
             gen.speculate = gen.speculate and self.chat_drafts
+            rescue = chat.get("rescue")
+            if rescue is not None:
+                s = gen.sampling
+                s.rescue_grammar, s.rescue_opener = rescue["grammar"], rescue["opener"]
+                s.rescue_names = tuple(rescue["names"])
+                s.rescue_watch_chars = rescue["watch_chars"]
             fmt = _reply_format(chat["fmt"])
             rs = ReplyStream(fmt, chat["id_length"])
             if stream:
@@ -711,7 +720,8 @@ def main(argv=None):
     # path, and before anyone measures what a loaded worker holds.
     loaded.model.grammar_facts
     worker = Worker(loaded, out, args.reasoning, args.reasoning_format, out_lock,
-                    args.spec_type, args.stream_interval_ms / 1000.0)
+                    args.spec_type, args.stream_interval_ms / 1000.0,
+                    not args.no_tool_call_rescue)
     worker.send({"op": "ready", "info": loaded.info()})
     worker.serve(inp)
     # The front is gone.  Requests may still be running on other threads
