@@ -155,7 +155,8 @@ def test_previous_response_id_is_a_clear_400(client):
     {"input": 42},
     {"input": [{"type": "input_image", "image_url": "x"}]},
     {"input": "hi", "max_output_tokens": "many"},
-    {"input": "hi", "tools": [{"type": "web_search"}]},
+    {"input": "hi", "tools": [{"type": "function"}]},
+    {"input": "hi", "tools": [{"name": "no_type"}]},
     {"input": "hi", "tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}},
     {"input": "hi", "text": {"format": {"type": "yaml"}}},
 ])

@@ -8,13 +8,14 @@ written here.
 
 import functools
 from collections import namedtuple
+from urllib.parse import unquote
 
 from .. import __version__
 from ..errors import OffgridError
 from ..request import GenerationParams, InfillRequest, PromptProgress
 from . import anthropic, chat, embeddings, formats, ollama, ollama_models, responses
 from . import shelf_api
-from .errors import BadRequest, HTTPError, Unavailable
+from .errors import BadRequest, HTTPError, NotFound, Unavailable
 from .prompts import infill_prepare, infill_tokens
 from .params import (Fields, completion_probs_from, include_usage_from, generation_from,
                      id_slot_from, infill_from, native_probs_from, output_schema_from,
@@ -122,6 +123,16 @@ def models(h, _body):
     created = int(svc.metrics.started)
     data = [shelf_api.model_object(svc.shelf, e, created) for e in svc.entries]
     h.send_json(200, {"object": "list", "data": data})
+
+
+def model_retrieve(h, _body):
+    """GET /v1/models/{id}: one model of /v1/models (OpenAI's retrieve), by id or alias."""
+    svc = h.service
+    name = unquote(h.path.split("?", 1)[0][len(_MODEL_PREFIX):])
+    e = svc.shelf.lookup(name)
+    if e is None:
+        raise NotFound("The model '%s' does not exist" % name[:200], type="invalid_request_error")
+    h.send_json(200, shelf_api.model_object(svc.shelf, e, int(svc.metrics.started)))
 
 
 def _switched_off(svc, name):
@@ -528,7 +539,7 @@ ROUTES = {
     "/api/chat": Route(ollama.chat_, _POST, True, True, "ollama"),
     "/api/embed": Route(ollama.embed, _POST, True, True, "ollama"),
     "/api/embeddings": Route(ollama.embeddings_, _POST, True, True, "ollama"),
-    "/api/pull": Route(ollama.manage, _POST, True, False, "ollama"),
+    "/api/pull": Route(ollama_models.pull, _POST, True, True, "ollama"),
     "/api/push": Route(ollama.manage, _POST, True, False, "ollama"),
     "/api/create": Route(ollama.manage, _POST, True, False, "ollama"),
     "/api/copy": Route(ollama.manage, _POST, True, False, "ollama"),
@@ -539,12 +550,28 @@ ROUTES = {
 }
 
 
+# Routes whose path ends in a value (the handler reads it from h.path), tried
+# after ROUTES' exact paths: (prefix, route).
+_MODEL_PREFIX = "/v1/models/"
+PREFIX_ROUTES = ((_MODEL_PREFIX, Route(model_retrieve, _GET, True, True)),)
+
+
+def route_of(path):
+    """The route of a path (no query string): an exact one, else a prefix's, else None."""
+    route = ROUTES.get(path)
+    if route is None:
+        for prefix, r in PREFIX_ROUTES:
+            if path.startswith(prefix) and len(path) > len(prefix):
+                return r
+    return route
+
+
 def dialect_of(path):
     """The error shape for a path: its route's dialect; Ollama's for any other /api/ path."""
-    route = ROUTES.get(path)
+    route = route_of(path)
     if route is not None:
         return route.dialect
     return "ollama" if path.startswith("/api/") else "openai"
 
 
-__all__ = ["ROUTES", "Unavailable", "dialect_of"]
+__all__ = ["ROUTES", "PREFIX_ROUTES", "Unavailable", "dialect_of", "route_of"]

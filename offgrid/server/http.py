@@ -378,7 +378,7 @@ class Handler(BaseHTTPRequestHandler):
     def _route(self, method):
         """The route for this request; NotFound or MethodNotAllowed (OPTIONS: route or None)."""
         path = self.path.split("?", 1)[0]
-        route = endpoints.ROUTES.get(path)
+        route = endpoints.route_of(path)
         if method == "OPTIONS":
             return route
         if route is None:

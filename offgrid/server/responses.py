@@ -14,22 +14,46 @@ What maps to what:
     function_call_output {call_id,output}    a "tool" Message
     reasoning {content: reasoning_text}      the next assistant Message's reasoning_content
     tools [{type: function, name, ...}]  Tool;  tool_choice auto/none/required/{name}
+    tools [{type: namespace, name, tools}]   its functions, each a Tool named as its
+                                         function (or ``namespace__function`` where two
+                                         would share a name); their calls come back
+                                         with ``namespace`` and the function's name, as
+                                         Codex reads them
+    any other tool type (web_search, file_search, code_interpreter, computer_use,
+    image_generation, local_shell, mcp, custom, ...)   skipped, with a warning: nothing
+                                         here runs them
     text.format json_schema / json_object    the output schema (a grammar)
     max_output_tokens, temperature, top_p    GenerationParams
 
 The output is a ``reasoning`` item (from the reply's reasoning split), a
 ``message`` item with one ``output_text`` part, and a ``function_call``
 item per call.  Nothing is stored: ``previous_response_id`` and
-``conversation`` get a 400, ``store`` is accepted and ignored.
+``conversation`` get a 400, ``store`` is accepted and ignored, as are (with
+a debug line) ``include``, ``prompt_cache_key``, ``client_metadata``,
+``reasoning.summary`` and any other field.
 """
 
 import json
+import logging
 
 from ..request import FinishReason, Message, ToolCall
 from . import chat, formats
 from .errors import BadRequest
 from .params import (MAX_N_PREDICT, Fields, generation_from, id_slot_from, tool_choice_from,
                      tool_of)
+
+log = logging.getLogger("offgrid.responses")
+
+_FIELDS = frozenset(("model", "input", "instructions", "tools", "tool_choice", "text",
+                     "reasoning", "max_output_tokens", "temperature", "top_p", "stream",
+                     "store", "parallel_tool_calls", "metadata", "background",
+                     "previous_response_id", "conversation", "id_slot", "seed"))
+# input items that carry nothing a local model can use: skipped (debug line)
+_SKIPPED_ITEMS = ("web_search_call", "file_search_call", "computer_call",
+                  "computer_call_output", "image_generation_call", "code_interpreter_call",
+                  "local_shell_call", "local_shell_call_output", "mcp_list_tools",
+                  "mcp_call", "mcp_approval_request", "mcp_approval_response",
+                  "compaction", "compaction_summary", "item_reference")
 
 # -- the request ------------------------------------------------------------------------
 
@@ -51,8 +75,21 @@ def _text_of(content, where):
     return "\n".join(out)
 
 
-def messages_from(instructions, items):
-    """``instructions`` and ``input`` (a string or items) as our chat Messages."""
+def _output_text(output, where):
+    """A function_call_output's output: a string, or parts whose images a text
+    model cannot see (a line says they were left out)."""
+    if isinstance(output, list):
+        output = [p if not (isinstance(p, dict) and p.get("type") in ("input_image",
+                                                                        "input_file"))
+                  else {"type": "input_text", "text": "[%s left out: this model reads text "
+                        "only]" % p["type"][6:]} for p in output]
+    return _text_of(output, where)
+
+
+def messages_from(instructions, items, spaces=None):
+    """``instructions`` and ``input`` (a string or items) as our chat Messages;
+    ``spaces`` maps (namespace, function) back to the name the model knows."""
+    spaces = spaces or {}
     out = []
     if instructions is not None:
         if not isinstance(instructions, str):
@@ -92,13 +129,24 @@ def messages_from(instructions, items):
                     or not isinstance(call_id, str):
                 raise BadRequest("'%s' (function_call) needs string 'call_id', 'name' and "
                                  "'arguments'" % where)
+            name = spaces.get((it.get("namespace"), name), name)
             assistant(lambda m: True).tool_calls.append(ToolCall(name, args, call_id))
-        elif kind == "function_call_output":
+        elif kind == "custom_tool_call":
+            # a freeform tool's call (offgrid offers none, but history may hold one)
+            name, call_id = it.get("name"), it.get("call_id")
+            if not isinstance(name, str) or not isinstance(call_id, str):
+                raise BadRequest("'%s' (custom_tool_call) needs string 'call_id' and 'name'"
+                                 % where)
+            args = json.dumps({"input": it.get("input", "")}, ensure_ascii=False)
+            assistant(lambda m: True).tool_calls.append(ToolCall(name, args, call_id))
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id = it.get("call_id")
             if not isinstance(call_id, str):
                 raise BadRequest("'%s.call_id' must be a string" % where)
-            out.append(Message("tool", _text_of(it.get("output", ""), where + ".output"),
+            out.append(Message("tool", _output_text(it.get("output", ""), where + ".output"),
                                tool_call_id=call_id))
+        elif kind in _SKIPPED_ITEMS:
+            log.debug("%s: a %s item is skipped", where, kind)
         elif kind == "reasoning":
             parts = it.get("content") or it.get("summary") or []
             if not isinstance(parts, list):
@@ -113,20 +161,53 @@ def messages_from(instructions, items):
 
 
 def tools_from(v):
-    """Responses' function tools ({type, name, description, parameters}) as Tools."""
+    """Responses' function tools as Tools: (tools, spaces).
+
+    A namespace's functions are tools of their own, named as the function
+    (``namespace__function`` if that name is taken); ``spaces`` maps each
+    such tool's name to (namespace, function) and back.  Built-in tools are
+    skipped with a warning.
+    """
     if v is None:
-        return []
+        return [], {}
     if not isinstance(v, list):
         raise BadRequest("'tools' must be an array")
-    out = []
+    found = []      # (namespace or None, the function's dict, where)
     for i, t in enumerate(v):
-        if not isinstance(t, dict) or t.get("type") != "function" \
-                or not isinstance(t.get("name"), str) or not t["name"]:
-            raise BadRequest("'tools[%d]' must be {\"type\": \"function\", \"name\": ..., "
-                             "\"parameters\": ...}; built-in tools are not available" % i)
-        out.append(tool_of(t["name"], t.get("description"), t.get("parameters") or {},
-                           "'tools[%d]'" % i))
-    return out
+        where = "'tools[%d]'" % i
+        kind = t.get("type") if isinstance(t, dict) else None
+        if kind == "namespace" and isinstance(t.get("tools"), list):
+            if not isinstance(t.get("name"), str) or not t["name"]:
+                raise BadRequest("%s: a namespace needs a 'name'" % where)
+            found += [(t["name"], f, "%s.tools[%d]" % (where[:-1], j) + "'")
+                      for j, f in enumerate(t["tools"])]
+        elif kind == "function":
+            found.append((None, t, where))
+        elif isinstance(kind, str):
+            log.warning("%s: the built-in tool %r is skipped: offgrid runs no built-in tools",
+                        where, kind)
+        else:
+            raise BadRequest("%s must be {\"type\": \"function\", \"name\": ..., "
+                             "\"parameters\": ...}" % where)
+    taken = {}
+    for ns, f, where in found:
+        name = f.get("name") if isinstance(f, dict) else None
+        if not isinstance(name, str) or not name or \
+                (isinstance(f, dict) and f.get("type", "function") != "function"):
+            raise BadRequest("%s must be {\"type\": \"function\", \"name\": ..., "
+                             "\"parameters\": ...}" % where)
+        taken[name] = taken.get(name, 0) + 1
+    tools, spaces = [], {}
+    for ns, f, where in found:
+        name = f["name"]
+        if ns is not None:
+            # Codex's flat form (ToolName::canonical_flat_name) where the plain name is taken
+            shown = name if taken[name] == 1 else "%s__%s" % (ns.rstrip("_"), name.lstrip("_"))
+            spaces[shown] = (ns, name)
+            spaces[(ns, name)] = shown
+            name = shown
+        tools.append(tool_of(name, f.get("description"), f.get("parameters") or {}, where))
+    return tools, spaces
 
 
 def _tool_choice(v, tools):
@@ -200,10 +281,14 @@ def _message_item(item_id, text, status="completed"):
             "content": [_text_part(text)] if text is not None else []}
 
 
-def _call_item(item_id, tc, status="completed", arguments=None):
-    return {"type": "function_call", "id": item_id, "call_id": tc["id"],
+def _call_item(item_id, tc, status="completed", arguments=None, spaces=None):
+    item = {"type": "function_call", "id": item_id, "call_id": tc["id"],
             "name": tc["name"], "status": status,
             "arguments": tc["arguments"] if arguments is None else arguments}
+    space = (spaces or {}).get(tc["name"])
+    if space is not None:
+        item["namespace"], item["name"] = space      # as the client declared it
+    return item
 
 
 def _item_status(c):
@@ -211,7 +296,7 @@ def _item_status(c):
     return "incomplete" if c.finish_reason is FinishReason.LENGTH else "completed"
 
 
-def output_items(ids, reply, status="completed"):
+def output_items(ids, reply, status="completed", spaces=None):
     out = []
     if reply["reasoning_content"]:
         out.append(_reasoning_item(ids.item("rs", len(out)), reply["reasoning_content"],
@@ -219,14 +304,15 @@ def output_items(ids, reply, status="completed"):
     if reply["content"] or not reply["tool_calls"]:
         out.append(_message_item(ids.item("msg", len(out)), reply["content"], status))
     for tc in reply["tool_calls"]:
-        out.append(_call_item(ids.item("fc", len(out)), tc))
+        out.append(_call_item(ids.item("fc", len(out)), tc, spaces=spaces))
     return out
 
 
 class _Request:
     """What the response object echoes of the request."""
 
-    def __init__(self, f, gen, tool_choice, raw_tools):
+    def __init__(self, f, gen, tool_choice, raw_tools, spaces=None):
+        self.spaces = spaces or {}
         self.instructions = f.raw("instructions")
         self.max_output_tokens = gen.n_predict if gen.n_predict >= 0 else None
         self.temperature = gen.sampling.temperature
@@ -276,12 +362,15 @@ def responses(h, body):
     if f.bool("background", False):
         raise BadRequest("'background' is not supported: offgrid stores no responses")
     f.bool("store", False)          # accepted and ignored: nothing is stored
+    for k in f.body:
+        if k not in _FIELDS:
+            log.debug("'%s' is accepted and ignored", k)
     if not f.has("input"):
         raise BadRequest("'input' is required")
     f.int("max_output_tokens", 0, lo=1, hi=MAX_N_PREDICT)
     entry = svc.entry_for(f.raw("model"))
-    messages = messages_from(f.raw("instructions"), f.raw("input"))
-    tools = tools_from(f.raw("tools"))
+    tools, spaces = tools_from(f.raw("tools"))
+    messages = messages_from(f.raw("instructions"), f.raw("input"), spaces)
     tool_choice = _tool_choice(f.raw("tool_choice"), tools)
     enable_thinking, kwargs = _thinking_from(f)
     parallel = f.bool("parallel_tool_calls", None)
@@ -293,13 +382,14 @@ def responses(h, body):
                           svc.sampling_default)
     gen.stop = []       # the Responses API has no stop strings
     chat.apply_plan(gen, plan)
-    req = _Request(f, gen, tool_choice, f.raw("tools"))
+    req = _Request(f, gen, tool_choice, f.raw("tools"), spaces)
     svc.metrics.request("v1/responses")
     ids, created = _Ids(), formats.now()
     if not f.bool("stream", False):
         c = svc.generate(entry, plan["tokens"], gen, id_slot_from(f), sock=h.connection,
                          chat=plan["chat"], what=what)
-        h.send_json(200, response_object(ids, entry.id, req, created, output_items(ids, c.reply, _item_status(c)),
+        h.send_json(200, response_object(ids, entry.id, req, created,
+                                         output_items(ids, c.reply, _item_status(c), spaces),
                                          c))
         return
     st = _Stream(h.event_stream(), ids, entry.id, req, created)
@@ -380,13 +470,14 @@ class _Stream:
             _, tc = d["tool_call"]
             i = len(self.output)
             fid = self.ids.item("fc", i)
+            spaces = self.req.spaces
             self._send("response.output_item.added", output_index=i,
-                       item=_call_item(fid, tc, "in_progress", ""))
+                       item=_call_item(fid, tc, "in_progress", "", spaces))
             ok = self._send("response.function_call_arguments.delta", item_id=fid,
                             output_index=i, delta=tc["arguments"])
+            item = _call_item(fid, tc, spaces=spaces)
             self._send("response.function_call_arguments.done", item_id=fid, output_index=i,
-                       name=tc["name"], arguments=tc["arguments"])
-            item = _call_item(fid, tc)
+                       name=item["name"], arguments=tc["arguments"])
             self._send("response.output_item.done", output_index=i, item=item)
             self.output.append(item)
             return ok
