@@ -33,7 +33,7 @@ from typing import FrozenSet, Optional
 
 from .gbnf import GrammarError, check_grammar
 from .jsonschema import schema_to_grammar
-from .rescue import rescue_of
+from .rescue import rescue_of, tool_args
 from .template import ChatTemplateError, ReplyFormat, tool_call_grammar
 
 log = logging.getLogger("offgrid.chat")
@@ -83,7 +83,7 @@ def prepare_chat(model, template, messages, tools=(), tool_choice="auto", schema
             log.debug("tool-call rescue off for this request: %s", e)
             watch = None
     if watch is not None:
-        fmt = dataclasses.replace(fmt, bare_calls=True)
+        fmt = dataclasses.replace(fmt, bare_calls=True, tool_args=tool_args(tools))
     id_length = 9 if getattr(template, "tool_syntax", "") == "mistral" else 32
     return ChatPlan(prompt.text, fmt, g, tuple(triggers), preserved_tokens(model, fmt), id_length,
                     watch)

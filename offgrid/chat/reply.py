@@ -48,6 +48,7 @@ import re
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
+from .rescue import tool_by_arguments
 from .template import ToolCall, new_tool_call_id
 
 _WS = " \t\n\r\v\f"
@@ -424,7 +425,9 @@ def _bare_calls(text, fmt, partial):
     # (fmt.bare_calls) writes only {"name", "arguments"}, maybe in a fence
     nested = fmt.tool_syntax not in ("llama3", "hermes", "mistral")
     s = text.strip(_WS)
-    scan = _Opener(s[:OPENER_LIMIT], fmt.tool_names, nested, nested or fmt.bare_calls)
+    # a rescued reply may name no tool and still be one's call by its arguments
+    names = () if fmt.bare_calls and fmt.tool_args else fmt.tool_names
+    scan = _Opener(s[:OPENER_LIMIT], names, nested, nested or fmt.bare_calls)
     try:
         if not scan.reply():
             return None
@@ -440,9 +443,28 @@ def _bare_calls(text, fmt, partial):
         # rescued call ends at its object: its fence is never closed)
         return _HOLD if partial and fenced and "```".startswith(tail) else None
     calls = _calls_of(obj, nested)
+    if calls and fmt.bare_calls and fmt.tool_args:
+        calls = [c if c.name in fmt.tool_names else _by_arguments(c, obj, fmt) for c in calls]
+        if None in calls:
+            return None
     if not calls or (fmt.tool_names and any(c.name not in fmt.tool_names for c in calls)):
         return None
     return _HOLD if partial else calls      # sent at the end: nothing may follow a bare call
+
+
+def _by_arguments(call, obj, fmt):
+    """A call naming no tool, read as the one tool its arguments fit (rescue.py),
+    or None.  Only a bare {"name", "arguments"} object qualifies."""
+    if not isinstance(obj, dict) or set(obj) - {"name", "arguments", "parameters"}:
+        return None
+    try:
+        args = json.loads(call.arguments)
+    except ValueError:
+        return None
+    found = tool_by_arguments(args, fmt.tool_args)
+    if found is None:
+        return None
+    return ToolCall(found[0], json.dumps(found[1], ensure_ascii=False), call.id)
 
 
 def _calls_of(obj, nested):

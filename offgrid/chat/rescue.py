@@ -27,6 +27,14 @@ How (engine/sampling.py's CallRescue does the watching):
     into the grammar from the middle of a token, and a piece the grammar
     refuses there ends the process.
 
+One more form is read, not held: a reply that is nothing but
+``{"name": X, "arguments": {...}}`` where X is no tool's name but the
+arguments are unmistakably one tool's -- every key that tool requires is
+there, and no other tool's required keys are -- is a call to that tool
+(Qwen2.5-Coder-0.5B, given Codex's tools, writes ``"name": "cat calc.py"``
+with exec_command's ``{"cmd": "cat calc.py", ...}``); keys the tool does not
+have are dropped from it (``tool_args`` here, chat/reply.py reads).
+
 ``--no-tool-call-rescue`` turns it off (the worker passes ``enabled``).
 """
 
@@ -73,3 +81,30 @@ def rescue_of(tools, tool_choice, enabled=True):
         return None
     return {"grammar": bare_call_grammar(tools), "opener": OPENER,
             "names": [t.name for t in tools], "watch_chars": WATCH_CHARS}
+
+
+def tool_args(tools):
+    """[name, required keys, property keys] per tool, for reading a misnamed call."""
+    out = []
+    for t in tools:
+        p = t.parameters if isinstance(t.parameters, dict) else {}
+        required = p.get("required") if isinstance(p.get("required"), list) else []
+        props = p.get("properties") if isinstance(p.get("properties"), dict) else {}
+        out.append((t.name, tuple(k for k in required if isinstance(k, str)), tuple(props)))
+    return tuple(out)
+
+
+def tool_by_arguments(args, candidates):
+    """(the tool's name, its arguments) when ``args`` (a dict) can only be that
+    tool's: it has every key the tool requires, and no other tool has all of
+    its own required keys there; None otherwise.  Keys the tool does not know
+    are dropped (a small model copies its schema's words into them)."""
+    if not isinstance(args, dict) or not args:
+        return None
+    keys = set(args)
+    fits = [(name, props) for name, required, props in candidates
+            if required and set(required) <= keys]
+    if len(fits) != 1:
+        return None
+    name, props = fits[0]
+    return name, {k: v for k, v in args.items() if k in props}

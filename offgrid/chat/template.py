@@ -193,6 +193,23 @@ def _renders_later_system(template):
     return ok and marker in out
 
 
+def _system_before_last_turn(msgs):
+    """System messages that end the conversation after a user's message, moved
+    to just before it.
+
+    Claude Code sends its environment notes as a system turn after the user's
+    request; rendered last, right before the reply, a small model answers the
+    note (Qwen2.5-Coder-0.5B recites it) instead of the request.  Before the
+    request they are the same context and the request is what is answered.
+    """
+    k = len(msgs)
+    while k > 0 and msgs[k - 1]["role"] == "system":
+        k -= 1
+    if k == len(msgs) or k == 0 or msgs[k - 1]["role"] != "user":
+        return msgs
+    return msgs[:k - 1] + msgs[k:] + [msgs[k - 1]]
+
+
 def _leading_system(msgs):
     """The system messages after the first message joined onto the leading one
     (made if there is none), for templates that cannot place them."""
@@ -402,6 +419,9 @@ class ReplyFormat:
     # ```json fence) is a call whatever the template's syntax: the tool-call
     # rescue (chat/rescue.py) held it to that form
     bare_calls: bool = False
+    # with bare_calls: per tool [name, required keys, property keys], to read a
+    # call whose "name" is no tool's by its arguments (chat/rescue.py)
+    tool_args: tuple = ()
 
 
 # What opens a call (ECMAScript regexes), for the syntaxes whose call grammar
@@ -601,6 +621,7 @@ class ChatTemplate:
             for m in msgs:
                 if m["role"] == "developer":
                     m["role"] = "system"
+        msgs = _system_before_last_turn(msgs)
         if not self.renders_later_system:
             msgs = _leading_system(msgs)
         if not self.caps.supports_system_role and msgs and msgs[0]["role"] == "system":

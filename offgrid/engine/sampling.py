@@ -70,17 +70,24 @@ class TokenSampler:
         """The next token from output ``idx`` of ``ctx``'s last decode, accepted;
         None when the grammar allows no candidate the chain would pick."""
         token = self._pick(ctx, idx)
-        if token is not None and self._rescue is not None:
-            held = self._rescue.follow(token)
-            if held is not None:
-                # the reply opened a bare call: from here on that grammar holds it
-                if self._grammar is not None:
-                    self._grammar.close()
-                self._grammar = held
-            if self._rescue.done:
-                self._rescue.close()
-                self._rescue = None
+        if token is not None:
+            self.observe(token)
         return token
+
+    def observe(self, token):
+        """A token now part of the reply (sampled and accepted): the tool-call
+        rescue's watch sees it, and may hand over the grammar that holds the rest."""
+        if self._rescue is None:
+            return
+        held = self._rescue.follow(token)
+        if held is not None:
+            # the reply opened a bare call: from here on that grammar holds it
+            if self._grammar is not None:
+                self._grammar.close()
+            self._grammar = held
+        if self._rescue.done:
+            self._rescue.close()
+            self._rescue = None
 
     def _pick(self, ctx, idx):
         grammar = self._grammar
