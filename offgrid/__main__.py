@@ -196,6 +196,11 @@ def parse_args(argv=None):
                    default="auto", help="where a chat reply's thinking goes, where a request "
                    "does not say: reasoning_content (auto, deepseek), content too "
                    "(deepseek-legacy), or left in content (none)")
+    p.add_argument("--no-tool-call-rescue", action="store_true",
+                   help="with tools and tool_choice auto, leave a reply that opens as a bare "
+                   "JSON call ({\"name\": <a tool>, \"arguments\": ...}, maybe in a ```json "
+                   "fence) to the model: by default it is held to that tool's call grammar "
+                   "and becomes a tool call, as small models need")
     # several machines (engine/rpc.py): llama.cpp's RPC backend, as llama-server's flags
     p.add_argument("--rpc", metavar="HOST:PORT[,...]",
                    help="put the model's layers on llama.cpp's rpc-servers (ggml-rpc-server, "

@@ -201,7 +201,8 @@ def test_previous_response_id_is_a_clear_400(client):
     {"input": 42},
     {"input": [{"type": "input_image", "image_url": "x"}]},
     {"input": "hi", "max_output_tokens": "many"},
-    {"input": "hi", "tools": [{"type": "web_search"}]},
+    {"input": "hi", "tools": [{"type": "function"}]},
+    {"input": "hi", "tools": [{"name": "no_type"}]},
     {"input": "hi", "tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}},
     {"input": "hi", "text": {"format": {"type": "yaml"}}},
 ])
@@ -308,3 +309,76 @@ def test_a_worker_dying_mid_stream_ends_it_with_response_failed(small):
     small.wait_idle(timeout=120)        # the worker is back for the next request
     r = client.responses.create(model="m", input="Hi", max_output_tokens=2)
     assert r.status in ("completed", "incomplete")
+
+
+# -- Codex's requests, as it sends them ------------------------------------------------------
+
+NAMESPACED = [
+    {"type": "function", "name": "exec_command", "description": "Runs a command.",
+     "strict": False, "parameters": {"type": "object", "required": ["cmd"],
+                                     "properties": {"cmd": {"type": "string"}}}},
+    {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.", "tools": [
+        {"type": "function", "name": "close_agent", "description": "Close an agent.",
+         "strict": False, "parameters": {"type": "object", "required": ["target"],
+                                         "properties": {"target": {"type": "string"}}}}]},
+    {"type": "namespace", "name": "other_v1", "tools": [
+        {"type": "function", "name": "exec_command", "description": "A clash.",
+         "parameters": {"type": "object", "properties": {}}}]},
+    {"type": "web_search", "external_web_access": False},
+    {"type": "custom", "name": "apply_patch", "format": {"type": "grammar", "syntax": "lark",
+                                                         "definition": "start: x"}},
+]
+
+
+def codex_request(**over):
+    body = {"model": "qwen", "stream": False, "tool_choice": "auto", "parallel_tool_calls": True,
+            "reasoning": {"summary": "auto"}, "store": False,
+            "include": ["reasoning.encrypted_content"], "prompt_cache_key": "01a2-b3",
+            "client_metadata": {"x-codex-turn-metadata": "{}"}, "tools": NAMESPACED,
+            "input": [{"type": "message", "id": "msg_1", "role": "developer",
+                       "content": [{"type": "input_text", "text": "You are a coding agent."}]},
+                      {"type": "message", "role": "user",
+                       "content": [{"type": "input_text", "text": "Say hello."}]}],
+            "temperature": 0, "max_output_tokens": 16}
+    body.update(over)
+    return body
+
+
+def test_codexs_first_request_is_answered(srv):
+    status, _, body = srv.post("/v1/responses", codex_request())
+    assert status == 200, body
+    assert body["status"] in ("completed", "incomplete") and body["output"]
+
+
+def test_namespace_functions_are_tools_named_as_codex_reads_them_back():
+    tools, spaces = dialect.tools_from(NAMESPACED)
+    assert [t.name for t in tools] == ["exec_command", "close_agent", "other_v1__exec_command"]
+    assert spaces["close_agent"] == ("multi_agent_v1", "close_agent")
+    item = dialect._call_item("fc_1", {"id": "c1", "name": "other_v1__exec_command",
+                                       "arguments": "{}"}, spaces=spaces)
+    assert (item["namespace"], item["name"]) == ("other_v1", "exec_command")
+    msgs = dialect.messages_from(None, [
+        {"type": "function_call", "call_id": "c1", "name": "close_agent",
+         "namespace": "multi_agent_v1", "arguments": "{\"target\": \"a\"}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "closed"}], spaces)
+    assert msgs[0].tool_calls[0].name == "close_agent" and msgs[1].role == "tool"
+
+
+def test_a_namespace_call_comes_back_with_its_namespace(srv):
+    status, _, body = srv.post("/v1/responses", codex_request(
+        max_output_tokens=60, input="Close the agent named alpha.",
+        tool_choice={"type": "function", "name": "close_agent"}))
+    assert status == 200, body
+    calls = [o for o in body["output"] if o["type"] == "function_call"]
+    assert [(c["namespace"], c["name"]) for c in calls] == [("multi_agent_v1", "close_agent")]
+    assert "target" in json.loads(calls[0]["arguments"])
+
+
+def test_a_namespace_call_streams_with_its_namespace(client):
+    with client.responses.stream(model="qwen", input="Close the agent named alpha.",
+                                 tools=NAMESPACED[:2], max_output_tokens=60, temperature=0,
+                                 tool_choice={"type": "function", "name": "close_agent"}) as s:
+        final = s.get_final_response()
+    call = [o for o in final.output if o.type == "function_call"][0]
+    assert call.name == "close_agent" and call.model_dump().get("namespace") == \
+        "multi_agent_v1"

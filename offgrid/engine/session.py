@@ -550,11 +550,12 @@ class ChatSession:
             eog_ban = self._eog_tokens() if params.ignore_eos else ()
             probs = params.with_probs
             post = probs and params.post_sampling_probs and not params.sampling.greedy
-            if (params.sampling.grammar is not None or probs) and self._candidates is None:
+            if (params.sampling.grammar is not None or probs
+                    or params.sampling.rescue_grammar is not None) and self._candidates is None:
                 self._candidates = libllama.Candidates(model.lib, model.n_vocab)
             sampler = build_sampler(model.lib, params.sampling, model.n_vocab, self.n_ctx, eog_ban,
                                     vocab=model.handle.vocab, candidates=self._candidates,
-                                    keep_candidates=post)
+                                    keep_candidates=post, piece_of=model.token_bytes)
             if probs:
                 reader = ProbsReader(model.lib, self._candidates, params.n_probs,
                                      params.post_sampling_probs, params.sampling.greedy)
@@ -722,12 +723,14 @@ class ChatSession:
         """A PromptLookup for this request, or None where it cannot draft.
 
         Not with token probabilities (the reader reads one output), nor with a
-        grammar (a draft the grammar forbids is only wasted work, and the
-        grammar path is the hostile-input path: kept plain), nor where the
+        grammar or the tool-call rescue's (a draft the grammar forbids is only
+        wasted work, and the grammar path is the hostile-input path: kept
+        plain), nor where the
         cache cannot drop the cells of a wrong draft (recurrent state).
         """
         if self.draft_max <= 0 or not params.speculate or reader is not None \
                 or params.sampling.grammar is not None or not self._can_shift \
+                or params.sampling.rescue_grammar is not None \
                 or params.n_predict == 1:
             return None
         return PromptLookup(prompt)

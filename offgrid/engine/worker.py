@@ -201,10 +201,13 @@ class Worker:
     """Answers the front's frames for one Loaded model."""
 
     def __init__(self, loaded, out, reasoning="auto", reasoning_format="auto", out_lock=None,
-                 spec_type="none", stream_interval=0.0, spm_infill=False):
+                 spec_type="none", stream_interval=0.0, spm_infill=False,
+                 tool_call_rescue=True):
         """``stream_interval``: seconds a streamed request's pieces are gathered
-        over (engine/pacing.py; --stream-interval-ms)."""
+        over (engine/pacing.py; --stream-interval-ms).  ``tool_call_rescue``:
+        chat/rescue.py (off with --no-tool-call-rescue)."""
         self.loaded = loaded
+        self.tool_call_rescue = tool_call_rescue
         self.stream_interval = stream_interval
         self.spm_infill = spm_infill        # --spm-infill: FIM prompts suffix first
         self.model = loaded.model
@@ -490,18 +493,17 @@ class Worker:
         plan = prepare_chat(self.model, template_for(self.loaded),
                             protocol.decode_messages(messages), protocol.decode_tools(tools),
                             tool_choice, schema, grammar, add_generation_prompt,
-                            enable_thinking, kwargs, parallel_tool_calls, reasoning_format)
+                            enable_thinking, kwargs, parallel_tool_calls, reasoning_format,
+                            rescue=self.tool_call_rescue, check=tokenize)
         out = {"text": plan.text}
         if tokenize:
-            if plan.grammar is not None:
-                check_grammar(self.model, plan.grammar,
-                              plan.grammar_triggers)
+            # the grammars were checked by prepare_chat (check=tokenize)
             out.update(
                 tokens=self.model.tokenize(plan.text, add_special=True, parse_special=True),
                 grammar=plan.grammar, grammar_triggers=list(plan.grammar_triggers),
                 preserved_tokens=sorted(plan.preserved_tokens),
                 chat={"fmt": dataclasses.asdict(plan.reply_format),
-                      "id_length": plan.id_length})
+                      "id_length": plan.id_length, "rescue": plan.rescue})
         return out
 
     # -- generation -------------------------------------------------------------------
@@ -555,6 +557,12 @@ class Worker:
         held = []       # chat: token probabilities not yet sent with a delta
         if chat is not None:
             gen.speculate = gen.speculate and self.chat_drafts
+            rescue = chat.get("rescue")
+            if rescue is not None:
+                s = gen.sampling
+                s.rescue_grammar, s.rescue_opener = rescue["grammar"], rescue["opener"]
+                s.rescue_names = tuple(rescue["names"])
+                s.rescue_watch_chars = rescue["watch_chars"]
             fmt = _reply_format(chat["fmt"])
             rs = ReplyStream(fmt, chat["id_length"])
             if stream:
@@ -747,7 +755,8 @@ def main(argv=None):
     # path, and before anyone measures what a loaded worker holds.
     loaded.model.grammar_facts
     worker = Worker(loaded, out, args.reasoning, args.reasoning_format, out_lock,
-                    args.spec_type, args.stream_interval_ms / 1000.0, args.spm_infill)
+                    args.spec_type, args.stream_interval_ms / 1000.0, args.spm_infill,
+                    args.tool_call_rescue)
     worker.send({"op": "ready", "info": protocol.encode_info(loaded.info())})
     worker.serve(inp)
     # The front is gone.  Requests may still be running on other threads

@@ -16,7 +16,9 @@ on disconnect), and come back in Ollama's shapes:
                                               (normalized), ``truncate``, ``dimensions``
     POST /api/embeddings                      the older form: ``prompt`` -> ``embedding``
                                               (not normalized, as Ollama's)
-    POST /api/pull, push, create, copy, delete   501: offgrid never downloads or writes models
+    POST /api/pull                            success at once for a model offgrid serves,
+                                              else an error: it never downloads models
+    POST /api/push, create, copy, delete      501: offgrid never uploads or writes models
 
 This module has the requests that generate, the embedding ones (through
 ``embeddings.py``'s worker call) and the refusals;

@@ -14,14 +14,27 @@ What maps to what:
     function_call_output {call_id,output}    a "tool" Message
     reasoning {content: reasoning_text}      the next assistant Message's reasoning_content
     tools [{type: function, name, ...}]  Tool;  tool_choice auto/none/required/{name}
+    tools [{type: namespace, name, tools}]   its functions, each a Tool named as its
+                                         function (or ``namespace__function`` where two
+                                         would share a name); their calls come back
+                                         with ``namespace`` and the function's name, as
+                                         Codex reads them
+    any other tool type (web_search, file_search, code_interpreter, computer_use,
+    image_generation, local_shell, mcp, custom, ...)   skipped, with a warning: nothing
+                                         here runs them
     text.format json_schema / json_object    the output schema (a grammar)
     max_output_tokens, temperature, top_p    GenerationParams
 
 The output is a ``reasoning`` item (from the reply's reasoning split), a
 ``message`` item with one ``output_text`` part, and a ``function_call``
 item per call.  Nothing is stored: ``previous_response_id`` and
-``conversation`` get a 400, ``store`` is accepted and ignored.
+``conversation`` get a 400, ``store`` is accepted and ignored, as are (with
+a debug line) ``include``, ``prompt_cache_key``, ``client_metadata``,
+``reasoning.summary`` and any other field.
 """
+
+import json
+import logging
 
 from ...request import FinishReason, Message, ToolCall
 from . import formats, openai_chat as chat, pipeline
@@ -30,6 +43,19 @@ from ..httpd.httperrors import BadRequest
 from .pipeline import Format, Generation, Prompt
 from .fields import (MAX_N_PREDICT, Fields, generation_from, id_slot_from, tool_choice_from,
                      tool_of)
+
+log = logging.getLogger("offgrid.responses")
+
+_FIELDS = frozenset(("model", "input", "instructions", "tools", "tool_choice", "text",
+                     "reasoning", "max_output_tokens", "temperature", "top_p", "stream",
+                     "store", "parallel_tool_calls", "metadata", "background",
+                     "previous_response_id", "conversation", "id_slot", "seed"))
+# input items that carry nothing a local model can use: skipped (debug line)
+_SKIPPED_ITEMS = ("web_search_call", "file_search_call", "computer_call",
+                  "computer_call_output", "image_generation_call", "code_interpreter_call",
+                  "local_shell_call", "local_shell_call_output", "mcp_list_tools",
+                  "mcp_call", "mcp_approval_request", "mcp_approval_response",
+                  "compaction", "compaction_summary", "item_reference")
 
 # -- the request ------------------------------------------------------------------------
 
@@ -51,8 +77,21 @@ def _text_of(content, where):
     return "\n".join(out)
 
 
-def messages_from(instructions, items):
-    """``instructions`` and ``input`` (a string or items) as our chat Messages."""
+def _output_text(output, where):
+    """A function_call_output's output: a string, or parts whose images a text
+    model cannot see (a line says they were left out)."""
+    if isinstance(output, list):
+        output = [p if not (isinstance(p, dict) and p.get("type") in ("input_image",
+                                                                        "input_file"))
+                  else {"type": "input_text", "text": "[%s left out: this model reads text "
+                        "only]" % p["type"][6:]} for p in output]
+    return _text_of(output, where)
+
+
+def messages_from(instructions, items, spaces=None):
+    """``instructions`` and ``input`` (a string or items) as our chat Messages;
+    ``spaces`` maps (namespace, function) back to the name the model knows."""
+    spaces = spaces or {}
     out = []
     if instructions is not None:
         if not isinstance(instructions, str):
@@ -92,13 +131,24 @@ def messages_from(instructions, items):
                     or not isinstance(call_id, str):
                 raise BadRequest("'%s' (function_call) needs string 'call_id', 'name' and "
                                  "'arguments'" % where)
+            name = spaces.get((it.get("namespace"), name), name)
             assistant(lambda m: True).tool_calls.append(ToolCall(name, args, call_id))
-        elif kind == "function_call_output":
+        elif kind == "custom_tool_call":
+            # a freeform tool's call (offgrid offers none, but history may hold one)
+            name, call_id = it.get("name"), it.get("call_id")
+            if not isinstance(name, str) or not isinstance(call_id, str):
+                raise BadRequest("'%s' (custom_tool_call) needs string 'call_id' and 'name'"
+                                 % where)
+            args = json.dumps({"input": it.get("input", "")}, ensure_ascii=False)
+            assistant(lambda m: True).tool_calls.append(ToolCall(name, args, call_id))
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id = it.get("call_id")
             if not isinstance(call_id, str):
                 raise BadRequest("'%s.call_id' must be a string" % where)
-            out.append(Message("tool", _text_of(it.get("output", ""), where + ".output"),
+            out.append(Message("tool", _output_text(it.get("output", ""), where + ".output"),
                                tool_call_id=call_id))
+        elif kind in _SKIPPED_ITEMS:
+            log.debug("%s: a %s item is skipped", where, kind)
         elif kind == "reasoning":
             parts = it.get("content") or it.get("summary") or []
             if not isinstance(parts, list):
@@ -113,20 +163,53 @@ def messages_from(instructions, items):
 
 
 def tools_from(v):
-    """Responses' function tools ({type, name, description, parameters}) as Tools."""
+    """Responses' function tools as Tools: (tools, spaces).
+
+    A namespace's functions are tools of their own, named as the function
+    (``namespace__function`` if that name is taken); ``spaces`` maps each
+    such tool's name to (namespace, function) and back.  Built-in tools are
+    skipped with a warning.
+    """
     if v is None:
-        return []
+        return [], {}
     if not isinstance(v, list):
         raise BadRequest("'tools' must be an array")
-    out = []
+    found = []      # (namespace or None, the function's dict, where)
     for i, t in enumerate(v):
-        if not isinstance(t, dict) or t.get("type") != "function" \
-                or not isinstance(t.get("name"), str) or not t["name"]:
-            raise BadRequest("'tools[%d]' must be {\"type\": \"function\", \"name\": ..., "
-                             "\"parameters\": ...}; built-in tools are not available" % i)
-        out.append(tool_of(t["name"], t.get("description"), t.get("parameters") or {},
-                           "'tools[%d]'" % i))
-    return out
+        where = "'tools[%d]'" % i
+        kind = t.get("type") if isinstance(t, dict) else None
+        if kind == "namespace" and isinstance(t.get("tools"), list):
+            if not isinstance(t.get("name"), str) or not t["name"]:
+                raise BadRequest("%s: a namespace needs a 'name'" % where)
+            found += [(t["name"], f, "%s.tools[%d]" % (where[:-1], j) + "'")
+                      for j, f in enumerate(t["tools"])]
+        elif kind == "function":
+            found.append((None, t, where))
+        elif isinstance(kind, str):
+            log.warning("%s: the built-in tool %r is skipped: offgrid runs no built-in tools",
+                        where, kind)
+        else:
+            raise BadRequest("%s must be {\"type\": \"function\", \"name\": ..., "
+                             "\"parameters\": ...}" % where)
+    taken = {}
+    for ns, f, where in found:
+        name = f.get("name") if isinstance(f, dict) else None
+        if not isinstance(name, str) or not name or \
+                (isinstance(f, dict) and f.get("type", "function") != "function"):
+            raise BadRequest("%s must be {\"type\": \"function\", \"name\": ..., "
+                             "\"parameters\": ...}" % where)
+        taken[name] = taken.get(name, 0) + 1
+    tools, spaces = [], {}
+    for ns, f, where in found:
+        name = f["name"]
+        if ns is not None:
+            # Codex's flat form (ToolName::canonical_flat_name) where the plain name is taken
+            shown = name if taken[name] == 1 else "%s__%s" % (ns.rstrip("_"), name.lstrip("_"))
+            spaces[shown] = (ns, name)
+            spaces[(ns, name)] = shown
+            name = shown
+        tools.append(tool_of(name, f.get("description"), f.get("parameters") or {}, where))
+    return tools, spaces
 
 
 def _tool_choice(v, tools):
@@ -200,10 +283,14 @@ def _message_item(item_id, text, status="completed"):
             "content": [_text_part(text)] if text is not None else []}
 
 
-def _call_item(item_id, tc, status="completed", arguments=None):
-    return {"type": "function_call", "id": item_id, "call_id": tc["id"],
+def _call_item(item_id, tc, status="completed", arguments=None, spaces=None):
+    item = {"type": "function_call", "id": item_id, "call_id": tc["id"],
             "name": tc["name"], "status": status,
             "arguments": tc["arguments"] if arguments is None else arguments}
+    space = (spaces or {}).get(tc["name"])
+    if space is not None:
+        item["namespace"], item["name"] = space      # as the client declared it
+    return item
 
 
 def _item_status(c):
@@ -211,7 +298,7 @@ def _item_status(c):
     return "incomplete" if c.finish_reason is FinishReason.LENGTH else "completed"
 
 
-def output_items(ids, reply, status="completed"):
+def output_items(ids, reply, status="completed", spaces=None):
     out = []
     if reply["reasoning_content"]:
         out.append(_reasoning_item(ids.item("rs", len(out)), reply["reasoning_content"],
@@ -219,14 +306,15 @@ def output_items(ids, reply, status="completed"):
     if reply["content"] or not reply["tool_calls"]:
         out.append(_message_item(ids.item("msg", len(out)), reply["content"], status))
     for tc in reply["tool_calls"]:
-        out.append(_call_item(ids.item("fc", len(out)), tc))
+        out.append(_call_item(ids.item("fc", len(out)), tc, spaces=spaces))
     return out
 
 
 class _Request:
     """What the response object echoes of the request."""
 
-    def __init__(self, f, gen, tool_choice, raw_tools):
+    def __init__(self, f, gen, tool_choice, raw_tools, spaces=None):
+        self.spaces = spaces or {}
         self.instructions = f.raw("instructions")
         self.max_output_tokens = gen.n_predict if gen.n_predict >= 0 else None
         self.temperature = gen.sampling.temperature
@@ -276,19 +364,22 @@ def _prepare(h, f, what):
     if f.bool("background", False):
         raise BadRequest("'background' is not supported: offgrid stores no responses")
     f.bool("store", False)          # accepted and ignored: nothing is stored
+    for k in f.body:
+        if k not in _FIELDS:
+            log.debug("'%s' is accepted and ignored", k)
     if not f.has("input"):
         raise BadRequest("'input' is required")
     f.int("max_output_tokens", 0, lo=1, hi=MAX_N_PREDICT)
     entry = h.service.entry_for(f.raw("model"))
-    messages = messages_from(f.raw("instructions"), f.raw("input"))
-    tools = tools_from(f.raw("tools"))
+    tools, spaces = tools_from(f.raw("tools"))
+    messages = messages_from(f.raw("instructions"), f.raw("input"), spaces)
     tool_choice = _tool_choice(f.raw("tool_choice"), tools)
     enable_thinking, kwargs = _thinking_from(f)
     parallel = f.bool("parallel_tool_calls", None)
     plan = chat.prepare(entry, messages, tools, tool_choice, schema=_schema_from(f.raw("text")),
                         enable_thinking=enable_thinking, kwargs=kwargs,
                         parallel_tool_calls=parallel, what=what)
-    return entry, plan, tool_choice
+    return entry, plan, tool_choice, spaces
 
 
 def responses(h, body):
@@ -296,7 +387,7 @@ def responses(h, body):
     f = Fields(body)
     svc = h.service
     what = "POST /v1/responses"
-    entry, plan, tool_choice = _prepare(h, f, what)
+    entry, plan, tool_choice, spaces = _prepare(h, f, what)
     gen = generation_from(f, entry.n_vocab, svc.n_predict_default, ("max_output_tokens",),
                           svc.sampling_default)
     gen.stop = []       # the Responses API has no stop strings
@@ -306,7 +397,7 @@ def responses(h, body):
     # timings on the deltas (both asked for), and on the final event
     gen.return_progress = stream and f.bool("return_progress", False)
     gen.timings_per_token = stream and f.bool("timings_per_token", False)
-    req = _Request(f, gen, tool_choice, f.raw("tools"))
+    req = _Request(f, gen, tool_choice, f.raw("tools"), spaces)
     g = Generation(entry, gen, [Prompt(plan["tokens"])], "v1/responses", what,
                    stream=stream, id_slot=id_slot_from(f), chat=plan["chat"])
     pipeline.run(h, g, ResponsesFormat(entry.id, req))
@@ -316,7 +407,7 @@ def input_tokens(h, body):
     """POST /v1/responses/input_tokens (and /responses/input_tokens): the length of
     the request's prompt through the template, as llama-server's and OpenAI's; nothing
     is generated."""
-    entry, plan, _ = _prepare(h, Fields(body), "POST /v1/responses/input_tokens")
+    entry, plan, _, _ = _prepare(h, Fields(body), "POST /v1/responses/input_tokens")
     h.send_json(200, {"object": "response.input_tokens", "input_tokens": len(plan["tokens"])})
 
 
@@ -355,7 +446,8 @@ class ResponsesFormat(Format):
     def body(self, jobs, done):
         c = done[0]
         return response_object(self.ids, self.model, self.req, self.created,
-                               output_items(self.ids, c.reply, _item_status(c)), c)
+                               output_items(self.ids, c.reply, _item_status(c),
+                                            self.req.spaces), c)
 
 
 class _Stream:
@@ -444,13 +536,14 @@ class _Stream:
             _, tc = d["tool_call"]
             i = len(self.output)
             fid = self.ids.item("fc", i)
+            spaces = self.req.spaces
             self._send("response.output_item.added", output_index=i,
-                       item=_call_item(fid, tc, "in_progress", ""))
+                       item=_call_item(fid, tc, "in_progress", "", spaces))
             self._send("response.function_call_arguments.delta", item_id=fid,
                        output_index=i, delta=tc["arguments"])
+            item = _call_item(fid, tc, spaces=spaces)
             self._send("response.function_call_arguments.done", item_id=fid, output_index=i,
-                       name=tc["name"], arguments=tc["arguments"])
-            item = _call_item(fid, tc)
+                       name=item["name"], arguments=tc["arguments"])
             self.output.append(item)
             return self._send("response.output_item.done", extra, output_index=i, item=item)
         if "reasoning_content" in d:
