@@ -15,16 +15,22 @@ Codex's ~8.5k): evaluating one takes 30 s to 10 minutes on the 2-core test
 machine depending on its load, hence ``slow`` and few tests.  One server
 serves them all, so what the prompts share stays in its cache.
 
-What a 0.5B model does is partly chance (the clients send no seed, and
-sample): the tests assert what the server makes sure of -- the request is
-taken as the client sends it, a reply that opens as a call to a given tool
-becomes that client's tool call, the result goes back -- and where the model
-itself has to choose well (naming Codex's exec_command), up to three runs.
+What a 0.5B model does is partly chance: the clients send no seed and
+sample at the server's default temperature, and the model gets a call right
+in some samples and not in others (Codex's exec_command: about half).  So
+the server here decodes greedily (``--temp 0``) and each test works in a
+folder of its own fixed name (the working directory is part of the prompt):
+the same prompt gives the same reply.  The tests assert what the server
+makes sure of -- the request is taken as the client sends it, a reply that
+opens as a call to a given tool becomes that client's tool call, the result
+goes back -- on what the model does with that prompt.
 """
 
 import json
 import os
+import shutil
 import subprocess
+import tempfile
 import threading
 from pathlib import Path
 
@@ -54,8 +60,20 @@ def clients():
 @pytest.fixture(scope="module")
 def srv():
     assert QWEN.is_file(), "Qwen2.5-Coder is missing at %s (make model)" % QWEN
-    with ServerProcess(QWEN, ctx=32768, startup_timeout=300) as s:
+    with ServerProcess(QWEN, "--temp", "0", ctx=32768, startup_timeout=300) as s:
         yield s
+
+
+@pytest.fixture
+def place(request):
+    """A folder of the test's own fixed name, emptied: the clients put their
+    working directory in the prompt, and greedy decoding gives the same reply
+    to the same prompt."""
+    path = Path(tempfile.gettempdir()) / "offgrid-agent-tests" / request.node.name
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _base_env(home):
@@ -72,32 +90,32 @@ def run(argv, env, cwd, timeout=RUN_TIMEOUT):
 
 # -- Claude Code -------------------------------------------------------------------------
 
-def claude(clients, srv, tmp_path, *args):
-    env = dict(_base_env(tmp_path / "home"),
+def claude(clients, srv, place, *args):
+    env = dict(_base_env(place / "home"),
                ANTHROPIC_BASE_URL=srv.base, ANTHROPIC_API_KEY="offgrid-test",
                CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", DISABLE_AUTOUPDATER="1",
                DISABLE_TELEMETRY="1", DISABLE_ERROR_REPORTING="1", DISABLE_BUG_COMMAND="1",
                # the client's own request timeout (10 minutes) is less than a long
                # prompt takes on a loaded 2-core machine
                API_TIMEOUT_MS=str(RUN_TIMEOUT * 1000))
-    (tmp_path / "home").mkdir(exist_ok=True)
-    work = tmp_path / "work"
+    (place / "home").mkdir(exist_ok=True)
+    work = place / "work"
     work.mkdir(exist_ok=True)
     return run([str(clients / "claude"), "--model", "qwen"] + list(args), env, work)
 
 
-def test_claude_print_with_its_default_tools_answers(clients, srv, tmp_path):
-    rc, out, err = claude(clients, srv, tmp_path, "-p", "Say hello.")
+def test_claude_print_with_its_default_tools_answers(clients, srv, place):
+    rc, out, err = claude(clients, srv, place, "-p", "Say hello.")
     assert rc == 0, err + out
     assert out.strip(), "claude -p printed no answer:\n" + err
 
 
-def test_claude_reads_a_file_with_the_read_tool(clients, srv, tmp_path):
+def test_claude_reads_a_file_with_the_read_tool(clients, srv, place):
     """The Read call, the file's text going back to the model as its result."""
-    secret = tmp_path / "work" / "secret.txt"
+    secret = place / "work" / "secret.txt"
     secret.parent.mkdir(parents=True)
     secret.write_text("The secret word is PLUMTREE.\n")
-    rc, out, err = claude(clients, srv, tmp_path, "-p",
+    rc, out, err = claude(clients, srv, place, "-p",
                           "Use the Read tool to read %s and tell me the secret word" % secret,
                           "--tools", "Read", "--max-turns", "2", "--output-format",
                           "stream-json", "--verbose")
@@ -114,10 +132,10 @@ def test_claude_reads_a_file_with_the_read_tool(clients, srv, tmp_path):
 
 # -- Codex -------------------------------------------------------------------------------
 
-def codex_home(tmp_path, provider=None):
-    """HOME and CODEX_HOME in tmp_path, with offgrid as the model provider (or none:
+def codex_home(place, provider=None):
+    """HOME and CODEX_HOME in place, with offgrid as the model provider (or none:
     --oss picks the built-in Ollama one)."""
-    home = tmp_path / "home"
+    home = place / "home"
     (home / ".codex").mkdir(parents=True, exist_ok=True)
     lines = ["check_for_update_on_startup = false", "model_context_window = 32768", ""]
     if provider:
@@ -177,9 +195,9 @@ def _ran_calc(event):
     return None
 
 
-def test_codex_exec_with_its_default_tools_answers(clients, srv, tmp_path):
-    home = codex_home(tmp_path, provider=srv.base)
-    rc, events, err = codex(clients, home, tmp_path, ["Say hello."],
+def test_codex_exec_with_its_default_tools_answers(clients, srv, place):
+    home = codex_home(place, provider=srv.base)
+    rc, events, err = codex(clients, home, place, ["Say hello."],
                             stop=lambda e: _items([e], "agent_message"))
     assert _items(events, "agent_message"), "no answer (rc %s):\n%s\n%s" % (
         rc, json.dumps(events)[:3000], err[-3000:])
@@ -187,11 +205,11 @@ def test_codex_exec_with_its_default_tools_answers(clients, srv, tmp_path):
 
 
 def test_codex_oss_ollama_mode_pulls_and_answers_with_offgrids_model_name(clients, srv,
-                                                                          tmp_path):
+                                                                          place):
     """--oss --local-provider ollama: version check (0.13.4 or newer), the model list,
     a pull of the model (offgrid serves it: success at once), then /v1/responses."""
-    home = codex_home(tmp_path)
-    rc, events, err = codex(clients, home, tmp_path,
+    home = codex_home(place)
+    rc, events, err = codex(clients, home, place,
                             ["--oss", "--local-provider", "ollama", "-m", ALIAS, "Say hello."],
                             {"CODEX_OSS_BASE_URL": srv.base + "/v1"},
                             stop=lambda e: _items([e], "agent_message"))
@@ -200,23 +218,18 @@ def test_codex_oss_ollama_mode_pulls_and_answers_with_offgrids_model_name(client
     assert not [e for e in events if e.get("type") in ("turn.failed", "error")], events
 
 
-def test_codex_runs_a_shell_command_through_a_tool_call(clients, srv, tmp_path):
-    """exec_command called and run by Codex.  The model has to name the tool
-    itself (it sometimes writes the command as the name): up to three runs."""
-    work = tmp_path / "work"
+def test_codex_runs_a_shell_command_through_a_tool_call(clients, srv, place):
+    """exec_command called, and run by Codex.  (Qwen 0.5B writes the command
+    where the tool's name belongs: read by its arguments, see chat/rescue.py.)"""
+    work = place / "work"
     work.mkdir()
     (work / "calc.py").write_text("def add(a, b):\n    return a + b  # CALC_MARKER\n")
-    tries = []
-    for attempt in range(3):
-        home = codex_home(tmp_path / ("try%d" % attempt), provider=srv.base)
-        rc, events, err = codex(clients, home, work,
-                                ["--dangerously-bypass-approvals-and-sandbox",
-                                 "Run the shell command: cat calc.py"],
-                                stop=lambda e: _ran_calc(e) is not None)
-        ran = [i for i in (_ran_calc(e) for e in events) if i is not None]
-        if ran:
-            assert "CALC_MARKER" in ran[0].get("aggregated_output", ""), ran[0]
-            return
-        tries.append(json.dumps(_items(events, "agent_message"))[:600] or err[-600:])
-    pytest.fail("no run called exec_command with cat calc.py; the replies were:\n%s"
-                % "\n".join(tries))
+    home = codex_home(place, provider=srv.base)
+    rc, events, err = codex(clients, home, work,
+                            ["--dangerously-bypass-approvals-and-sandbox",
+                             "Run the shell command: cat calc.py"],
+                            stop=lambda e: _ran_calc(e) is not None)
+    ran = [i for i in (_ran_calc(e) for e in events) if i is not None]
+    assert ran, "no exec_command with cat calc.py (rc %s):\n%s\n%s" % (
+        rc, json.dumps([e.get("item", e) for e in events])[:3000], err[-2000:])
+    assert "CALC_MARKER" in ran[0].get("aggregated_output", ""), ran[0]

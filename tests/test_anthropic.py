@@ -279,7 +279,8 @@ def cc_request(**over):
         "messages": [
             {"role": "user", "content": [{"type": "text", "text": "Say hello.",
                                           "cache_control": {"type": "ephemeral"}}]},
-            {"role": "system", "content": [{"type": "text", "text": "# Environment\nPlatform: linux"}]}],
+            {"role": "system",
+             "content": [{"type": "text", "text": "# Environment\nPlatform: linux"}]}],
         "tools": CC_TOOLS,
         "metadata": {"user_id": "{\"device_id\": \"abc\"}"},
         "thinking": {"type": "adaptive", "display": "omitted"},

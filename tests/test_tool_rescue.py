@@ -91,13 +91,15 @@ def test_a_call_naming_no_tool_is_read_by_its_arguments():
     calls = parse_reply(text, FMT_ARGS).tool_calls
     assert [(c.name, json.loads(c.arguments)) for c in calls] == \
         [("exec_command", {"cmd": "cat calc.py", "workdir": "/w"})]     # unknown keys dropped
+    chatty = '{"name": "cat", "arguments": {"cmd": "cat a"}, "message": "Running it..."}'
+    assert [c.name for c in parse_reply(chatty, FMT_ARGS).tool_calls] == ["exec_command"]
 
 
 @pytest.mark.parametrize("text", [
     '{"name": "Alice", "age": 3}',                              # an answer, not a call
     '{"name": "x", "arguments": {"foo": 1}}',                   # fits no tool
     '{"name": "x", "arguments": {"cmd": "a", "session_id": 1}}',   # fits two
-    '{"name": "x", "arguments": {"cmd": "a"}, "note": 1}',      # not the bare call form
+    '{"name": "x", "arguments": "cmd"}',                        # arguments not an object
 ])
 def test_arguments_that_fit_no_single_tool_leave_it_content(text):
     assert parse_reply(text, FMT_ARGS).tool_calls == []

@@ -455,8 +455,9 @@ def _bare_calls(text, fmt, partial):
 
 def _by_arguments(call, obj, fmt):
     """A call naming no tool, read as the one tool its arguments fit (rescue.py),
-    or None.  Only a bare {"name", "arguments"} object qualifies."""
-    if not isinstance(obj, dict) or set(obj) - {"name", "arguments", "parameters"}:
+    or None.  Only an object with "name" and an "arguments" object qualifies
+    (other keys beside them are the model's chatter)."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("arguments"), dict):
         return None
     try:
         args = json.loads(call.arguments)

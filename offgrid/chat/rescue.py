@@ -27,8 +27,8 @@ How (engine/sampling.py's CallRescue does the watching):
     into the grammar from the middle of a token, and a piece the grammar
     refuses there ends the process.
 
-One more form is read, not held: a reply that is nothing but
-``{"name": X, "arguments": {...}}`` where X is no tool's name but the
+One more form is read, not held: a reply that is nothing but an object
+``{"name": X, "arguments": {...}, ...}`` where X is no tool's name but the
 arguments are unmistakably one tool's -- every key that tool requires is
 there, and no other tool's required keys are -- is a call to that tool
 (Qwen2.5-Coder-0.5B, given Codex's tools, writes ``"name": "cat calc.py"``
