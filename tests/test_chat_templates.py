@@ -18,7 +18,8 @@ import pytest
 
 from offgrid.chat import template as chat
 from offgrid.server.httpd.httperrors import HTTPError
-from offgrid.server.api.fields import Fields, chat_messages_from, tools_from
+from offgrid.server.api.chat_fields import chat_messages_from, tools_from
+from offgrid.server.api.fields import Fields
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "chat"
 FILES = sorted(GOLDEN.glob("*.json"))

@@ -43,7 +43,8 @@ from ... import jsonlimit
 from ...request import FinishReason, Message, ToolCall
 from . import formats, openai_chat as chat, pipeline
 from ..httpd.httperrors import BadRequest
-from .fields import MAX_N_PREDICT, Fields, generation_from, id_slot_from, tool_of
+from .chat_fields import tool_of
+from .fields import MAX_N_PREDICT, Fields, generation_from, id_slot_from
 from .pipeline import Format, Generation, Prompt
 
 log = logging.getLogger("offgrid.anthropic")

@@ -59,8 +59,8 @@ from ... import jsonlimit
 from ...request import FinishReason, InfillRequest, Message
 from . import embeddings, openai_chat as chat, pipeline
 from ..httpd.httperrors import BadRequest, NotImplementedByModel
-from .fields import (Fields, chat_messages_from, generation_from, id_slot_from,
-                     output_schema_from, tool_choice_from, tools_from)
+from .chat_fields import chat_messages_from, tool_choice_from, tools_from
+from .fields import Fields, generation_from, id_slot_from, output_schema_from
 from .pipeline import Format, Generation, Prompt
 from .prompts import infill_tokens
 

@@ -13,9 +13,9 @@ from ...protocol import encode_messages, encode_tools
 from ...request import REASONING_FORMATS, FinishReason
 from ..httpd.httperrors import BadRequest
 from . import formats, pipeline
-from .fields import (Fields, include_usage_from, chat_messages_from, chat_probs_from,
-                     choices_from, generation_from, id_slot_from, output_schema_from,
-                     text_tokenizer, tool_choice_from, tools_from)
+from .chat_fields import chat_messages_from, tool_choice_from, tools_from
+from .fields import (Fields, include_usage_from, chat_probs_from, choices_from, generation_from,
+                     id_slot_from, output_schema_from, text_tokenizer)
 from .pipeline import Format, Generation, Prompt
 
 

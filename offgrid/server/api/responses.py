@@ -41,8 +41,8 @@ from . import formats, openai_chat as chat, pipeline
 from .errormap import to_http_error
 from ..httpd.httperrors import BadRequest
 from .pipeline import Format, Generation, Prompt
-from .fields import (MAX_N_PREDICT, Fields, generation_from, id_slot_from, tool_choice_from,
-                     tool_of)
+from .chat_fields import tool_choice_from, tool_of
+from .fields import MAX_N_PREDICT, Fields, generation_from, id_slot_from
 
 log = logging.getLogger("offgrid.responses")
 

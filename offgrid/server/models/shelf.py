@@ -54,7 +54,7 @@ import time
 from ...errors import ModelLoadError
 from ..httpd.httperrors import BadRequest, HTTPError, NotFound, Unavailable
 from .folders import file_key, gguf_problem, name_is_safe, scan
-from .worker_client import rss_of
+from .worker_process import rss_of
 
 log = logging.getLogger("offgrid.shelf")
 
