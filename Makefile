@@ -30,7 +30,8 @@ XDIST    = $(if $(filter 1,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadfile)
 
 export PORTABLE RPC
 
-.PHONY: all lib rpc-server model run test test-fast venv browser bench bench-rpc soak bundle conformance clean
+.PHONY: all lib rpc-server model run test test-fast venv browser agent-clients bench bench-rpc \
+	soak bundle conformance clean
 
 all: lib model
 
@@ -60,7 +61,7 @@ run: lib/libllama.so $(MODEL)
 	@echo "offgrid: the chat page will be at http://$(HOST):$(PORT)/ once it says listening"
 	$(PYTHON) -m offgrid -m $(MODEL) --host $(HOST) --port $(PORT) $(ARGS)
 
-# Test-only tools (pytest; the openai, ollama and langchain-ollama clients;
+# Test-only tools (pytest; the openai, anthropic, ollama and langchain-ollama clients;
 # selenium, which drives the chat page's tests) live in a local virtualenv;
 # offgrid itself imports nothing outside the standard library.
 $(VENV)/.ready: pyproject.toml
@@ -87,10 +88,16 @@ $(VENV)/.conformance-ready: $(VENV)/.ready tests/conformance/run.py
 
 venv: $(VENV)/.ready
 
+# Claude Code and Codex (npm, native binaries), cached in ~/.cache/offgrid:
+# tests/test_agents.py runs them against a real server (test-only; the tests
+# install them too, through the same script, when they are missing).
+agent-clients:
+	@bash scripts/agent_clients.sh >/dev/null
+
 # Files go to workers whole (--dist loadfile), so a file's module-scoped server
 # serves all its tests; both runs report, and either failing fails the target
 # (pytest's 5, nothing selected, is no failure).
-test: lib/libllama.so $(MODELS) $(VENV)/.ready $(VENV)/.conformance-ready browser
+test: lib/libllama.so $(MODELS) $(VENV)/.ready $(VENV)/.conformance-ready browser agent-clients
 	@r=0; $(PYTEST) $(XDIST) -m "not serial" $(PYTEST_ARGS) tests || r=1; \
 	$(PYTEST) -m serial $(PYTEST_ARGS) tests; s=$$?; [ $$s -eq 0 -o $$s -eq 5 ] || r=1; exit $$r
 

@@ -102,7 +102,11 @@ def parse_args(argv=None):
                    help="unload a model idle for S seconds (status sleeping); the next "
                    "request loads it again (default: never)")
     p.add_argument("-a", "--alias", action="append", default=[],
-                   help="a name the --model answers to (repeatable; the first is its id)")
+                   help="names the --model answers to, a comma list (repeatable; the first "
+                   "is its id; /models lists them all)")
+    p.add_argument("--tags", action="append", default=[], metavar="TAGS",
+                   help="informational tags of the --model for /models, a comma list "
+                   "(repeatable; not used to route requests)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind, or a comma list of them (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks one)")
@@ -181,9 +185,10 @@ def parse_args(argv=None):
     p.add_argument("--no-swa-full", action="store_true",
                    help="windowed KV cache for sliding-window models: less memory, "
                    "but no prompt-cache reuse")
-    p.add_argument("--chat-template", metavar="NAME|FILE",
+    p.add_argument("--chat-template", metavar="NAME|FILE|TEXT",
                    help="chat template for --model instead of its own: a Jinja file, "
-                   "\"chatml\", or the name of a libllama built-in template")
+                   "\"chatml\", the name of a libllama built-in template, or the "
+                   "template's Jinja text itself")
     p.add_argument("-rea", "--reasoning", choices=REASONING_MODES, default="auto",
                    help="thinking in chat replies, where a request does not say: on, off, or "
                    "auto (the template's own default)")
@@ -191,6 +196,11 @@ def parse_args(argv=None):
                    default="auto", help="where a chat reply's thinking goes, where a request "
                    "does not say: reasoning_content (auto, deepseek), content too "
                    "(deepseek-legacy), or left in content (none)")
+    p.add_argument("--no-tool-call-rescue", action="store_true",
+                   help="with tools and tool_choice auto, leave a reply that opens as a bare "
+                   "JSON call ({\"name\": <a tool>, \"arguments\": ...}, maybe in a ```json "
+                   "fence) to the model: by default it is held to that tool's call grammar "
+                   "and becomes a tool call, as small models need")
     # several machines (engine/rpc.py): llama.cpp's RPC backend, as llama-server's flags
     p.add_argument("--rpc", metavar="HOST:PORT[,...]",
                    help="put the model's layers on llama.cpp's rpc-servers (ggml-rpc-server, "

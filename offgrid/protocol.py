@@ -184,6 +184,7 @@ class WorkerSettings:
     no_repack: bool
     context_shift: bool
     spm_infill: bool                # FIM prompts suffix first (llama-server's --spm-infill)
+    tool_call_rescue: bool          # chat/rescue.py: off with --no-tool-call-rescue
     reasoning: str                  # request.REASONING_MODES
     reasoning_format: str           # request.REASONING_FORMATS
     lib: Optional[str]
@@ -255,6 +256,7 @@ def decode_gen(d):
     s["samplers"] = tuple(s["samplers"])
     s["logit_bias"] = [(int(t), float(b)) for t, b in s["logit_bias"]]
     s["grammar_triggers"] = tuple(s["grammar_triggers"])
+    s["rescue_names"] = tuple(s.get("rescue_names", ()))
     d["preserved_tokens"] = frozenset(d["preserved_tokens"])
     return GenerationParams(sampling=SamplingParams(**s), **d)
 
@@ -274,6 +276,20 @@ def decode_completion(d):
     if d.get("probs") is not None:
         c.probs = decode_probs(d["probs"])
     return c
+
+
+# the fields of a Usage a streamed piece carries (timings_per_token)
+_LIVE_USAGE = ("prompt_tokens", "cached_tokens", "evaluated", "prompt_ms",
+               "completion_tokens", "generation_ms")
+
+
+def encode_live_usage(u):
+    """A request's Usage so far, on a piece or delta frame (timings_per_token)."""
+    return {k: getattr(u, k) for k in _LIVE_USAGE}
+
+
+def decode_live_usage(d):
+    return Usage(**{k: d[k] for k in _LIVE_USAGE if k in d})
 
 
 def encode_probs(probs):

@@ -74,6 +74,13 @@ class SamplingParams:
     # regexes that make the grammar lazy: free text until the output matches one
     # (offgrid's own fixed patterns only: libllama cannot report a bad one)
     grammar_triggers: Tuple[str, ...] = ()
+    # the tool-call rescue (chat/rescue.py): a grammar the reply is held to once
+    # its start matches ``rescue_opener`` (Python's re; group 1 one of
+    # ``rescue_names``) within ``rescue_watch_chars`` characters
+    rescue_grammar: Optional[str] = None
+    rescue_opener: str = ""
+    rescue_names: Tuple[str, ...] = ()
+    rescue_watch_chars: int = 0
 
     @property
     def greedy(self):
@@ -90,7 +97,7 @@ class SamplingParams:
         """The samplers that run, in order: ``samplers`` without ``infill`` when a
         grammar is set (infill picks EOT when nothing passes its threshold, and
         accepting EOT in an unfinished grammar aborts libllama)."""
-        if self.grammar is None:
+        if self.grammar is None and self.rescue_grammar is None:
             return tuple(self.samplers)
         return tuple(s for s in self.samplers if s != "infill")
 
@@ -246,6 +253,11 @@ class GenerationParams:
     # streamed requests: report the prompt's evaluation as it goes, a
     # PromptProgress before the first batch and after each (return_progress)
     return_progress: bool = False
+    # streamed requests: each piece says which generated tokens it shows
+    # (llama-server's "tokens" of a /completion chunk), and with
+    # timings_per_token the counts and times so far (its "timings")
+    piece_tokens: bool = False
+    timings_per_token: bool = False
 
     def copy(self):
         """A copy whose fields, and whose sampling's, can be set apart from this one's.

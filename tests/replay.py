@@ -789,6 +789,83 @@ raw("err.form_body", "POST", "/v1/chat/completions", b"a=1&b=2",
 get("slots.after", "/slots")
 get("metrics", "/metrics")
 
+# more of the above, streamed (after the rest, so the cases before replay as recorded)
+post("completion.grammar.stream", "/completion", cmpl(n_predict=6, grammar='root ::= "yes" | "no"',
+                                                       stream=True))
+post("completion.json_schema.stream", "/completion",
+     cmpl(prompt="JSON:", n_predict=8, json_schema=SCHEMA, stream=True))
+post("completion.post_sampling.stream", "/completion",
+     cmpl(n_predict=3, n_probs=2, post_sampling_probs=True, stream=True))
+post("completion.return_tokens.stream", "/completion",
+     cmpl(n_predict=3, return_tokens=True, stream=True, response_fields=["content", "tokens"]))
+post("infill.extra.stream", "/infill", dict(INF, stream=True, n_predict=4, input_extra=[
+    {"filename": "util.py", "text": "def sub(a, b):\n    return a - b\n"}]))
+post("v1c.stop.stream", "/v1/completions",
+     {"prompt": CODE, "max_tokens": 12, "stop": ["\n"], "stream": True, **G})
+post("v1c.json_schema.stream", "/v1/completions",
+     {"prompt": "JSON:", "max_tokens": 8, "response_format": {"type": "json_object"},
+      "stream": True, **G})
+post("chat.system.stream", "/v1/chat/completions",
+     chat(messages=[{"role": "system", "content": "Answer in French."}] + HI, stream=True))
+post("chat.tools.auto.stream", "/v1/chat/completions",
+     chat(messages=ASK_WEATHER, tools=TOOLS, max_tokens=24, stream=True))
+post("chat.tools.named.stream", "/v1/chat/completions",
+     chat(messages=ASK_WEATHER, tools=TOOLS, max_tokens=24, stream=True,
+          tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+post("chat.json_object.stream", "/v1/chat/completions",
+     chat(response_format={"type": "json_object"}, max_tokens=10, stream=True))
+post("chat.logprobs.stream.usage", "/v1/chat/completions",
+     chat(logprobs=True, max_tokens=3, stream=True, stream_options={"include_usage": True}))
+post("chat.prefill.stream", "/v1/chat/completions",
+     chat(messages=HI + [{"role": "assistant", "content": "Hello"}], max_tokens=4, stream=True))
+post("responses.instructions.stream", "/v1/responses",
+     dict(RESP, instructions="Answer in French.", stream=True))
+post("responses.json_schema.stream", "/v1/responses", dict(
+    RESP, max_output_tokens=10, stream=True,
+    text={"format": {"type": "json_schema", "name": "n", "schema": SCHEMA}}))
+post("responses.tool_output.stream", "/v1/responses", dict(RESP, stream=True, input=[
+    {"role": "user", "content": "What is the weather in Paris?"},
+    {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+     "arguments": "{\"city\": \"Paris\"}"},
+    {"type": "function_call_output", "call_id": "call_1", "output": "{\"temp_c\": 21}"}],
+    tools=[dict(WEATHER["function"], type="function")], max_output_tokens=6))
+post("api.generate.format_json.stream", "/api/generate",
+     dict(OGEN, format="json", options={"num_predict": 8, "temperature": 0}))
+post("api.generate.stop.stream", "/api/generate",
+     dict(OGEN, options={"num_predict": 12, "temperature": 0, "stop": ["!"]}))
+post("api.generate.system.stream", "/api/generate", dict(OGEN, system="Answer in French."))
+post("api.chat.format.stream", "/api/chat", dict(OCHAT, format=SCHEMA,
+                                                 options={"num_predict": 8, "temperature": 0}))
+post("api.chat.tool_result.stream", "/api/chat", dict(OCHAT, tools=TOOLS, messages=[
+    ASK_WEATHER[0],
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "tool_name": "get_weather", "content": "{\"temp_c\": 21}"}]))
+post("api.chat.think.stream", "/api/chat", dict(OCHAT, think=True))
+post("messages.system.stream", "/v1/messages", dict(AMSG, system="Answer in French.",
+                                                    stream=True))
+post("messages.tools.stream", "/v1/messages", dict(
+    AMSG, messages=ASK_WEATHER, max_tokens=24, stream=True, tools=[
+        {"name": "get_weather", "description": "The weather in a city",
+         "input_schema": WEATHER["function"]["parameters"]}]))
+post("messages.tools.tool.stream", "/v1/messages", dict(
+    AMSG, messages=ASK_WEATHER, max_tokens=24, stream=True,
+    tool_choice={"type": "tool", "name": "get_weather"},
+    tools=[{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}]))
+post("messages.tool_result.stream", "/v1/messages", dict(AMSG, max_tokens=6, stream=True, messages=[
+    ASK_WEATHER[0],
+    {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                       "input": {"city": "Paris"}}]},
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                  "content": "{\"temp_c\": 21}"}]}],
+    tools=[{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}]))
+post("messages.output_format.stream", "/v1/messages", dict(
+    AMSG, max_tokens=10, stream=True,
+    output_config={"format": {"type": "json_schema", "schema": SCHEMA}}))
+post("messages.prefill.stream", "/v1/messages", dict(
+    AMSG, max_tokens=4, stream=True, messages=HI + [{"role": "assistant", "content": "Hello"}]))
+get("metrics.end", "/metrics")
+
 
 # -- router: three models in a folder, loaded on demand --------------------------------
 
@@ -921,6 +998,11 @@ post("chat.id_slot1", "/v1/chat/completions", chat(max_tokens=2, id_slot=1))
 post("chat.id_slot_beyond", "/v1/chat/completions", chat(max_tokens=2, id_slot=2))
 post("chat.err.n", "/v1/chat/completions", chat(n=17))
 get("props", "/props")
+# Each evaluates its whole prompt: which session takes which choice is a matter
+# of timing, and with the sessions' caches kept, so would be what each reuses.
+for _c in _group.cases:
+    if _c.method == "POST" and isinstance(_c.body, dict):
+        _c.body = dict(_c.body, cache_prompt=False)
 
 
 # -- ranker: reranking, an API key, /slots and /metrics off ---------------------------

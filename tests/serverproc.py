@@ -177,6 +177,33 @@ class ServerProcess:
                 out[name] = float(value)
         return out
 
+    def wait_busy(self, busy=1, queued=0, timeout=30):
+        """Wait until at least ``busy`` sessions run and ``queued`` requests wait."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if m["offgrid_sessions_busy"] >= busy and m["offgrid_queue_length"] >= queued:
+                return m
+            if time.monotonic() > deadline:
+                raise AssertionError("never %d busy and %d queued in %ss: %r"
+                                     % (busy, queued, timeout, m))
+            time.sleep(0.02)
+
+    def wait_cached(self, n_cached, model=None, timeout=30):
+        """Wait until a busy session (of ``model``, if given) holds ``n_cached`` tokens:
+        /slots shows its cache grow as the prompt is decoded, a batch at a time, then as
+        it generates."""
+        deadline = time.monotonic() + timeout
+        while True:
+            _, _, slots = self.get("/slots")
+            if any(s["is_processing"] and s["n_cached"] >= n_cached
+                   and model in (None, s["model"]) for s in slots):
+                return slots
+            if time.monotonic() > deadline:
+                raise AssertionError("no busy session held %d tokens in %ss: %r"
+                                     % (n_cached, timeout, slots))
+            time.sleep(0.02)
+
     def wait_idle(self, timeout=30):
         """Wait until no session is busy and nobody queues; returns the metrics."""
         deadline = time.monotonic() + timeout
@@ -187,6 +214,31 @@ class ServerProcess:
             if time.monotonic() > deadline:
                 raise AssertionError("sessions still busy after %ss: %r" % (timeout, m))
             time.sleep(0.05)
+
+
+class Call(threading.Thread):
+    """One request on its own connection, in the background.
+
+    ``.result``: (status, body), or for a stream (``stream``; by default the
+    body's own "stream") (status, events); ``.done_at``: when it ended and
+    ``.elapsed``: how long it took (None while it runs).  start() it, join() it.
+    """
+
+    def __init__(self, srv, path, body, stream=None):
+        super().__init__(daemon=True)
+        self.srv, self.path, self.body = srv, path, body
+        self.streamed = bool(body.get("stream")) if stream is None else stream
+        self.result = self.done_at = self.elapsed = None
+
+    def run(self):
+        t0 = time.monotonic()
+        if self.streamed:
+            self.result = self.srv.stream(self.path, self.body)
+        else:
+            status, _, body = self.srv.post(self.path, self.body)
+            self.result = (status, body)
+        self.done_at = time.monotonic()
+        self.elapsed = self.done_at - t0
 
 
 def parse_sse(text):

@@ -242,3 +242,108 @@ def test_reasoning_becomes_a_thinking_block_streamed_and_whole():
     assert streamed[1]["text"] == "Hello!"
     assert streamed[2]["input"] == whole[2]["input"] == {"city": "Oslo"}
     assert snapshot.stop_reason == "tool_use" and snapshot.usage.output_tokens == 5
+
+
+# -- Claude Code's requests, as it sends them ----------------------------------------------
+
+# Claude Code 2.1's tools' schema features: JSON Schema 2020-12, integer bounds
+# up to 2^53-1, a pattern, a record (propertyNames), a deferred tool, and a
+# server tool it may list
+CC_TOOLS = [
+    {"name": "Read", "description": "Read a file.", "cache_control": {"type": "ephemeral"},
+     "input_schema": {"$schema": "https://json-schema.org/draft/2020-12/schema",
+                      "type": "object", "required": ["file_path"], "additionalProperties": False,
+                      "properties": {
+                          "file_path": {"type": "string"},
+                          "offset": {"type": "integer", "minimum": 0,
+                                     "maximum": 9007199254740991},
+                          "limit": {"type": "integer", "exclusiveMinimum": 0}}}},
+    {"name": "Workflow", "description": "Run a workflow.", "input_schema": {
+        "type": "object", "properties": {
+            "resumeFromRunId": {"type": "string", "pattern": "^wf_[a-z0-9-]{6,}$"},
+            "env": {"type": "object", "propertyNames": {"pattern": "^[A-Z_]+$"},
+                    "additionalProperties": {"type": "string"}},
+            "budget": {"type": "number", "minimum": 0, "maximum": 1}}}},
+    {"name": "Later", "description": "A deferred tool.", "defer_loading": True,
+     "input_schema": {"type": "object", "properties": {}}},
+    {"type": "web_search_20250305", "name": "web_search", "max_uses": 3},
+]
+
+
+def cc_request(**over):
+    body = {
+        "model": "claude-sonnet", "max_tokens": 32000, "stream": False,
+        "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1"},
+                   {"type": "text", "text": "You are a helpful agent.",
+                    "cache_control": {"type": "ephemeral"}}],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Say hello.",
+                                          "cache_control": {"type": "ephemeral"}}]},
+            {"role": "system", "content": [{"type": "text", "text": "# Environment\nPlatform: linux"}]}],
+        "tools": CC_TOOLS,
+        "metadata": {"user_id": "{\"device_id\": \"abc\"}"},
+        "thinking": {"type": "adaptive", "display": "omitted"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "output_config": {"effort": "high"}, "temperature": 0}
+    body.update(over)
+    return body
+
+
+def test_claude_codes_first_request_is_answered(srv):
+    """Every field Claude Code 2.1 sends, the ?beta=true query and its beta headers."""
+    status, _, body = srv.post("/v1/messages?beta=true", cc_request(max_tokens=16), headers={
+        "x-api-key": KEY, "anthropic-version": "2023-06-01",
+        "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,"
+                          "context-management-2025-06-27,advanced-tool-use-2025-11-20"})
+    assert status == 200, body
+    assert body["type"] == "message" and body["content"]
+
+
+def test_its_system_turn_is_in_the_prompt_and_its_deferred_tool_is_not(srv):
+    status, _, with_note = srv.post("/v1/messages/count_tokens?beta=true", cc_request(),
+                                    headers={"x-api-key": KEY})
+    req = cc_request()
+    req["messages"] = req["messages"][:1]
+    _, _, without = srv.post("/v1/messages/count_tokens", req, headers={"x-api-key": KEY})
+    assert status == 200 and with_note["input_tokens"] > without["input_tokens"]
+    msgs, referenced = dialect.messages_from(None, cc_request()["messages"]), set()
+    assert [m.role for m in msgs] == ["user", "system"]
+    names = [t.name for t in dialect.tools_from(CC_TOOLS, referenced)]
+    assert names == ["Read", "Workflow"]        # Later deferred, web_search not ours to run
+
+
+def test_a_tool_reference_brings_a_deferred_tool_in():
+    referenced = set()
+    msgs = dialect.messages_from(None, [
+        {"role": "user", "content": "find a tool"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "ToolSearch",
+                                           "input": {"query": "later"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+            {"type": "tool_reference", "tool_name": "Later"}]}]}], referenced)
+    assert referenced == {"Later"} and "Later" in msgs[-1].content
+    assert [t.name for t in dialect.tools_from(CC_TOOLS, referenced)] == \
+        ["Read", "Workflow", "Later"]
+
+
+def test_its_tool_schemas_constrain_a_forced_call(srv):
+    import re
+    status, _, body = srv.post("/v1/messages", cc_request(
+        max_tokens=200, tool_choice={"type": "tool", "name": "Workflow"},
+        messages=[{"role": "user", "content": "Resume workflow run wf_abcdef12."}]),
+        headers={"x-api-key": KEY})
+    assert status == 200, body
+    call = [b for b in body["content"] if b["type"] == "tool_use"][0]
+    args = call["input"]
+    if "resumeFromRunId" in args:
+        assert re.fullmatch(r"wf_[a-z0-9-]{6,}", args["resumeFromRunId"]), args
+    if "budget" in args:
+        assert 0 <= args["budget"] <= 1
+    for k in args.get("env", {}):
+        assert re.fullmatch(r"[A-Z_]+", k)
+
+
+def test_unknown_thinking_types_are_the_templates_default_not_a_400(srv):
+    status, _, body = srv.post("/v1/messages", dict(cc_request(max_tokens=8),
+                                                    thinking={"type": "auto"}),
+                               headers={"x-api-key": KEY})
+    assert status == 200, body

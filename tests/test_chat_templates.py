@@ -112,10 +112,27 @@ def test_model_without_template_uses_its_architectures_builtin(gemma_path):
     assert body["prompt"] == "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n"
 
 
+def test_inline_template_text_is_rendered_as_llama_server_renders_it(smollm_path):
+    msgs = {"messages": [{"role": "system", "content": "Book"},
+                         {"role": "user", "content": "What is the best book"}]}
+    # llama-server --jinja takes --chat-template as the template's text: text with no
+    # tags is the whole prompt (test_chat_completion's "This is not a chat template")
+    text = "This is not a chat template, it is"
+    with ServerProcess(smollm_path, "--chat-template", text, threads=1, ctx=512) as s:
+        assert s.post("/apply-template", msgs)[2]["prompt"] == text
+        status, _, body = s.post("/v1/chat/completions", dict(msgs, max_tokens=2))
+        n = len(s.post("/tokenize", {"content": text, "add_special": True})[2]["tokens"])
+        assert status == 200 and body["usage"]["prompt_tokens"] == n
+    inline = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}> "
+    with ServerProcess(smollm_path, "--chat-template", inline, threads=1, ctx=512) as s:
+        assert s.post("/apply-template", msgs)[2]["prompt"] == \
+            "[system] Book\n[user] What is the best book\n> "
+
+
 def test_unusable_chat_template_stops_startup(gemma_path, tmp_path):
     bad = tmp_path / "bad.jinja"
     bad.write_text("{% for m in messages %}{{ m.content }}")
-    for spec in (bad, "no-such-template"):
+    for spec in (bad, "no-such-template", tmp_path / "missing.jinja"):
         proc = ServerProcess(gemma_path, "--chat-template", spec, startup_timeout=60)
         with pytest.raises(RuntimeError) as e:
             proc.start()

@@ -185,6 +185,43 @@ def test_without_return_progress_no_progress_is_sent(srv):
     assert status == 200 and not any("prompt_progress" in e for e in events)
 
 
+# -- what each streamed chunk carries -------------------------------------------------
+
+def test_streamed_completion_chunks_carry_their_token_ids(srv):
+    status, events = srv.stream("/completion", dict(GREEDY, prompt=PROMPT, n_predict=8,
+                                                    ignore_eos=True, stream=True,
+                                                    return_tokens=True))
+    assert status == 200
+    pieces, final = events[:-1], events[-1]
+    assert final["stop"] and len(final["tokens"]) == 8      # return_tokens: all of them
+    assert pieces and all(e["tokens"] for e in pieces), pieces
+    # every generated token once, in order, each with the piece that shows its text
+    assert [t for e in pieces for t in e["tokens"]] == final["tokens"]
+    text = [srv.post("/detokenize", {"tokens": e["tokens"]})[2]["content"] for e in pieces]
+    assert text == [e["content"] for e in pieces]
+    assert pieces[-1]["tokens_predicted"] == 8
+    # without return_tokens the chunks still carry theirs (llama-server's), the end none
+    plain = srv.stream("/completion", dict(GREEDY, prompt=PROMPT, n_predict=3, stream=True))[1]
+    assert all(e["tokens"] for e in plain[:-1]) and plain[-1]["tokens"] == []
+
+
+def test_timings_per_token_puts_the_counts_so_far_on_every_chunk(srv):
+    status, events = srv.stream("/completion", dict(GREEDY, prompt=PROMPT, n_predict=5,
+                                                    ignore_eos=True, stream=True,
+                                                    timings_per_token=True))
+    assert status == 200
+    counts = [e["timings"]["predicted_n"] for e in events if not e["stop"]]
+    assert counts == sorted(counts) and counts[-1] == 5 and counts[0] >= 1
+    assert all(e["timings"]["prompt_n"] + e["timings"]["cache_n"] > 0 for e in events)
+    status, events = srv.stream("/v1/chat/completions", chat_body(stream=True,
+                                                                  timings_per_token=True))
+    chunks = [e for e in events[:-1] if e["choices"] and e["choices"][0]["delta"].get("content")]
+    assert chunks and all(c["timings"]["predicted_n"] >= 1 for c in chunks)
+    assert "timings" not in events[0]       # the role chunk comes before any token
+    plain = srv.stream("/completion", dict(GREEDY, prompt=PROMPT, n_predict=3, stream=True))[1]
+    assert not any("timings" in e for e in plain if not e["stop"])
+
+
 # -- the chat token count --------------------------------------------------------------
 
 def test_chat_input_tokens_is_the_prompt_a_chat_would_evaluate(srv):

@@ -82,3 +82,49 @@ def test_the_runner_leaves_slow_tests_out_unless_asked(tmp_path, monkeypatch):
         assert info["slow"] is slow and info["deselected"] == (0 if slow else 1)
     rows = conformance.summarize(["demo"])[0]
     assert rows[0]["file"] == "test_demo.py (slow tests run)"
+
+
+def _junit(path, outcomes):
+    """A JUnit XML file of {test: "pass" | "fail" | "skip"}, as pytest writes it."""
+    cases = []
+    for test, outcome in outcomes.items():
+        inner = {"pass": "", "fail": '<failure message="assert 1 == 2"/>',
+                 "skip": '<skipped message="no"/>'}[outcome]
+        cases.append('<testcase classname="unit.test_demo" name="%s">%s</testcase>'
+                     % (test, inner))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text('<testsuites><testsuite name="pytest">%s</testsuite></testsuites>'
+                    % "".join(cases))
+
+
+def test_the_table_gives_the_gaps_by_cause_with_deliberate_txts_kinds(tmp_path, monkeypatch):
+    # five tests llama-server passes: two offgrid passes too, one is listed on
+    # purpose, one as not built yet, one has no reason (a gap)
+    monkeypatch.setattr(conformance, "RESULTS", tmp_path / "results")
+    listed = tmp_path / "deliberate.txt"
+    listed.write_text("# a comment\n"
+                      "test_demo.py::test_cors[[]*   # CORS off by default\n"
+                      "[not built yet]\n"
+                      "test_demo.py::test_draft   # draft models: no registry pair\n"
+                      "test_demo.py::test_ok   # passes now: explains nothing\n")
+    monkeypatch.setattr(conformance, "DELIBERATE", listed)
+    tests = ["test_ok", "test_ok2", "test_cors[a]", "test_draft", "test_new"]
+    _junit(tmp_path / "results" / "llama-server" / "test_demo.xml", {t: "pass" for t in tests})
+    _junit(tmp_path / "results" / "offgrid" / "test_demo.xml",
+           {"test_ok": "pass", "test_ok2": "pass", "test_cors[a]": "fail", "test_draft": "fail",
+            "test_new": "fail"})
+    assert conformance.deliberate()[:2] == [
+        ("test_demo.py::test_cors[[]*", "CORS off by default", "on purpose"),
+        ("test_demo.py::test_draft", "draft models: no registry pair", "not built yet")]
+    rows, gaps, _, _, by_cause = conformance.summarize(["demo"])
+    assert rows[0]["gaps"] == 1 and rows[0]["by_design"] == 2
+    assert gaps == {"test_demo.py": [("test_new", "assert 1 == 2")]}
+    assert [(c["kind"], c["tests"]) for c in by_cause] == [
+        ("gap", ["test_demo.py::test_new"]),
+        ("on purpose", ["test_demo.py::test_cors[a]"]),
+        ("not built yet", ["test_demo.py::test_draft"]),
+        ("unused", [])]
+    table, _ = conformance.render(rows, gaps, {}, {}, by_cause)
+    assert "matched no such test in the files run" in table and "::test_ok" in table
+    assert "| not built yet | draft models: no registry pair | 1 | test_demo.py |" in table
+    assert "| **total** | gap 1, on purpose 1, not built yet 1 | 3 | |" in table

@@ -377,6 +377,25 @@ SUITE = NotRun("the suite itself: run from inside it, it would run this test aga
                "make -n checks the target", make_runs_the_suite)
 BUNDLE = RunBy("tests/test_bundle.py")
 
+
+def agents_run_this_way(command, scratch):
+    """tests/test_agents.py sets each variable and passes each flag of the command."""
+    source = (ROOT / "tests" / "test_agents.py").read_text()
+    if command.startswith("python3 -m offgrid"):
+        # its server: the default model with the context the page asks for
+        assert "ServerProcess(QWEN, ctx=32768" in source
+        return
+    for w in shlex.split(command, comments=True):
+        if w.startswith("-") or re.match(r"[A-Z_]+=", w):
+            wanted = w.split("=", 1)[0] if "=" in w else '"%s"' % w
+            assert wanted in source, "tests/test_agents.py uses no %s (of `%s`)" % (
+                wanted, command)
+
+
+AGENTS = NotRun("needs Claude Code and Codex, which tests/test_agents.py installs and runs "
+                "against a real server this way (a slow test: their prompts are 8-11k "
+                "tokens)", agents_run_this_way)
+
 DOCS = {
     # README.md
     r"^make run$": "make_run",          # the server of every 127.0.0.1:8080 example
@@ -422,6 +441,10 @@ DOCS = {
     r"^python3 -I \. -m gemma": BUNDLE,
     r"^python3 -m pip install --no-index offgrid-\*\.whl$": BUNDLE,
     r"^OFFGRID_LIB=\$PWD/lib offgrid -m": BUNDLE,
+    # docs/agents.md
+    r"^python3 -m offgrid -m models/qwen.* -c 32768$": AGENTS,
+    r"ANTHROPIC_BASE_URL=http://127\.0\.0\.1:8080 ": AGENTS,
+    r"^CODEX_OSS_BASE_URL=": AGENTS,
     # docs/rpc.md
     r"^lib/ggml-rpc-server -H 10\.0\.0\.2": NotRun(
         "needs another machine on a private network; tests/test_rpc.py runs ggml-rpc-server "

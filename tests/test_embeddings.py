@@ -130,6 +130,24 @@ def test_usage_counts_every_inputs_tokens(srv):
     assert body["object"] == "list" and body["model"]
 
 
+def test_embedding_tokens_count_as_prompt_work_in_metrics(srv):
+    # llama-server: an embedding task never samples, but its prompt costs decodes
+    before = srv.metrics()
+    _, _, body = srv.post("/v1/embeddings", {"input": [CAT, STOCKS]})
+    srv.post("/embedding", {"content": CAT})
+    after = srv.metrics()
+    n = body["usage"]["prompt_tokens"] + len(
+        srv.post("/tokenize", {"content": CAT, "add_special": True})[2]["tokens"])
+    grew = {k: after[k] - before[k] for k in ("llamacpp:prompt_tokens_total",
+                                              "llamacpp:n_decode_total",
+                                              "llamacpp:tokens_predicted_total",
+                                              "llamacpp:prompt_seconds_total")}
+    assert grew["llamacpp:prompt_tokens_total"] == n
+    assert grew["llamacpp:n_decode_total"] >= 2 and grew["llamacpp:prompt_seconds_total"] > 0
+    assert grew["llamacpp:tokens_predicted_total"] == 0
+    assert after["llamacpp:n_tokens_max"] >= max(before["llamacpp:n_tokens_max"], 5)
+
+
 def test_dimensions_equal_to_the_models_is_accepted_and_others_refused(srv):
     status, _, _ = srv.post("/v1/embeddings", {"input": CAT, "dimensions": DIMS})
     assert status == 200
@@ -374,6 +392,13 @@ def test_rerank_with_reranking_answers_in_jinas_shape(ranker):
     assert abs(one["relevance_score"] - [r for r in body["results"] if r["index"] == 2][0]
                ["relevance_score"]) < 1e-4
     assert any("no rank head" in line for line in ranker.output)
+
+
+def test_rerank_tokens_count_as_prompt_work_in_metrics(ranker):
+    before = ranker.metrics()["llamacpp:prompt_tokens_total"]
+    _, _, body = ranker.post("/rerank", {"query": "Machine learning is", "documents": DOCS})
+    after = ranker.metrics()["llamacpp:prompt_tokens_total"]
+    assert after - before == body["usage"]["prompt_tokens"] > 0
 
 
 def test_rerank_tei_shape_top_n_and_return_text(ranker):

@@ -10,6 +10,7 @@ at once" from "ran to the end", not fast from slow.
 """
 
 import ctypes
+import json
 import threading
 import time
 
@@ -22,9 +23,9 @@ from offgrid.request import SamplingParams
 from offgrid.engine.session import ChatSession, FinishReason, GenerationParams, RequestCancel
 
 try:
-    from .serverproc import TEST_THREADS
+    from .serverproc import ROOT, TEST_THREADS
 except ImportError:
-    from serverproc import TEST_THREADS
+    from serverproc import ROOT, TEST_THREADS
 
 STORY = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
 
@@ -452,42 +453,50 @@ def between(tokens, start, end):
     return tokens[i:tokens.index(end, i)]
 
 
-def test_infill_prompt_with_repo_tokens(fim_model):
-    req = InfillRequest(input_prefix=PREFIX, input_suffix=SUFFIX, input_extra=EXTRA)
-    tokens = build_infill_prompt(fim_model, req, n_ctx=4096, n_batch=512)
+# The layouts expected are llama-server's own: its /infill answers with the
+# prompt it evaluated, recorded on the same tiny models with the pinned source
+# by scripts/make_infill_goldens.py (the case's request, -c and -b beside it).
+INFILL = json.loads((ROOT / "tests" / "golden" / "infill_layouts.json")
+                    .read_text(encoding="utf-8"))["cases"]
 
-    assert layout(fim_model, tokens) == (
-        "<repo_name>myproject\n"
-        "<file_sep>util.py\nimport os\n"
-        "<file_sep>math.py\nPI = 3\n"
-        "<file_sep>filename\n"
-        "<fim_prefix>def add(a, b):\n    <fim_suffix>\n    return c\n<fim_middle>")
+
+def infill_case(model, name):
+    """(tokens, llama-server's prompt text) of a recorded case, laid out by offgrid."""
+    c = INFILL[name]
+    r = c["request"]
+    req = InfillRequest(input_prefix=r["input_prefix"], input_suffix=r["input_suffix"],
+                        input_extra=[(e["filename"], e["text"]) for e in r["input_extra"]],
+                        prompt=r["prompt"], spm_infill=c["spm_infill"])
+    tokens = build_infill_prompt(model, req, n_ctx=c["n_ctx"], n_batch=c["n_batch"],
+                                 n_predict=r["n_predict"])
+    return tokens, c["prompt"]
+
+
+def test_infill_prompt_with_repo_tokens(fim_model):
+    tokens, want = infill_case(fim_model, "repo_tokens")
+    assert layout(fim_model, tokens) == want
+    assert want.startswith("<repo_name>myproject\n<file_sep>util.py\nimport os\n")
     assert tokens[0] == fim_model.fim_rep
     assert tokens[-1] == fim_model.fim_mid
 
 
 def test_infill_prompt_without_repo_tokens_uses_snippet_separators(fim_norepo_model):
-    req = InfillRequest(input_prefix=PREFIX, input_suffix=SUFFIX, input_extra=EXTRA)
-    tokens = build_infill_prompt(fim_norepo_model, req, n_ctx=4096, n_batch=512)
-
-    assert layout(fim_norepo_model, tokens) == (
-        "\n\n--- snippet ---\n\nimport os\n"
-        "\n\n--- snippet ---\n\nPI = 3\n"
-        "<fim_prefix>def add(a, b):\n    <fim_suffix>\n    return c\n<fim_middle>")
+    tokens, want = infill_case(fim_norepo_model, "no_repo_tokens")
+    assert layout(fim_norepo_model, tokens) == want
+    assert want.startswith("\n\n--- snippet ---\n\nimport os\n")
 
 
 def test_infill_prompt_puts_the_prompt_after_the_prefix(fim_model):
-    req = InfillRequest(input_prefix=PREFIX, input_suffix=SUFFIX, prompt="x = ")
-    tokens = build_infill_prompt(fim_model, req, n_ctx=4096, n_batch=512)
-    assert layout(fim_model, tokens).endswith(
-        "<fim_prefix>def add(a, b):\n    x = <fim_suffix>\n    return c\n<fim_middle>")
+    tokens, want = infill_case(fim_model, "prompt_after_prefix")
+    assert layout(fim_model, tokens) == want
+    assert "<fim_prefix>def add(a, b):\n    x = <fim_suffix>" in want
 
 
 def test_spm_infill_puts_the_suffix_first(fim_model):
-    req = InfillRequest(input_prefix=PREFIX, input_suffix=SUFFIX, spm_infill=True)
-    tokens = build_infill_prompt(fim_model, req, n_ctx=4096, n_batch=512)
-    assert layout(fim_model, tokens).endswith(
-        "<fim_suffix>\n    return c\n<fim_prefix>def add(a, b):\n    <fim_middle>")
+    tokens, want = infill_case(fim_model, "spm")
+    assert layout(fim_model, tokens) == want
+    assert want.endswith("<fim_suffix>\n    return c\n<fim_prefix>def add(a, b):\n    "
+                         "<fim_middle>")
 
 
 def test_the_spm_infill_flag_lays_out_the_workers_fim_prompts_suffix_first(fim_model):
@@ -508,35 +517,36 @@ def test_the_spm_infill_flag_lays_out_the_workers_fim_prompts_suffix_first(fim_m
 
 def test_a_long_prefix_keeps_its_end_and_a_long_suffix_its_start(fim_model):
     m = fim_model
-    prefix = "".join("a%d = %d\n" % (i, i) for i in range(100))
-    suffix = "".join("b%d = %d\n" % (i, i) for i in range(100))
-    tokens = build_infill_prompt(m, InfillRequest(prefix, suffix), n_ctx=4096, n_batch=64)
-
-    # llama-server's split of one batch: 3/4 for the prefix, 1/4 - 2 for the suffix
-    assert between(tokens, m.fim_pre, m.fim_suf) == words(m, prefix)[-48:]
-    assert between(tokens, m.fim_suf, m.fim_mid) == words(m, suffix)[:14]
+    tokens, want = infill_case(m, "long_prefix_and_suffix")
+    assert layout(m, tokens) == want
+    r = INFILL["long_prefix_and_suffix"]["request"]
+    prefix, suffix = words(m, r["input_prefix"]), words(m, r["input_suffix"])
+    kept_prefix = between(tokens, m.fim_pre, m.fim_suf)
+    kept_suffix = between(tokens, m.fim_suf, m.fim_mid)
+    assert 0 < len(kept_prefix) < len(prefix) and kept_prefix == prefix[-len(kept_prefix):]
+    assert 0 < len(kept_suffix) < len(suffix) and kept_suffix == suffix[:len(kept_suffix)]
 
 
 def test_the_prompt_takes_its_room_from_the_suffix(fim_model):
     m = fim_model
-    suffix = "".join("b%d = %d\n" % (i, i) for i in range(100))
-    prompt = words(m, "x = 1")
-    req = InfillRequest(input_prefix=PREFIX, input_suffix=suffix, prompt="x = 1")
-    tokens = build_infill_prompt(m, req, n_ctx=4096, n_batch=64)
-    assert between(tokens, m.fim_suf, m.fim_mid) == words(m, suffix)[:14 - len(prompt)]
+    tokens, want = infill_case(m, "prompt_takes_room_from_suffix")
+    assert layout(m, tokens) == want
+    # the same long suffix with no prompt keeps more of its start
+    alone, _ = infill_case(m, "long_prefix_and_suffix")
+    kept = between(tokens, m.fim_suf, m.fim_mid)
+    assert len(kept) < len(between(alone, m.fim_suf, m.fim_mid))
+    assert kept == words(m, INFILL["prompt_takes_room_from_suffix"]["request"]
+                         ["input_suffix"])[:len(kept)]
 
 
 def test_extra_context_keeps_its_last_tokens_to_fit_the_context(fim_model):
     m = fim_model
-    text = "".join("c%d = %d\n" % (i, i) for i in range(100))
-    req = InfillRequest(input_prefix=PREFIX, input_suffix=SUFFIX, input_extra=[("big.py", text)])
-    full = build_infill_prompt(m, req, n_ctx=4096, n_batch=64)
-    extra = full[:full.index(m.fim_pre)]
-    assert len(extra) > 70
-
-    # n_ctx - n_batch - 2 * n_predict tokens of extra context are kept
-    tokens = build_infill_prompt(m, req, n_ctx=128, n_batch=64, n_predict=1)
-    assert tokens[:tokens.index(m.fim_pre)] == extra[-62:]
+    full, want_full = infill_case(m, "extra_context_whole")
+    assert layout(m, full) == want_full
+    tokens, want = infill_case(m, "extra_context_cut")
+    assert layout(m, tokens) == want
+    extra, kept = full[:full.index(m.fim_pre)], tokens[:tokens.index(m.fim_pre)]
+    assert 0 < len(kept) < len(extra) and kept == extra[-len(kept):]
 
 
 def test_infill_on_a_model_without_fim_tokens_is_not_supported(plain_model):

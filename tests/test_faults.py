@@ -30,11 +30,11 @@ from offgrid.engine.session import ChatSession
 try:
     from . import rawhttp
     from .inprocworker import entry_over
-    from .serverproc import ServerProcess
+    from .serverproc import Call, ServerProcess
 except ImportError:
     import rawhttp
     from inprocworker import entry_over
-    from serverproc import ServerProcess
+    from serverproc import Call, ServerProcess
 
 
 def long_prompt(n, salt):
@@ -223,34 +223,6 @@ def test_supersede_storm_only_the_last_request_generates_to_the_end(one):
 
 # -- SIGTERM with requests running and queued -------------------------------------------------
 
-class Call(threading.Thread):
-    """One request on its own connection, in the background."""
-
-    def __init__(self, srv, body):
-        super().__init__(daemon=True)
-        self.srv, self.body = srv, body
-        self.result = None
-        self.ended = None
-
-    def run(self):
-        if self.body.get("stream"):
-            self.result = self.srv.stream("/completion", self.body)
-        else:
-            status, _, body = self.srv.post("/completion", self.body)
-            self.result = (status, body)
-        self.ended = time.monotonic()
-
-
-def wait_for(srv, busy, queued, timeout=30):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        m = srv.metrics()
-        if m["offgrid_sessions_busy"] >= busy and m["offgrid_queue_length"] >= queued:
-            return
-        time.sleep(0.02)
-    raise AssertionError("never reached %d busy, %d queued" % (busy, queued))
-
-
 @pytest.mark.slow
 def test_sigterm_under_load_answers_the_queue_503_lets_running_ones_end_and_exits_0(
         gemma_path):
@@ -259,19 +231,19 @@ def test_sigterm_under_load_answers_the_queue_503_lets_running_ones_end_and_exit
     grace, short_n = 5.0, 32
     with ServerProcess(gemma_path, "-np", "2", "--shutdown-grace", grace, threads=1,
                        ctx=4096) as srv:
-        endless = Call(srv, {"prompt": "Once upon a time", "n_predict": 4000, "stream": True,
-                             "ignore_eos": True})
-        short = Call(srv, {"prompt": "The capital of France is", "n_predict": short_n,
-                           "ignore_eos": True})
+        endless = Call(srv, "/completion", {"prompt": "Once upon a time", "n_predict": 4000,
+                                            "stream": True, "ignore_eos": True})
+        short = Call(srv, "/completion", {"prompt": "The capital of France is",
+                                          "n_predict": short_n, "ignore_eos": True})
         endless.start()
-        wait_for(srv, 1, 0)
+        srv.wait_busy(1, 0)
         short.start()
-        wait_for(srv, 2, 0)
-        queued = [Call(srv, {"prompt": "queued %d" % i, "n_predict": 8, "stream": i % 2 == 0})
-                  for i in range(6)]
+        srv.wait_busy(2, 0)
+        queued = [Call(srv, "/completion", {"prompt": "queued %d" % i, "n_predict": 8,
+                                            "stream": i % 2 == 0}) for i in range(6)]
         for q in queued:
             q.start()
-        wait_for(srv, 2, 6)
+        srv.wait_busy(2, 6)
         idle = rawhttp.connect(srv.port)                  # a kept-alive connection, idle
         idle.sendall(rawhttp.request("GET", "/health"))
         slow = rawhttp.connect(srv.port)                  # a request half sent
@@ -290,7 +262,7 @@ def test_sigterm_under_load_answers_the_queue_503_lets_running_ones_end_and_exit
           "after %.1fs (grace %.0fs); queued answered %s; endless request ended after %d tokens "
           "at %.1fs, short one after %d tokens at %.1fs"
           % (code, exit_s, grace, statuses, endless.result[1][-1]["tokens_predicted"],
-             endless.ended - t0, short.result[1]["tokens_predicted"], short.ended - t0))
+             endless.done_at - t0, short.result[1]["tokens_predicted"], short.done_at - t0))
     assert code == 0
     assert exit_s < grace + 5
     for i, q in enumerate(queued):
@@ -303,9 +275,9 @@ def test_sigterm_under_load_answers_the_queue_503_lets_running_ones_end_and_exit
         assert status in (200, 503) and body["error"]["message"] == "server is shutting down"
     status, events = endless.result
     assert status == 200 and events[-1]["stop"] is True and events[-1]["stop_type"] == "none"
-    assert endless.ended - t0 < grace + 2
+    assert endless.done_at - t0 < grace + 2
     status, body = short.result
-    assert status == 200 and short.ended - t0 < grace + 2
+    assert status == 200 and short.done_at - t0 < grace + 2
     # it finished within the grace period, or (on a very slow machine) was cut at its end
     assert body["tokens_predicted"] == short_n or body["stop_type"] == "none"
 

@@ -66,6 +66,28 @@ def test_version_answers(client):
                         ["version"])
 
 
+def test_version_is_one_codex_oss_accepts(client):
+    """Codex's --oss needs 0.13.4 or newer, the Ollama whose /v1/responses it uses."""
+    version = client._request_raw("GET", "/api/version").json()["version"]
+    assert tuple(int(x) for x in version.split(".")) >= (0, 13, 4)
+
+
+@pytest.mark.parametrize("name", [NAME, QWEN.stem, QWEN.stem + ":latest"])
+def test_pulling_a_served_model_succeeds_at_once(client, srv, name):
+    assert client.pull(name, stream=False).status == "success"
+    status, ctype, lines = ndjson(srv, "/api/pull", {"model": name})
+    assert status == 200 and ctype.startswith("application/x-ndjson")
+    assert lines[-1] == {"status": "success"}
+
+
+def test_pulling_any_other_model_says_offgrid_never_downloads(client, srv):
+    with pytest.raises(ollama.ResponseError) as e:
+        list(client.pull("llama3.2:1b", stream=True))
+    assert "never downloads" in str(e.value)
+    status, _, lines = ndjson(srv, "/api/pull", {"model": "llama3.2:1b"})
+    assert status == 200 and list(lines[-1]) == ["error"]       # Ollama's way, in the stream
+
+
 def test_list_names_the_model_with_its_file_digest_and_details(client):
     models = client.list().models
     assert [m.model for m in models] == [NAME]
@@ -147,15 +169,25 @@ def test_chat_streamed(client):
 
 
 def test_chat_tool_call_comes_with_arguments_as_an_object(client):
-    # Qwen 0.5B tends to answer the bare JSON without <tool_call>: check the shape when
-    # it does call, and the forced call below makes sure the path is taken
+    # Qwen 0.5B writes the call as bare JSON, not <tool_call>: the rescue makes it a call
     r = client.chat(model=NAME, messages=PARIS, tools=[WEATHER],
                     options={"temperature": 0, "num_predict": 40}, stream=False)
-    if r.message.tool_calls:
-        call = r.message.tool_calls[0].function
-        assert call.name == "get_weather" and call.arguments == {"city": "Paris"}
-    else:
-        assert "get_weather" in r.message.content
+    assert r.message.tool_calls, r.message.content
+    call = r.message.tool_calls[0].function
+    assert call.name == "get_weather" and call.arguments == {"city": "Paris"}
+
+
+def test_chat_tools_round_trip(client):
+    """The call, its result sent back in Ollama's shape, and the answer."""
+    messages = list(PARIS)
+    r = client.chat(model=NAME, messages=messages, tools=[WEATHER],
+                    options={"temperature": 0, "num_predict": 40}, stream=False)
+    assert r.message.tool_calls
+    messages += [r.message, {"role": "tool", "content": "Sunny, 22 C",
+                             "tool_name": r.message.tool_calls[0].function.name}]
+    r = client.chat(model=NAME, messages=messages, tools=[WEATHER],
+                    options={"temperature": 0, "num_predict": 30}, stream=False)
+    assert not r.message.tool_calls and "22" in r.message.content
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -235,7 +267,7 @@ BAD = [
     ("/api/embed", {"model": NAME, "input": "word " * 2100, "truncate": False}, 400,
      "too large"),
     ("/api/embeddings", {"model": NAME, "prompt": ["hi"]}, 400, "'prompt' must be a string"),
-    ("/api/pull", {"model": "llama3.2"}, 501, "never downloads"),
+    ("/api/pull", {"model": "llama3.2", "stream": False}, 404, "never downloads"),
     ("/api/create", {"model": "x"}, 501, "never downloads"),
     ("/api/copy", {"source": "a", "destination": "b"}, 501, "copies"),
     ("/api/nothing", {}, 404, "/api/nothing"),
@@ -285,6 +317,14 @@ def test_langchain_chat_ollama_invokes_and_streams(srv):
     assert reply.content.strip()
     assert reply.usage_metadata["output_tokens"] == 8
     assert "".join(chunk.content for chunk in llm.stream("Say hello.")).strip()
+
+
+def test_langchain_bind_tools_gives_tool_calls(srv):
+    from langchain_ollama import ChatOllama
+    llm = ChatOllama(model=NAME, base_url=srv.base, temperature=0, num_predict=40)
+    reply = llm.bind_tools([WEATHER]).invoke("What is the weather in Paris?")
+    assert [c["name"] for c in reply.tool_calls] == ["get_weather"], reply
+    assert reply.tool_calls[0]["args"] == {"city": "Paris"}
 
 
 # -- streams that end early ---------------------------------------------------------

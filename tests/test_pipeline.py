@@ -80,6 +80,18 @@ def test_choice_k_samples_with_seed_plus_k_on_every_route(one_session, path):
 
 
 @pytest.mark.parametrize("path", list(ROUTES))
+def test_stop_ends_the_text_where_it_begins_on_every_route(srv, path):
+    fields = dict(max_tokens=12, temperature=0, ignore_eos=True)
+    status, _, out = srv.post(path, body_for(path, **fields))
+    text = ROUTES[path](out)[0]
+    stop = text[len(text) // 2:len(text) // 2 + 3]     # a piece from its middle
+    assert len(stop) == 3 and stop.strip(), text
+    status, _, out = srv.post(path, body_for(path, stop=[stop], **fields))
+    assert status == 200, out
+    assert ROUTES[path](out)[0] == text[:text.index(stop)]
+
+
+@pytest.mark.parametrize("path", list(ROUTES))
 def test_best_of_and_echo_are_refused_on_every_route(srv, path):
     for field in ({"best_of": 2}, {"echo": True}):
         status, _, out = srv.post(path, body_for(path, max_tokens=1, **field))

@@ -9,6 +9,8 @@ is driven through its public API only).
 """
 
 import json
+import os
+import signal
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -20,8 +22,10 @@ from offgrid.server.api import responses as dialect
 from offgrid.server.api.fields import Fields, generation_from
 
 try:
+    from . import rawhttp
     from .serverproc import ROOT, ServerProcess
 except ImportError:
+    import rawhttp
     from serverproc import ROOT, ServerProcess
 
 QWEN = ROOT / "models" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
@@ -90,6 +94,48 @@ def test_stream_runs_through_the_sdk_parser(client):
     assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
+def test_responses_without_v1_is_the_same_endpoint(srv):
+    # llama-server serves POST /responses too; an SDK pointed at the bare host uses it
+    bare = openai.OpenAI(base_url=srv.base, api_key="none", max_retries=0)
+    r = bare.responses.create(model="qwen", input="Say hello.", max_output_tokens=4,
+                              temperature=0)
+    assert r.object == "response" and r.id.startswith("resp_") and r.output_text
+
+
+def test_input_tokens_counts_the_prompt_a_response_would_evaluate(srv, client):
+    body = {"model": "qwen", "instructions": "Answer briefly.", "tools": TOOLS,
+            "input": [{"role": "user", "content": ASK}]}
+    status, _, count = srv.post("/v1/responses/input_tokens", body)
+    assert status == 200 and count["object"] == "response.input_tokens"
+    used = client.responses.create(max_output_tokens=1, temperature=0, **body).usage
+    assert count["input_tokens"] == used.input_tokens
+    assert srv.post("/responses/input_tokens", body)[2] == count
+    status, _, err = srv.post("/v1/responses/input_tokens", {"model": "qwen"})
+    assert status == 400 and "'input' is required" in err["error"]["message"]
+
+
+def test_stream_telemetry_progress_and_timings_as_llama_server(srv):
+    status, events = srv.stream("/responses", {
+        "input": "This is a test. " * 20, "max_output_tokens": 6, "temperature": 0,
+        "stream": True, "return_progress": True, "timings_per_token": True})
+    assert status == 200
+    progress = [e for e in events if "prompt_progress" in e]
+    assert progress and all(e["type"] == "response.in_progress" for e in progress)
+    assert progress[-1]["prompt_progress"]["processed"] == progress[-1]["prompt_progress"]["total"]
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert deltas and all(e["timings"]["predicted_n"] >= 1 for e in deltas)
+    last = events[-1]
+    assert last["type"] in ("response.completed", "response.incomplete")
+    assert last["timings"]["predicted_n"] == last["response"]["usage"]["output_tokens"]
+    ids = {e["response"]["id"] for e in events if "response" in e}
+    assert len(ids) == 1
+    # without them asked for: no progress events, no timings on the deltas
+    plain = srv.stream("/v1/responses", {"input": "Hi", "max_output_tokens": 3,
+                                         "stream": True})[1]
+    assert not any("prompt_progress" in e for e in plain)
+    assert not any("timings" in e for e in plain if e["type"].endswith(".delta"))
+
+
 # -- function calls ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -155,7 +201,8 @@ def test_previous_response_id_is_a_clear_400(client):
     {"input": 42},
     {"input": [{"type": "input_image", "image_url": "x"}]},
     {"input": "hi", "max_output_tokens": "many"},
-    {"input": "hi", "tools": [{"type": "web_search"}]},
+    {"input": "hi", "tools": [{"type": "function"}]},
+    {"input": "hi", "tools": [{"name": "no_type"}]},
     {"input": "hi", "tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}},
     {"input": "hi", "text": {"format": {"type": "yaml"}}},
 ])
@@ -229,3 +276,109 @@ def test_reasoning_becomes_a_reasoning_item_streamed_and_whole():
     assert final.output_text == "Let me look."
     whole = dialect.output_items(ids, reply)
     assert [(o.type, o.id) for o in final.output] == [(w["type"], w["id"]) for w in whole]
+
+
+# -- a response that cannot finish ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def small(smollm_path):
+    with ServerProcess(smollm_path, threads=1) as s:
+        yield s
+
+
+def test_a_worker_dying_mid_stream_ends_it_with_response_failed(small):
+    client = openai.OpenAI(base_url=small.base + "/v1", api_key="none", max_retries=0)
+    stream = client.responses.create(model="m", input="Count from 1 to 500.", stream=True,
+                                     max_output_tokens=2000, extra_body={"ignore_eos": True})
+    events = []
+    for e in stream:            # the SDK's own reader, to the stream's end
+        events.append(e)
+        if e.type == "response.output_text.delta" and len(events) == 6:
+            for pid in rawhttp.children(small.proc.pid):
+                os.kill(pid, signal.SIGKILL)
+    types = [e.type for e in events]
+    assert types[0] == "response.created" and "response.output_text.delta" in types
+    assert types[-1] == "response.failed" and "response.completed" not in types
+    failed = events[-1].response
+    assert failed.id == events[0].response.id and failed.status == "failed"
+    assert failed.error.code == "server_error" and "SIGKILL" in failed.error.message
+    # the text so far is its output, the message item cut short
+    (msg,) = failed.output
+    assert msg.status == "incomplete" and msg.content[0].text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    small.wait_idle(timeout=120)        # the worker is back for the next request
+    r = client.responses.create(model="m", input="Hi", max_output_tokens=2)
+    assert r.status in ("completed", "incomplete")
+
+
+# -- Codex's requests, as it sends them ------------------------------------------------------
+
+NAMESPACED = [
+    {"type": "function", "name": "exec_command", "description": "Runs a command.",
+     "strict": False, "parameters": {"type": "object", "required": ["cmd"],
+                                     "properties": {"cmd": {"type": "string"}}}},
+    {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.", "tools": [
+        {"type": "function", "name": "close_agent", "description": "Close an agent.",
+         "strict": False, "parameters": {"type": "object", "required": ["target"],
+                                         "properties": {"target": {"type": "string"}}}}]},
+    {"type": "namespace", "name": "other_v1", "tools": [
+        {"type": "function", "name": "exec_command", "description": "A clash.",
+         "parameters": {"type": "object", "properties": {}}}]},
+    {"type": "web_search", "external_web_access": False},
+    {"type": "custom", "name": "apply_patch", "format": {"type": "grammar", "syntax": "lark",
+                                                         "definition": "start: x"}},
+]
+
+
+def codex_request(**over):
+    body = {"model": "qwen", "stream": False, "tool_choice": "auto", "parallel_tool_calls": True,
+            "reasoning": {"summary": "auto"}, "store": False,
+            "include": ["reasoning.encrypted_content"], "prompt_cache_key": "01a2-b3",
+            "client_metadata": {"x-codex-turn-metadata": "{}"}, "tools": NAMESPACED,
+            "input": [{"type": "message", "id": "msg_1", "role": "developer",
+                       "content": [{"type": "input_text", "text": "You are a coding agent."}]},
+                      {"type": "message", "role": "user",
+                       "content": [{"type": "input_text", "text": "Say hello."}]}],
+            "temperature": 0, "max_output_tokens": 16}
+    body.update(over)
+    return body
+
+
+def test_codexs_first_request_is_answered(srv):
+    status, _, body = srv.post("/v1/responses", codex_request())
+    assert status == 200, body
+    assert body["status"] in ("completed", "incomplete") and body["output"]
+
+
+def test_namespace_functions_are_tools_named_as_codex_reads_them_back():
+    tools, spaces = dialect.tools_from(NAMESPACED)
+    assert [t.name for t in tools] == ["exec_command", "close_agent", "other_v1__exec_command"]
+    assert spaces["close_agent"] == ("multi_agent_v1", "close_agent")
+    item = dialect._call_item("fc_1", {"id": "c1", "name": "other_v1__exec_command",
+                                       "arguments": "{}"}, spaces=spaces)
+    assert (item["namespace"], item["name"]) == ("other_v1", "exec_command")
+    msgs = dialect.messages_from(None, [
+        {"type": "function_call", "call_id": "c1", "name": "close_agent",
+         "namespace": "multi_agent_v1", "arguments": "{\"target\": \"a\"}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "closed"}], spaces)
+    assert msgs[0].tool_calls[0].name == "close_agent" and msgs[1].role == "tool"
+
+
+def test_a_namespace_call_comes_back_with_its_namespace(srv):
+    status, _, body = srv.post("/v1/responses", codex_request(
+        max_output_tokens=60, input="Close the agent named alpha.",
+        tool_choice={"type": "function", "name": "close_agent"}))
+    assert status == 200, body
+    calls = [o for o in body["output"] if o["type"] == "function_call"]
+    assert [(c["namespace"], c["name"]) for c in calls] == [("multi_agent_v1", "close_agent")]
+    assert "target" in json.loads(calls[0]["arguments"])
+
+
+def test_a_namespace_call_streams_with_its_namespace(client):
+    with client.responses.stream(model="qwen", input="Close the agent named alpha.",
+                                 tools=NAMESPACED[:2], max_output_tokens=60, temperature=0,
+                                 tool_choice={"type": "function", "name": "close_agent"}) as s:
+        final = s.get_final_response()
+    call = [o for o in final.output if o.type == "function_call"][0]
+    assert call.name == "close_agent" and call.model_dump().get("namespace") == \
+        "multi_agent_v1"

@@ -339,22 +339,18 @@ def test_connections_beyond_the_cap_get_503_at_once():
         held = [rawhttp.connect(port), rawhttp.connect(port)]
         for s in held:
             s.sendall(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n")
-        # once the server holds both, a third is refused, at once (until then it is
-        # answered as a server with no model: "Loading model")
-        # (not /health: that one is answered even beyond the cap)
+        # both seated (a probe sent sooner could take a slot before the second, which
+        # would then wait refused): the server's own count, no request of ours
         deadline = time.monotonic() + 10
-        while True:
-            t0 = time.monotonic()
-            responses = rawhttp.exchange(port, rawhttp.request(
-                "GET", "/v1/models", headers={"Connection": "close"}))
-            took = time.monotonic() - t0
-            message = json.loads(responses[0][2])["error"]["message"]
-            if message != "Loading model" or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        assert took < 2
+        while httpd.seats.n < 2 or httpd.seats._waiting:     # seated, heads read
+            assert time.monotonic() < deadline, "the two connections never got their slots"
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        # (not /health: that one is answered even beyond the cap)
+        responses = rawhttp.exchange(port, rawhttp.request("GET", "/v1/models"))
+        assert time.monotonic() - t0 < 2
         assert responses[0][0] == 503
-        assert message == "too many connections"
+        assert json.loads(responses[0][2])["error"]["message"] == "too many connections"
         for s in held:
             s.close()
         deadline = time.monotonic() + 5

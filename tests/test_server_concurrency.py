@@ -7,15 +7,14 @@ thousand take seconds on it.  Every wait is bounded.
 
 import json
 import socket
-import threading
 import time
 
 import pytest
 
 try:
-    from .serverproc import ServerProcess
+    from .serverproc import Call, ServerProcess
 except ImportError:
-    from serverproc import ServerProcess
+    from serverproc import Call, ServerProcess
 
 LONG = {"n_predict": 400, "ignore_eos": True, "temperature": 0}
 
@@ -37,57 +36,15 @@ def two(gemma_path):
         yield s
 
 
-class Call(threading.Thread):
-    """A request running in the background; .result is (status, body), .elapsed its time."""
-
-    def __init__(self, srv, path, body, stream=False):
-        super().__init__(daemon=True)
-        self.srv, self.path, self.body, self.stream = srv, path, body, stream
-        self.result = None
-        self.done_at = None
-
-    def run(self):
-        t0 = time.monotonic()
-        if self.stream:
-            self.result = self.srv.stream(self.path, self.body)
-        else:
-            status, _, body = self.srv.post(self.path, self.body)
-            self.result = (status, body)
-        self.done_at = time.monotonic()
-        self.elapsed = self.done_at - t0
-
-
-def wait_busy(srv, n=1, queued=0, timeout=30):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        m = srv.metrics()
-        if m["offgrid_sessions_busy"] >= n and m["offgrid_queue_length"] >= queued:
-            return
-        time.sleep(0.02)
-    raise AssertionError("server never got busy")
-
-
-def wait_cached(srv, n_cached, timeout=30):
-    """Wait until a busy session holds ``n_cached`` tokens (/slots shows its cache grow as
-    the prompt is decoded, a batch at a time, then as it generates)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        status, _, slots = srv.get("/slots")
-        if any(s["is_processing"] and s["n_cached"] >= n_cached for s in slots):
-            return
-        time.sleep(0.02)
-    raise AssertionError("no busy session ever held %d tokens" % n_cached)
-
-
 def wait_generating(srv, n_cached=12, timeout=30):
     """Wait until the one session holds n_cached tokens: its prompt is done, output flows."""
-    wait_cached(srv, n_cached, timeout)
+    srv.wait_cached(n_cached, timeout=timeout)
 
 
 def wait_in_prompt(srv, timeout=30):
     """Wait until the session has decoded the first batch (-b 128) of a long prompt: its
     evaluation is under way, and most of it still to come."""
-    wait_cached(srv, 128, timeout)
+    srv.wait_cached(128, timeout=timeout)
 
 
 def test_newer_request_with_same_id_slot_cancels_the_running_one(one):
@@ -132,7 +89,7 @@ def test_a_newer_warm_up_replaces_a_waiting_one_but_a_completion_replaces_both(o
     wait_generating(one, n_cached=2)
     w1 = Call(one, "/completion", {"prompt": "first warm", "n_predict": 0, "id_slot": 5})
     w1.start()
-    wait_busy(one, queued=1)
+    one.wait_busy(queued=1)
     w2 = Call(one, "/completion", {"prompt": "second warm", "n_predict": 0, "id_slot": 5})
     w2.start()
     w1.join(10)
@@ -152,11 +109,10 @@ def test_a_newer_warm_up_replaces_a_waiting_one_but_a_completion_replaces_both(o
 def test_newer_request_answers_a_waiting_one_empty_at_once(one):
     a = Call(one, "/completion", dict(LONG, prompt="The story begins", id_slot=1))
     a.start()
-    wait_busy(one)
-    b = Call(one, "/completion", dict(LONG, prompt="Waiting", id_slot=2, stream=True),
-             stream=True)
+    one.wait_busy()
+    b = Call(one, "/completion", dict(LONG, prompt="Waiting", id_slot=2, stream=True))
     b.start()
-    wait_busy(one, queued=1)
+    one.wait_busy(queued=1)
     c = Call(one, "/completion", {"prompt": "Newest", "n_predict": 8, "id_slot": 2,
                                   "temperature": 0})
     c.start()
@@ -246,12 +202,12 @@ def test_shutdown_answers_the_queue_503_and_exits_zero(gemma_path):
     with ServerProcess(gemma_path, "-np", "1", "--shutdown-grace", "2") as srv:
         running = Call(srv, "/completion", dict(LONG, n_predict=2000, prompt="Go on"))
         running.start()
-        wait_busy(srv)
+        srv.wait_busy()
         queued = [Call(srv, "/completion", {"prompt": "q%d" % i, "n_predict": 4})
                   for i in range(3)]
         for q in queued:
             q.start()
-        wait_busy(srv, queued=3)
+        srv.wait_busy(queued=3)
         t0 = time.monotonic()
         code = srv.stop(timeout=30)
         assert code == 0

@@ -95,6 +95,23 @@ def test_models(client):
     assert ids[0] == "gemma" and len(ids) == 2
 
 
+def test_a_model_is_retrieved_by_id_or_alias(client, srv):
+    for listed in client.models.list():
+        m = client.models.retrieve(listed.id)
+        assert m.id == listed.id and m.object == "model" and m.owned_by
+        for alias in listed.model_dump().get("aliases", []):
+            assert client.models.retrieve(alias).id == listed.id
+    status, _, body = srv.get("/v1/models/gemma?x=1", headers={"Authorization":
+                                                                "Bearer sk-test-1"})
+    assert status == 200 and body["id"] == "gemma"
+
+
+def test_retrieving_an_unknown_model_is_a_404_in_openai_shape(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4o")
+    assert e.value.body["type"] == "invalid_request_error" and "gpt-4o" in e.value.body["message"]
+
+
 def test_wrong_key_is_401_in_openai_shape(srv):
     bad = openai.OpenAI(base_url=srv.base + "/v1", api_key="sk-wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as e:

@@ -378,6 +378,24 @@ def test_the_model_of_m_is_the_default_and_one_model_with_its_file_in_the_folder
 
 # -- a memory budget ------------------------------------------------------------------------
 
+def test_aliases_and_tags_of_m_are_listed_as_llama_servers(tmp_path):
+    # llama-server's -a and --tags take comma lists; /models lists both as sets
+    # (sorted), the aliases with the one that names the model, not the file's name
+    with ServerProcess(SMOL, "-a", "tinyllama-2,fim", "-a", "code", "--tags", "chat,fim,small",
+                       threads=1, ctx=512) as s:
+        (m,) = s.get("/models")[2]["data"]
+        assert m["id"] == "tinyllama-2"                 # offgrid: the first given
+        assert m["aliases"] == ["code", "fim", "tinyllama-2"]
+        assert m["tags"] == ["chat", "fim", "small"]
+        for name in ("code", "fim", SMOL.stem):         # every name still answers
+            status, _, body = s.post("/completion", {"model": name, "prompt": "Hi",
+                                                     "n_predict": 1})
+            assert status == 200 and body["model"] == "tinyllama-2", (name, body)
+    with ServerProcess(SMOL, threads=1, ctx=512) as s:
+        (m,) = s.get("/v1/models")[2]["data"]
+        assert m["id"] == SMOL.name and m["aliases"] == [] and m["tags"] == []
+
+
 @pytest.fixture(scope="module")
 def budget(folder):
     with ShelfServer("--models-dir", folder, "--models-memory", "450M", "-c", 512) as s:
@@ -440,6 +458,7 @@ n-gpu-layers = 99
 
 [smollm2-135m-instruct-q4_1]
 alias = tiny, smol
+tags = chat, small
 ctx-size = 1024
 parallel = 2
 load-on-startup = true
@@ -465,7 +484,7 @@ def test_a_preset_sets_each_models_settings_and_loads_on_startup(preset):
     smol = m["smollm2-135m-instruct-q4_1"]
     assert smol["status"]["value"] == "loaded"
     assert smol["settings"]["n_ctx"] == 1024 and smol["settings"]["parallel"] == 2
-    assert set(smol["aliases"]) >= {"tiny", "smol"}
+    assert smol["aliases"] == ["smol", "tiny"] and smol["tags"] == ["chat", "small"]
     assert "ctx-size = 1024" in smol["status"]["preset"]
     assert any("n-gpu-layers" in line for line in preset.output)
     status, _, body = preset.chat("tiny")
@@ -533,7 +552,8 @@ def test_a_preset_reads_llama_servers_keys_and_reports_the_rest(tmp_path):
     defaults, models, ignored = read_preset(str(ini))
     assert defaults == {"ctx_size": 256}
     assert models["smollm2-135m-instruct-q4_1"] == {
-        "alias": ["tiny", "smol"], "ctx_size": 1024, "parallel": 2, "load_on_startup": True}
+        "alias": ["tiny", "smol"], "tags": ["chat", "small"], "ctx_size": 1024, "parallel": 2,
+        "load_on_startup": True}
     assert models["gemma-3-270m-q4_k_m"] == {"chat_template": "chatml", "stop_timeout": 2.0}
     assert ignored == ["[*] n-gpu-layers"]
     ini.write_text("[m]\nparallel = two\n")

@@ -7,13 +7,21 @@ the time.  The chat layer also builds tool-call grammars from the tools'
 parameter schemas with the same ``Grammar`` builder.
 
 Supported: ``type`` (one or a list), ``enum``, ``const``, ``properties`` with
-``required`` and ``additionalProperties``, ``items`` / ``prefixItems`` with
-``minItems`` / ``maxItems``, ``minLength`` / ``maxLength``, string ``format``
-date, time, date-time and uuid, integer ``minimum`` / ``maximum`` (and the
-exclusive forms), ``anyOf`` / ``oneOf``, ``allOf`` of objects, ``$ref`` into
-``#/$defs`` or ``#/definitions`` (recursion included).  Anything else that
-constrains values (``pattern``, ``multipleOf``, number ranges, ...) raises
-SchemaError naming it rather than producing output that might not validate.
+``required``, ``additionalProperties`` and ``propertyNames``, ``items`` /
+``prefixItems`` with ``minItems`` / ``maxItems``, ``minLength`` /
+``maxLength``, ``pattern`` (``regex_gbnf.py``), string ``format`` date, time,
+date-time and uuid, ``minimum`` / ``maximum`` (and the exclusive forms) on
+integers, and on numbers where a grammar can hold them (see
+``_number_range``), ``anyOf`` / ``oneOf``, ``allOf`` of objects, ``$ref``
+into ``#/$defs`` or ``#/definitions`` (recursion included).
+
+Two modes.  Strict (``response_format``, ``json_schema``): anything else that
+constrains values (``multipleOf``, ``uniqueItems``, a lookahead in a
+pattern, ...) raises SchemaError naming it rather than producing output that
+might not validate.  Lenient (``strict=False``: a tool's parameters, which
+must never fail a request): each constraint that cannot be expressed is
+dropped with a debug log line and the rest kept; a sub-schema that cannot be
+read at all becomes "any JSON value".
 
 As in llama.cpp, whitespace between tokens is bounded (a space, or up to two
 newlines and 20 indentation characters) and numbers have at most 16 digits
@@ -22,11 +30,15 @@ properties come out in the schema's order, required ones first.
 """
 
 import json
+import logging
 import math
 import re
 
 from ..errors import InvalidRequest
-from .gbnf import Limits
+from .gbnf import GrammarError, Limits, check
+from .regex_gbnf import PatternError, pattern_body
+
+log = logging.getLogger("offgrid.jsonschema")
 
 
 class SchemaError(InvalidRequest):
@@ -73,6 +85,10 @@ MAX_SCHEMA_DEPTH = 64
 MAX_COUNT = Limits.max_repetition
 MAX_GRAMMAR_CHARS = Limits.max_chars
 
+# In a rule's body: literals and classes (skipped), and the rule names left.
+_QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]')
+_NAME = re.compile(r"[a-zA-Z0-9-]+")
+
 # Keywords that only annotate; they never narrow what validates.
 _ANNOTATIONS = {"title", "description", "$schema", "$id", "$comment", "examples", "default",
                 "deprecated", "readOnly", "writeOnly", "$defs", "definitions", "strict",
@@ -80,7 +96,7 @@ _ANNOTATIONS = {"title", "description", "$schema", "$id", "$comment", "examples"
 _HANDLED = {"type", "enum", "const", "properties", "required", "additionalProperties", "items",
             "prefixItems", "minItems", "maxItems", "minLength", "maxLength", "format",
             "anyOf", "oneOf", "allOf", "$ref", "minimum", "maximum", "exclusiveMinimum",
-            "exclusiveMaximum", "nullable"}
+            "exclusiveMaximum", "nullable", "pattern", "propertyNames"}
 
 
 def literal(text):
@@ -148,10 +164,15 @@ def _strings(value, key):
 
 
 class Grammar:
-    """A set of GBNF rules being built; ``text()`` gives the grammar."""
+    """A set of GBNF rules being built; ``text()`` gives the grammar.
 
-    def __init__(self, root_schema=None):
+    ``strict`` False: what cannot be expressed is dropped (see the module's
+    docstring), not refused.
+    """
+
+    def __init__(self, root_schema=None, strict=True):
         self.rules = {"space": SPACE}
+        self.strict = strict
         self.root_schema = root_schema if isinstance(root_schema, dict) else {}
         self._refs = {}
         self._depth = 0
@@ -195,15 +216,39 @@ class Grammar:
         return "".join("%s ::= %s\n" % (k, self.rules[k]) for k in order if k in self.rules)
 
     # -- schemas ----------------------------------------------------------------
+    def unsupported(self, what):
+        """A constraint that cannot be expressed: SchemaError when strict, else
+        a debug line (the constraint is dropped and the caller goes on without it)."""
+        if self.strict:
+            raise SchemaError(what)
+        log.debug("tool schema: %s; dropped", what)
+
     def schema(self, schema, name):
         """The name of a rule matching JSON valid against ``schema`` (plus trailing space)."""
         self._depth += 1
+        saved = None if self.strict else self._snapshot()
         try:
             if self._depth > MAX_SCHEMA_DEPTH:
                 raise SchemaError("the schema nests more than %d levels deep" % MAX_SCHEMA_DEPTH)
             return self._schema(schema, name)
+        except SchemaError as e:
+            if saved is None:
+                raise
+            # lenient: this part of the schema becomes "any value", and what it
+            # added is taken back (a rule may be half built)
+            self._restore(saved)
+            log.debug("tool schema: %s; any value accepted there", e)
+            return self.primitive("value")
         finally:
             self._depth -= 1
+
+    def _snapshot(self):
+        return (dict(self.rules), dict(self._refs), dict(self._keys), dict(self._next),
+                self._size)
+
+    def _restore(self, saved):
+        rules, refs, keys, nxt, self._size = saved
+        self.rules, self._refs, self._keys, self._next = rules, refs, keys, nxt
 
     def _schema(self, schema, name):
         if schema is True or schema == {} or schema is None:
@@ -214,7 +259,7 @@ class Grammar:
             raise SchemaError("a schema must be an object, got %r" % (schema,))
         for key in schema:
             if key not in _HANDLED and key not in _ANNOTATIONS:
-                raise SchemaError("JSON schema keyword %r is not supported" % key)
+                self.unsupported("JSON schema keyword %r is not supported" % key)
 
         if "$ref" in schema:
             return self._ref(schema["$ref"])
@@ -270,10 +315,7 @@ class Grammar:
         if types == "integer":
             return self._integer(schema, name)
         if types == "number":
-            for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
-                if key in schema:
-                    raise SchemaError("'%s' on a number is not supported (use an integer)" % key)
-            return self.primitive("number")
+            return self._number(schema, name)
         if types in ("boolean", "null"):
             return self.primitive(types)
         raise SchemaError("JSON schema type %r is not supported" % (types,))
@@ -326,23 +368,35 @@ class Grammar:
         _strings(required, "required")
         if not isinstance(additional, (bool, dict)) and additional is not None:
             raise SchemaError("'additionalProperties' must be a boolean or a schema")
+        key_schema = self._property_names(schema.get("propertyNames"), props)
+        if key_schema is False:
+            key_schema, additional = None, False
+        elif key_schema is not None and additional is None:
+            additional = True               # why else say what the other names look like
         if not props and additional is None:
             return self.primitive("object")         # any object
+        missing = [k for k in required if k not in props]
+        if missing:
+            if self.strict:
+                raise SchemaError("required properties %s have no schema in 'properties'"
+                                  % missing)
+            props = dict(props, **{k: {} for k in missing})     # required, of any value
         kv = {}
         for key, sub in props.items():
             value = self.schema(sub, "%s-%s" % (name, key))
             kv[key] = self.add("%s-%s-kv" % (name, key), "%s space \":\" space %s"
                                % (json_literal(key), value))
         req = [k for k in props if k in required]
-        missing = [k for k in required if k not in props]
-        if missing:
-            raise SchemaError("required properties %s have no schema in 'properties'" % missing)
         opt = [kv[k] for k in props if k not in required]
         if additional not in (None, False):
             value = self.primitive("value") if additional is True else \
                 self.schema(additional, name + "-additional-value")
-            key_rule = self._not_strings(list(props), name + "-additional-k") if props \
-                else self.primitive("string")
+            if key_schema is not None:
+                key_rule = self.schema(key_schema, name + "-additional-k")
+            elif props:
+                key_rule = self._not_strings(list(props), name + "-additional-k")
+            else:
+                key_rule = self.primitive("string")
             opt.append(self.add(name + "-additional-kv",
                                 "%s \":\" space %s" % (key_rule, value)) + "*")
         body = '"{" space '
@@ -355,6 +409,31 @@ class Grammar:
                 body += " " + self._optional_first(opt, tails, name)
         body += ' "}" space'
         return self.add(name, body)
+
+    def _property_names(self, names, props):
+        """The schema other keys are held to (``propertyNames``), None for any
+        key, False for none but the declared properties.
+
+        Keys are strings, so it is read as a string schema.  Declared
+        properties are not checked against it, and apart from an ``enum``
+        (whose declared names are taken out) the other keys it allows may
+        repeat a declared one.
+        """
+        if names is None or names is True or names == {}:
+            return None
+        if not isinstance(names, dict):
+            raise SchemaError("'propertyNames' must be a schema (an object)")
+        if names.get("type", "string") != "string":
+            self.unsupported("'propertyNames' of type %r is not supported (keys are strings)"
+                             % (names.get("type"),))
+            return None
+        names = dict(names, type="string")
+        if isinstance(names.get("enum"), list):
+            left = [v for v in names["enum"] if isinstance(v, str) and v not in props]
+            if not left:
+                return False                # no name but the declared ones
+            names["enum"] = left
+        return names
 
     def _optional_tails(self, opt, name):
         """tails[i]: any in-order selection of opt[i:], each preceded by a comma."""
@@ -481,12 +560,16 @@ class Grammar:
         fmt = schema.get("format")
         if fmt is not None and not isinstance(fmt, str):
             raise SchemaError("'format' must be a string")
+        lengths = "minLength" in schema or "maxLength" in schema
+        if "pattern" in schema:
+            rule = self._pattern(schema, name, fmt in ("date", "time", "date-time", "uuid")
+                                 or lengths)
+            if rule is not None:
+                return rule
         if fmt in ("date", "time", "date-time"):
             return self.primitive(fmt + "-string")
         if fmt == "uuid":
             return self.primitive("uuid")
-        if "pattern" in schema:
-            raise SchemaError("JSON schema 'pattern' is not supported")
         lo, hi = self._counts(schema, "minLength", "maxLength")
         if lo == 0 and hi is None:
             return self.primitive("string")
@@ -497,6 +580,44 @@ class Grammar:
             hi = MAX_STRING_REPEAT
         char = self.primitive("char")
         return self.add(name, '"\\"" %s "\\"" space' % _repeat(char, lo, hi))
+
+    def _pattern(self, schema, name, also_constrained):
+        """The rule of a string held to its ``pattern``, or None when the pattern
+        is dropped (lenient) for the string's other keywords to apply."""
+        pattern = schema["pattern"]
+        try:
+            if also_constrained:
+                # a regular language intersected with a length or a format is
+                # not something this builder writes
+                raise PatternError("with a format, minLength or maxLength too")
+            body = pattern_body(pattern, self)
+        except PatternError as e:
+            self.unsupported("JSON schema 'pattern' %s is not supported: %s"
+                             % (_short(pattern), e))
+            return None
+        # the pattern alone, checked as a grammar: a pattern that would make
+        # the whole grammar fail libllama's limits fails here, by name
+        rule = self.add(name, '"\\"" %s "\\"" space' % body)
+        try:
+            check(self._excerpt(rule))
+        except GrammarError as e:
+            self.unsupported("JSON schema 'pattern' %s makes too large a grammar: %s"
+                             % (_short(pattern), e))
+            del self.rules[rule]
+            return None
+        return rule
+
+    def _excerpt(self, rule):
+        """The grammar of one rule and those it uses, as text (for a check)."""
+        seen, todo = {}, [rule]
+        while todo:
+            r = todo.pop()
+            if r in seen or r not in self.rules:
+                continue
+            seen[r] = self.rules[r]
+            todo += _NAME.findall(_QUOTED.sub(" ", seen[r]))
+        text = "root ::= %s\n" % rule
+        return text + "".join("%s ::= %s\n" % kv for kv in seen.items())
 
     @staticmethod
     def _counts(schema, low_key, high_key):
@@ -515,16 +636,48 @@ class Grammar:
             hi = min(hi, MAX_COUNT)
         return lo, hi
 
+    def _number(self, schema, name):
+        """A number within its bounds, where a grammar can hold them exactly
+        (``_number_range``); without any bound, any JSON number."""
+        if isinstance(schema.get("exclusiveMinimum"), bool) or \
+                isinstance(schema.get("exclusiveMaximum"), bool):
+            self.unsupported("boolean exclusiveMinimum/exclusiveMaximum (draft 4) is not "
+                             "supported")
+            return self.primitive("number")
+        bounds = [_number(schema, k) for k in ("minimum", "exclusiveMinimum", "maximum",
+                                               "exclusiveMaximum")]
+        if all(b is None for b in bounds):
+            return self.primitive("number")
+        lo, xlo, hi, xhi = bounds
+        # the tighter of each pair; equal ones: the exclusive
+        low = max([(v, k) for v, k in ((lo, 0), (xlo, 1)) if v is not None], default=None)
+        high = min([(v, -k) for v, k in ((hi, 0), (xhi, 1)) if v is not None], default=None)
+        body = _number_range(low and (low[0], bool(low[1])), high and (high[0], bool(-high[1])))
+        if body is None:
+            self.unsupported("number bounds %s are not supported (a grammar holds a number "
+                             "to whole-number bounds, and a range at least 1 wide)"
+                             % ", ".join("'%s'" % k for k, v in zip(
+                                 ("minimum", "exclusiveMinimum", "maximum",
+                                  "exclusiveMaximum"), bounds) if v is not None))
+            return self.primitive("number")
+        if body is False:
+            raise SchemaError("the number bounds leave no number")
+        self.primitive("decimal-part")
+        return self.add(name, "(%s) space" % body)
+
     def _integer(self, schema, name):
         xlo, xhi = schema.get("exclusiveMinimum"), schema.get("exclusiveMaximum")
         if isinstance(xlo, bool) or isinstance(xhi, bool):
-            raise SchemaError("boolean exclusiveMinimum/exclusiveMaximum (draft 4) is not supported")
+            self.unsupported("boolean exclusiveMinimum/exclusiveMaximum (draft 4) is not "
+                             "supported")
+            return self.primitive("integer")
         lo, hi = _number(schema, "minimum"), _number(schema, "maximum")
         xlo, xhi = _number(schema, "exclusiveMinimum"), _number(schema, "exclusiveMaximum")
         for v in (lo, hi, xlo, xhi):
             if v is not None and abs(v) >= _LIMIT:
-                raise SchemaError("integer bounds beyond %d digits are not supported"
-                                  % _MAX_DIGITS)
+                self.unsupported("integer bounds beyond %d digits are not supported"
+                                 % _MAX_DIGITS)
+                return self.primitive("integer")
         # an exclusive bound on a fraction: the nearest whole number inside it
         if xlo is not None:
             xlo = math.floor(xlo)
@@ -641,9 +794,85 @@ def _range_same_len(a, b):
     return " | ".join(parts)
 
 
-def schema_to_grammar(schema):
-    """GBNF text for JSON that validates against ``schema`` (a dict, True or {})."""
-    g = Grammar(schema)
+# -- number ranges: a whole-number part and a fraction --------------------------------
+
+_ANY_FRACTION = '("." decimal-part)?'
+_ZERO_FRACTION = '("." [0]{1,16})?'
+_SOME_FRACTION = '"." [0-9]{0,15} [1-9]'
+
+
+def _number_range(low, high):
+    """GBNF for JSON numbers (no exponent) between ``low`` and ``high``, each
+    (value, exclusive) or None; None if the range cannot be held exactly
+    enough, False if it is empty.
+
+    A number is its whole part and a fraction.  Every number written
+    validates; some valid ones cannot be written: with a bound that is not a
+    whole number the part between it and the next whole number inward is
+    left out, and a range with no whole number in it (0.2 to 0.8) is None.
+    """
+    if low is not None and high is not None:
+        if low[0] > high[0] or (low[0] == high[0] and (low[1] or high[1])):
+            return False
+    for bound in (low, high):
+        if bound is not None and abs(bound[0]) >= _LIMIT:
+            return None
+    alts = []
+    # x >= 0 (or > 0 when the low bound is 0 exclusive)
+    if high is None or high[0] > 0 or (high[0] == 0 and not high[1]):
+        plow = low if low is not None and low[0] >= 0 else (0, False)
+        part = _magnitude(plow, high)
+        if part:
+            alts.append(part)
+    # x < 0: its magnitude m = -x, from (0 or -high) up to -low
+    if low is None or low[0] < 0:
+        mlow = (-high[0], high[1]) if high is not None and high[0] < 0 else (0, True)
+        mhigh = None if low is None else (-low[0], low[1])
+        part = _magnitude(mlow, mhigh)
+        if part:
+            alts.append('"-" (%s)' % part)
+    if not alts:
+        return None
+    return " | ".join(alts)
+
+
+def _magnitude(low, high):
+    """GBNF for non-negative numbers m with low <= m <= high (low = (value,
+    exclusive), value >= 0; high None: unbounded), or "" if it cannot be held."""
+    a, a_excl = low
+    whole_a = float(a).is_integer()
+    first = int(math.ceil(a))               # the smallest whole part
+    # the whole part ``first`` itself with any fraction, unless a excluded it
+    # (then only with a fraction that is not zero)
+    first_any = not (whole_a and a_excl)
+    if high is None:
+        last_any, top = None, None              # unbounded: any whole part from first on
+    else:
+        b, b_excl = high
+        if float(b).is_integer():
+            b = int(b)
+            last_any = b - 1                    # whole parts below b: any fraction
+            top = None if b_excl else b         # b itself: only with a zero fraction
+        else:
+            last_any = int(math.floor(b)) - 1
+            top = int(math.floor(b))            # below b: with a zero fraction
+        if top is not None and (top < first or (top == first and not first_any)):
+            top = None
+    alts = []
+    lo_any = first if first_any else first + 1
+    if not first_any and (last_any is None or first <= last_any):
+        alts.append("%s %s" % (literal(str(first)), _SOME_FRACTION))
+    if last_any is None or lo_any <= last_any:
+        alts.append("(%s) %s" % (_nonneg_range(lo_any, last_any), _ANY_FRACTION))
+    if top is not None:
+        alts.append("%s %s" % (literal(str(top)), _ZERO_FRACTION))
+    return " | ".join(alts)
+
+
+def schema_to_grammar(schema, strict=True):
+    """GBNF text for JSON that validates against ``schema`` (a dict, True or {});
+    ``strict`` False drops what cannot be expressed (see the module's docstring)."""
+    g = Grammar(schema, strict)
     g.rules["root"] = g.schema(schema, "root-value") if schema not in (True, {}) else None
     if g.rules["root"] is None:
         g.rules["root"] = g.primitive("object")

@@ -14,15 +14,29 @@ lazy, as llama-server's: text is free until the model writes the template's
 call opener (``<tool_call>``, ``[TOOL_CALLS]``, gpt-oss's ``to=functions.``),
 and from there only a well-formed call follows.
 
+With "auto", the reply is also watched for a bare JSON call (``rescue.py``),
+unless the worker was started with ``--no-tool-call-rescue``.
+
+Tool grammars never fail a request: their schemas are read leniently
+(``jsonschema.py``), and a tool grammar that still fails the GBNF checks
+(``gbnf.py``: too large, too costly to sample) is rebuilt with any object
+as the arguments of every tool, with a debug line.
+
 Runs in the model's worker (``engine/worker.py``); ``model`` is the loaded
-Model, used to tokenize markers.
+Model, used to tokenize markers and to check grammars against its vocabulary.
 """
 
+import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import FrozenSet, Optional
 
+from .gbnf import GrammarError, check_grammar
 from .jsonschema import schema_to_grammar
-from .template import ChatTemplateError, ReplyFormat
+from .rescue import rescue_of, tool_args
+from .template import ChatTemplateError, ReplyFormat, tool_call_grammar
+
+log = logging.getLogger("offgrid.chat")
 
 
 @dataclass
@@ -34,12 +48,17 @@ class ChatPlan:
     grammar_triggers: tuple
     preserved_tokens: FrozenSet[int]
     id_length: int                  # tool-call ids: Mistral's templates want 9 characters
+    rescue: Optional[dict] = None   # rescue.rescue_of: watch the reply for a bare call
 
 
 def prepare_chat(model, template, messages, tools=(), tool_choice="auto", schema=None,
                  grammar=None, add_generation_prompt=True, enable_thinking=None, kwargs=None,
-                 parallel_tool_calls=None, reasoning_format="auto"):
-    """Render ``messages`` with ``template`` and settle the reply's grammar; a ChatPlan."""
+                 parallel_tool_calls=None, reasoning_format="auto", rescue=True, check=True):
+    """Render ``messages`` with ``template`` and settle the reply's grammar; a ChatPlan.
+
+    ``check``: hold the grammars to the GBNF checks (a request that will
+    generate; /apply-template renders only).
+    """
     if tools and tool_choice != "none" and grammar:
         raise ChatTemplateError("cannot use custom grammar constraints with tools")
     prompt = template.apply(messages, tools, add_generation_prompt=add_generation_prompt,
@@ -47,10 +66,44 @@ def prepare_chat(model, template, messages, tools=(), tool_choice="auto", schema
                             json_schema=schema, tool_choice=tool_choice,
                             parallel_tool_calls=parallel_tool_calls,
                             reasoning_format=reasoning_format)
+    if check and prompt.grammar is not None:
+        prompt.grammar = _checked_tool_grammar(model, prompt, template, tools, tool_choice,
+                                               parallel_tool_calls)
     g, triggers = grammar_of(prompt, schema, grammar)
+    if check and g is not None and g is not prompt.grammar:
+        check_grammar(model, g)         # a response format's or the client's: a 400 if bad
     fmt = prompt.reply_format
+    watch = None
+    if schema is None and grammar is None:
+        watch = rescue_of(tools, tool_choice, rescue)
+    if watch is not None and check:
+        try:
+            check_grammar(model, watch["grammar"])
+        except GrammarError as e:
+            log.debug("tool-call rescue off for this request: %s", e)
+            watch = None
+    if watch is not None:
+        fmt = dataclasses.replace(fmt, bare_calls=True, tool_args=tool_args(tools))
     id_length = 9 if getattr(template, "tool_syntax", "") == "mistral" else 32
-    return ChatPlan(prompt.text, fmt, g, tuple(triggers), preserved_tokens(model, fmt), id_length)
+    return ChatPlan(prompt.text, fmt, g, tuple(triggers), preserved_tokens(model, fmt), id_length,
+                    watch)
+
+
+def _checked_tool_grammar(model, prompt, template, tools, tool_choice, parallel):
+    """The tool-call grammar, checked; rebuilt with any object as every tool's
+    arguments when the tools' schemas make one the checks refuse."""
+    try:
+        check_grammar(model, prompt.grammar, prompt.grammar_triggers)
+        return prompt.grammar
+    except GrammarError as e:
+        log.debug("tool schemas make too costly a grammar (%s); arguments held to any "
+                  "object", e)
+    loose = [dataclasses.replace(t, parameters={"type": "object"}) for t in tools]
+    form = getattr(template, "call_form", "generic")
+    choice = "required" if prompt.grammar_triggers else tool_choice
+    g = tool_call_grammar(loose, form, choice, bool(parallel))
+    check_grammar(model, g, prompt.grammar_triggers)
+    return g
 
 
 def grammar_of(prompt, schema, grammar):

@@ -20,6 +20,11 @@ Tool calls are read in the template's syntax, and only there:
     generic   the whole reply one JSON call {"name", "arguments"} (or
               {"tool_call": ...}, {"tool_calls": [...]}, or a list of calls),
               optionally in a ```json fence
+
+and, whatever the syntax, when the tool-call rescue watched the reply
+(``fmt.bare_calls``, chat/rescue.py): the whole reply one {"name",
+"arguments"} call, maybe in a ```json fence left open (the grammar ends the
+reply with the object)
     harmony   gpt-oss: messages "<|channel|>analysis<|message|>...<|end|>" (reasoning),
               "<|start|>assistant<|channel|>final<|message|>..." (content), and
               "<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}"
@@ -44,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
 from .. import jsonlimit
+from .rescue import tool_by_arguments
 from .template import ToolCall, new_tool_call_id
 
 _WS = " \t\n\r\v\f"
@@ -328,8 +334,9 @@ class _Opener:
     calls, {"tool_calls": [...]}, {"tool_call": {...}} and {"function": {...}}.
     """
 
-    def __init__(self, text, names, nested):
+    def __init__(self, text, names, nested, fence=None):
         self.s, self.i, self.names, self.nested = text, 0, names, nested
+        self.fence = nested if fence is None else fence
         self.start = 0          # where the JSON value begins, after any fence
 
     def ws(self):
@@ -368,7 +375,7 @@ class _Opener:
 
     def reply(self):
         self.ws()
-        if self.nested and self.lit("```"):
+        if self.fence and self.lit("```"):
             self.lit("json", optional=True)
             self.ws()
         self.start = self.i
@@ -415,9 +422,13 @@ _HOLD = "hold"      # _bare_calls: not decided yet, send nothing of it
 def _bare_calls(text, fmt, partial):
     """The calls when the whole of ``text`` is a bare call in the template's
     form; _HOLD while (partial) it may still become one; else None."""
-    nested = fmt.tool_syntax != "llama3"
+    # the generic form's extras where it is the template's form; the rescue's
+    # (fmt.bare_calls) writes only {"name", "arguments"}, maybe in a fence
+    nested = fmt.tool_syntax not in ("llama3", "hermes", "mistral")
     s = text.strip(_WS)
-    scan = _Opener(s[:OPENER_LIMIT], fmt.tool_names, nested)
+    # a rescued reply may name no tool and still be one's call by its arguments
+    names = () if fmt.bare_calls and fmt.tool_args else fmt.tool_names
+    scan = _Opener(s[:OPENER_LIMIT], names, nested, nested or fmt.bare_calls)
     try:
         if not scan.reply():
             return None
@@ -428,13 +439,33 @@ def _bare_calls(text, fmt, partial):
         return _HOLD if partial else None       # the call is still being written
     tail = s[j:].strip(_WS)
     fenced = s.startswith("```")
-    if tail != ("```" if fenced else ""):
-        # only the closing fence may follow, and only while it is coming
+    if tail not in (("```", "") if fenced else ("",)):
+        # only the closing fence may follow, and only while it is coming (a
+        # rescued call ends at its object: its fence is never closed)
         return _HOLD if partial and fenced and "```".startswith(tail) else None
     calls = _calls_of(obj, nested)
+    if calls and fmt.bare_calls and fmt.tool_args:
+        calls = [c if c.name in fmt.tool_names else _by_arguments(c, obj, fmt) for c in calls]
+        if None in calls:
+            return None
     if not calls or (fmt.tool_names and any(c.name not in fmt.tool_names for c in calls)):
         return None
     return _HOLD if partial else calls      # sent at the end: nothing may follow a bare call
+
+
+def _by_arguments(call, obj, fmt):
+    """A call naming no tool, read as the one tool its arguments fit (rescue.py),
+    or None.  Only a bare {"name", "arguments"} object qualifies."""
+    if not isinstance(obj, dict) or set(obj) - {"name", "arguments", "parameters"}:
+        return None
+    try:
+        args = json.loads(call.arguments)
+    except ValueError:
+        return None
+    found = tool_by_arguments(args, fmt.tool_args)
+    if found is None:
+        return None
+    return ToolCall(found[0], json.dumps(found[1], ensure_ascii=False), call.id)
 
 
 def _calls_of(obj, nested):
@@ -453,7 +484,7 @@ def _calls_of(obj, nested):
 def split_tool_calls(text, fmt, partial=False):
     """(content, calls, pending): calls in the template's syntax (or, for Llama 3
     and generic templates, the whole reply one bare call)."""
-    if fmt.tool_syntax in ("llama3", "generic"):
+    if fmt.tool_syntax in ("llama3", "generic") or fmt.bare_calls:
         bare = _bare_calls(text, fmt, partial)
         if bare == _HOLD:
             return "", [], True

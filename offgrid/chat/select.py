@@ -1,7 +1,8 @@
 """Which chat template a model uses, settled once per model.
 
-``--chat-template`` (a Jinja file, "chatml", or the name of one of libllama's
-built-in templates), else the model's ``tokenizer.chat_template`` rendered by
+``--chat-template`` (the name of one of libllama's built-in templates,
+"chatml", or Jinja text: a file's, read by the front, or given inline), else
+the model's ``tokenizer.chat_template`` rendered by
 ``chat.jinja``; a model with neither falls back to libllama's built-in
 template for its architecture (or ChatML), which cannot show tools to the
 model, so tools are then described in a system message and calls are read in
@@ -109,11 +110,15 @@ def _make_template(entry):
     model = entry.model
     spec = getattr(entry, "chat_template", None)
     builtin_names = model.builtin_template_names()
-    if spec and spec != "chatml" and "{" not in spec:
-        if spec not in builtin_names:
-            raise ChatTemplateError("unknown chat template %r; give a Jinja file, \"chatml\" "
-                                    "or one of: %s" % (spec, ", ".join(builtin_names)))
+    if spec and spec != "chatml" and spec in builtin_names:
         return BuiltinTemplate(model, spec)
+    if spec and spec != "chatml" and not any(c in spec for c in "{ \t\n"):
+        # one word: a misspelt name or a missing file, not a template worth rendering
+        raise ChatTemplateError("unknown chat template %r: not a file, nor \"chatml\" or "
+                                "one of libllama's built-in templates (%s), nor template "
+                                "text" % (spec, ", ".join(builtin_names)))
+    # any other text given is the template's Jinja source, as llama-server --jinja
+    # takes --chat-template (text with no tags renders as itself)
     source = spec or model.chat_template
     if not source:
         arch = model.meta.get("general.architecture", "")

@@ -208,6 +208,54 @@ def detect_caps(template, budget=None):
     return caps
 
 
+def _renders_later_system(template, budget):
+    """Whether the template writes a system message that is not the first one
+    where it stands (Qwen, Llama 3, ChatML do; Gemma's refuses it, some drop it)."""
+    marker = "LATER_SYSTEM_MARKER"
+    ok, _, out, _ = _probe(template, budget, [{"role": "system", "content": "System message"},
+                                      {"role": "user", "content": "User message"},
+                                      {"role": "assistant", "content": "Assistant message"},
+                                      {"role": "system", "content": marker},
+                                      {"role": "user", "content": "User message"}])
+    return ok and marker in out
+
+
+def _system_before_last_turn(msgs):
+    """System messages that end the conversation after a user's message, moved
+    to just before it.
+
+    Claude Code sends its environment notes as a system turn after the user's
+    request; rendered last, right before the reply, a small model answers the
+    note (Qwen2.5-Coder-0.5B recites it) instead of the request.  Before the
+    request they are the same context and the request is what is answered.
+    """
+    k = len(msgs)
+    while k > 0 and msgs[k - 1]["role"] == "system":
+        k -= 1
+    if k == len(msgs) or k == 0 or msgs[k - 1]["role"] != "user":
+        return msgs
+    return msgs[:k - 1] + msgs[k:] + [msgs[k - 1]]
+
+
+def _leading_system(msgs):
+    """The system messages after the first message joined onto the leading one
+    (made if there is none), for templates that cannot place them."""
+    later = [i for i, m in enumerate(msgs) if m["role"] == "system" and i > 0]
+    if not later:
+        return msgs
+    msgs = list(msgs)
+    if msgs[0]["role"] != "system":
+        msgs.insert(0, {"role": "system", "content": ""})
+        later = [i + 1 for i in later]
+    lead = dict(msgs[0])
+    texts = [_as_text(lead["content"])] + [_as_text(msgs[i]["content"]) for i in later]
+    text = "\n\n".join(t for t in texts if t)
+    lead["content"] = [{"type": "text", "text": text}] if isinstance(lead["content"], list) \
+        else text
+    drop = set(later)
+    return [lead] + [m for i, m in enumerate(msgs) if i and i not in drop]
+
+
 def _preserve_reasoning_vars(enabled):
     return {"preserve_thinking": enabled, "clear_thinking": not enabled,
             "truncate_history_thinking": not enabled, "drop_thinking": not enabled}
@@ -394,6 +442,13 @@ class ReplyFormat:
     # the tools' names: a bare JSON call must name one (empty: any name, for
     # formats made by hand); they also bound how long a reply is held back
     tool_names: tuple = ()
+    # a reply that is one bare JSON call ({"name", "arguments"}, maybe in a
+    # ```json fence) is a call whatever the template's syntax: the tool-call
+    # rescue (chat/rescue.py) held it to that form
+    bare_calls: bool = False
+    # with bare_calls: per tool [name, required keys, property keys], to read a
+    # call whose "name" is no tool's by its arguments (chat/rescue.py)
+    tool_args: tuple = ()
 
 
 # What opens a call (ECMAScript regexes), for the syntaxes whose call grammar
@@ -488,6 +543,7 @@ class ChatTemplate:
         self.add_bos, self.add_eos = add_bos, add_eos
         budget = load_budget()
         self.caps = detect_caps(self.template, budget)
+        self.renders_later_system = _renders_later_system(self.template, budget)
         self.family = template_family(self.source)
         self.tool_syntax = tool_syntax_of(self.source)
         self.call_form = call_form_of(self.source, self.tool_syntax)
@@ -596,6 +652,9 @@ class ChatTemplate:
             for m in msgs:
                 if m["role"] == "developer":
                     m["role"] = "system"
+        msgs = _system_before_last_turn(msgs)
+        if not self.renders_later_system:
+            msgs = _leading_system(msgs)
         if not self.caps.supports_system_role and msgs and msgs[0]["role"] == "system":
             first = msgs.pop(0)
             if msgs:
@@ -799,7 +858,7 @@ def tool_call_grammar(tools, syntax, tool_choice="required", parallel=False):
             raise InvalidRequest("tool_choice names a function that is not in 'tools': %s"
                                  % tool_choice)
         tools = chosen
-    g = Grammar()
+    g = Grammar(strict=False)       # a tool's schema never fails the request
     args_key = "parameters" if syntax == "llama3" else "arguments"
     alts = []
     for i, t in enumerate(tools):

@@ -33,6 +33,7 @@ import math
 import operator
 import sys
 import threading
+import time
 
 from .. import libllama
 from ..errors import ContextError, ContextFull, DecodeError, InvalidRequest, NotSupported
@@ -147,6 +148,9 @@ class Embedder:
         # whether an input may span several batches: set with the context
         # (a decoder's keys stay in its cache; an encoder sees one batch)
         self.splits = None
+        # its decodes so far and their time (the prompt counters of /metrics)
+        self.n_decodes = 0
+        self.decode_seconds = 0.0
 
     @classmethod
     def for_model(cls, model, pooling=None, n_ctx=4096, n_batch=512, n_ubatch=None,
@@ -307,7 +311,10 @@ class Embedder:
         n = sum(len(tokens) for _, tokens, _ in parts)
         with decode_turn():
             started = self.threads.before(ctx, n)      # attaches the pools it picks
+            t0 = time.perf_counter()
             status = ctx.decode_sequences(parts)
+            self.n_decodes += 1
+            self.decode_seconds += time.perf_counter() - t0
             if status == 0:
                 self.threads.after(n, started)
         if status != 0:

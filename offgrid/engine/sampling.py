@@ -30,9 +30,15 @@ runs over the whole vocabulary only when the chain's pick breaks it.
 Without a grammar the chain runs inside ``llama_sampler_sample``, in C.
 The ``infill`` sampler is never combined with a grammar (see
 SamplingParams.effective_samplers).
+
+A chat request with tools may also carry the tool-call rescue
+(``chat/rescue.py``): CallRescue follows the start of the reply with a
+grammar of its own and, when the reply opens as a bare call to one of the
+tools, that grammar becomes the sampler's (see CallRescue).
 """
 
 import math
+import re
 
 from .. import libllama
 from ..errors import InvalidRequest
@@ -46,19 +52,43 @@ class TokenSampler:
     Made by build_sampler(); used by one thread, one token at a time.
     """
 
-    def __init__(self, chain, grammar=None, candidates=None, keep_candidates=False):
+    def __init__(self, chain, grammar=None, candidates=None, keep_candidates=False,
+                 rescue=None):
         self._chain = chain
         self._grammar = grammar
         self._candidates = candidates
         # sample in steps over ``candidates`` even without a grammar, so the
         # chain's result stays there to be read (post_sampling_probs)
         self._keep = keep_candidates
-        if (grammar is not None or keep_candidates) and candidates is None:
+        self._rescue = rescue           # a CallRescue watching the reply's start, or None
+        if (grammar is not None or keep_candidates or rescue is not None) \
+                and candidates is None:
             raise ValueError("a grammar needs a Candidates array")
 
     def sample(self, ctx, idx=-1):
         """The next token from output ``idx`` of ``ctx``'s last decode, accepted;
         None when the grammar allows no candidate the chain would pick."""
+        token = self._pick(ctx, idx)
+        if token is not None:
+            self.observe(token)
+        return token
+
+    def observe(self, token):
+        """A token now part of the reply (sampled and accepted): the tool-call
+        rescue's watch sees it, and may hand over the grammar that holds the rest."""
+        if self._rescue is None:
+            return
+        held = self._rescue.follow(token)
+        if held is not None:
+            # the reply opened a bare call: from here on that grammar holds it
+            if self._grammar is not None:
+                self._grammar.close()
+            self._grammar = held
+        if self._rescue.done:
+            self._rescue.close()
+            self._rescue = None
+
+    def _pick(self, ctx, idx):
         grammar = self._grammar
         if grammar is None:
             if not self._keep:
@@ -103,10 +133,58 @@ class TokenSampler:
         self._chain.close()
         if self._grammar is not None:
             self._grammar.close()
+        if self._rescue is not None:
+            self._rescue.close()
+
+
+class CallRescue:
+    """Follows the start of a reply with the rescue grammar (chat/rescue.py).
+
+    Each token the model picks is offered to the grammar: while it allows
+    them the reply may still be a bare call and the grammar accepts them
+    (so it always stands exactly where the reply does); the first it refuses
+    ends the watch, as do ``watch_chars`` characters without an opener.  When
+    the text matches the opener with one of the tools' names, follow()
+    returns the grammar sampler, to be the request's grammar from there on.
+    Owns that sampler until then; close() frees what it still holds.
+    """
+
+    def __init__(self, grammar, opener, names, watch_chars, piece_of):
+        self._grammar = grammar
+        self._opener = re.compile(opener)
+        self._names = frozenset(names)
+        self._watch = watch_chars
+        self._piece_of = piece_of
+        self._text = b""
+        self.done = False
+
+    def follow(self, token):
+        """Offer one picked token; the grammar sampler that holds the reply from
+        now on, or None."""
+        g = self._grammar
+        if self.done or g is None:
+            return None
+        if not g.allows(token):
+            self.done = True        # not a bare call: the reply goes on as it was
+            return None
+        g.accept(token)
+        self._text += self._piece_of(token)
+        m = self._opener.match(self._text.decode("utf-8", "ignore"))
+        if m is not None and m.group(1) in self._names:
+            self._grammar, self.done = None, True
+            return g
+        if len(self._text) > self._watch:
+            self.done = True
+        return None
+
+    def close(self):
+        g, self._grammar = self._grammar, None
+        if g is not None:
+            g.close()
 
 
 def build_sampler(lib, params, n_vocab, n_ctx, eog_tokens=(), vocab=None, candidates=None,
-                  keep_candidates=False):
+                  keep_candidates=False, piece_of=None):
     """A TokenSampler for one request.  ``eog_tokens`` are banned (ignore_eos).
 
     A grammar and the infill sampler need the model's ``vocab``
@@ -114,10 +192,18 @@ def build_sampler(lib, params, n_vocab, n_ctx, eog_tokens=(), vocab=None, candid
     libllama.Candidates of n_vocab) may be passed to reuse one array across
     requests; one is made when a grammar needs it.  ``keep_candidates``
     leaves each step's chain result in ``candidates`` (for ProbsReader).
+    ``piece_of(token)``: a token's bytes, which the tool-call rescue reads
+    (params.rescue_grammar; without ``piece_of`` there is no rescue).
     """
-    grammar = chain = None
+    grammar = chain = rescue = None
     try:
-        if candidates is None and (params.grammar is not None or keep_candidates):
+        if params.rescue_grammar is not None and piece_of is not None and vocab is not None:
+            ptr = libllama.init_grammar_sampler(lib, vocab, params.rescue_grammar)
+            if ptr:     # checked in the worker's prepare; NULL would only lose the rescue
+                rescue = CallRescue(Sampler.adopt(lib, ptr, "grammar"), params.rescue_opener,
+                                    params.rescue_names, params.rescue_watch_chars, piece_of)
+        if candidates is None and (params.grammar is not None or keep_candidates
+                                   or rescue is not None):
             candidates = libllama.Candidates(lib, n_vocab)
         if params.grammar is not None:
             if vocab is None:
@@ -132,7 +218,7 @@ def build_sampler(lib, params, n_vocab, n_ctx, eog_tokens=(), vocab=None, candid
             if params.has_penalties:
                 chain.add(_penalties(lib, params, n_vocab, n_ctx))
             chain.add(Sampler.greedy(lib))
-            return TokenSampler(chain, grammar, candidates, keep_candidates)
+            return TokenSampler(chain, grammar, candidates, keep_candidates, rescue)
         for name in params.effective_samplers:
             if name == "penalties":
                 if params.has_penalties:
@@ -159,9 +245,9 @@ def build_sampler(lib, params, n_vocab, n_ctx, eog_tokens=(), vocab=None, candid
         if seed is None or seed < 0:
             seed = libllama.LLAMA_DEFAULT_SEED
         chain.add(Sampler.dist(lib, seed))
-        return TokenSampler(chain, grammar, candidates, keep_candidates)
+        return TokenSampler(chain, grammar, candidates, keep_candidates, rescue)
     except BaseException:
-        for s in (chain, grammar):
+        for s in (chain, grammar, rescue):
             if s is not None:
                 s.close()
         raise

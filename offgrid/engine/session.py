@@ -194,6 +194,10 @@ class ChatSession:
         # (llama-server's --context-shift), where the memory can move keys
         self.context_shift = context_shift and self._can_shift
         self._progress = None           # _Progress of the prompt being evaluated, if asked
+        # the Usage of the request under way; with params.timings_per_token its
+        # generated count and time are kept up to date as each piece goes out
+        # (the worker puts them on the piece's frame)
+        self.usage = None
         self._out = -1                  # batch index of the last decode's (first) output
         self.closed = False
 
@@ -510,14 +514,16 @@ class ChatSession:
         generation as cancelled.  With ``params.with_probs`` it is called as
         ``on_piece(text, probs)``, ``probs`` the TokenProbs of the tokens whose
         text the piece completes (text may then be "" for a token of no text),
-        and the Completion's ``probs`` holds them all.  ``on_progress``: see
+        and the Completion's ``probs`` holds them all; with
+        ``params.piece_tokens`` (and no probs) the second argument is those
+        tokens' ids.  ``on_progress``: see
         evaluate.  Returns a Completion.
         """
         params = params or GenerationParams()
         params.sampling.validate()
         cancel = cancel or RequestCancel()
         self._check_open()
-        usage = Usage(prompt_tokens=len(tokens))
+        usage = self.usage = Usage(prompt_tokens=len(tokens))
 
         self._member.watch(cancel)
         sampler = reader = None
@@ -544,11 +550,12 @@ class ChatSession:
             eog_ban = self._eog_tokens() if params.ignore_eos else ()
             probs = params.with_probs
             post = probs and params.post_sampling_probs and not params.sampling.greedy
-            if (params.sampling.grammar is not None or probs) and self._candidates is None:
+            if (params.sampling.grammar is not None or probs
+                    or params.sampling.rescue_grammar is not None) and self._candidates is None:
                 self._candidates = libllama.Candidates(model.lib, model.n_vocab)
             sampler = build_sampler(model.lib, params.sampling, model.n_vocab, self.n_ctx, eog_ban,
                                     vocab=model.handle.vocab, candidates=self._candidates,
-                                    keep_candidates=post)
+                                    keep_candidates=post, piece_of=model.token_bytes)
             if probs:
                 reader = ProbsReader(model.lib, self._candidates, params.n_probs,
                                      params.post_sampling_probs, params.sampling.greedy)
@@ -571,8 +578,10 @@ class ChatSession:
     def _generate(self, prompt, params, sampler, on_piece, cancel, usage, reader=None):
         model, ctx = self.model, self._ctx
         text = TextAssembler(params.stop, params.n_indent, params.fim_suffix, params.fim_indent)
-        # token probabilities: only with a reader; the plain path does no more work
-        ledger = TokenLedger() if reader is not None else None
+        # which tokens each piece shows: their TokenProbs (with a reader), or
+        # their ids (params.piece_tokens); the plain path does no more work
+        ledger = TokenLedger() if reader is not None or params.piece_tokens else None
+        live = usage if params.timings_per_token else None
         out_tokens = []
         n_past = len(prompt)
         finish, stop_type, truncated = FinishReason.LENGTH, "limit", False
@@ -621,13 +630,17 @@ class ChatSession:
             piece = (model.token_text(token) if token in params.preserved_tokens
                      else model.token_bytes(token))
             released, stopped = text.add(piece)
+            if live is not None:
+                live.completion_tokens = len(out_tokens)
+                live.generation_ms = (time.perf_counter() - t_start) * 1000.0
             if ledger is None:
                 if released and on_piece is not None and on_piece(released) is False:
                     finish, stop_type = FinishReason.CANCELLED, "none"
                     cancel.cancel("client")
                     break
             else:
-                ledger.add(piece, self._token_prob(reader, token, piece, idx))
+                ledger.add(piece, token if reader is None
+                           else self._token_prob(reader, token, piece, idx))
                 got = ledger.release(text.sent, len(text.text) if stopped else None)
                 if (released or got) and on_piece is not None \
                         and on_piece(released, got) is False:
@@ -695,7 +708,7 @@ class ChatSession:
         usage.draft_tokens, usage.draft_accepted = drafted, accepted
         c = Completion(text.text, out_tokens, finish, stop_type, text.stop_word or "",
                        usage, truncated)
-        if ledger is not None:
+        if reader is not None:
             c.probs = ledger.released
         return c
 
@@ -710,12 +723,14 @@ class ChatSession:
         """A PromptLookup for this request, or None where it cannot draft.
 
         Not with token probabilities (the reader reads one output), nor with a
-        grammar (a draft the grammar forbids is only wasted work, and the
-        grammar path is the hostile-input path: kept plain), nor where the
+        grammar or the tool-call rescue's (a draft the grammar forbids is only
+        wasted work, and the grammar path is the hostile-input path: kept
+        plain), nor where the
         cache cannot drop the cells of a wrong draft (recurrent state).
         """
         if self.draft_max <= 0 or not params.speculate or reader is not None \
                 or params.sampling.grammar is not None or not self._can_shift \
+                or params.sampling.rescue_grammar is not None \
                 or params.n_predict == 1:
             return None
         return PromptLookup(prompt)

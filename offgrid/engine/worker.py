@@ -201,10 +201,13 @@ class Worker:
     """Answers the front's frames for one Loaded model."""
 
     def __init__(self, loaded, out, reasoning="auto", reasoning_format="auto", out_lock=None,
-                 spec_type="none", stream_interval=0.0, spm_infill=False):
+                 spec_type="none", stream_interval=0.0, spm_infill=False,
+                 tool_call_rescue=True):
         """``stream_interval``: seconds a streamed request's pieces are gathered
-        over (engine/pacing.py; --stream-interval-ms)."""
+        over (engine/pacing.py; --stream-interval-ms).  ``tool_call_rescue``:
+        chat/rescue.py (off with --no-tool-call-rescue)."""
         self.loaded = loaded
+        self.tool_call_rescue = tool_call_rescue
         self.stream_interval = stream_interval
         self.spm_infill = spm_infill        # --spm-infill: FIM prompts suffix first
         self.model = loaded.model
@@ -400,13 +403,14 @@ class Worker:
         for error messages.
         """
         e = self.loaded.embedder
+        work = _EmbedWork(e)
         out, counts = e.embed([self._tokens_of(parts) for parts in inputs], normalize,
                               truncate, first)
         if e.pooling == "none":
             vectors = [[protocol.encode_vector(to_le(row)) for row in rows] for rows in out]
         else:
             vectors = [protocol.encode_vector(to_le(v)) for v in out]
-        return {"vectors": vectors, "n_tokens": counts}
+        return dict(work.done(), vectors=vectors, n_tokens=counts)
 
     def call_rerank(self, query, documents):
         """The relevance score of each document to ``query`` (pooling rank), as
@@ -427,8 +431,9 @@ class Worker:
             tokens += [m.sep] if m.add_sep and m.sep is not None else []
             tokens += m.tokenize(doc, add_special=False, parse_special=False) + end
             lists.append(tokens)
+        work = _EmbedWork(self.loaded.embedder)
         scores, counts = self.loaded.embedder.scores(lists)
-        return {"scores": scores, "n_tokens": counts}
+        return dict(work.done(), scores=scores, n_tokens=counts)
 
     def call_prepare_infill(self, request, reserve, schema=None, grammar=None,
                             t_max_prompt_ms=0, id_slot=-1, cache_reuse=0):
@@ -488,18 +493,17 @@ class Worker:
         plan = prepare_chat(self.model, template_for(self.loaded),
                             protocol.decode_messages(messages), protocol.decode_tools(tools),
                             tool_choice, schema, grammar, add_generation_prompt,
-                            enable_thinking, kwargs, parallel_tool_calls, reasoning_format)
+                            enable_thinking, kwargs, parallel_tool_calls, reasoning_format,
+                            rescue=self.tool_call_rescue, check=tokenize)
         out = {"text": plan.text}
         if tokenize:
-            if plan.grammar is not None:
-                check_grammar(self.model, plan.grammar,
-                              plan.grammar_triggers)
+            # the grammars were checked by prepare_chat (check=tokenize)
             out.update(
                 tokens=self.model.tokenize(plan.text, add_special=True, parse_special=True),
                 grammar=plan.grammar, grammar_triggers=list(plan.grammar_triggers),
                 preserved_tokens=sorted(plan.preserved_tokens),
                 chat={"fmt": dataclasses.asdict(plan.reply_format),
-                      "id_length": plan.id_length})
+                      "id_length": plan.id_length, "rescue": plan.rescue})
         return out
 
     # -- generation -------------------------------------------------------------------
@@ -553,6 +557,12 @@ class Worker:
         held = []       # chat: token probabilities not yet sent with a delta
         if chat is not None:
             gen.speculate = gen.speculate and self.chat_drafts
+            rescue = chat.get("rescue")
+            if rescue is not None:
+                s = gen.sampling
+                s.rescue_grammar, s.rescue_opener = rescue["grammar"], rescue["opener"]
+                s.rescue_names = tuple(rescue["names"])
+                s.rescue_watch_chars = rescue["watch_chars"]
             fmt = _reply_format(chat["fmt"])
             rs = ReplyStream(fmt, chat["id_length"])
             if stream:
@@ -562,15 +572,23 @@ class Worker:
                     deltas = rs.add(text)
                     for i, d in enumerate(deltas):
                         pacer.send(self._delta_frame(rid, d, held if i == len(deltas) - 1
-                                                     else None))
+                                                     else None, session, gen))
             else:
                 def on_piece(text, probs=None):
                     rs.text += text
         elif stream:
-            def on_piece(text, probs=None):
+            with_probs, with_tokens = gen.with_probs, gen.piece_tokens
+
+            def on_piece(text, items=None):
+                # items: the piece's TokenProbs (with_probs), else its token ids
                 frame = {"op": "piece", "id": rid, "text": text}
-                if probs is not None:
-                    frame["probs"] = protocol.encode_probs(probs)
+                if items is not None:
+                    if with_probs:
+                        frame["probs"] = protocol.encode_probs(items)
+                    if with_tokens:
+                        frame["tokens"] = [p.id for p in items] if with_probs else items
+                if gen.timings_per_token:
+                    frame["usage"] = protocol.encode_live_usage(session.usage)
                 pacer.send(frame)
         on_progress = None
         if stream and gen.return_progress:
@@ -608,7 +626,7 @@ class Worker:
                         deltas = [ReplyDelta(content="")]
                     for i, d in enumerate(deltas):
                         pacer.send(self._delta_frame(rid, d, held if i == len(deltas) - 1
-                                                     else None))
+                                                     else None, session, gen))
             else:
                 reply = parse_reply(rs.text, rs.fmt)
             for tc in reply.tool_calls:
@@ -620,14 +638,30 @@ class Worker:
         return out
 
 
-    def _delta_frame(self, rid, d, held):
+    def _delta_frame(self, rid, d, held, session, gen):
         """A delta frame; ``held`` (token probabilities so far unsent) goes with it
-        and is emptied, as llama-server puts a step's probabilities on its last delta."""
+        and is emptied, as llama-server puts a step's probabilities on its last delta;
+        with timings_per_token, the request's counts and times so far."""
         frame = {"op": "delta", "id": rid, "delta": _delta(d)}
         if held:
             frame["probs"] = protocol.encode_probs(held)
             del held[:]
+        if gen.timings_per_token:
+            frame["usage"] = protocol.encode_live_usage(session.usage)
         return frame
+
+
+class _EmbedWork:
+    """The decodes an embed or rerank call made and their time: the front counts them
+    as prompt work in /metrics, as llama-server counts an embedding task's batches."""
+
+    def __init__(self, embedder):
+        self.e = embedder
+        self.n0, self.s0 = embedder.n_decodes, embedder.decode_seconds
+
+    def done(self):
+        return {"n_decode": self.e.n_decodes - self.n0,
+                "decode_ms": (self.e.decode_seconds - self.s0) * 1000.0}
 
 
 def _reply_format(d):
@@ -721,7 +755,8 @@ def main(argv=None):
     # path, and before anyone measures what a loaded worker holds.
     loaded.model.grammar_facts
     worker = Worker(loaded, out, args.reasoning, args.reasoning_format, out_lock,
-                    args.spec_type, args.stream_interval_ms / 1000.0, args.spm_infill)
+                    args.spec_type, args.stream_interval_ms / 1000.0, args.spm_infill,
+                    args.tool_call_rescue)
     worker.send({"op": "ready", "info": protocol.encode_info(loaded.info())})
     worker.serve(inp)
     # The front is gone.  Requests may still be running on other threads

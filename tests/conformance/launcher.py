@@ -53,7 +53,7 @@ SAME_VALUE = {
     "--models-dir": "--models-dir", "--models-max": "--models-max",
     "--models-preset": "--models-preset", "--sleep-idle-seconds": "--sleep-idle-seconds",
     "--reasoning": "--reasoning", "-rea": "--reasoning",
-    "--reasoning-format": "--reasoning-format",
+    "--reasoning-format": "--reasoning-format", "--tags": "--tags",
 }
 SAME_SWITCH = {"--verbose": "-v", "-v": "-v", "--metrics": "--metrics",
                "--no-slots": "--no-slots", "--slots": "--slots",

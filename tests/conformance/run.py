@@ -11,11 +11,17 @@ is rebuilt from whatever XML is there, so files can be run one at a time
 
     pass llama   tests that pass on llama-server
     pass offgrid tests that pass on offgrid
-    gaps         pass on llama-server, fail on offgrid: offgrid's work to do
-    by design    would be gaps, but offgrid differs on purpose (``deliberate.txt``
-                 lists them with the reason; docs/compatibility.md)
+    gaps         pass on llama-server, fail on offgrid, and no reason is listed:
+                 offgrid's work to do
+    listed       would be gaps, but ``deliberate.txt`` lists them with the reason,
+                 under its kind: differences on purpose (docs/compatibility.md),
+                 features not built yet, ...
     both fail    fail on both (mostly tests that assert the words of the suite's
                  toy models, which our registry models do not say)
+
+Under the per-file table a second one gives every test that passes on
+llama-server and fails on offgrid by cause: each reason of deliberate.txt
+with its kind, and the gaps with no reason.
 
 Tests marked ``slow`` are left out unless ``--slow`` is given, as llama.cpp's
 own ``tools/server/tests/tests.sh`` leaves them out unless ``SLOW_TESTS=1``
@@ -222,24 +228,43 @@ def launches(target, name):
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+# the kind of deliberate.txt's entries before its first [heading]
+DEFAULT_KIND = "on purpose"
+GAP = "gap"         # the kind of a test no entry explains
+STALE = "unused"    # the kind of the entries that explained nothing in the files run
+
+
 def deliberate():
-    """[(fnmatch pattern of "test_FILE.py::TEST", reason)] from deliberate.txt."""
-    out = []
+    """[(fnmatch pattern of "test_FILE.py::TEST", reason, kind)] from deliberate.txt.
+
+    A line ``[KIND]`` (no "::") starts the entries of that kind ("on purpose",
+    "not built yet", ...); a pattern line is ``PATTERN  # reason``."""
+    out, kind = [], DEFAULT_KIND
     for line in DELIBERATE.read_text().splitlines() if DELIBERATE.is_file() else []:
         pattern, _, why = line.partition("#")
-        if pattern.strip():
-            out.append((pattern.strip(), why.strip()))
+        pattern = pattern.strip()
+        if not pattern:
+            continue
+        if pattern.startswith("[") and pattern.endswith("]") and "::" not in pattern:
+            kind = pattern[1:-1].strip()
+            continue
+        out.append((pattern, why.strip(), kind))
     return out
 
 
 def by_design(file, test, patterns):
-    return next((why for pattern, why in patterns
+    """(reason, kind) of the first entry that matches ``file::test``, or None."""
+    return next(((why, kind) for pattern, why, kind in patterns
                  if fnmatch.fnmatchcase("%s::%s" % (file, test), pattern)), None)
 
 
 def summarize(names):
+    """(per-file rows, {file: [(gap, first failure line)]}, dropped flags, flags left
+    aside on purpose, by-cause rows)."""
     rows, gaps, dropped, on_purpose = [], {}, defaultdict(set), defaultdict(set)
+    causes = defaultdict(list)      # (kind, reason) -> [(file, test)]
     patterns = deliberate()
+    used, ran = set(), set()        # patterns that explained a gap; files run on both
     for name in names:
         got = {t: outcomes(t, name) for t in TARGETS}
         for record in launches("offgrid", name):
@@ -278,7 +303,18 @@ def summarize(names):
         if got["llama-server"] is not None and got["offgrid"] is not None:
             missing = [i for i in ids if get["llama-server"](i) == "pass"
                        and get["offgrid"](i) == "fail"]
-            file_gaps = [i for i in missing if not by_design(file, i, patterns)]
+            file_gaps = []
+            ran.add(file)
+            for i in missing:
+                listed = by_design(file, i, patterns)
+                used.update(p for p, _, _ in patterns
+                            if fnmatch.fnmatchcase("%s::%s" % (file, i), p))
+                if listed is None:
+                    file_gaps.append(i)
+                    causes[(GAP, "no reason listed in deliberate.txt (gaps.md has the "
+                            "failures)")].append((file, i))
+                else:
+                    causes[(listed[1], listed[0])].append((file, i))
             row.update(gaps=len(file_gaps), by_design=len(missing) - len(file_gaps),
                        both_fail=sum(get["llama-server"](i) == "fail"
                                      and get["offgrid"](i) == "fail" for i in ids),
@@ -286,21 +322,57 @@ def summarize(names):
                                         and get["offgrid"](i) == "pass" for i in ids))
             gaps[file] = [(i, got["offgrid"][i][1]) for i in file_gaps]
         rows.append(row)
+    # entries of files that ran on both servers which explained nothing this run:
+    # the test passes now (or fails on llama-server too), so the entry may go
+    stale = [p for p, _, _ in patterns if p not in used and p.split("::", 1)[0] in ran]
+    if stale:
+        causes[(STALE, ", ".join(stale))] = []
+    kinds = [kind for _, _, kind in patterns]
+    order = [GAP] + [k for i, k in enumerate(kinds) if k not in kinds[:i]] + [STALE]
+    by_cause = [{"kind": kind, "cause": why, "tests": ["%s::%s" % t for t in tests]}
+                for (kind, why), tests in sorted(
+                    causes.items(), key=lambda kv: (order.index(kv[0][0])
+                                                    if kv[0][0] in order else len(order),
+                                                    -len(kv[1]), kv[0][1]))]
     return rows, gaps, {f: sorted(t) for f, t in dropped.items()}, \
-        {f: sorted(t) for f, t in on_purpose.items()}
+        {f: sorted(t) for f, t in on_purpose.items()}, by_cause
+
+
+def render_causes(by_cause):
+    """The by-cause table: every test that passes on llama-server and fails on offgrid,
+    under its reason (deliberate.txt's, or none: a gap)."""
+    lines = ["Tests that pass on llama-server and fail on offgrid, by cause "
+             "(`deliberate.txt`):", "",
+             "| kind | cause | tests | where |", "|---|---|---:|---|"]
+    total, notes = Counter(), []
+    for c in by_cause:
+        if c["kind"] == STALE:
+            notes = ["", "Entries that matched no such test in the files run (the test passes "
+                     "on offgrid now, or fails on llama-server too): " + c["cause"]]
+            continue
+        files = Counter(t.split("::", 1)[0] for t in c["tests"])
+        where = ", ".join("%s (%d)" % (f, n) if n > 1 else f for f, n in sorted(files.items()))
+        kind = "**%s**" % c["kind"] if c["kind"] == GAP else c["kind"]
+        lines.append("| %s | %s | %d | %s |" % (kind, c["cause"].replace("|", "\\|"),
+                                                len(c["tests"]), where))
+        total[c["kind"]] += len(c["tests"])
+    lines.append("| **total** | %s | %d | |" % (
+        ", ".join("%s %d" % (k, n) for k, n in total.items()) or "none",
+        sum(total.values())))
+    return "\n".join(lines + notes) + "\n"
 
 
 def plural(n, word):
     return "%d %s%s" % (n, word, "" if n == 1 else "s")
 
 
-def render(rows, gaps, dropped, on_purpose=None):
+def render(rows, gaps, dropped, on_purpose=None, by_cause=None):
     def cell(row, key):
         v = row.get(key)
         return "-" if v is None else str(v)
     keys = ("tests", "llama", "offgrid", "gaps", "by_design", "both_fail", "offgrid_only",
             "skipped")
-    lines = ["| file | tests | pass llama-server | pass offgrid | gaps | by design | both fail "
+    lines = ["| file | tests | pass llama-server | pass offgrid | gaps | listed | both fail "
              "| offgrid only | skipped |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     total = Counter()
     for row in rows:
@@ -311,6 +383,8 @@ def render(rows, gaps, dropped, on_purpose=None):
         for k in keys:
             total[k] += row.get(k) or 0
     lines.append("| **total** | %s |" % " | ".join(str(total[k]) for k in keys))
+    if by_cause is not None:
+        lines += [""] + render_causes(by_cause).splitlines()
     lines += ["", "Flags offgrid does not take (dropped by the launcher), by the number "
               "of tests that passed them:", ""]
     for flag, tests in sorted(dropped.items(), key=lambda kv: (-len(kv[1]), kv[0])):
@@ -378,13 +452,14 @@ def main(argv=None):
             len(names), " and ".join(targets), time.monotonic() - began,
             "" if args.slow else ", slow tests left out (--slow runs them)"), flush=True)
 
-    rows, gaps, dropped, on_purpose = summarize(listed)
-    table, gap_text = render(rows, gaps, dropped, on_purpose)
+    rows, gaps, dropped, on_purpose, by_cause = summarize(listed)
+    table, gap_text = render(rows, gaps, dropped, on_purpose, by_cause)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "table.md").write_text(table)
     (RESULTS / "gaps.md").write_text(gap_text)
     (RESULTS / "summary.json").write_text(json.dumps(
-        {"rows": rows, "gaps": gaps, "dropped": dropped, "on_purpose": on_purpose}, indent=1))
+        {"rows": rows, "gaps": gaps, "dropped": dropped, "on_purpose": on_purpose,
+         "by_cause": by_cause}, indent=1))
     print()
     print(table)
     print("gaps with their failures: %s" % (RESULTS / "gaps.md"))

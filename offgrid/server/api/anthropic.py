@@ -9,22 +9,35 @@
 What maps to what:
 
     system (string or text blocks)        a "system" Message
+    a "system" message in ``messages``    a "system" Message where it stands (Claude Code's
+                                          mid-conversation system turns; the template
+                                          renders it there, or joins it to the first)
     text blocks                           a Message's content (joined by newlines)
     assistant tool_use {id,name,input}    a ToolCall (input as JSON text)
     user tool_result {tool_use_id,...}    a "tool" Message, before the user's own text
     assistant thinking {thinking}         reasoning_content
-    tools {name,description,input_schema} Tool
+    tools {name,description,input_schema} Tool; one with ``defer_loading`` only once a
+                                          tool_reference block in a tool_result names it
     tool_choice auto / any / tool / none  auto / required / the tool's name / none
-    thinking {"type": "enabled"|"disabled"}  enable_thinking for the template
+    thinking {"type": "enabled"|"adaptive"|"disabled"}  enable_thinking for the template
     output_config.format json_schema      the output schema (a grammar)
+    output_config.effort                  the template's reasoning_effort
     stop_sequences, max_tokens, temperature, top_p, top_k   GenerationParams
 
+Accepted and ignored, with a debug line: ``metadata``, ``context_management``,
+``cache_control`` (on any block), ``service_tier``, thinking's ``display``,
+the ``?beta=true`` query and ``anthropic-beta`` headers (never read), and
+any other top-level field.  Anthropic's server tools (web search, code
+execution, ...) are skipped with a warning: nothing here runs them.
+
 Errors are raised as everywhere; the routes' dialect ("anthropic") makes
-``Handler._send_exception`` write them in Anthropic's shape.  Images,
-documents and Anthropic's server tools are refused with a 400.
+``Handler._send_exception`` write them in Anthropic's shape.  Images and
+documents in a user's message are refused with a 400 (in a tool result they
+become a line saying they were left out).
 """
 
 import json
+import logging
 
 from ... import jsonlimit
 from ...request import FinishReason, Message, ToolCall
@@ -32,6 +45,15 @@ from . import formats, openai_chat as chat, pipeline
 from ..httpd.httperrors import BadRequest
 from .fields import MAX_N_PREDICT, Fields, generation_from, id_slot_from, tool_of
 from .pipeline import Format, Generation, Prompt
+
+log = logging.getLogger("offgrid.anthropic")
+
+# The fields read below; any other is accepted and ignored (debug line).
+_FIELDS = frozenset(("model", "messages", "system", "max_tokens", "stream", "stop_sequences",
+                     "temperature", "top_p", "top_k", "tools", "tool_choice", "thinking",
+                     "output_config", "id_slot", "seed"))
+_IGNORED = frozenset(("metadata", "context_management", "service_tier", "container",
+                      "mcp_servers", "betas", "inference_geo"))
 
 # -- the request ------------------------------------------------------------------------
 
@@ -51,9 +73,30 @@ def _text_of(blocks, where):
     return "\n".join(out)
 
 
-def messages_from(system, messages):
-    """Anthropic's ``system`` and ``messages`` as our chat Messages."""
+def _result_text(content, where, referenced):
+    """A tool_result's content: a string, or blocks of text, tool_reference (a
+    deferred tool the client has now loaded: noted in ``referenced``), or
+    images and documents, which a text model cannot read (a line says so)."""
+    if not isinstance(content, list):
+        return _text_of(content, where)
     out = []
+    for i, b in enumerate(content):
+        kind = b.get("type") if isinstance(b, dict) else None
+        if kind == "tool_reference" and isinstance(b.get("tool_name"), str):
+            referenced.add(b["tool_name"])
+            out.append("Tool %s is now available." % b["tool_name"])
+        elif kind in ("image", "document"):
+            out.append("[%s left out: this model reads text only]" % kind)
+        else:
+            out.append(_text_of([b], "%s[%d]" % (where, i)))
+    return "\n".join(out)
+
+
+def messages_from(system, messages, referenced=None):
+    """Anthropic's ``system`` and ``messages`` as our chat Messages; the tools
+    tool_reference blocks name go into the set ``referenced``."""
+    out = []
+    referenced = set() if referenced is None else referenced
     if system is not None:
         out.append(Message("system", _text_of(system, "system")))
     if not isinstance(messages, list) or not messages:
@@ -63,11 +106,15 @@ def messages_from(system, messages):
         if not isinstance(m, dict):
             raise BadRequest("%s: must be an object" % where)
         role = m.get("role")
-        if role not in ("user", "assistant"):
-            raise BadRequest("%s.role: must be \"user\" or \"assistant\"" % where)
+        if role not in ("user", "assistant", "system"):
+            raise BadRequest("%s.role: must be \"user\", \"assistant\" or \"system\"" % where)
         if "content" not in m:
             raise BadRequest("%s.content: Field required" % where)
         content = m["content"]
+        if role == "system":
+            # in place: the template renders it there (or joins it to the first)
+            out.append(Message("system", _text_of(content, where + ".content")))
+            continue
         if isinstance(content, str):
             out.append(Message(role, content))
             continue
@@ -94,7 +141,7 @@ def messages_from(system, messages):
                 tid = b.get("tool_use_id")
                 if not isinstance(tid, str):
                     raise BadRequest("%s.tool_use_id: must be a string" % bw)
-                result = _text_of(b.get("content", ""), bw + ".content")
+                result = _result_text(b.get("content", ""), bw + ".content", referenced)
                 if b.get("is_error") is True:
                     result = "Error: " + result
                 out.append(Message("tool", result, tool_call_id=tid))
@@ -115,18 +162,31 @@ def messages_from(system, messages):
     return out
 
 
-def tools_from(v):
-    """Anthropic's client ``tools`` ({name, description, input_schema}) as Tools."""
+def tools_from(v, referenced=()):
+    """Anthropic's client ``tools`` ({name, description, input_schema}) as Tools.
+
+    A server tool (a ``type`` other than "custom": web search, code
+    execution, ...) is skipped with a warning; one with ``defer_loading``
+    is left out until a tool_reference names it (``referenced``), as
+    Anthropic's tool search does.
+    """
     if v is None:
         return []
     if not isinstance(v, list):
         raise BadRequest("tools: must be an array")
     out = []
     for i, t in enumerate(v):
-        if not isinstance(t, dict) or t.get("type", "custom") != "custom" \
-                or not isinstance(t.get("name"), str) or not t["name"]:
-            raise BadRequest("tools.%d: must be a client tool {\"name\": ..., \"input_schema\": "
-                             "...}; Anthropic's server tools are not available" % i)
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not t["name"]:
+            raise BadRequest("tools.%d: must be a tool {\"name\": ..., \"input_schema\": "
+                             "...}" % i)
+        if t.get("type", "custom") != "custom":
+            log.warning("tools.%d: Anthropic's server tool %r (%s) is skipped: offgrid runs "
+                        "no server tools", i, t["name"], t.get("type"))
+            continue
+        if t.get("defer_loading") is True and t["name"] not in referenced:
+            log.debug("tools.%d: %r is deferred (defer_loading) and not referenced yet",
+                      i, t["name"])
+            continue
         out.append(tool_of(t["name"], t.get("description"), t.get("input_schema"),
                            "tools.%d" % i, "input_schema"))
     return out
@@ -156,11 +216,35 @@ def _thinking_from(v):
     """enable_thinking for the template: True, False, or None (the template's default)."""
     if v is None:
         return None
-    kind = v.get("type") if isinstance(v, dict) else None
+    if not isinstance(v, dict):
+        raise BadRequest("thinking: must be an object {\"type\": \"enabled\" | \"adaptive\" "
+                         "| \"disabled\"}")
+    kind = v.get("type")
+    for k in v:
+        if k not in ("type", "budget_tokens"):
+            log.debug("thinking.%s is ignored", k)
     if kind not in ("enabled", "disabled", "adaptive"):
-        raise BadRequest("thinking: must be {\"type\": \"enabled\" | \"disabled\" | "
-                         "\"adaptive\"}")
+        log.debug("thinking type %r is not known here: the template's default", kind)
+        return None
     return kind != "disabled"
+
+
+def _effort_from(v):
+    """output_config.effort as the template's reasoning_effort ({} when not given)."""
+    effort = v.get("effort") if isinstance(v, dict) else None
+    if effort is None:
+        return {}
+    if not isinstance(effort, str):
+        raise BadRequest("output_config.effort: must be a string")
+    return {"reasoning_effort": effort}
+
+
+def _note_ignored(f):
+    for k in f.body:
+        if k in _IGNORED:
+            log.debug("'%s' is accepted and ignored", k)
+        elif k not in _FIELDS:
+            log.debug("unknown field '%s' is ignored", k)
 
 
 def _schema_from(v):
@@ -180,12 +264,15 @@ def _schema_from(v):
 
 
 def _prepare(f, entry, what, tokenize=True):
-    messages = messages_from(f.raw("system"), f.raw("messages"))
-    tools = tools_from(f.raw("tools"))
+    _note_ignored(f)
+    referenced = set()
+    messages = messages_from(f.raw("system"), f.raw("messages"), referenced)
+    tools = tools_from(f.raw("tools"), referenced)
     tool_choice, parallel = tool_choice_from(f.raw("tool_choice"), tools)
     return chat.prepare(entry, messages, tools, tool_choice,
                         schema=_schema_from(f.raw("output_config")) if tokenize else None,
                         enable_thinking=_thinking_from(f.raw("thinking")),
+                        kwargs=_effort_from(f.raw("output_config")),
                         parallel_tool_calls=parallel, tokenize=tokenize, what=what)
 
 

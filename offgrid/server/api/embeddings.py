@@ -77,6 +77,7 @@ def embed(h, entry, inputs, what, normalize=2, truncate=False):
                              truncate=truncate, first=len(counts))
             sent += out["vectors"]
             counts += out["n_tokens"]
+            count_work(svc, out)
     finally:
         svc.watcher.unwatch(sock, cancel)
     if entry.info.pooling == "none":
@@ -84,6 +85,14 @@ def embed(h, entry, inputs, what, normalize=2, truncate=False):
     else:
         vectors = [protocol.decode_vector(v) for v in sent]
     return vectors, counts, sent
+
+
+def count_work(svc, out):
+    """/metrics' prompt counters for an embed or rerank call's answer (``n_tokens``,
+    ``n_decode``, ``decode_ms``): llama-server counts these tokens as processed prompt."""
+    n = out["n_tokens"]
+    svc.metrics.prompt_work(sum(n), out.get("decode_ms", 0.0) / 1000.0, out.get("n_decode", 0),
+                            max(n, default=0))
 
 
 def _calls(inputs):
@@ -269,6 +278,7 @@ def rerank(h, body):
     return_text = tei and f.bool("return_text", False)
     svc.metrics.request("rerank")
     out = entry.call("rerank", "POST /rerank", query=query, documents=docs)
+    count_work(svc, out)
     label = "score" if tei else "relevance_score"
     results = []
     for i, score in enumerate(out["scores"]):

@@ -6,8 +6,9 @@ own refusals (a bad request line, a full server), to ``respond``, which maps
 it with ``to_http_error`` and writes its body in the shape of the path's
 dialect (``error_body``): OpenAI's
 ``{"error": {"code": 400, "message": "...", "type": "invalid_request_error"}}``
-by default, Ollama's ``{"error": "..."}`` on /api/*, Anthropic's
-``{"type": "error", "error": {"type": ..., "message": ...}}`` on /v1/messages.
+by default (and on the Responses routes), Ollama's ``{"error": "..."}`` on
+/api/*, Anthropic's ``{"type": "error", "error": {"type": ..., "message": ...}}``
+on /v1/messages.
 """
 
 import logging
@@ -69,9 +70,13 @@ def error_body(err, dialect="openai"):
 def error_event(dialect="openai"):
     """The SSE event name of an error inside a stream already under way, or None.
 
-    Anthropic's clients read only named events, and raise on one named "error".
+    Anthropic's clients read only named events, and raise on one named "error";
+    Responses' streams name every event (a response that fails mid-stream ends
+    with its own response.failed, ``ResponsesFormat.fail``; this is for the
+    rest).  OpenAI's chat and completions streams name none: their SDK raises
+    on a message with an "error" member.
     """
-    return "error" if dialect == "anthropic" else None
+    return "error" if dialect in ("anthropic", "responses") else None
 
 
 def log_internal(exc, what):

@@ -116,12 +116,14 @@ def native_final(c, model_name, gen, n_ctx, id_slot, prompt_text, index=0, strea
     return out
 
 
-def native_partial(piece, index, id_slot, n_predicted, n_evaluated, probs=None, post=False):
-    """One streamed piece of /completion and /infill (``probs``: its tokens' TokenProbs)."""
+def native_partial(piece, index, id_slot, n_predicted, n_evaluated, probs=None, post=False,
+                   tokens=()):
+    """One streamed piece of /completion and /infill (``probs``: its tokens' TokenProbs;
+    ``tokens``: their ids, which llama-server's chunks always carry)."""
     out = {
         "index": index,
         "content": piece,
-        "tokens": [],
+        "tokens": list(tokens),
         "stop": False,
         "id_slot": id_slot,
         "tokens_predicted": n_predicted,

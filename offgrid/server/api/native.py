@@ -96,6 +96,9 @@ def cache_reuse_of(f, svc):
 def _run(h, f, entry, prompts, gen, n, endpoint):
     stream = f.bool("stream", False)
     gen.return_progress = stream and f.bool("return_progress", False)
+    # llama-server's chunks carry their token ids always, their timings when asked
+    gen.piece_tokens = stream
+    gen.timings_per_token = stream and f.bool("timings_per_token", False)
     g = Generation(entry, gen, prompts, endpoint, "POST /" + endpoint, n=n, stream=stream,
                    id_slot=id_slot_from(f))
     pipeline.run(h, g, NativeFormat(f, g))
@@ -109,19 +112,22 @@ class NativeFormat(Format):
         self.g = g
         self.fields = response_fields_from(f)
         self.return_tokens = f.bool("return_tokens", False)
-        self.timings_per_token = f.bool("timings_per_token", False)
+        self.timings_per_token = g.gen.timings_per_token
         self.n_pieces = {}      # job index -> tokens streamed so far
 
     def progress(self, out, job, p):
         return out.send(formats.native_progress(p, job.index, self.g.id_slot,
                                                 len(job.prompt.tokens), self.timings_per_token))
 
-    def piece(self, out, job, text, probs):
-        n = self.n_pieces.get(job.index, 0) + (len(probs) if probs else 1)
+    def piece(self, out, job, text, probs, tokens=(), usage=None):
+        n = self.n_pieces.get(job.index, 0) + len(tokens)
         self.n_pieces[job.index] = n
-        return out.send(formats.native_partial(text, job.index, self.g.id_slot, n,
-                                               len(job.prompt.tokens), probs,
-                                               job.gen.post_sampling_probs))
+        obj = formats.native_partial(text, job.index, self.g.id_slot, n,
+                                     len(job.prompt.tokens), probs, job.gen.post_sampling_probs,
+                                     tokens)
+        if usage is not None:
+            obj["timings"] = formats.timings(usage)
+        return out.send(obj)
 
     def _final(self, job, c, stream):
         g = self.g

@@ -16,7 +16,9 @@ on disconnect), and come back in Ollama's shapes:
                                               (normalized), ``truncate``, ``dimensions``
     POST /api/embeddings                      the older form: ``prompt`` -> ``embedding``
                                               (not normalized, as Ollama's)
-    POST /api/pull, push, create, copy, delete   501: offgrid never downloads or writes models
+    POST /api/pull                            success at once for a model offgrid serves,
+                                              else an error: it never downloads models
+    POST /api/push, create, copy, delete      501: offgrid never uploads or writes models
 
 This module has the requests that generate, the embedding ones (through
 ``embeddings.py``'s worker call) and the refusals;
@@ -226,8 +228,8 @@ def generate(h, body):
     what = "POST /api/generate"
     plan = None
     if suffix:
-        if not entry.has_fim:
-            entry = svc.fim
+        if not entry.has_fim and svc.fim is not None:
+            entry = svc.fim         # --fim-model, or the default model (none on a router)
         if not entry.has_fim:
             raise BadRequest("%s does not support insert: it has no fill-in-the-middle tokens"
                              % json.dumps(name))

@@ -1,12 +1,14 @@
-"""Ollama's /api/tags, /api/ps, /api/show and /api/version: what offgrid serves.
+"""Ollama's /api/tags, /api/ps, /api/show, /api/version and /api/pull: what offgrid serves.
 
 The models are those of the shelf (``shelf.py``: -m, --fim-model, the
 --models-dir folders), loaded or not; their details come from the GGUF
 metadata their workers reported at their last load (``entry.info.meta``,
 ``n_params``, ``caps``; empty for a model never loaded yet), and their digest
 from reading the file once (``DIGESTS``).  /api/show loads the model it
-describes.  Shapes as Ollama's docs/api.md; see
-``ollama`` for the dialect as a whole.
+describes.  /api/pull of a model offgrid serves succeeds at once (clients
+such as Codex's ``--oss`` pull the model they are told to use); of any
+other, it says that offgrid never downloads.  Shapes as Ollama's
+docs/api.md; see ``ollama`` for the dialect as a whole.
 """
 
 import hashlib
@@ -16,12 +18,16 @@ import threading
 import time
 
 from ... import __version__
+from ..httpd.httperrors import NotFound
 from .ollama import entry_named, model_name, rfc3339
 from .fields import Fields
 
-# The Ollama version offgrid's /api/* follows (docs/api.md of that release);
-# clients gate features such as ``think`` on it.
-OLLAMA_VERSION = "0.12.0"
+# The Ollama version whose endpoints offgrid serves (docs/api.md of that
+# release; clients gate features on it): 0.13.4 is the first whose
+# OpenAI-compatible /v1/responses Codex's --oss accepts (0.13.3 added it);
+# /api/*, /v1/chat/completions, /v1/completions, /v1/embeddings and /v1/models
+# are older.  Not 0.14: its image generation through /api/generate is not here.
+OLLAMA_VERSION = "0.13.4"
 
 # llama.h's llama_ftype (GGUF general.file_type) -> Ollama's quantization_level.
 _FILE_TYPES = {
@@ -104,6 +110,39 @@ def _present(entries):
 
 def version(h, _body):
     h.send_json(200, {"version": OLLAMA_VERSION, "offgrid": __version__})
+
+
+def pull(h, body):
+    """POST /api/pull: Ollama's success, at once, for a model offgrid serves;
+    for any other, an error saying models are never downloaded here.
+
+    Streamed (the default) as Ollama streams it: a status line a step and
+    "success" last, or an ``{"error": ...}`` line (Ollama's way: its clients
+    read the error from the stream); not streamed, one object or a 404.
+    """
+    f = Fields(body)
+    name = model_name(f)
+    stream = f.bool("stream", True)
+    svc = h.service
+    svc.shelf.rescan()
+    bare = name[:-len(":latest")] if name.endswith(":latest") else name
+    served = any(e.answers_to(name) or e.answers_to(bare) for e in svc.entries
+                 if e.status != "error")
+    message = ("model %r is not served here, and offgrid never downloads models (it works "
+               "offline by design): serve it with -m FILE or put its GGUF in a --models-dir "
+               "folder" % name)
+    if not stream:
+        if not served:
+            raise NotFound(message)
+        h.send_json(200, {"status": "success"})
+        return
+    ns = h.ndjson_stream()
+    if served:
+        ns.send({"status": "pulling manifest"})
+        ns.send({"status": "success"})
+    else:
+        ns.send({"error": message})
+    ns.end()
 
 
 def tags(h, _body):

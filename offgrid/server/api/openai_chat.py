@@ -171,6 +171,7 @@ def chat_completions(h, body):
     chat_probs_from(f, gen)
     stream = f.bool("stream", False)
     gen.return_progress = stream and f.bool("return_progress", False)
+    gen.timings_per_token = stream and f.bool("timings_per_token", False)
     g = Generation(entry, gen, [Prompt(plan["tokens"], plan["text"])], "v1/chat/completions",
                    "POST /v1/chat/completions", n=n, stream=stream, id_slot=id_slot_from(f),
                    chat=plan["chat"])
@@ -214,9 +215,12 @@ class ChatFormat(Format):
             chunk["timings"] = formats.progress_timings(p)
         return out.send(chunk)
 
-    def piece(self, out, job, d, probs):
+    def piece(self, out, job, d, probs, usage=None):
         self._open(out, job)
-        return out.send(self._chunk(_delta_json(d), job, probs=probs))
+        chunk = self._chunk(_delta_json(d), job, probs=probs)
+        if usage is not None:       # timings_per_token
+            chunk["timings"] = formats.timings(usage)
+        return out.send(chunk)
 
     def choice_end(self, out, job, c):
         self._open(out, job)

@@ -25,7 +25,8 @@ pipeline does the rest, once for every dialect (llama.cpp's
               a real status, not an error event), then the headers and the
               dialect's opening event go out, and the dialect's keep-alive
               while the prompt is evaluated; an error after that becomes the
-              stream's last event (``httpd``'s error exit)
+              stream's last event: the format's own (``Format.fail``), else
+              the dialect's error event (``httpd``'s error exit)
 
 Nothing here knows a dialect's field names or shapes.
 """
@@ -95,7 +96,12 @@ class Format:
         return True
 
     def piece(self, out, job, payload, probs):
-        """A piece of text (a chat delta dict with a chat plan); False cancels."""
+        """A piece of text (a chat delta dict with a chat plan); False cancels.
+
+        A format whose Generation sets ``gen.piece_tokens`` or
+        ``gen.timings_per_token`` also gets ``tokens=`` (the ids of the
+        tokens the piece shows) and ``usage=`` (a Usage: the counts and times
+        so far); the others are never called with them."""
         raise NotImplementedError
 
     def choice_end(self, out, job, c):
@@ -103,6 +109,12 @@ class Format:
 
     def end(self, out, done):
         """Every job finished (``done``: their Completions in order): the stream's end."""
+
+    def fail(self, out, exc):
+        """The stream is open and ``exc`` ends the request: a dialect whose clients wait
+        for a terminal event of its own (Responses' response.failed) writes it here
+        and ends the stream; the default writes nothing, and httpd's error exit
+        writes the dialect's error event (errormap)."""
 
     def body(self, jobs, done):
         """The whole response of a request that does not stream."""
@@ -145,10 +157,10 @@ def run(h, g, fmt):
         fmt.open(out)
 
     def one(job, cancel, look):
-        def on_piece(payload, probs=None):
+        def on_piece(payload, probs=None, **extra):
             if isinstance(payload, PromptProgress):
                 return fmt.progress(out, job, payload)
-            return fmt.piece(out, job, payload, probs)
+            return fmt.piece(out, job, payload, probs, **extra)
         p = job.prompt
         c = svc.generate(g.entry, p.tokens, job.gen, g.id_slot,
                          on_piece if out is not None else None, cancel=cancel,
@@ -157,12 +169,17 @@ def run(h, g, fmt):
             fmt.choice_end(out, job, c)
         return c
 
-    with svc.one_request(g.entry, g.id_slot, h.connection,
-                         warmup=g.gen.n_predict == 0) as (cancel, look):
-        done = svc.run_choices(g.entry, [functools.partial(one, job, cancel, look)
-                                         for job in jobs], g.id_slot)
-    if out is None:
-        h.send_json(200, fmt.body(jobs[:len(done)], done))
-        return
-    fmt.end(out, done)
+    try:
+        with svc.one_request(g.entry, g.id_slot, h.connection,
+                             warmup=g.gen.n_predict == 0) as (cancel, look):
+            done = svc.run_choices(g.entry, [functools.partial(one, job, cancel, look)
+                                             for job in jobs], g.id_slot)
+        if out is None:
+            h.send_json(200, fmt.body(jobs[:len(done)], done))
+            return
+        fmt.end(out, done)
+    except Exception as exc:
+        if out is not None:
+            fmt.fail(out, exc)
+        raise       # httpd's error exit logs and counts it (and writes what is left)
     out.end()

@@ -14,21 +14,48 @@ What maps to what:
     function_call_output {call_id,output}    a "tool" Message
     reasoning {content: reasoning_text}      the next assistant Message's reasoning_content
     tools [{type: function, name, ...}]  Tool;  tool_choice auto/none/required/{name}
+    tools [{type: namespace, name, tools}]   its functions, each a Tool named as its
+                                         function (or ``namespace__function`` where two
+                                         would share a name); their calls come back
+                                         with ``namespace`` and the function's name, as
+                                         Codex reads them
+    any other tool type (web_search, file_search, code_interpreter, computer_use,
+    image_generation, local_shell, mcp, custom, ...)   skipped, with a warning: nothing
+                                         here runs them
     text.format json_schema / json_object    the output schema (a grammar)
     max_output_tokens, temperature, top_p    GenerationParams
 
 The output is a ``reasoning`` item (from the reply's reasoning split), a
 ``message`` item with one ``output_text`` part, and a ``function_call``
 item per call.  Nothing is stored: ``previous_response_id`` and
-``conversation`` get a 400, ``store`` is accepted and ignored.
+``conversation`` get a 400, ``store`` is accepted and ignored, as are (with
+a debug line) ``include``, ``prompt_cache_key``, ``client_metadata``,
+``reasoning.summary`` and any other field.
 """
+
+import json
+import logging
 
 from ...request import FinishReason, Message, ToolCall
 from . import formats, openai_chat as chat, pipeline
+from .errormap import to_http_error
 from ..httpd.httperrors import BadRequest
 from .pipeline import Format, Generation, Prompt
 from .fields import (MAX_N_PREDICT, Fields, generation_from, id_slot_from, tool_choice_from,
                      tool_of)
+
+log = logging.getLogger("offgrid.responses")
+
+_FIELDS = frozenset(("model", "input", "instructions", "tools", "tool_choice", "text",
+                     "reasoning", "max_output_tokens", "temperature", "top_p", "stream",
+                     "store", "parallel_tool_calls", "metadata", "background",
+                     "previous_response_id", "conversation", "id_slot", "seed"))
+# input items that carry nothing a local model can use: skipped (debug line)
+_SKIPPED_ITEMS = ("web_search_call", "file_search_call", "computer_call",
+                  "computer_call_output", "image_generation_call", "code_interpreter_call",
+                  "local_shell_call", "local_shell_call_output", "mcp_list_tools",
+                  "mcp_call", "mcp_approval_request", "mcp_approval_response",
+                  "compaction", "compaction_summary", "item_reference")
 
 # -- the request ------------------------------------------------------------------------
 
@@ -50,8 +77,21 @@ def _text_of(content, where):
     return "\n".join(out)
 
 
-def messages_from(instructions, items):
-    """``instructions`` and ``input`` (a string or items) as our chat Messages."""
+def _output_text(output, where):
+    """A function_call_output's output: a string, or parts whose images a text
+    model cannot see (a line says they were left out)."""
+    if isinstance(output, list):
+        output = [p if not (isinstance(p, dict) and p.get("type") in ("input_image",
+                                                                        "input_file"))
+                  else {"type": "input_text", "text": "[%s left out: this model reads text "
+                        "only]" % p["type"][6:]} for p in output]
+    return _text_of(output, where)
+
+
+def messages_from(instructions, items, spaces=None):
+    """``instructions`` and ``input`` (a string or items) as our chat Messages;
+    ``spaces`` maps (namespace, function) back to the name the model knows."""
+    spaces = spaces or {}
     out = []
     if instructions is not None:
         if not isinstance(instructions, str):
@@ -91,13 +131,24 @@ def messages_from(instructions, items):
                     or not isinstance(call_id, str):
                 raise BadRequest("'%s' (function_call) needs string 'call_id', 'name' and "
                                  "'arguments'" % where)
+            name = spaces.get((it.get("namespace"), name), name)
             assistant(lambda m: True).tool_calls.append(ToolCall(name, args, call_id))
-        elif kind == "function_call_output":
+        elif kind == "custom_tool_call":
+            # a freeform tool's call (offgrid offers none, but history may hold one)
+            name, call_id = it.get("name"), it.get("call_id")
+            if not isinstance(name, str) or not isinstance(call_id, str):
+                raise BadRequest("'%s' (custom_tool_call) needs string 'call_id' and 'name'"
+                                 % where)
+            args = json.dumps({"input": it.get("input", "")}, ensure_ascii=False)
+            assistant(lambda m: True).tool_calls.append(ToolCall(name, args, call_id))
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id = it.get("call_id")
             if not isinstance(call_id, str):
                 raise BadRequest("'%s.call_id' must be a string" % where)
-            out.append(Message("tool", _text_of(it.get("output", ""), where + ".output"),
+            out.append(Message("tool", _output_text(it.get("output", ""), where + ".output"),
                                tool_call_id=call_id))
+        elif kind in _SKIPPED_ITEMS:
+            log.debug("%s: a %s item is skipped", where, kind)
         elif kind == "reasoning":
             parts = it.get("content") or it.get("summary") or []
             if not isinstance(parts, list):
@@ -112,20 +163,53 @@ def messages_from(instructions, items):
 
 
 def tools_from(v):
-    """Responses' function tools ({type, name, description, parameters}) as Tools."""
+    """Responses' function tools as Tools: (tools, spaces).
+
+    A namespace's functions are tools of their own, named as the function
+    (``namespace__function`` if that name is taken); ``spaces`` maps each
+    such tool's name to (namespace, function) and back.  Built-in tools are
+    skipped with a warning.
+    """
     if v is None:
-        return []
+        return [], {}
     if not isinstance(v, list):
         raise BadRequest("'tools' must be an array")
-    out = []
+    found = []      # (namespace or None, the function's dict, where)
     for i, t in enumerate(v):
-        if not isinstance(t, dict) or t.get("type") != "function" \
-                or not isinstance(t.get("name"), str) or not t["name"]:
-            raise BadRequest("'tools[%d]' must be {\"type\": \"function\", \"name\": ..., "
-                             "\"parameters\": ...}; built-in tools are not available" % i)
-        out.append(tool_of(t["name"], t.get("description"), t.get("parameters") or {},
-                           "'tools[%d]'" % i))
-    return out
+        where = "'tools[%d]'" % i
+        kind = t.get("type") if isinstance(t, dict) else None
+        if kind == "namespace" and isinstance(t.get("tools"), list):
+            if not isinstance(t.get("name"), str) or not t["name"]:
+                raise BadRequest("%s: a namespace needs a 'name'" % where)
+            found += [(t["name"], f, "%s.tools[%d]" % (where[:-1], j) + "'")
+                      for j, f in enumerate(t["tools"])]
+        elif kind == "function":
+            found.append((None, t, where))
+        elif isinstance(kind, str):
+            log.warning("%s: the built-in tool %r is skipped: offgrid runs no built-in tools",
+                        where, kind)
+        else:
+            raise BadRequest("%s must be {\"type\": \"function\", \"name\": ..., "
+                             "\"parameters\": ...}" % where)
+    taken = {}
+    for ns, f, where in found:
+        name = f.get("name") if isinstance(f, dict) else None
+        if not isinstance(name, str) or not name or \
+                (isinstance(f, dict) and f.get("type", "function") != "function"):
+            raise BadRequest("%s must be {\"type\": \"function\", \"name\": ..., "
+                             "\"parameters\": ...}" % where)
+        taken[name] = taken.get(name, 0) + 1
+    tools, spaces = [], {}
+    for ns, f, where in found:
+        name = f["name"]
+        if ns is not None:
+            # Codex's flat form (ToolName::canonical_flat_name) where the plain name is taken
+            shown = name if taken[name] == 1 else "%s__%s" % (ns.rstrip("_"), name.lstrip("_"))
+            spaces[shown] = (ns, name)
+            spaces[(ns, name)] = shown
+            name = shown
+        tools.append(tool_of(name, f.get("description"), f.get("parameters") or {}, where))
+    return tools, spaces
 
 
 def _tool_choice(v, tools):
@@ -199,10 +283,14 @@ def _message_item(item_id, text, status="completed"):
             "content": [_text_part(text)] if text is not None else []}
 
 
-def _call_item(item_id, tc, status="completed", arguments=None):
-    return {"type": "function_call", "id": item_id, "call_id": tc["id"],
+def _call_item(item_id, tc, status="completed", arguments=None, spaces=None):
+    item = {"type": "function_call", "id": item_id, "call_id": tc["id"],
             "name": tc["name"], "status": status,
             "arguments": tc["arguments"] if arguments is None else arguments}
+    space = (spaces or {}).get(tc["name"])
+    if space is not None:
+        item["namespace"], item["name"] = space      # as the client declared it
+    return item
 
 
 def _item_status(c):
@@ -210,7 +298,7 @@ def _item_status(c):
     return "incomplete" if c.finish_reason is FinishReason.LENGTH else "completed"
 
 
-def output_items(ids, reply, status="completed"):
+def output_items(ids, reply, status="completed", spaces=None):
     out = []
     if reply["reasoning_content"]:
         out.append(_reasoning_item(ids.item("rs", len(out)), reply["reasoning_content"],
@@ -218,14 +306,15 @@ def output_items(ids, reply, status="completed"):
     if reply["content"] or not reply["tool_calls"]:
         out.append(_message_item(ids.item("msg", len(out)), reply["content"], status))
     for tc in reply["tool_calls"]:
-        out.append(_call_item(ids.item("fc", len(out)), tc))
+        out.append(_call_item(ids.item("fc", len(out)), tc, spaces=spaces))
     return out
 
 
 class _Request:
     """What the response object echoes of the request."""
 
-    def __init__(self, f, gen, tool_choice, raw_tools):
+    def __init__(self, f, gen, tool_choice, raw_tools, spaces=None):
+        self.spaces = spaces or {}
         self.instructions = f.raw("instructions")
         self.max_output_tokens = gen.n_predict if gen.n_predict >= 0 else None
         self.temperature = gen.sampling.temperature
@@ -236,6 +325,7 @@ class _Request:
         self.text = f.raw("text") or {"format": {"type": "text"}}
         self.parallel_tool_calls = f.raw("parallel_tool_calls", True)
         self.metadata = f.raw("metadata") or {}
+        self.timings_per_token = gen.timings_per_token
 
 
 def response_object(ids, model, req, created, output, c=None):
@@ -264,10 +354,9 @@ def response_object(ids, model, req, created, output, c=None):
 
 # -- the endpoint -----------------------------------------------------------------------
 
-def responses(h, body):
-    """POST /v1/responses."""
-    f = Fields(body)
-    svc = h.service
+def _prepare(h, f, what):
+    """(entry, the worker's chat plan, tool_choice) of a Responses body: its checks,
+    its conversation through the model's template."""
     for name in ("previous_response_id", "conversation"):
         if f.has(name):
             raise BadRequest("'%s' is not supported: offgrid stores no responses; send the "
@@ -275,27 +364,51 @@ def responses(h, body):
     if f.bool("background", False):
         raise BadRequest("'background' is not supported: offgrid stores no responses")
     f.bool("store", False)          # accepted and ignored: nothing is stored
+    for k in f.body:
+        if k not in _FIELDS:
+            log.debug("'%s' is accepted and ignored", k)
     if not f.has("input"):
         raise BadRequest("'input' is required")
     f.int("max_output_tokens", 0, lo=1, hi=MAX_N_PREDICT)
-    entry = svc.entry_for(f.raw("model"))
-    messages = messages_from(f.raw("instructions"), f.raw("input"))
-    tools = tools_from(f.raw("tools"))
+    entry = h.service.entry_for(f.raw("model"))
+    tools, spaces = tools_from(f.raw("tools"))
+    messages = messages_from(f.raw("instructions"), f.raw("input"), spaces)
     tool_choice = _tool_choice(f.raw("tool_choice"), tools)
     enable_thinking, kwargs = _thinking_from(f)
     parallel = f.bool("parallel_tool_calls", None)
-    what = "POST /v1/responses"
     plan = chat.prepare(entry, messages, tools, tool_choice, schema=_schema_from(f.raw("text")),
                         enable_thinking=enable_thinking, kwargs=kwargs,
                         parallel_tool_calls=parallel, what=what)
+    return entry, plan, tool_choice, spaces
+
+
+def responses(h, body):
+    """POST /v1/responses (and /responses)."""
+    f = Fields(body)
+    svc = h.service
+    what = "POST /v1/responses"
+    entry, plan, tool_choice, spaces = _prepare(h, f, what)
     gen = generation_from(f, entry.n_vocab, svc.n_predict_default, ("max_output_tokens",),
                           svc.sampling_default)
     gen.stop = []       # the Responses API has no stop strings
     chat.apply_plan(gen, plan)
-    req = _Request(f, gen, tool_choice, f.raw("tools"))
+    stream = f.bool("stream", False)
+    # llama-server's telemetry: prompt progress as response.in_progress events,
+    # timings on the deltas (both asked for), and on the final event
+    gen.return_progress = stream and f.bool("return_progress", False)
+    gen.timings_per_token = stream and f.bool("timings_per_token", False)
+    req = _Request(f, gen, tool_choice, f.raw("tools"), spaces)
     g = Generation(entry, gen, [Prompt(plan["tokens"])], "v1/responses", what,
-                   stream=f.bool("stream", False), id_slot=id_slot_from(f), chat=plan["chat"])
+                   stream=stream, id_slot=id_slot_from(f), chat=plan["chat"])
     pipeline.run(h, g, ResponsesFormat(entry.id, req))
+
+
+def input_tokens(h, body):
+    """POST /v1/responses/input_tokens (and /responses/input_tokens): the length of
+    the request's prompt through the template, as llama-server's and OpenAI's; nothing
+    is generated."""
+    entry, plan, _, _ = _prepare(h, Fields(body), "POST /v1/responses/input_tokens")
+    h.send_json(200, {"object": "response.input_tokens", "input_tokens": len(plan["tokens"])})
 
 
 class ResponsesFormat(Format):
@@ -314,16 +427,27 @@ class ResponsesFormat(Format):
     def open(self, out):
         self._st(out).start()
 
-    def piece(self, out, job, d, probs):
-        return self._st(out).delta(d)
+    def progress(self, out, job, p):
+        return self._st(out).progress(p, self.req.timings_per_token)
+
+    def piece(self, out, job, d, probs, usage=None):
+        return self._st(out).delta(d, usage)
 
     def choice_end(self, out, job, c):
         self._st(out).finish(c)
 
+    def fail(self, out, exc):
+        st = self._st(out)
+        if not st.ended:
+            err = to_http_error(exc)
+            st.fail("server_error" if err.status >= 500 else "invalid_prompt", err.message)
+        out.end()
+
     def body(self, jobs, done):
         c = done[0]
         return response_object(self.ids, self.model, self.req, self.created,
-                               output_items(self.ids, c.reply, _item_status(c)), c)
+                               output_items(self.ids, c.reply, _item_status(c),
+                                            self.req.spaces), c)
 
 
 class _Stream:
@@ -341,13 +465,16 @@ class _Stream:
         self.es, self.ids, self.model, self.req, self.created = es, ids, model, req, created
         self.seq = 0
         self.started = False
+        self.ended = False      # its terminal event went out
         self.output = []        # finished items
         self.kind = None        # the open item's type: "reasoning", "message" or None
         self.item_id = None     # the open item's id
         self.text = ""          # the open item's text so far
 
-    def _send(self, kind, **fields):
+    def _send(self, kind, _extra=None, **fields):
         obj = dict({"type": kind, "sequence_number": self.seq}, **fields)
+        if _extra:
+            obj.update(_extra)      # llama-server's telemetry, beside OpenAI's fields
         self.seq += 1
         return self.es.send(obj, kind)
 
@@ -359,6 +486,15 @@ class _Stream:
             self.started = True
             self._send("response.created", response=self._response())
             self._send("response.in_progress", response=self._response())
+
+    def progress(self, p, with_timings):
+        """Prompt progress (return_progress): a response.in_progress event carrying
+        llama-server's ``prompt_progress`` (and ``timings``, with timings_per_token)."""
+        self.start()
+        extra = {"prompt_progress": formats.progress_json(p)}
+        if with_timings:
+            extra["timings"] = formats.progress_timings(p)
+        return self._send("response.in_progress", extra, response=self._response())
 
     def _where(self):
         return {"item_id": self.item_id, "output_index": len(self.output), "content_index": 0}
@@ -391,40 +527,62 @@ class _Stream:
         self.output.append(item)
         self.kind = None
 
-    def delta(self, d):
+    def delta(self, d, usage=None):
         self.start()
+        # timings_per_token: the counts so far go on this piece's last event
+        extra = {"timings": formats.timings(usage)} if usage is not None else None
         if "tool_call" in d:
             self._close()
             _, tc = d["tool_call"]
             i = len(self.output)
             fid = self.ids.item("fc", i)
+            spaces = self.req.spaces
             self._send("response.output_item.added", output_index=i,
-                       item=_call_item(fid, tc, "in_progress", ""))
-            ok = self._send("response.function_call_arguments.delta", item_id=fid,
-                            output_index=i, delta=tc["arguments"])
+                       item=_call_item(fid, tc, "in_progress", "", spaces))
+            self._send("response.function_call_arguments.delta", item_id=fid,
+                       output_index=i, delta=tc["arguments"])
+            item = _call_item(fid, tc, spaces=spaces)
             self._send("response.function_call_arguments.done", item_id=fid, output_index=i,
-                       name=tc["name"], arguments=tc["arguments"])
-            item = _call_item(fid, tc)
-            self._send("response.output_item.done", output_index=i, item=item)
+                       name=item["name"], arguments=tc["arguments"])
             self.output.append(item)
-            return ok
+            return self._send("response.output_item.done", extra, output_index=i, item=item)
         if "reasoning_content" in d:
             if self.kind != "reasoning":
                 self._open("reasoning")
             self.text += d["reasoning_content"]
-            return self._send("response.reasoning_text.delta", delta=d["reasoning_content"],
-                              **self._where())
+            return self._send("response.reasoning_text.delta", extra,
+                              delta=d["reasoning_content"], **self._where())
         if self.kind != "message":
             self._open("message")
         text = d.get("content", "")
         self.text += text
-        return self._send("response.output_text.delta", delta=text, logprobs=[], **self._where())
+        return self._send("response.output_text.delta", extra, delta=text, logprobs=[],
+                          **self._where())
 
     def finish(self, c):
+        if c.finish_reason is FinishReason.CANCELLED:
+            # superseded, or the server stopping: cut short, not complete
+            self.fail("server_error", "the response was cancelled before it finished (a "
+                      "newer request on its slot, or the server shutting down)", c)
+            return
         self.start()
         if not self.output and self.kind is None:
             self._open("message")       # a response always has its message
         self._close(_item_status(c))
+        self.ended = True
         done = self._response(c)
+        # llama-server's final event carries the request's timings
         self._send("response.completed" if done["status"] == "completed"
-                   else "response.incomplete", response=done)
+                   else "response.incomplete", {"timings": formats.timings(c.usage)},
+                   response=done)
+
+    def fail(self, code, message, c=None):
+        """The terminal event of a response that could not finish: the open item
+        closes "incomplete", then response.failed carries the output so far and the
+        error (OpenAI's ResponseError: ``code``, ``message``)."""
+        self.start()
+        self._close("incomplete")
+        self.ended = True
+        failed = self._response(c)
+        failed.update(status="failed", error={"code": code, "message": message})
+        self._send("response.failed", response=failed)

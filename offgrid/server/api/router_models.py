@@ -73,7 +73,8 @@ def model_object(shelf, e, created):
         settings["unloads_to"] = then
     out = {
         "id": e.id, "object": "model", "created": created, "owned_by": "offgrid",
-        "aliases": list(e.aliases), "tags": [], "path": e.path, "status": status,
+        "aliases": list(e.listed_aliases), "tags": list(e.tags), "path": e.path,
+        "status": status,
         "source": e.source.replace(" ", "_"), "pinned": e.pinned, "settings": settings,
         "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
     }

@@ -10,12 +10,13 @@ from collections import namedtuple
 from ..httpd.httperrors import Unavailable
 from .errormap import respond
 from . import anthropic, embeddings, ollama, ollama_admin, openai_chat, responses, router_models
-from . import webui
+from . import status, webui
 from .status import health, metrics, models, props, slots
 from .native import completion, detokenize, infill, tokenize
 from .openai_completions import v1_completions
 
-# dialect: the shape of the route's error bodies (errormap.error_body)
+# dialect: the shape of the route's error bodies (errormap.error_body) and stream
+# error events (errormap.error_event)
 Route = namedtuple("Route", "handler methods auth needs_service dialect", defaults=("openai",))
 
 
@@ -64,20 +65,38 @@ ROUTES = {
     "/api/chat": Route(ollama.chat_, _POST, True, True, "ollama"),
     "/api/embed": Route(ollama.embed, _POST, True, True, "ollama"),
     "/api/embeddings": Route(ollama.embeddings_, _POST, True, True, "ollama"),
-    "/api/pull": Route(ollama.manage, _POST, True, False, "ollama"),
+    "/api/pull": Route(ollama_admin.pull, _POST, True, True, "ollama"),
     "/api/push": Route(ollama.manage, _POST, True, False, "ollama"),
     "/api/create": Route(ollama.manage, _POST, True, False, "ollama"),
     "/api/copy": Route(ollama.manage, _POST, True, False, "ollama"),
     "/api/delete": Route(ollama.manage, ("DELETE",), True, False, "ollama"),
     "/v1/messages": Route(anthropic.messages, _POST, True, True, "anthropic"),
     "/v1/messages/count_tokens": Route(anthropic.count_tokens, _POST, True, True, "anthropic"),
-    "/v1/responses": Route(responses.responses, _POST, True, True),
+    "/v1/responses": Route(responses.responses, _POST, True, True, "responses"),
+    "/responses": Route(responses.responses, _POST, True, True, "responses"),
+    "/v1/responses/input_tokens": Route(responses.input_tokens, _POST, True, True),
+    "/responses/input_tokens": Route(responses.input_tokens, _POST, True, True),
 }
+
+
+# Routes whose path ends in a value (the handler reads it from h.path), tried
+# after ROUTES' exact paths: (prefix, route).
+PREFIX_ROUTES = ((status.MODEL_PREFIX, Route(status.model_retrieve, _GET, True, True)),)
+
+
+def route_of(path):
+    """The route of a path (no query string): an exact one, else a prefix's, else None."""
+    route = ROUTES.get(path)
+    if route is None:
+        for prefix, r in PREFIX_ROUTES:
+            if path.startswith(prefix) and len(path) > len(prefix):
+                return r
+    return route
 
 
 def dialect_of(path):
     """The error shape for a path: its route's dialect; Ollama's for any other /api/ path."""
-    route = ROUTES.get(path)
+    route = route_of(path)
     if route is not None:
         return route.dialect
     return "ollama" if path.startswith("/api/") else "openai"
@@ -89,7 +108,7 @@ class App:
 
     @staticmethod
     def route(path):
-        return ROUTES.get(path)
+        return route_of(path)
 
     @staticmethod
     def dispatch(h, route, body):

@@ -3,8 +3,10 @@
 None of these loads a model: they read the shelf as it is.
 """
 
+from urllib.parse import unquote
+
 from ...request import GenerationParams
-from ..httpd.httperrors import HTTPError, Unavailable
+from ..httpd.httperrors import HTTPError, NotFound, Unavailable
 from . import formats, router_models
 from .errormap import error_body
 
@@ -107,6 +109,20 @@ def models(h, _body):
     created = int(svc.metrics.started)
     data = [router_models.model_object(svc.shelf, e, created) for e in svc.entries]
     h.send_json(200, {"object": "list", "data": data})
+
+
+def model_retrieve(h, _body):
+    """GET /v1/models/{id}: one model of /v1/models (OpenAI's retrieve), by id or alias."""
+    svc = h.service
+    name = unquote(h.path.split("?", 1)[0][len(MODEL_PREFIX):])
+    e = svc.shelf.lookup(name)
+    if e is None:
+        raise NotFound("The model '%s' does not exist" % name[:200], type="invalid_request_error")
+    h.send_json(200, router_models.model_object(svc.shelf, e, int(svc.metrics.started)))
+
+
+# where /v1/models/{id} begins (routes.PREFIX_ROUTES)
+MODEL_PREFIX = "/v1/models/"
 
 
 def _switched_off(svc, name):

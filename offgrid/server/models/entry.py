@@ -18,7 +18,11 @@ class ModelEntry:
     def __init__(self, id, worker=None, pool=None, aliases=(), path="", source="command line",
                  pinned=False, settings=None):
         self.id = id
-        self.aliases = list(aliases)
+        self.aliases = list(aliases)    # every other name it answers to (a file's stem too)
+        # what /models lists, as llama-server's: the aliases a user gave (-a, a
+        # preset's alias), and informational tags (--tags, a preset's tags)
+        self.listed_aliases = []
+        self.tags = []
         self.path = path
         self.source = source            # "command line", "models_dir" or "preset"
         self.pinned = pinned            # never evicted nor put to sleep (--fim-model, --pin)

@@ -190,6 +190,7 @@ _PRESET_KEYS = {
     "chat-template": ("chat_template", str), "chat-template-file": ("chat_template", str),
     "llama_arg_chat_template": ("chat_template", str),
     "alias": ("alias", str), "a": ("alias", str), "llama_arg_alias": ("alias", str),
+    "tags": ("tags", str), "llama_arg_tags": ("tags", str),
     "model": ("model", str), "m": ("model", str), "llama_arg_model": ("model", str),
     "load-on-startup": ("load_on_startup", "bool"), "stop-timeout": ("stop_timeout", float),
     "pin": ("pin", "bool"), "keep-alive": ("keep_alive", "duration"),
@@ -214,7 +215,7 @@ def _setting(section, key, raw):
         elif kind == "duration":
             value = parse_duration(value)
         elif kind is str:
-            if name == "alias":
+            if name in ("alias", "tags"):
                 value = [a.strip() for a in value.split(",") if a.strip()]
         else:
             value = kind(value)

@@ -28,7 +28,8 @@ def worker_settings(path, args, chat_template=None, decode_lock=None):
         spec_draft_n_max=args.spec_draft_n_max, stream_interval_ms=args.stream_interval_ms,
         chat_template=chat_template, pooling="rank" if args.reranking else args.pooling,
         no_swa_full=args.no_swa_full, no_repack=args.no_repack,
-        context_shift=args.context_shift, spm_infill=args.spm_infill, reasoning=args.reasoning,
+        context_shift=args.context_shift, spm_infill=args.spm_infill,
+        tool_call_rescue=not args.no_tool_call_rescue, reasoning=args.reasoning,
         reasoning_format=args.reasoning_format, lib=args.lib, decode_lock=decode_lock,
         rpc=args.rpc or None, n_gpu_layers=args.n_gpu_layers if args.rpc else None,
         tensor_split=list(args.tensor_split) if args.rpc and args.tensor_split else None,
@@ -122,6 +123,18 @@ def start_worker(entry, args, decode_lock=None):
     return worker
 
 
+def comma_list(values):
+    """A repeated flag's values, each a comma list (llama-server's -a and --tags), as one
+    list in order, blanks and repeats dropped."""
+    out = []
+    for value in values or ():
+        for item in value.split(","):
+            item = item.strip()
+            if item and item not in out:
+                out.append(item)
+    return out
+
+
 def build_shelf(args, decode_lock):
     """The shelf of this command line: -m and --fim-model first, then the folders and the
     preset.  Returns (shelf, text entry or None, fim entry or None); raises ValueError
@@ -153,12 +166,16 @@ def build_shelf(args, decode_lock):
     text = fim = None
     if args.model:
         stem = os.path.basename(args.model)
-        names = list(args.alias) or [stem]
+        given = comma_list(args.alias)
+        names = list(given) or [stem]
         if stem.lower().endswith(".gguf"):
             names.append(stem[:-len(".gguf")])
         text = shelf.add(ModelEntry(id=names[0], aliases=names[1:],
                                     path=os.path.abspath(args.model),
                                     settings={"chat_template": args.chat_template}))
+        # /models lists them as llama-server's sets do: sorted, once each
+        text.listed_aliases = sorted(set(given))
+        text.tags = sorted(set(comma_list(getattr(args, "tags", []))))
     if args.fim_model and not (args.model and os.path.abspath(args.fim_model)
                                == os.path.abspath(args.model)):
         stem = os.path.basename(args.fim_model)

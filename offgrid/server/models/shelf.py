@@ -201,6 +201,7 @@ class Shelf:
                         added.append(e)
                     elif not e.answers_to(section):
                         e.aliases.append(section)
+                        e.listed_aliases = sorted(set(e.listed_aliases) | {section})
                     self._check_file(e)
                 if e is None:
                     continue
@@ -209,6 +210,11 @@ class Shelf:
                 for alias in merged.pop("alias", []):
                     if self._find_locked(alias) is None:
                         e.aliases.append(alias)
+                    if alias not in e.listed_aliases and alias != e.id:
+                        e.listed_aliases = sorted(e.listed_aliases + [alias])
+                tags = merged.pop("tags", [])
+                if tags:
+                    e.tags = sorted(set(e.tags) | set(tags))
                 if merged.pop("pin", False):
                     e.pinned = True
                 e.preset = merged

@@ -79,6 +79,18 @@ class Metrics:
             if c.finish_reason is FinishReason.CANCELLED:
                 self.cancelled += 1
 
+    def prompt_work(self, n_tokens, seconds, n_decode, longest=0):
+        """Prompt tokens decoded for no generation (embeddings, rerank): counted as
+        llama-server counts an embedding task's batches, in the prompt counters,
+        the decodes and the longest sequence; nothing predicted."""
+        with self._lock:
+            self.prompt_tokens += n_tokens
+            self.prompt_seconds += seconds
+            self.n_decode += n_decode
+            self.n_tokens_max = max(self.n_tokens_max, longest)
+            self._bucket[0] += n_tokens
+            self._bucket[1] += seconds
+
     def error(self):
         with self._lock:
             self.errors += 1

@@ -220,7 +220,9 @@ class Service:
         ``on_piece`` gets each streamed piece of text, or with ``chat`` each
         reply delta (a dict); returning False cancels.  With
         ``gen.with_probs`` it is called as ``on_piece(piece, probs)`` where the
-        worker sent probabilities (a list of TokenProb).  With ``chat`` the
+        worker sent probabilities (a list of TokenProb); with ``gen.piece_tokens``
+        also ``tokens=`` (the ids the piece shows), with ``gen.timings_per_token``
+        ``usage=`` (a Usage: the counts and times so far).  With ``chat`` the
         Completion's ``reply`` is the parsed reply.  A request cancelled
         while waiting returns an empty CANCELLED completion without ever
         touching a session.
@@ -273,9 +275,17 @@ class Service:
                 if "progress" in frame:     # return_progress: how far the prompt has come
                     return on_piece(PromptProgress(**frame["progress"]))
                 payload = frame["text"] if frame["op"] == "piece" else frame["delta"]
-                if "probs" in frame:    # only requests that asked for them get them
-                    return on_piece(payload, protocol.decode_probs(frame["probs"]))
-                return on_piece(payload)
+                # only requests that asked for them get probabilities, token ids
+                # (gen.piece_tokens) and the usage so far (gen.timings_per_token)
+                probs = protocol.decode_probs(frame["probs"]) if "probs" in frame else None
+                extra = {}
+                if "tokens" in frame:
+                    extra["tokens"] = frame["tokens"]
+                if "usage" in frame:
+                    extra["usage"] = protocol.decode_live_usage(frame["usage"])
+                if extra:
+                    return on_piece(payload, probs, **extra)
+                return on_piece(payload) if probs is None else on_piece(payload, probs)
         # the tokens themselves only pick among several sessions (pool.py)
         want_cached = len(pool.sessions) > 1
         try:

@@ -1,0 +1,110 @@
+"""Tool calls a small model can make: a reply that opens as a bare JSON call is held to one.
+
+With ``tool_choice`` "auto", a small model often writes its call as a bare
+JSON object -- ``{"name": "Read", "arguments": {"file_path": ...}}``, maybe
+inside a ```` ```json ```` fence -- instead of its template's form
+(``<tool_call>...</tool_call>`` for Qwen), and then goes on to invent the
+tool's result.  Every server reads that as text, so no agent gets a call.
+
+The rescue: when a reply *opens* with such an object whose ``name`` is one of
+the request's tools, the rest of the reply is held to that tool's call
+grammar (its arguments per its schema), and generation ends with the
+object; the reply reader then takes the object as the call, in every
+dialect.  A reply that does not open that way is never constrained (a plain
+answer, prose or code, or a JSON answer whose first key is not "name").
+
+How (engine/sampling.py's CallRescue does the watching):
+
+  * ``bare_call_grammar`` is a grammar for a whole reply of that form, from
+    its first character: a little whitespace, an optional fence, the object.
+    It runs beside the request's own sampling and is fed each token the
+    model picks, for as long as it allows them; the moment it would not,
+    the watch ends and nothing was changed.
+  * Once the text so far matches ``OPENER`` (up to the tool's name) with a
+    name in ``names``, that grammar -- fed with the whole reply so far, so
+    it is exactly where the model is -- becomes the request's grammar.
+    libllama's lazy triggers are not used: they replay the matched text
+    into the grammar from the middle of a token, and a piece the grammar
+    refuses there ends the process.
+
+One more form is read, not held: a reply that is nothing but
+``{"name": X, "arguments": {...}}`` where X is no tool's name but the
+arguments are unmistakably one tool's -- every key that tool requires is
+there, and no other tool's required keys are -- is a call to that tool
+(Qwen2.5-Coder-0.5B, given Codex's tools, writes ``"name": "cat calc.py"``
+with exec_command's ``{"cmd": "cat calc.py", ...}``); keys the tool does not
+have are dropped from it (``tool_args`` here, chat/reply.py reads).
+
+``--no-tool-call-rescue`` turns it off (the worker passes ``enabled``).
+"""
+
+from .jsonschema import Grammar, json_literal
+
+# The reply's start up to the tool's name, as the grammar writes it but with
+# any JSON whitespace (the grammar, fed token by token, is what holds the exact
+# form); group 1 is the name as written (JSON-escaped, which tool names rarely
+# need).
+OPENER = (r'[ \t\n]{0,40}(?:```[ \t]{0,2}(?:json|JSON)?[ \t]{0,4}\n[ \t\n]{0,8})?'
+          r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+
+# How much of a reply's start is watched: an opener longer than this is not one.
+WATCH_CHARS = 256
+
+
+def bare_call_grammar(tools):
+    """GBNF for a whole reply that is one bare call to one of ``tools``:
+    ``{"name": <tool>, "arguments" (or "parameters"): <its arguments>}``,
+    after at most 40 blanks and an optional ```json fence, and nothing after
+    it (the arguments may be left out when the schema requires none)."""
+    g = Grammar(strict=False)
+    alts = []
+    key = "(%s | %s)" % (json_literal("arguments"), json_literal("parameters"))
+    for i, t in enumerate(tools):
+        params = t.parameters or {"type": "object"}
+        g.root_schema = params
+        g._refs = {}
+        args = g.schema(params, "tool-%d-args" % i)
+        tail = '"," space %s space ":" space %s' % (key, args)
+        if not (isinstance(params, dict) and params.get("required")):
+            tail = "(%s)?" % tail
+        alts.append(g.add("tool-%d-call" % i, '"{" space %s space ":" space %s space %s "}"'
+                          % (json_literal("name"), json_literal(t.name), tail)))
+    fence = '"```" [ \\t]{0,2} ("json" | "JSON")? [ \\t]{0,4} "\\n" [ \\t\\n]{0,8}'
+    g.rules["root"] = '[ \\t\\n]{0,40} (%s)? (%s)' % (fence, " | ".join(alts))
+    return g.text()
+
+
+def rescue_of(tools, tool_choice, enabled=True):
+    """What the worker needs to watch a reply for a bare call (a dict for the
+    generate frame's chat settings), or None when there is nothing to rescue."""
+    if not enabled or not tools or tool_choice != "auto":
+        return None
+    return {"grammar": bare_call_grammar(tools), "opener": OPENER,
+            "names": [t.name for t in tools], "watch_chars": WATCH_CHARS}
+
+
+def tool_args(tools):
+    """[name, required keys, property keys] per tool, for reading a misnamed call."""
+    out = []
+    for t in tools:
+        p = t.parameters if isinstance(t.parameters, dict) else {}
+        required = p.get("required") if isinstance(p.get("required"), list) else []
+        props = p.get("properties") if isinstance(p.get("properties"), dict) else {}
+        out.append((t.name, tuple(k for k in required if isinstance(k, str)), tuple(props)))
+    return tuple(out)
+
+
+def tool_by_arguments(args, candidates):
+    """(the tool's name, its arguments) when ``args`` (a dict) can only be that
+    tool's: it has every key the tool requires, and no other tool has all of
+    its own required keys there; None otherwise.  Keys the tool does not know
+    are dropped (a small model copies its schema's words into them)."""
+    if not isinstance(args, dict) or not args:
+        return None
+    keys = set(args)
+    fits = [(name, props) for name, required, props in candidates
+            if required and set(required) <= keys]
+    if len(fits) != 1:
+        return None
+    name, props = fits[0]
+    return name, {k: v for k, v in args.items() if k in props}

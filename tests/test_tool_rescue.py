@@ -1,0 +1,268 @@
+"""The tool-call rescue (offgrid/chat/rescue.py, engine/sampling.py CallRescue).
+
+With tools and tool_choice "auto", Qwen2.5-Coder-0.5B writes its calls as bare
+JSON ({"name": "Read", "arguments": {...}}, sometimes in a ```json fence) and
+then invents the result.  A reply that opens that way with a given tool's name
+is held to that tool's call grammar, ends with the object, and is read as the
+call; anything else is left as it is.  --no-tool-call-rescue turns it off.
+"""
+
+import json
+
+import openai
+import pytest
+
+from offgrid import libllama
+from offgrid.chat.gbnf import check_grammar
+from offgrid.chat.prompt import prepare_chat
+from offgrid.chat.reply import ReplyStream, parse_reply
+from offgrid.chat.rescue import bare_call_grammar, rescue_of, tool_args
+from offgrid.chat.template import ChatTemplate, ReplyFormat
+from offgrid.engine.sampling import SamplingParams, build_sampler
+from offgrid.request import Message, Tool
+
+try:
+    from .serverproc import ROOT, ServerProcess
+except ImportError:
+    from serverproc import ROOT, ServerProcess
+
+QWEN = ROOT / "models" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+READ = Tool("Read", "Read a file from the local filesystem.", {
+    "type": "object", "required": ["file_path"], "additionalProperties": False,
+    "properties": {"file_path": {"type": "string", "description": "The absolute path"},
+                   "offset": {"type": "integer", "minimum": 0}}})
+BASH = Tool("Bash", "Run a shell command.", {
+    "type": "object", "required": ["command"],
+    "properties": {"command": {"type": "string"}}})
+GOAL = Tool("get_goal", "Get the current goal.", {"type": "object", "properties": {}})
+TOOLS = [READ, BASH, GOAL]
+READ_IT = "Use the Read tool to read /tmp/notes.txt and tell me what it says."
+
+
+# -- reading a rescued reply ------------------------------------------------------------
+
+FMT = ReplyFormat(tool_syntax="hermes", parse_tools=True, tool_names=("Read", "Bash"),
+                  bare_calls=True)
+
+
+@pytest.mark.parametrize("text", [
+    '{"name": "Read", "arguments": {"file_path": "/a"}}',
+    '```json\n{"name": "Read", "arguments": {"file_path": "/a"}}',
+    '```json\n{"name": "Read", "arguments": {"file_path": "/a"}}\n```',
+    '  {"name": "Read", "parameters": {"file_path": "/a"}}',
+])
+def test_a_rescued_reply_is_one_call(text):
+    r = parse_reply(text, FMT)
+    assert r.content == "" and [(c.name, json.loads(c.arguments)) for c in r.tool_calls] == \
+        [("Read", {"file_path": "/a"})]
+    stream = ReplyStream(FMT)
+    deltas = [d for ch in text for d in stream.add(ch)]
+    last, whole = stream.finish()
+    assert [d for d in deltas + last if d.content] == []
+    assert [d.tool_call[1].name for d in deltas + last if d.tool_call] == ["Read"]
+
+
+@pytest.mark.parametrize("text", [
+    "The file says hello.",
+    '{"city": "Paris", "name": "Read"}',
+    '{"name": "Write", "arguments": {}}',
+    '{"name": "Read", "arguments": {"file_path": "/a"}}\nThe result was: hello',
+    "```python\nprint('hi')\n```",
+])
+def test_anything_else_is_content(text):
+    r = parse_reply(text, FMT)
+    assert r.tool_calls == [] and r.content == text.strip()
+
+
+CODEX_LIKE = [Tool("exec_command", "", {"type": "object", "required": ["cmd"],
+                                          "properties": {"cmd": {}, "workdir": {}}}),
+              Tool("write_stdin", "", {"type": "object", "required": ["session_id"],
+                                       "properties": {"session_id": {}, "chars": {}}}),
+              Tool("get_goal", "", {"type": "object", "properties": {}})]
+FMT_ARGS = ReplyFormat(tool_syntax="hermes", parse_tools=True, bare_calls=True,
+                       tool_names=tuple(t.name for t in CODEX_LIKE),
+                       tool_args=tool_args(CODEX_LIKE))
+
+
+def test_a_call_naming_no_tool_is_read_by_its_arguments():
+    """Qwen 0.5B with Codex's tools: the command where exec_command's name belongs."""
+    text = ('```json\n{\n  "name": "cat calc.py",\n  "arguments": {"cmd": "cat calc.py", '
+            '"workdir": "/w", "required": ["cmd"]}\n}\n```')
+    calls = parse_reply(text, FMT_ARGS).tool_calls
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == \
+        [("exec_command", {"cmd": "cat calc.py", "workdir": "/w"})]     # unknown keys dropped
+
+
+@pytest.mark.parametrize("text", [
+    '{"name": "Alice", "age": 3}',                              # an answer, not a call
+    '{"name": "x", "arguments": {"foo": 1}}',                   # fits no tool
+    '{"name": "x", "arguments": {"cmd": "a", "session_id": 1}}',   # fits two
+    '{"name": "x", "arguments": {"cmd": "a"}, "note": 1}',      # not the bare call form
+])
+def test_arguments_that_fit_no_single_tool_leave_it_content(text):
+    assert parse_reply(text, FMT_ARGS).tool_calls == []
+
+
+def test_without_the_rescue_a_bare_call_in_a_hermes_template_is_content():
+    fmt = ReplyFormat(tool_syntax="hermes", parse_tools=True, tool_names=("Read",))
+    text = '{"name": "Read", "arguments": {"file_path": "/a"}}'
+    assert parse_reply(text, fmt).content == text
+
+
+def test_the_rescue_grammar_passes_the_checks(qwen):
+    check_grammar(qwen, bare_call_grammar(TOOLS))
+    assert rescue_of(TOOLS, "auto") is not None
+    assert rescue_of(TOOLS, "required") is None and rescue_of(TOOLS, "auto", False) is None
+    assert rescue_of([], "auto") is None
+
+
+# -- generation: the watch and the hold, on the model ------------------------------------
+
+def _qwen_plan(model, messages, tools=TOOLS, rescue=True):
+    template = ChatTemplate(model.chat_template, "", "<|im_end|>")
+    return prepare_chat(model, template, messages, tools, "auto", rescue=rescue)
+
+
+def generate(model, plan, forced="", n=80, rescue=True):
+    """Greedy reply to ``plan``'s prompt through the server's sampler (build_sampler),
+    its lazy <tool_call> grammar and, with ``rescue``, the rescue's watch.  ``forced``
+    is written first, as if the model had picked it (offered to the sampler)."""
+    params = SamplingParams(temperature=0.0, grammar=plan.grammar,
+                            grammar_triggers=plan.grammar_triggers)
+    if rescue and plan.rescue:
+        params.rescue_grammar, params.rescue_opener = plan.rescue["grammar"], \
+            plan.rescue["opener"]
+        params.rescue_names = tuple(plan.rescue["names"])
+        params.rescue_watch_chars = plan.rescue["watch_chars"]
+    prompt = model.tokenize(plan.text, add_special=True, parse_special=True)
+    n_ctx = len(prompt) + n + 64
+    ctx = libllama.ContextHandle(model.lib, model.handle, n_ctx, 512, 512, 2, 2)
+    sampler = build_sampler(model.lib, params, model.n_vocab, n_ctx, vocab=model.handle.vocab,
+                            piece_of=model.token_bytes)
+    try:
+        for i in range(0, len(prompt), 512):
+            part = prompt[i:i + 512]
+            last = ctx.OUT_LAST if i + 512 >= len(prompt) else ctx.OUT_NONE
+            assert ctx.decode_parts([(part, i, (0,), last)]) == 0
+        pos = len(prompt)
+        out, ended = [], False
+        for t in model.tokenize(forced, add_special=False) if forced else []:
+            sampler.accept(t)
+            sampler.observe(t)
+            out.append(t)
+            assert ctx.decode_parts([([t], pos, (0,), ctx.OUT_LAST)]) == 0
+            pos += 1
+        for _ in range(n):
+            t = sampler.sample(ctx)
+            if t is None or model.is_eog(t):
+                ended = True
+                break
+            out.append(t)
+            assert ctx.decode_parts([([t], pos, (0,), ctx.OUT_LAST)]) == 0
+            pos += 1
+        return b"".join(model.token_bytes(t) for t in out).decode("utf-8", "replace"), ended
+    finally:
+        sampler.close()
+        ctx.close()
+
+
+def test_a_reply_that_opens_a_call_is_held_to_it_and_ends_there(qwen):
+    plan = _qwen_plan(qwen, [Message("user", READ_IT)])
+    text, ended = generate(qwen, plan)
+    assert ended, "the reply went on past the call: %r" % text
+    r = parse_reply(text, plan.reply_format)
+    assert [c.name for c in r.tool_calls] == ["Read"], text
+    assert json.loads(r.tool_calls[0].arguments)["file_path"] == "/tmp/notes.txt"
+
+
+def test_without_the_rescue_the_model_goes_on_past_its_bare_call(qwen):
+    """What the rescue is for: the same greedy reply, unheld, is not one call."""
+    plan = _qwen_plan(qwen, [Message("user", READ_IT)], rescue=False)
+    text, _ = generate(qwen, plan, rescue=False)
+    assert text.lstrip().startswith(("{", "```"))
+    assert parse_reply(text, plan.reply_format).tool_calls == []
+
+
+def test_a_fenced_opener_is_held_from_its_object(qwen):
+    plan = _qwen_plan(qwen, [Message("user", READ_IT)])
+    text, ended = generate(qwen, plan, forced='```json\n{"name": "Bash", "arguments": {')
+    assert ended and text.startswith('```json\n{"name": "Bash"')
+    calls = parse_reply(text, plan.reply_format).tool_calls
+    assert [c.name for c in calls] == ["Bash"] and "command" in json.loads(calls[0].arguments)
+
+
+def test_a_plain_answer_is_untouched(qwen):
+    plan = _qwen_plan(qwen, [Message("user", "Write a haiku about the sea.")])
+    held, _ = generate(qwen, plan, n=40)
+    free, _ = generate(qwen, plan, n=40, rescue=False)
+    assert held == free and not held.lstrip().startswith("{")
+
+
+def test_an_object_naming_no_tool_is_left_free(qwen):
+    """{"name": "Alice", ... is an answer, not a call: the watch ends, nothing is held."""
+    plan = _qwen_plan(qwen, [Message("user", "Describe a person as JSON.")])
+    forced = '{"name": "Alice", "age": '
+    held, _ = generate(qwen, plan, forced=forced, n=30)
+    free, _ = generate(qwen, plan, forced=forced, n=30, rescue=False)
+    assert held == free
+
+
+# -- through the server: every dialect gets the call ------------------------------------
+
+@pytest.fixture(scope="module")
+def srv():
+    with ServerProcess(QWEN, ctx=4096) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    return openai.OpenAI(base_url=srv.base + "/v1", api_key="none", max_retries=0)
+
+
+OPENAI_TOOLS = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                  "parameters": t.parameters}} for t in TOOLS]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_completions_get_the_call(client, stream):
+    r = client.chat.completions.create(model="q", temperature=0, max_tokens=80,
+                                       messages=[{"role": "user", "content": READ_IT}],
+                                       tools=OPENAI_TOOLS, stream=stream)
+    if stream:
+        chunks = list(r)
+        calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        calls, finish = r.choices[0].message.tool_calls, r.choices[0].finish_reason
+    assert finish == "tool_calls" and [c.function.name for c in calls] == ["Read"]
+    assert json.loads(calls[0].function.arguments)["file_path"] == "/tmp/notes.txt"
+
+
+def test_the_anthropic_dialect_gets_a_tool_use_block(srv):
+    status, _, body = srv.post("/v1/messages", {
+        "model": "q", "max_tokens": 80, "temperature": 0,
+        "messages": [{"role": "user", "content": READ_IT}],
+        "tools": [{"name": t.name, "description": t.description, "input_schema": t.parameters}
+                  for t in TOOLS]})
+    assert status == 200 and body["stop_reason"] == "tool_use", body
+    assert [b["name"] for b in body["content"] if b["type"] == "tool_use"] == ["Read"]
+
+
+def test_the_responses_dialect_gets_a_function_call_item(srv):
+    status, _, body = srv.post("/v1/responses", {
+        "model": "q", "max_output_tokens": 80, "temperature": 0, "input": READ_IT,
+        "tools": [{"type": "function", "name": t.name, "description": t.description,
+                   "parameters": t.parameters} for t in TOOLS]})
+    assert status == 200
+    assert [o["name"] for o in body["output"] if o["type"] == "function_call"] == ["Read"]
+
+
+def test_the_flag_turns_the_rescue_off():
+    with ServerProcess(QWEN, "--no-tool-call-rescue", ctx=4096) as s:
+        status, _, body = s.post("/v1/chat/completions", {
+            "temperature": 0, "max_tokens": 80, "tools": OPENAI_TOOLS,
+            "messages": [{"role": "user", "content": READ_IT}]})
+    assert status == 200
+    m = body["choices"][0]["message"]
+    assert not m.get("tool_calls") and '"Read"' in m["content"]
