@@ -25,8 +25,11 @@ try:
 except ImportError:
     from serverproc import ServerProcess
 
-# tokens per fanned-out job: long enough that none ends before the checks
+# tokens per fanned-out job: long enough that none ends before the hang-up's checks
 JOB_TOKENS = 400
+# ... and short enough, where another request waits for one of them to end (a
+# session is never taken from a running job), that it does so within seconds
+TURN_TOKENS = 32
 SETTLE = 8.0        # seconds every job may take to end after the hang-up (the issue: "a few")
 
 
@@ -52,9 +55,12 @@ def srv(smollm_path):
         yield s
 
 
-def body_of(name, stream):
+def body_of(name, stream, tokens=JOB_TOKENS):
     path, body, n_jobs = fanouts()[name]
     body = dict(body, ignore_eos=True, temperature=0, stream=stream)
+    for key in ("n_predict", "max_tokens"):
+        if key in body:
+            body[key] = tokens
     return path, body, n_jobs
 
 
@@ -107,7 +113,7 @@ def test_hanging_up_cancels_every_job_of_a_fanned_out_request(srv, name, stream)
 @pytest.mark.parametrize("name,stream", CASES)
 def test_another_request_is_served_while_a_fanned_out_one_waits(srv, name, stream):
     srv.wait_idle(60)
-    path, body, n_jobs = body_of(name, stream)
+    path, body, n_jobs = body_of(name, stream, TURN_TOKENS)
     sock = send_raw(srv, path, body)
     try:
         wait_metrics(srv, lambda m: m["offgrid_queue_length"] >= n_jobs - 4, 30,
@@ -131,7 +137,7 @@ def test_another_request_is_served_while_a_fanned_out_one_waits(srv, name, strea
 def test_two_fanned_out_requests_take_turns(srv):
     """Two requests of many jobs each: sessions alternate between them."""
     srv.wait_idle(60)
-    path, body, n_jobs = body_of("completion", False)
+    path, body, n_jobs = body_of("completion", False, TURN_TOKENS)
     small = dict(body, n_predict=4, prompt=body["prompt"][:8], n_cmpl=1)
     results = {}
 
