@@ -387,9 +387,14 @@ def test_no_request_reads_or_writes_files_or_loads_a_model(open_srv, fim_model_p
                                      "model": str(fim_model_path)})[0] == 501
     # llama-server's slot save/restore and lora loading take file names: not here
     for path in ("/slots/0?action=save", "/slots/0?action=restore", "/slots/0",
-                 "/lora-adapters", "/v1/models/" + str(fim_model_path)):
+                 "/lora-adapters"):
         status, _, body = open_srv.post(path, {"filename": str(target), "id_slot": 0})
         assert status == 404, (path, body)
+    # OpenAI's model retrieve names models, never files: a path is no model here
+    path = "/v1/models/" + str(fim_model_path)
+    assert open_srv.post(path, {"filename": str(target)})[0] == 405
+    status, _, body = open_srv.get(path)
+    assert status == 404 and body["error"]["type"] == "invalid_request_error", body
     status, _, body = open_srv.post("/completion", {"prompt": "x", "n_predict": 2,
                                                     "lora": [{"path": str(target), "scale": 1}],
                                                     "slot_save_path": str(tmp_path)})
