@@ -18,7 +18,8 @@ from offgrid.chat.prompt import prepare_chat
 from offgrid.chat.reply import ReplyStream, parse_reply
 from offgrid.chat.rescue import bare_call_grammar, rescue_of, tool_args
 from offgrid.chat.template import ChatTemplate, ReplyFormat
-from offgrid.engine.sampling import SamplingParams, build_sampler
+from offgrid.engine.sampling import build_sampler
+from offgrid.request import SamplingParams
 from offgrid.request import Message, Tool
 
 try:
