@@ -45,7 +45,7 @@ QWEN = ROOT / "models" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 ALIAS = QWEN.stem                   # the name Ollama-minded clients use (no .gguf)
 RUN_TIMEOUT = 1800                  # seconds one client run may take on a loaded machine
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.agents]
 
 
 @pytest.fixture(scope="module")
