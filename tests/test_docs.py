@@ -383,7 +383,8 @@ def agents_run_this_way(command, scratch):
     source = (ROOT / "tests" / "test_agents.py").read_text()
     if command.startswith("python3 -m offgrid"):
         # its server: the default model with the context the page asks for
-        assert "ServerProcess(QWEN, ctx=32768" in source
+        assert re.search(r"ServerProcess\(QWEN\b[^)]*\bctx=32768", source), \
+            "tests/test_agents.py starts no server on the default model with -c 32768"
         return
     for w in shlex.split(command, comments=True):
         if w.startswith("-") or re.match(r"[A-Z_]+=", w):

@@ -253,7 +253,8 @@ def _wait_for(server, want, timeout, context=None):
 def test_server_gives_a_busy_core_back_and_takes_it_again(gemma_path):
     cores = usable_cores()
     stop = threading.Event()
-    with ServerProcess(gemma_path, threads="auto", ctx=1024) as server:
+    # -v: the worker logs each switch and each losing up-probe, for a failure's message
+    with ServerProcess(gemma_path, "-v", threads="auto", ctx=1024) as server:
         status, _, props = server.get("/props")
         assert props["threads"]["mode"] == "auto"
         assert props["threads"]["generation"] == cores
@@ -269,6 +270,11 @@ def test_server_gives_a_busy_core_back_and_takes_it_again(gemma_path):
         gen = threading.Thread(target=generate, daemon=True)
         gen.start()
         try:
+            # the idle machine's speed first: a count's best learned beside the
+            # hog is its collapsed speed, and coming back up then takes a probe
+            # more (test_a_small_gain_started_busy_is_found_once_the_machine_frees)
+            _wait_decodes(server, 100)
+            assert server.get("/props")[2]["threads"]["generation"] == cores
             _busy_and_free(server, cores)
         finally:
             stop.set()
@@ -299,7 +305,19 @@ def _busy_and_free(server, cores):
     # and this test fail, not skip: its message says how busy the machine was.
     others = OtherLoad(server.proc.pid)
     _wait_for(server, cores, timeout=60, context=lambda: (
-        "other programs kept %.1f cores busy after the hog ended" % others.cores()))
+        "other programs kept %.1f cores busy after the hog ended; the worker's thread log:\n%s"
+        % (others.cores(), "".join(line for line in server.output if "threads:" in line)[-4000:])))
+
+
+def _wait_decodes(server, n, timeout=60):
+    """Until the server has generated n tokens."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if sum(v for k, v in m.items() if k.startswith("llamacpp:tokens_predicted_total")) >= n:
+            return
+        time.sleep(0.2)
+    pytest.fail("fewer than %d tokens generated in %d s" % (n, timeout))
 
 
 def test_large_batches_are_not_probed_on_an_idle_machine():

@@ -193,7 +193,7 @@ class ThreadChoice:
             if len(s.probe_rates) < self.free_probe_len:
                 return
             won = True
-        old, tried = s.current, s.probe
+        old, tried, rates = s.current, s.probe, s.probe_rates
         s.probe, s.probe_rates = None, []
         if won:
             s.current = tried
@@ -207,6 +207,9 @@ class ThreadChoice:
         elif up:
             s.up_interval = min(s.up_interval * 2, self.up_interval_max)
             s.next_up = now + s.up_interval
+            log.info("threads: %d lost to %d (%s vs %.1f tokens/s; best %s); next in %.0f s",
+                     tried, old, ", ".join("%.1f" % r for r in rates), base,
+                     {k: round(v, 1) for k, v in sorted(s.best.items())}, s.up_interval)
         elif base > 0:
             # fewer threads did not help: the whole machine is slower now
             # (a VM's neighbours, a clock); what the current count does now is
