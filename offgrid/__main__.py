@@ -123,14 +123,18 @@ def parse_args(argv=None):
                         "some (docs/cli.md, \"Threads\")")
     p.add_argument("-tb", "--threads-batch", type=thread_count, default=None,
                    help="threads for prompt evaluation, likewise (default: as --threads)")
-    p.add_argument("--spec-type", choices=SPEC_TYPES, default="none",
-                   help="speculative decoding: ngram-simple drafts tokens from the "
-                        "request's own text (prompt lookup) and checks them in one decode; "
-                        "the output is the same; a request stops drafting where it does "
-                        "not pay.  auto: ngram-simple for /completion and fill-in-the-middle, "
-                        "none for chat (default none)")
-    p.add_argument("--spec-draft-n-max", type=int, default=8, metavar="N",
-                   help="most tokens drafted at once (default 8, at most 64)")
+    p.add_argument("--spec-type", choices=SPEC_TYPES, default="edits",
+                   help="speculative decoding: drafts tokens from the request's own text "
+                        "and checks them in one decode; the output is the same; a request "
+                        "stops drafting where it does not pay.  edits (the default): "
+                        "requests whose prompt carries the answer (next-edit windows, code "
+                        "quoted to be rewritten) draft long copies of it; auto: those, and "
+                        "prompt lookup (ngram-simple) for /completion and fill-in-the-middle; "
+                        "ngram-simple: those, and prompt lookup for every other request; "
+                        "ngram-mod: every request drafts as a copy; none: no drafts")
+    p.add_argument("--spec-draft-n-max", type=int, default=None, metavar="N",
+                   help="most tokens drafted at once (default 8 for prompt lookup, 63 for "
+                        "copies; at most 64)")
     p.add_argument("--stream-interval-ms", type=float, default=25.0, metavar="MS",
                    help="a streamed reply's pieces that come faster than this go out "
                         "together, one write every MS at most (default 25; the first "
@@ -241,7 +245,7 @@ def parse_args(argv=None):
                 "--models-preset FILE)")
     if not 0 <= args.stream_interval_ms <= 1000:
         p.error("--stream-interval-ms must be between 0 and 1000")
-    if not 1 <= args.spec_draft_n_max <= 64:
+    if args.spec_draft_n_max is not None and not 1 <= args.spec_draft_n_max <= 64:
         p.error("--spec-draft-n-max must be between 1 and 64")
     if args.rpc is not None:
         try:

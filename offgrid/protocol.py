@@ -176,7 +176,7 @@ class WorkerSettings:
     threads: object                 # a count, or "auto"
     threads_batch: object
     spec_type: str                  # request.SPEC_TYPES
-    spec_draft_n_max: int
+    spec_draft_n_max: Optional[int]  # None: each drafter's own (8 lookup, 63 copies)
     stream_interval_ms: float
     chat_template: Optional[str]    # Jinja text, or a built-in name
     pooling: Optional[str]          # request.POOLINGS; None: the model's

@@ -31,6 +31,7 @@ from ..request import (Completion, FinishReason, GenerationParams, RequestCancel
 from .batch import OUT_ALL, OUT_LAST, OUT_NONE, SEQS_PER_SESSION, BatchDecoder
 from .sampling import ProbsReader, build_sampler
 from .textstream import TextAssembler, TokenLedger
+from .copydraft import CopyDraft
 from .lookup import PromptLookup
 from .threads import DecodeThreads
 
@@ -157,14 +158,16 @@ class ChatSession:
 
     def __init__(self, model, n_ctx=4096, n_batch=512, n_ubatch=None, n_threads=None,
                  n_threads_batch=None, swa_full=True, threads=None, draft_max=0,
-                 context_shift=False, decoder=None):
+                 context_shift=False, decoder=None, copy_draft_max=63):
         """``decoder``: the BatchDecoder (shared_decoder) this session is one
         member of; without it the session has a context of its own, made from
         n_ctx, n_batch, n_ubatch, swa_full and threads (the worker's
         DecodeThreads) or n_threads / n_threads_batch (None or "auto":
         adaptive, engine/threads.py).  ``draft_max``: speculative drafts of up
         to this many tokens from the request's own text (0: none; --spec-type
-        ngram-simple).  ``context_shift``: a full context drops part of its
+        ngram-simple); ``copy_draft_max`` the same for the drafts of a request
+        whose answer copies its prompt (engine/copydraft.py), which are worth
+        making longer.  ``context_shift``: a full context drops part of its
         past instead of ending the reply (--context-shift)."""
         self._owns_decoder = decoder is None
         if decoder is None:
@@ -175,6 +178,7 @@ class ChatSession:
         self._member = decoder.member()
         self.threads = decoder.threads
         self.draft_max = draft_max
+        self.copy_draft_max = copy_draft_max
         self._ctx = decoder.ctx
         base = SEQS_PER_SESSION * self._member.index
         self._seq, self._gap, self._pin = base + SEQ_PROMPT, base + SEQ_GAP, base + SEQ_PIN
@@ -593,8 +597,9 @@ class ChatSession:
         # decoded after the last kept one, not yet checked; ``idx`` is the batch
         # index of the output of the last decode the sampler reads.
         lookup = self._speculation(prompt, params, reader)
+        draft_cap = self.copy_draft_max if isinstance(lookup, CopyDraft) else self.draft_max
         pending, idx = [], self._out
-        drafted = accepted = 0
+        drafted = accepted = steps = 0
 
         while True:
             if cancel.cancelled:
@@ -674,7 +679,7 @@ class ChatSession:
             if lookup is not None:
                 room = min(self.n_ctx - n_past - 2, self.n_batch - 1,
                            limit - len(out_tokens) - 1 if limit is not None else self.n_batch)
-                draft = lookup.draft(min(self.draft_max, room))
+                draft = lookup.draft(min(draft_cap, room))
             status = self._decode_one(token, n_past, draft)
             if status == 2:
                 finish, stop_type = FinishReason.CANCELLED, "none"
@@ -688,7 +693,9 @@ class ChatSession:
                 self.cached += draft
                 pending = list(draft)
                 drafted += len(draft)
-                if drafted >= self.draft_probation and accepted < self.draft_keep * drafted:
+                steps += 1
+                if not lookup.judges_itself and drafted >= self.draft_probation \
+                        and accepted < self.draft_keep * drafted:
                     lookup = None   # too few drafts come true here to pay for checking them
 
         if pending or len(self.cached) > n_past:
@@ -705,7 +712,7 @@ class ChatSession:
                 on_piece(tail, got)
         usage.completion_tokens = len(out_tokens) + n_eog
         usage.generation_ms = (time.perf_counter() - t_start) * 1000.0
-        usage.draft_tokens, usage.draft_accepted = drafted, accepted
+        usage.draft_tokens, usage.draft_accepted, usage.draft_steps = drafted, accepted, steps
         c = Completion(text.text, out_tokens, finish, stop_type, text.stop_word or "",
                        usage, truncated)
         if reader is not None:
@@ -731,8 +738,10 @@ class ChatSession:
         if self.draft_max <= 0 or not params.speculate or reader is not None \
                 or params.sampling.grammar is not None or not self._can_shift \
                 or params.sampling.rescue_grammar is not None \
-                or params.n_predict == 1:
+                or params.n_predict == 1 or not params.drafter:
             return None
+        if params.drafter == "copy":
+            return CopyDraft(prompt, k_max=self.copy_draft_max)
         return PromptLookup(prompt)
 
     def _drop_after(self, n):
