@@ -141,3 +141,22 @@ def test_spec_types_keep_their_meaning_and_edits_draft_under_each():
     assert drafter_for("ngram-mod", True, False, lambda: plain) == "copy"
     # fill-in-the-middle is never a copy (its answer is what is missing)
     assert drafter_for("auto", False, True, lambda: edit) == "lookup"
+
+
+def test_a_change_the_text_made_once_is_drafted_where_it_comes_again():
+    """A rename: the first time the text writes the new name the draft fails
+    there; once the copy resumes, the change is learned, and the next places
+    the old name comes in the prompt are drafted with the new one."""
+    old, new = 500, 600
+    body = []
+    for i in range(6):          # six lines, each with the old name in it
+        body += _text(30, seed=20 + i) + [old, 7, 8]
+    prompt = body + [3, 4]
+    answer = [new if t == old else t for t in body]
+    lk = CopyDraft(prompt + answer[:1], clock=_Clock())
+    steps = _drive(lk, prompt + answer)
+    assert lk._rules and lk._rules[0] == ((old,), (new,))
+    failed = [(n, h) for n, h in steps if h < n]
+    # the first rename costs a failed draft (and a probe); the other five none
+    assert len(failed) <= 3, steps
+    assert sum(h for _, h in steps) >= len(answer) - 2 * 33, steps

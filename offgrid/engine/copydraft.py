@@ -73,11 +73,16 @@ class CopyDraft(PromptLookup):
     near_bonus = 8          # a candidate near the copy's place counts as this much longer
     near_window = 48        # tokens after the copy's place that count as near it
     max_candidates = 64     # the latest positions of a bigram looked at
+    rule_max = 8            # the longest change (in tokens) made again
+    max_rules = 8           # changes kept
 
     def __init__(self, tokens, k_max=None, clock=time.perf_counter):
         self._pairs = {}        # (a, b) -> [i: tokens[i-2:i] == (a, b)], ascending
         self._firsts = {}       # a -> [i: tokens[i-1] == a], ascending (resyncing only)
-        self._src = None        # where the copy goes on: the token after the last draft
+        self._src = None        # the copy's place: the token of the prompt due next
+        self._after = []        # the copy's place after each token of the last draft
+        self._div = None        # (copy's place, index in tokens) where the text left it
+        self._rules = []        # [(old, new)]: changes the text made to the copy, latest first
         self._last_match = 0
         self._need = self.min_match     # the match a draft needs now (see _adapt)
         super().__init__(tokens, clock=clock)
@@ -92,12 +97,22 @@ class CopyDraft(PromptLookup):
             self._pairs.setdefault((t[i - 2], t[i - 1]), []).append(i)
 
     def append(self, token):
+        step = self._step
+        j = step[2] if step is not None else 0
+        on_draft = step is not None and step[3] == j and j < len(step[1]) \
+            and step[1][j] == token
         super().append(token)
-        # the copy's place moves on with each token the text takes from it
-        # (and stays where the text departs from it: an edit, resynced later)
-        if self._src is not None and self._src < len(self.tokens) - 1 \
-                and self.tokens[self._src] == token:
-            self._src += 1
+        # the copy's place moves on with each token the text takes from it,
+        # and stays where the text departs from it (an edit), until a lookup
+        # finds the copy again a little further on (see _resync)
+        if on_draft:
+            self._src, self._div = self._after[j], None
+        elif self._src is not None and self._div is None:
+            i = len(self.tokens) - 1
+            if self._src < i and self.tokens[self._src] == token:
+                self._src += 1
+            else:
+                self._div = (self._src, i)
 
     def _adapt(self, d, hits):
         if hits == len(d):
@@ -142,13 +157,14 @@ class CopyDraft(PromptLookup):
                          else 0)
             if score > best_score or (score == best_score and i > best):
                 best, best_score, best_len = i, score, n
+        matched = best_len
         if src is not None and (best is None or best_score < self.near_bonus + self.min_match):
             # after an edit: the end's last token a little past the copy's place
-            for i in self._firsts.get(t[-1], ()):
-                if src <= i <= src + self.near_window and i < end:
-                    if best is None or best_len < self.min_match:
-                        best, best_len = i, self.min_match
-                    break
+            firsts = self._firsts.get(t[-1], ())
+            j = bisect.bisect_left(firsts, src)
+            if j < len(firsts) and firsts[j] <= min(src + self.near_window, end - 1):
+                if best is None or best_score < 1 + self.near_bonus:
+                    best, best_len, matched = firsts[j], self.min_match, 1
         self._last_match = best_len
         if best is None or best_len < self._need:
             return []
@@ -156,9 +172,61 @@ class CopyDraft(PromptLookup):
             k = min(k, SIZES[0])
         elif best_len < 8:
             k = min(k, SIZES[1])
-        d = t[best:min(best + k, end)]
-        self._src = best
+        if self._div is None or src <= best <= src + self.near_window:
+            self._resync(best, matched)
+            self._src = best
+        # else a jump elsewhere while the text is away from the copy: the
+        # copy's place stays for the resync, unless the jump's draft comes true
+        d, self._after = self._copy(best, k)
         return d
+
+    def _resync(self, p1, matched):
+        """The copy goes on at p1, after ``matched`` tokens that match the end:
+        where the text had left it a little before, what it wrote instead of
+        the prompt's tokens in between is a change it may make again (a name
+        renamed, a call changed), and later drafts make it (see _copy)."""
+        div, self._div = self._div, None
+        if div is None:
+            return
+        p0, o0 = div
+        end = len(self.tokens)
+        if not p0 <= p1 - matched or o0 > end - matched:
+            return
+        old = tuple(self.tokens[p0:p1 - matched])
+        new = tuple(self.tokens[o0:end - matched])
+        # a deletion or a long span is more likely a wrong resync than a change
+        # worth making again
+        if old and new and old != new and len(old) <= self.rule_max \
+                and len(new) <= self.rule_max:
+            self._rules = [(old, new)] + [r for r in self._rules if r[0] != old]
+            del self._rules[self.max_rules:]
+
+    def _copy(self, p, k):
+        """Up to k tokens of the prompt from p on, with the changes the text made
+        before made again; and the copy's place after each."""
+        t, rules = self.tokens, self._rules
+        end = len(t)
+        d, after = [], []
+        q = p
+        while len(d) < k and q < end:
+            for old, new in rules:
+                if t[q] == old[0] and tuple(t[q:q + len(old)]) == old:
+                    part = new[:k - len(d)]
+                    d.extend(part)
+                    after.extend([q] * len(part))
+                    if len(part) == len(new):
+                        q += len(old)
+                        if part:
+                            after[-1] = q
+                    break
+            else:
+                d.append(t[q])
+                after.append(q + 1)
+                q += 1
+                continue
+            if len(d) >= k:
+                break
+        return d, after
 
 
 def _size_above(n, k_max):
