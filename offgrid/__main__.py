@@ -186,6 +186,9 @@ def parse_args(argv=None):
                    help="when a session's context fills up while generating, drop the older "
                    "half of it after the request's n_keep tokens and go on (default off: the "
                    "reply ends, truncated)")
+    p.add_argument("-fa", "--flash-attn", choices=("on", "off", "auto"), default="auto",
+                   help="flash attention in the sessions' contexts, as llama-server's -fa "
+                   "(default auto: libllama's choice, on for the CPU)")
     p.add_argument("--no-swa-full", action="store_true",
                    help="windowed KV cache for sliding-window models: less memory, "
                    "but no prompt-cache reuse")

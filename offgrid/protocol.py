@@ -193,6 +193,7 @@ class WorkerSettings:
     n_gpu_layers: Optional[int]
     tensor_split: Optional[list]
     verbose: bool
+    flash_attn: str = "auto"        # -fa: on, off, auto (libllama's: on for the CPU)
 
 
 def encode_settings(settings):

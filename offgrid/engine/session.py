@@ -120,7 +120,7 @@ def context_size(model, n_ctx):
 
 
 def shared_decoder(model, n_sessions, n_ctx=4096, n_batch=512, n_ubatch=None, swa_full=True,
-                   threads=None, n_threads=None, n_threads_batch=None):
+                   threads=None, n_threads=None, n_threads_batch=None, flash_attn=None):
     """The BatchDecoder of ``n_sessions`` sessions of ``n_ctx`` tokens each: one
     context whose unified cache holds n_sessions * n_ctx cells, which its
     sessions (ChatSession(..., decoder=it)) share.
@@ -142,7 +142,7 @@ def shared_decoder(model, n_sessions, n_ctx=4096, n_batch=512, n_ubatch=None, sw
     ctx = libllama.ContextHandle(
         model.lib, model.handle, n_ctx * n_sessions, n_batch, n_ubatch or n_batch, n_gen,
         n_batch_threads, swa_full=swa_full, n_seq_max=SEQS_PER_SESSION * n_sessions,
-        seq_width=2)
+        seq_width=2, flash_attn=flash_attn)
     if not ctx.ptr:
         raise ContextError("libllama could not create a context of %d tokens "
                            "(not enough memory?)" % (n_ctx * n_sessions))

@@ -135,7 +135,8 @@ class Loaded:
             # one context for every session, whose decodes are batched together
             decoder = shared_decoder(model, max(1, args.parallel), n_ctx=args.ctx_size,
                                      n_batch=args.batch_size, n_ubatch=args.ubatch_size,
-                                     swa_full=not args.no_swa_full, threads=threads)
+                                     swa_full=not args.no_swa_full, threads=threads,
+                                     flash_attn={"on": True, "off": False}.get(args.flash_attn))
             for _ in range(max(1, args.parallel)):
                 sessions.append(ChatSession(
                     model, decoder=decoder, context_shift=args.context_shift,

@@ -33,7 +33,7 @@ def worker_settings(path, args, chat_template=None, decode_lock=None):
         reasoning_format=args.reasoning_format, lib=args.lib, decode_lock=decode_lock,
         rpc=args.rpc or None, n_gpu_layers=args.n_gpu_layers if args.rpc else None,
         tensor_split=list(args.tensor_split) if args.rpc and args.tensor_split else None,
-        verbose=args.verbose)
+        verbose=args.verbose, flash_attn=args.flash_attn)
 
 
 def worker_args(path, args, chat_template=None, decode_lock=None):
