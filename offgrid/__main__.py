@@ -175,6 +175,22 @@ def parse_args(argv=None):
     p.add_argument("--cache-reuse", type=int, default=64,
                    help="FIM requests move cached runs of at least N tokens to where the new "
                    "prompt needs them instead of recomputing them (default 64; 0: off)")
+    p.add_argument("-cram", "--cache-ram", type=int, default=None, metavar="MIB",
+                   help="prompt states kept in memory per model, restored into any session "
+                   "when a prompt comes back (two clients taking turns on -np 1), in MiB "
+                   "(default: a quarter of the memory free when the model loads, at most "
+                   "8192; -1: no limit; 0: off)")
+    p.add_argument("--cache-dir", metavar="DIR", default=None,
+                   help="where prompt states go when a model sleeps, is unloaded or the "
+                   "server stops, read back when a request would use them (default: "
+                   "offgrid/states under $XDG_CACHE_HOME or ~/.cache)")
+    p.add_argument("--no-cache-disk", action="store_true",
+                   help="keep prompt states in memory only (no --cache-dir)")
+    p.add_argument("--cache-disk-max", type=int, default=4096, metavar="MIB",
+                   help="most MiB of prompt states a model writes to --cache-dir (default 4096)")
+    p.add_argument("--slot-save-path", metavar="DIR", default=None,
+                   help="folder for POST /slots/ID?action=save|restore files (llama-server's "
+                   "flag; without it the slot actions are refused)")
     p.add_argument("--spm-infill", action="store_true",
                    help="lay fill-in-the-middle prompts out suffix first (suffix/prefix/middle), "
                    "as some code models were trained; llama-server's flag (default: prefix first)")

@@ -193,6 +193,10 @@ class WorkerSettings:
     n_gpu_layers: Optional[int]
     tensor_split: Optional[list]
     verbose: bool
+    cache_ram: int = 0              # MiB of prompt states in memory (engine/statecache.py); -1: no bound
+    cache_dir: Optional[str] = None     # where prompt states go when the worker ends; None: nowhere
+    cache_disk_max: int = 4096      # MiB of them on disk, for this model
+    slot_save_path: Optional[str] = None    # POST /slots/ID?action=save|restore's folder
 
 
 def encode_settings(settings):
@@ -200,7 +204,8 @@ def encode_settings(settings):
 
 
 def decode_settings(d):
-    return WorkerSettings(**{f.name: d[f.name] for f in dataclasses.fields(WorkerSettings)})
+    return WorkerSettings(**{f.name: d[f.name] for f in dataclasses.fields(WorkerSettings)
+                             if f.name in d})
 
 
 @dataclasses.dataclass

@@ -49,6 +49,7 @@ from .fill import IdleFill
 from .infill import layout_infill
 from .model import Model
 from .pacing import StreamPacer
+from .statecache import StateCache
 from .session import (ChatSession, context_size, decode_threads, pause_pools, shared_decoder,
                       take_turns_with)
 
@@ -114,6 +115,7 @@ class Loaded:
         self.template = None
         template_for(self)      # a template that cannot be used fails the load
         self.embedder = embedder or Embedder.for_model(model, n_ctx=sessions[0].n_ctx)
+        self.states = None          # the sessions' StateCache (engine/statecache.py)
 
     @classmethod
     def load(cls, args, progress=True, on_rpc_stall=None, on_sized=None):
@@ -145,7 +147,11 @@ class Loaded:
                 model, args.pooling, n_ctx=sessions[0].n_ctx, n_batch=args.batch_size,
                 n_ubatch=args.ubatch_size,
                 threads=decode_threads(model, args.threads, args.threads_batch))
-            return cls(model, sessions, args.chat_template, embedder, decoder)
+            loaded = cls(model, sessions, args.chat_template, embedder, decoder)
+            loaded.states = make_states(args)
+            for s in sessions:
+                s.use_states(loaded.states)
+            return loaded
         except BaseException:
             for s in sessions:
                 s.close()
@@ -177,6 +183,14 @@ class Loaded:
     def kv_bytes(self):
         """The KV caches' size, from the model's shape (f16 keys and values)."""
         return kv_bytes_of(self.model.meta, self.sessions[0].n_ctx * len(self.sessions))
+
+
+def make_states(args):
+    """The StateCache of --cache-ram (MiB; -1: no bound), or None where it is 0."""
+    mib = getattr(args, "cache_ram", 0) or 0
+    if mib == 0:
+        return None
+    return StateCache(-1 if mib < 0 else mib << 20)
 
 
 def kv_bytes_of(meta, n_cells):
@@ -355,6 +369,11 @@ class Worker:
     def call_slots(self):
         """How many tokens each session's cache holds now (a request may be running)."""
         return [len(s.cached) for s in self.loaded.sessions]
+
+    def call_states(self):
+        """The kept prompt states (engine/statecache.py): counts and bytes; None when off."""
+        st = self.loaded.states
+        return st.stats() if st is not None else None
 
     def call_batching(self):
         """Decode steps made so far, how many of them carried several sessions' work, and
