@@ -190,3 +190,51 @@ def test_a_sliding_window_model_restores_a_conversation_that_goes_on(gemma):
         c = s.complete(follow, greedy)
         assert c.usage.cached_tokens >= len(a)
         assert c.text == ref.complete(follow, greedy).text
+
+
+# -- through the server ---------------------------------------------------------------
+
+try:
+    from .serverproc import ServerProcess
+except ImportError:
+    from serverproc import ServerProcess
+
+QWEN_PATH = "models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+
+
+def chat_turns(k):
+    """Two conversations' prompts at turn k: each turn goes on from the last."""
+    a = "You review Python code.\n" + "def add(x, y):\n    return x + y\n" * 25
+    b = "You translate to French.\n" + "The cat sleeps on the warm mat.\n" * 25
+    for i in range(k + 1):
+        a += "\nQ%d: what does add(%d, %d) return?\nA:" % (i, i, i + 1)
+        b += "\nQ%d: translate 'the %d dogs'.\nA:" % (i, i)
+    return a, b
+
+
+def alternate(server, turns=2):
+    """The /completion bodies of two conversations taking turns on one session."""
+    out = []
+    for k in range(turns):
+        for prompt in chat_turns(k):
+            status, _, body = server.post("/completion", {
+                "prompt": prompt, "n_predict": 8, "temperature": 0, "cache_prompt": True})
+            assert status == 200, body
+            out.append(body)
+    return out
+
+
+def test_two_conversations_taking_turns_on_one_session_keep_their_prompts():
+    with ServerProcess(QWEN_PATH, "-np", "1", "--cache-ram", "0") as plain:
+        without = alternate(plain)
+    with ServerProcess(QWEN_PATH, "-np", "1", "--cache-ram", "256", "--no-cache-disk") as s:
+        got = alternate(s)
+        m = s.metrics()
+    # turn 0: nothing cached; turn 1 of each: all but its new question from a state
+    for body in got[:2] + without:
+        assert body["timings"]["cache_n"] < 8, body["timings"]
+    for body in got[2:]:
+        t = body["timings"]
+        assert t["prompt_n"] < 30 and t["cache_n"] > 200, t
+    assert [b["content"] for b in got] == [b["content"] for b in without]
+    assert [v for k, v in m.items() if k.startswith("offgrid_state_cache_hits_total")] == [2]
