@@ -330,6 +330,16 @@ def main(argv=None):
     except ValueError as e:
         print("offgrid: %s" % e, file=sys.stderr)
         return 2
+    if args.slot_save_path:
+        # llama-server makes the folder too; the workers write into it
+        args.slot_save_path = os.path.abspath(os.path.expanduser(args.slot_save_path))
+        try:
+            os.makedirs(args.slot_save_path, exist_ok=True)
+        except OSError as e:
+            print("offgrid: cannot make --slot-save-path %s: %s" % (args.slot_save_path,
+                                                                     e.strerror),
+                  file=sys.stderr)
+            return 2
     if not is_loopback(args.host) and not api_keys:
         print("offgrid: warning: listening on %s without an API key; anyone who can reach "
               "this address can use the server (set --api-key)" % args.host, file=sys.stderr)
@@ -387,6 +397,7 @@ def main(argv=None):
                                                 ("slots", args.slots),
                                                 ("embeddings", args.embeddings)) if not on],
                       shelf=shelf, fim_given=fim is not None)
+    service.slot_save_path = args.slot_save_path
     httpd.RequestHandlerClass.service = service
     shelf.start_reaper()
     # preset models marked load-on-startup, and --pin ones, load meanwhile

@@ -199,6 +199,23 @@ class WorkerSettings:
     slot_save_path: Optional[str] = None    # POST /slots/ID?action=save|restore's folder
 
 
+@dataclasses.dataclass
+class SlotAction:
+    """POST /slots/ID?action=...: what the front asks of the session it holds for it
+    (llama-server's slot save, restore and erase; engine/slotfile.py)."""
+    action: str                     # "save", "restore" or "erase"
+    id_slot: int                    # the session
+    filename: str = ""              # a plain file name in --slot-save-path (save, restore)
+
+
+def encode_slot_action(a):
+    return _fields_of(a)
+
+
+def decode_slot_action(d):
+    return SlotAction(**{f.name: d[f.name] for f in dataclasses.fields(SlotAction) if f.name in d})
+
+
 def encode_settings(settings):
     return _fields_of(settings)
 

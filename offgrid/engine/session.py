@@ -319,6 +319,18 @@ class ChatSession:
         tokens = self.cached
         if not self.states.wants(tokens):
             return
+        data = self.copy_state()
+        if data is not None:
+            self.states.put(list(tokens), data)
+
+    def copy_state(self):
+        """A copy of this session's cache (ContextHandle.seq_state) that holds exactly
+        ``cached``; None where there is nothing to copy, or no such copy now.
+        Not while the session runs a request."""
+        self._check_open()
+        tokens = self.cached
+        if not tokens or None in tokens:
+            return None
         t0 = time.perf_counter()
         with self._mem.locked() as memory:
             # keys moved and not yet re-rotated (the next decode does that) would
@@ -326,31 +338,42 @@ class ChatSession:
             # do not hold exactly these tokens
             if self.decoder.shift_pending() or memory.seq_pos_max(self._seq) != len(tokens) - 1 \
                     or (self.model.n_swa <= 0 and memory.seq_pos_min(self._seq) != 0):
-                return
+                return None
             data = self._ctx.seq_state(self._seq)
-        if data is not None:
+        if data is not None and self.states is not None:
             self.states.observe_copy(len(data), time.perf_counter() - t0)
-            self.states.put(tokens, data)
+        return data
 
-    def _restore_state(self, state):
-        """Make this session's sequences hold ``state`` (a SavedState) and nothing
-        else; False (and an empty cache) where libllama refuses it."""
+    def load_state(self, tokens, data):
+        """Make the cache hold ``data`` (a copy_state() of a session of this worker's
+        context, or one checked to be of the same model and settings) as ``tokens``;
+        False, and an empty cache, where libllama refuses it or its cells do not
+        hold len(tokens) positions from 0."""
+        self._check_open()
+        if not tokens or len(tokens) >= self.n_ctx:
+            self.reset()
+            return False
         t0 = time.perf_counter()
-        n = len(state.tokens)
+        n = len(tokens)
         with self._mem.locked() as memory:
             for q in (self._seq, self._gap, self._pin):
                 memory.seq_rm(q, -1, -1)
-            ok = self._ctx.set_seq_state(self._seq, state.data) \
+            ok = self._ctx.set_seq_state(self._seq, data) \
                 and memory.seq_pos_max(self._seq) == n - 1 \
                 and (self.model.n_swa > 0 or memory.seq_pos_min(self._seq) == 0)
             if ok and self._pin in self._prompt_seqs:
                 memory.seq_cp(self._seq, self._pin, -1, -1)
             if not ok:
                 memory.seq_rm(self._seq, -1, -1)
-        self.cached = list(state.tokens) if ok else []
-        if ok:
-            self.states.observe_copy(len(state.data), time.perf_counter() - t0)
+        self.cached = list(tokens) if ok else []
+        if ok and self.states is not None:
+            self.states.observe_copy(len(data), time.perf_counter() - t0)
         return ok
+
+    def _restore_state(self, state):
+        """Make this session's sequences hold ``state`` (a SavedState) and nothing
+        else; False (and an empty cache) where libllama refuses it."""
+        return self.load_state(state.tokens, state.data)
 
     def _window_intact(self, plan, n_tokens):
         """Whether the windowed cache, if any, holds what the first token to

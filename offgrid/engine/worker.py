@@ -32,6 +32,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from .. import libllama, protocol
 from ..jobs import Threads
@@ -44,7 +45,7 @@ from ..chat.template import ReplyFormat, new_tool_call_id
 from ..errors import InvalidRequest, OffgridError, PromptTooLong
 from ..request import RequestCancel
 from .embed import POOLING, Embedder, model_pooling, to_le
-from . import cachereuse, promptfit, rpc
+from . import cachereuse, promptfit, rpc, slotfile
 from .fill import IdleFill
 from .infill import layout_infill
 from .model import Model
@@ -243,6 +244,7 @@ class Worker:
         # what a budget dropped goes into the cache while no frame is served (fill.py)
         self.fill = IdleFill(self._jobs, self.prompt_rate)
         self._last_fit = None           # (fitted tokens, whole prompt) of the last fit
+        self.slot_save_path = None      # --slot-save-path: POST /slots/ID?action=save|restore
 
     # -- frames out ---------------------------------------------------------------
     def send(self, obj):
@@ -374,6 +376,48 @@ class Worker:
         """The kept prompt states (engine/statecache.py): counts and bytes; None when off."""
         st = self.loaded.states
         return st.stats() if st is not None else None
+
+    def call_slot_action(self, action):
+        """POST /slots/ID?action=save|restore|erase (protocol.SlotAction) on a session
+        the front holds for it: llama-server's result object."""
+        a = protocol.decode_slot_action(action)
+        session = self.loaded.sessions[a.id_slot]
+        t0 = time.perf_counter()
+        if a.action == "erase":
+            n = len(session.cached)
+            session.reset()
+            return {"id_slot": a.id_slot, "n_erased": n}
+        folder = self.slot_save_path
+        if not folder or not slotfile.valid_filename(a.filename):
+            raise InvalidRequest("Invalid filename")
+        path = os.path.join(folder, a.filename)
+        if a.action == "save":
+            tokens = list(session.cached)
+            state = session.copy_state() if tokens else None
+            if state is None:
+                raise OffgridError("Unable to save slot: it holds no cache to save"
+                                   if not tokens else "Unable to save slot")
+            try:
+                n_bytes = slotfile.write(path, tokens, state)
+            except OSError as e:
+                raise OffgridError("Unable to save slot: %s" % e.strerror)
+            return {"id_slot": a.id_slot, "filename": a.filename, "n_saved": len(tokens),
+                    "n_written": n_bytes,
+                    "timings": {"save_ms": (time.perf_counter() - t0) * 1000.0}}
+        try:
+            tokens, state, n_read = slotfile.read(path, self.model.n_vocab)
+            if len(tokens) > session.n_ctx:
+                raise slotfile.SlotFileError("Restored prompt does not fit in the slot context")
+            if not session.load_state(tokens, state):
+                raise slotfile.SlotFileError("No available space in KV cache or invalid slot "
+                                             "save file")
+        except (OSError, slotfile.SlotFileError) as e:
+            session.reset()
+            raise InvalidRequest("Unable to restore slot: %s"
+                                 % (e.strerror if isinstance(e, OSError) else e))
+        return {"id_slot": a.id_slot, "filename": a.filename, "n_restored": len(tokens),
+                "n_read": n_read, "cached": tokens,
+                "timings": {"restore_ms": (time.perf_counter() - t0) * 1000.0}}
 
     def call_batching(self):
         """Decode steps made so far, how many of them carried several sessions' work, and
@@ -776,6 +820,7 @@ def main(argv=None):
     worker = Worker(loaded, out, args.reasoning, args.reasoning_format, out_lock,
                     args.spec_type, args.stream_interval_ms / 1000.0, args.spm_infill,
                     args.tool_call_rescue)
+    worker.slot_save_path = args.slot_save_path
     worker.send({"op": "ready", "info": protocol.encode_info(loaded.info())})
     worker.serve(inp)
     # The front is gone.  Requests may still be running on other threads

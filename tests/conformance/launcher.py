@@ -54,6 +54,7 @@ SAME_VALUE = {
     "--models-preset": "--models-preset", "--sleep-idle-seconds": "--sleep-idle-seconds",
     "--reasoning": "--reasoning", "-rea": "--reasoning",
     "--reasoning-format": "--reasoning-format", "--tags": "--tags",
+    "--slot-save-path": "--slot-save-path", "--cache-ram": "--cache-ram", "-cram": "--cache-ram",
 }
 SAME_SWITCH = {"--verbose": "-v", "-v": "-v", "--metrics": "--metrics",
                "--no-slots": "--no-slots", "--slots": "--slots",
