@@ -256,14 +256,14 @@ class StateCache:
                 self._next += 1
 
     def to_disk(self, live=()):
-        """Write the most recently used states (and ``live``: (tokens, data) of the
-        sessions' caches now) to disk, within its bound: before the worker goes."""
+        """Write the most recently used states (after ``live``: (tokens, data) of the
+        sessions' caches now) to disk, within its bound: before the worker goes.
+        States read from disk and still there stay as they are."""
         if self.disk is None:
             return 0
         with self._lock:
-            mem = [(s.tokens, s.data) for s in reversed(self._states.values())
-                   if s.data is not None]
-        return self.disk.write_all(list(live) + mem)
+            kept = [(s.tokens, s.data, s.key) for s in reversed(self._states.values())]
+        return self.disk.write_all([(t, d, None) for t, d in live] + kept)
 
     def stats(self):
         with self._lock:

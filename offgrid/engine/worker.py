@@ -45,7 +45,7 @@ from ..chat.template import ReplyFormat, new_tool_call_id
 from ..errors import InvalidRequest, OffgridError, PromptTooLong
 from ..request import RequestCancel
 from .embed import POOLING, Embedder, model_pooling, to_le
-from . import cachereuse, promptfit, rpc, slotfile
+from . import cachereuse, promptfit, rpc, slotfile, statedisk
 from .fill import IdleFill
 from .infill import layout_infill
 from .model import Model
@@ -149,7 +149,7 @@ class Loaded:
                 n_ubatch=args.ubatch_size,
                 threads=decode_threads(model, args.threads, args.threads_batch))
             loaded = cls(model, sessions, args.chat_template, embedder, decoder)
-            loaded.states = make_states(args)
+            loaded.states = make_states(args, model, sessions[0])
             for s in sessions:
                 s.use_states(loaded.states)
             return loaded
@@ -186,12 +186,26 @@ class Loaded:
         return kv_bytes_of(self.model.meta, self.sessions[0].n_ctx * len(self.sessions))
 
 
-def make_states(args):
-    """The StateCache of --cache-ram (MiB; -1: no bound), or None where it is 0."""
+def make_states(args, model, session):
+    """The StateCache of --cache-ram (MiB; -1: no bound) and --cache-dir, or None where
+    both are off; the states on disk are listed (read when one is wanted)."""
     mib = getattr(args, "cache_ram", 0) or 0
-    if mib == 0:
+    disk = None
+    if args.cache_dir and args.cache_disk_max > 0:
+        try:
+            ident = statedisk.identity(model.path, model.lib.path, {
+                "n_ctx": session.n_ctx, "n_batch": session.n_batch,
+                "swa_full": not args.no_swa_full, "n_seq": session.decoder.ctx.n_ctx,
+                "cache_type": "f16"})
+            disk = statedisk.StateDisk(args.cache_dir, ident, args.cache_disk_max << 20)
+        except OSError as e:
+            logging.getLogger("offgrid.statedisk").warning(
+                "prompt states on disk off: %s", e)
+    if mib == 0 and disk is None:
         return None
-    return StateCache(-1 if mib < 0 else mib << 20)
+    states = StateCache(-1 if mib < 0 else mib << 20, disk)
+    states.adopt_disk()
+    return states
 
 
 def kv_bytes_of(meta, n_cells):
@@ -376,6 +390,23 @@ class Worker:
         """The kept prompt states (engine/statecache.py): counts and bytes; None when off."""
         st = self.loaded.states
         return st.stats() if st is not None else None
+
+    def call_save_states(self):
+        """Write the kept prompt states, and the sessions' own caches where no request
+        runs, to --cache-dir (the front asks before the worker goes: sleep, unload,
+        shutdown); how many files were written."""
+        st = self.loaded.states
+        if st is None or st.disk is None:
+            return {"written": 0}
+        live = []
+        with self._lock:
+            running = bool(self._cancels)
+        if not running:
+            for s in self.loaded.sessions:
+                data = s.copy_state()
+                if data is not None:
+                    live.append((list(s.cached), data))
+        return {"written": st.to_disk(live)}
 
     def call_slot_action(self, action):
         """POST /slots/ID?action=save|restore|erase (protocol.SlotAction) on a session
