@@ -208,6 +208,22 @@ class SlotAction:
     filename: str = ""              # a plain file name in --slot-save-path (save, restore)
 
 
+def valid_filename(name):
+    """llama.cpp's fs_validate_filename (no subfolders): a plain file name, no path
+    separator, no "..", no control or reserved characters, not ending in a space or
+    a dot."""
+    if not isinstance(name, str) or not name or len(name.encode("utf-8", "surrogatepass")) > 255:
+        return False
+    for ch in name:
+        c = ord(ch)
+        if c <= 0x1F or c == 0x7F or 0x80 <= c <= 0x9F or c in (0xFF0E, 0x2215, 0x2216) \
+                or 0xD800 <= c <= 0xDFFF or c in (0xFFFD, 0xFEFF) or ch in ':*?"<>|/\\':
+            return False
+    if name[0] == " " or name[-1] in " .":
+        return False
+    return ".." not in name and name != "."
+
+
 def encode_slot_action(a):
     return _fields_of(a)
 

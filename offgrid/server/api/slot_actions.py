@@ -16,7 +16,7 @@ llama-server's 501.  ``?model=NAME`` picks the model on a server of several.
 from urllib.parse import parse_qs, unquote
 
 from ... import protocol
-from ...engine.slotfile import valid_filename
+from ...protocol import valid_filename
 from ...request import RequestCancel
 from ..httpd.httperrors import BadRequest, HTTPError
 
