@@ -185,9 +185,9 @@ def parse_args(argv=None):
                    "server stops, read back when a request would use them (default: "
                    "offgrid/states under $XDG_CACHE_HOME or ~/.cache)")
     p.add_argument("--no-cache-disk", action="store_true",
-                   help="keep prompt states in memory only (no --cache-dir)")
+                   help="keep prompt states in memory only, never on disk")
     p.add_argument("--cache-disk-max", type=int, default=4096, metavar="MIB",
-                   help="most MiB of prompt states a model writes to --cache-dir (default 4096)")
+                   help="most MiB of prompt states written to disk per model (default 4096)")
     p.add_argument("--slot-save-path", metavar="DIR", default=None,
                    help="folder for POST /slots/ID?action=save|restore files (llama-server's "
                    "flag; without it the slot actions are refused)")
