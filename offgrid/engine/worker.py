@@ -559,13 +559,22 @@ class Worker:
         pool's choice among free sessions)."""
         sessions = self.loaded.sessions
 
+        states = self.loaded.states
+
         def plan_of(tokens):
             if 0 <= id_slot < len(sessions):
                 cached = list(sessions[id_slot].cached)
             else:
                 cached = max((list(x.cached) for x in sessions),
                              key=lambda c: cachereuse.common_prefix(c, tokens))
-            return cachereuse.plan(cached, tokens, cache_reuse)
+            plan = cachereuse.plan(cached, tokens, cache_reuse)
+            if states is not None:
+                # a kept state the session would restore first (statecache.py)
+                found, _ = states.best(tokens, cache_reuse, True, plan.reused,
+                                       exact_tail=self.model.n_swa > 0)
+                if found is not None:
+                    plan = cachereuse.plan(found[1].tokens, tokens, cache_reuse)
+            return plan
         return plan_of
 
     def _constraint(self, schema, grammar):

@@ -116,6 +116,9 @@ def offgrid_flags(argv):
     per_session_ctx(out, kv_unified="--kv-unified" in argv)
     if "--metrics" not in argv:
         out.append("--no-metrics")      # llama-server's /metrics is off unless asked for
+    # llama-server keeps prompt states in memory only: none on disk, where one test's
+    # server would find another's after a restart
+    out.append("--no-cache-disk")
     return out, dropped, as_default, on_purpose
 
 
