@@ -186,6 +186,22 @@ def parse_args(argv=None):
     p.add_argument("--cache-reuse", type=int, default=64,
                    help="FIM requests move cached runs of at least N tokens to where the new "
                    "prompt needs them instead of recomputing them (default 64; 0: off)")
+    p.add_argument("-cram", "--cache-ram", type=int, default=None, metavar="MIB",
+                   help="prompt states kept in memory per model, restored into any session "
+                   "when a prompt comes back (two clients taking turns on -np 1), in MiB "
+                   "(default: a quarter of the memory free when the model loads, at most "
+                   "8192; -1: no limit; 0: off)")
+    p.add_argument("--cache-dir", metavar="DIR", default=None,
+                   help="where prompt states go when a model sleeps, is unloaded or the "
+                   "server stops, read back when a request would use them (default: "
+                   "offgrid/states under $XDG_CACHE_HOME or ~/.cache)")
+    p.add_argument("--no-cache-disk", action="store_true",
+                   help="keep prompt states in memory only, never on disk")
+    p.add_argument("--cache-disk-max", type=int, default=4096, metavar="MIB",
+                   help="most MiB of prompt states written to disk per model (default 4096)")
+    p.add_argument("--slot-save-path", metavar="DIR", default=None,
+                   help="folder for POST /slots/ID?action=save|restore files (llama-server's "
+                   "flag; without it the slot actions are refused)")
     p.add_argument("--spm-infill", action="store_true",
                    help="lay fill-in-the-middle prompts out suffix first (suffix/prefix/middle), "
                    "as some code models were trained; llama-server's flag (default: prefix first)")
@@ -340,6 +356,16 @@ def main(argv=None):
     except ValueError as e:
         print("offgrid: %s" % e, file=sys.stderr)
         return 2
+    if args.slot_save_path:
+        # llama-server makes the folder too; the workers write into it
+        args.slot_save_path = os.path.abspath(os.path.expanduser(args.slot_save_path))
+        try:
+            os.makedirs(args.slot_save_path, exist_ok=True)
+        except OSError as e:
+            print("offgrid: cannot make --slot-save-path %s: %s" % (args.slot_save_path,
+                                                                     e.strerror),
+                  file=sys.stderr)
+            return 2
     if not is_loopback(args.host) and not api_keys:
         print("offgrid: warning: listening on %s without an API key; anyone who can reach "
               "this address can use the server (set --api-key)" % args.host, file=sys.stderr)
@@ -397,6 +423,7 @@ def main(argv=None):
                                                 ("slots", args.slots),
                                                 ("embeddings", args.embeddings)) if not on],
                       shelf=shelf, fim_given=fim is not None)
+    service.slot_save_path = args.slot_save_path
     httpd.RequestHandlerClass.service = service
     shelf.start_reaper()
     # preset models marked load-on-startup, and --pin ones, load meanwhile

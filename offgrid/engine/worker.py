@@ -32,6 +32,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from .. import libllama, protocol
 from ..jobs import Threads
@@ -44,12 +45,13 @@ from ..chat.template import ReplyFormat, new_tool_call_id
 from ..errors import InvalidRequest, OffgridError, PromptTooLong
 from ..request import RequestCancel
 from .embed import POOLING, Embedder, model_pooling, to_le
-from . import cachereuse, promptfit, rpc
+from . import cachereuse, promptfit, rpc, slotfile, statedisk
 from .fill import IdleFill
 from .infill import layout_infill
 from .draftmodel import DraftModel
 from .model import Model
 from .pacing import StreamPacer
+from .statecache import StateCache
 from .session import (ChatSession, context_size, decode_threads, pause_pools, shared_decoder,
                       take_turns_with)
 
@@ -117,6 +119,7 @@ class Loaded:
         self.template = None
         template_for(self)      # a template that cannot be used fails the load
         self.embedder = embedder or Embedder.for_model(model, n_ctx=sessions[0].n_ctx)
+        self.states = None          # the sessions' StateCache (engine/statecache.py)
 
     @classmethod
     def load(cls, args, progress=True, on_rpc_stall=None, on_sized=None):
@@ -154,7 +157,11 @@ class Loaded:
                 model, args.pooling, n_ctx=sessions[0].n_ctx, n_batch=args.batch_size,
                 n_ubatch=args.ubatch_size,
                 threads=decode_threads(model, args.threads, args.threads_batch))
-            return cls(model, sessions, args.chat_template, embedder, decoder, draft_model)
+            loaded = cls(model, sessions, args.chat_template, embedder, decoder, draft_model)
+            loaded.states = make_states(args, model, sessions[0])
+            for s in sessions:
+                s.use_states(loaded.states)
+            return loaded
         except BaseException:
             for s in sessions:
                 s.close()
@@ -199,6 +206,28 @@ class Loaded:
     def kv_bytes(self):
         """The KV caches' size, from the model's shape (f16 keys and values)."""
         return kv_bytes_of(self.model.meta, self.sessions[0].n_ctx * len(self.sessions))
+
+
+def make_states(args, model, session):
+    """The StateCache of --cache-ram (MiB; -1: no bound) and --cache-dir, or None where
+    both are off; the states on disk are listed (read when one is wanted)."""
+    mib = getattr(args, "cache_ram", 0) or 0
+    disk = None
+    if args.cache_dir and args.cache_disk_max > 0:
+        try:
+            ident = statedisk.identity(model.path, model.lib.path, {
+                "n_ctx": session.n_ctx, "n_batch": session.n_batch,
+                "swa_full": not args.no_swa_full, "n_seq": session.decoder.ctx.n_ctx,
+                "cache_type": "f16"})
+            disk = statedisk.StateDisk(args.cache_dir, ident, args.cache_disk_max << 20)
+        except OSError as e:
+            logging.getLogger("offgrid.statedisk").warning(
+                "prompt states on disk off: %s", e)
+    if mib == 0 and disk is None:
+        return None
+    states = StateCache(-1 if mib < 0 else mib << 20, disk)
+    states.adopt_disk()
+    return states
 
 
 def kv_bytes_of(meta, n_cells):
@@ -251,6 +280,7 @@ class Worker:
         # what a budget dropped goes into the cache while no frame is served (fill.py)
         self.fill = IdleFill(self._jobs, self.prompt_rate)
         self._last_fit = None           # (fitted tokens, whole prompt) of the last fit
+        self.slot_save_path = None      # --slot-save-path: POST /slots/ID?action=save|restore
 
     # -- frames out ---------------------------------------------------------------
     def send(self, obj):
@@ -378,6 +408,70 @@ class Worker:
         """How many tokens each session's cache holds now (a request may be running)."""
         return [len(s.cached) for s in self.loaded.sessions]
 
+    def call_states(self):
+        """The kept prompt states (engine/statecache.py): counts and bytes; None when off."""
+        st = self.loaded.states
+        return st.stats() if st is not None else None
+
+    def call_save_states(self):
+        """Write the kept prompt states, and the sessions' own caches where no request
+        runs, to --cache-dir (the front asks before the worker goes: sleep, unload,
+        shutdown); how many files were written."""
+        st = self.loaded.states
+        if st is None or st.disk is None:
+            return {"written": 0}
+        live = []
+        with self._lock:
+            running = bool(self._cancels)
+        if not running:
+            for s in self.loaded.sessions:
+                data = s.copy_state()
+                if data is not None:
+                    live.append((list(s.cached), data))
+        return {"written": st.to_disk(live)}
+
+    def call_slot_action(self, action):
+        """POST /slots/ID?action=save|restore|erase (protocol.SlotAction) on a session
+        the front holds for it: llama-server's result object."""
+        a = protocol.decode_slot_action(action)
+        session = self.loaded.sessions[a.id_slot]
+        t0 = time.perf_counter()
+        if a.action == "erase":
+            n = len(session.cached)
+            session.reset()
+            return {"id_slot": a.id_slot, "n_erased": n}
+        folder = self.slot_save_path
+        if not folder or not slotfile.valid_filename(a.filename):
+            raise InvalidRequest("Invalid filename")
+        path = os.path.join(folder, a.filename)
+        if a.action == "save":
+            tokens = list(session.cached)
+            state = session.copy_state() if tokens else None
+            if state is None:
+                raise OffgridError("Unable to save slot: it holds no cache to save"
+                                   if not tokens else "Unable to save slot")
+            try:
+                n_bytes = slotfile.write(path, tokens, state)
+            except OSError as e:
+                raise OffgridError("Unable to save slot: %s" % e.strerror)
+            return {"id_slot": a.id_slot, "filename": a.filename, "n_saved": len(tokens),
+                    "n_written": n_bytes,
+                    "timings": {"save_ms": (time.perf_counter() - t0) * 1000.0}}
+        try:
+            tokens, state, n_read = slotfile.read(path, self.model.n_vocab)
+            if len(tokens) > session.n_ctx:
+                raise slotfile.SlotFileError("Restored prompt does not fit in the slot context")
+            if not session.load_state(tokens, state):
+                raise slotfile.SlotFileError("No available space in KV cache or invalid slot "
+                                             "save file")
+        except (OSError, slotfile.SlotFileError) as e:
+            session.reset()
+            raise InvalidRequest("Unable to restore slot: %s"
+                                 % (e.strerror if isinstance(e, OSError) else e))
+        return {"id_slot": a.id_slot, "filename": a.filename, "n_restored": len(tokens),
+                "n_read": n_read, "cached": tokens,
+                "timings": {"restore_ms": (time.perf_counter() - t0) * 1000.0}}
+
     def call_batching(self):
         """Decode steps made so far, how many of them carried several sessions' work, and
         the sessions they carried in all."""
@@ -487,13 +581,22 @@ class Worker:
         pool's choice among free sessions)."""
         sessions = self.loaded.sessions
 
+        states = self.loaded.states
+
         def plan_of(tokens):
             if 0 <= id_slot < len(sessions):
                 cached = list(sessions[id_slot].cached)
             else:
                 cached = max((list(x.cached) for x in sessions),
                              key=lambda c: cachereuse.common_prefix(c, tokens))
-            return cachereuse.plan(cached, tokens, cache_reuse)
+            plan = cachereuse.plan(cached, tokens, cache_reuse)
+            if states is not None:
+                # a kept state the session would restore first (statecache.py)
+                found, _ = states.best(tokens, cache_reuse, True, plan.reused,
+                                       exact_tail=self.model.n_swa > 0)
+                if found is not None:
+                    plan = cachereuse.plan(found[1].tokens, tokens, cache_reuse)
+            return plan
         return plan_of
 
     def _constraint(self, schema, grammar):
@@ -784,6 +887,7 @@ def main(argv=None):
     worker = Worker(loaded, out, args.reasoning, args.reasoning_format, out_lock,
                     args.spec_type, args.stream_interval_ms / 1000.0, args.spm_infill,
                     args.tool_call_rescue)
+    worker.slot_save_path = args.slot_save_path
     worker.send({"op": "ready", "info": protocol.encode_info(loaded.info())})
     worker.serve(inp)
     # The front is gone.  Requests may still be running on other threads

@@ -56,6 +56,7 @@ SAME_VALUE = {
     "--reasoning-format": "--reasoning-format", "--tags": "--tags",
     "-md": "-md", "--model-draft": "-md", "--spec-draft-n-max": "--spec-draft-n-max",
     "--spec-draft-n-min": "--spec-draft-n-min",
+    "--slot-save-path": "--slot-save-path", "--cache-ram": "--cache-ram", "-cram": "--cache-ram",
 }
 # --spec-type values offgrid has (request.SPEC_TYPES); any other is dropped
 SPEC_TYPES = {"none", "ngram-simple", "draft-simple"}
@@ -121,6 +122,9 @@ def offgrid_flags(argv):
     per_session_ctx(out, kv_unified="--kv-unified" in argv)
     if "--metrics" not in argv:
         out.append("--no-metrics")      # llama-server's /metrics is off unless asked for
+    # llama-server keeps prompt states in memory only: none on disk, where one test's
+    # server would find another's after a restart
+    out.append("--no-cache-disk")
     return out, dropped, as_default, on_purpose
 
 
