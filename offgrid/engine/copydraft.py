@@ -277,7 +277,9 @@ def drafter_for(spec_type, chat, fim, prompt_text):
     CopyDraft; the others keep their meaning for the rest: ``edits`` (the
     default) drafts nothing else, ``auto`` looks up drafts for /completion
     and fill-in-the-middle, ``ngram-simple`` for every request, ``ngram-mod``
-    drafts every request as a copy.
+    drafts every request as a copy, ``draft-simple`` the others with the
+    draft model (-md; "lookup": the session's own drafter, which is then the
+    draft model's).
     """
     if spec_type == "none":
         return ""
@@ -285,6 +287,6 @@ def drafter_for(spec_type, chat, fim, prompt_text):
         return "copy"
     if not fim and carries_answer(prompt_text()):
         return "copy"
-    if spec_type == "ngram-simple" or (spec_type == "auto" and not chat):
+    if spec_type in ("ngram-simple", "draft-simple") or (spec_type == "auto" and not chat):
         return "lookup"
     return ""
