@@ -319,6 +319,9 @@ def run_continuation(servers, order, reps, rnd):
     return out
 
 
+EDIT_ONLY = []      # --edit-scenario: the edit scenarios to run (default all)
+
+
 def edit_variants(args):
     """{variant: (server, Config)}: offgrid with its default --spec-type and with
     none (the figure before copy drafts), llama-server without speculation and
@@ -343,7 +346,7 @@ def run_edits(servers, order, reps, rnd):
         scenarios.warm_up(servers[key].port)
     i = 0
     for _ in range(reps):
-        for scen in edits.N_PREDICT:
+        for scen in EDIT_ONLY or edits.N_PREDICT:
             for key in (order if i % 2 == 0 else order[::-1]):
                 server, _, spec = key.partition("+")
                 name = "edit_" + scen + ("" if not spec else
@@ -754,6 +757,8 @@ def parse_args(argv=None):
     p.add_argument("--stock-bin", help="folder with the stock llama-server "
                    "(default: scripts/build_lib.sh --stock-server)")
     p.add_argument("--no-llama-bench", action="store_true")
+    p.add_argument("--edit-scenario", action="append", choices=tuple(edits.N_PREDICT),
+                   help="the edits phase runs only these scenarios (repeatable; default all)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "latest.json"))
     p.add_argument("--markdown", action="store_true", help="also print the table as Markdown")
     args = p.parse_args(argv)
@@ -776,6 +781,7 @@ def selected_phases(args, fim):
 
 def main(argv=None):
     args = parse_args(argv)
+    EDIT_ONLY[:] = args.edit_scenario or []
     # SIGTERM unwinds like Ctrl-C, so the server being measured is stopped too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t_start = time.monotonic()

@@ -73,6 +73,7 @@ class CopyDraft(PromptLookup):
     near_bonus = 8          # a candidate near the copy's place counts as this much longer
     near_window = 48        # tokens after the copy's place that count as near it
     max_candidates = 64     # the latest positions of a bigram looked at
+    long_match = 24         # a match this long drafts at the longest size at once
     rule_max = 8            # the longest change (in tokens) made again
     max_rules = 8           # changes kept
 
@@ -85,10 +86,15 @@ class CopyDraft(PromptLookup):
         self._rules = []        # [(old, new)]: changes the text made to the copy, latest first
         self._last_match = 0
         self._need = self.min_match     # the match a draft needs now (see _adapt)
+        self._cap = self.k_max
         super().__init__(tokens, clock=clock)
         if k_max is not None:
             self.k_max = k_max
         self.k = min(self.k_start, self.k_max)
+
+    def draft(self, k):
+        self._cap = k       # the session's cap: lookup() may draft up to it at once
+        return super().draft(k)
 
     def _index(self, i):
         t = self.tokens
@@ -172,6 +178,9 @@ class CopyDraft(PromptLookup):
             k = min(k, SIZES[0])
         elif best_len < 8:
             k = min(k, SIZES[1])
+        elif best_len >= self.long_match:
+            # a long stretch already copied: the copy is sure, draft long at once
+            k = max(k, min(self._cap, self.k_max))
         if self._div is None or src <= best <= src + self.near_window:
             self._resync(best, matched)
             self._src = best
