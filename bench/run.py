@@ -31,6 +31,9 @@ gives every phase N.
                                                                         during a stream
     editor         code   -np 1 -b 1024 -ub 1024                1       /infill typing replay
     editor-gemma   gemma FIM copy, -np 1 -b 2048 -ub 512        1       the same, faster
+    edits          code   -np 1 -c 8192, together: offgrid      1       the edit scenarios
+                          default and none, llama-server plain          (bench/edits.py)
+                          and its n-gram --spec-types
     busy           see busy.py                                  once
 
 "code" is --code-model (Qwen2.5-Coder-0.5B), "gemma" --model.  The stock
