@@ -207,7 +207,18 @@ def edit_samples(model, session):
                                   sampling=SamplingParams(temperature=0.0))
         got = session.complete(prompt, params)
         out.append((name, prompt, list(got.tokens)))
+        # the same answer with the change the request asks for made (a small
+        # model copies without making it): where drafts must follow an edit
+        old, new = EDITED[name]
+        if old in got.text:
+            edited = model.tokenize(got.text.replace(old, new), add_special=False,
+                                    parse_special=False)
+            out.append((name + "+edit", prompt, edited))
     return out
+
+
+EDITED = {"next_edit": ("n_kv", "kv_count"), "apply_edit": ("metadata", "meta"),
+          "rewrite": ("_read_exact", "_read_bytes")}
 
 
 def copy_runs(prompt, output):
@@ -257,11 +268,45 @@ def copydraft_time(prompt, output, cost):
     return total, drafted, accepted, steps
 
 
+def ngram_mod_time(prompt, output, cost, n=24, n_min=48, n_max=64):
+    """The time llama.cpp's ngram-mod schedule takes with these costs, as its
+    code (common/speculative.cpp) reads: each n-gram of ``n`` tokens maps to
+    the token that followed it last; a draft chains those up to ``n_max`` and
+    is made only if it reaches ``n_min``."""
+    t = list(prompt)
+    mod = {tuple(t[i:i + n]): t[i + n] for i in range(len(t) - n)}
+    last = max(0, len(t) - n)
+    t.append(output[0])
+    pos, total = 1, 0.0
+    while pos < len(output):
+        if last + 32 < len(t):
+            for i in range(last, len(t) - n):
+                mod[tuple(t[i:i + n])] = t[i + n]
+            last = len(t) - n
+        ctx, d = t[-n:], []
+        while len(d) < n_max:
+            nx = mod.get(tuple(ctx[-n:]))
+            if nx is None:
+                break
+            d.append(nx)
+            ctx.append(nx)
+        if len(d) < n_min:
+            d = []
+        total += cost[1 + len(d)]
+        h = 0
+        while h < len(d) and pos + h < len(output) and output[pos + h] == d[h]:
+            h += 1
+        t.extend(output[pos:pos + h + 1])
+        pos += h + 1
+    return total
+
+
 def judge_edits(prompt, output, cost):
     runs = copy_runs(prompt, output)
     plain = fixed_time(runs, cost, 0)
     t, drafted, accepted, steps = copydraft_time(prompt, output, cost)
     return {
+        "ngram_mod": plain / ngram_mod_time(prompt, output, cost),
         "tokens": len(output),
         "drafted_true_share": sum(1 for r in runs if r > 0) / max(1, len(runs)),
         "oracle": plain / oracle_time(runs, cost, EDIT_K),
@@ -287,7 +332,7 @@ def run_edits(model, session, report):
     context = statistics.median(len(s[1]) for s in samples)
     ctx_tokens = samples[0][1][:int(context)]
     session.reset()
-    sizes = sorted({1 + k for k in EDIT_K})
+    sizes = sorted({1 + k for k in EDIT_K} | {2})
     cost = interpolated(verify_costs(session, ctx_tokens, sizes=sizes))
     rel = {n: cost[n] / cost[1] for n in sizes}
     judged = [(label, judge_edits(prompt, out, cost)) for label, prompt, out in samples]
@@ -300,9 +345,10 @@ def run_edits(model, session, report):
     print("  verify decode of n tokens / a single one: " +
           ", ".join("%d: %.2f" % (n, rel[n]) for n in sizes))
     for label, j in judged:
-        print("  %-10s %4d tokens: oracle %.2fx, copydraft %.2fx (acceptance %.0f%%, mean "
-              "accepted length %.1f), fixed k %s" % (
-                  label, j["tokens"], j["oracle"], j["copydraft"], 100 * j["acceptance"],
+        print("  %-15s %4d tokens: oracle %.2fx, copydraft %.2fx, ngram-mod %.2fx (copydraft: "
+              "acceptance %.0f%%, mean accepted length %.1f), fixed k %s" % (
+                  label, j["tokens"], j["oracle"], j["copydraft"], j["ngram_mod"],
+                  100 * j["acceptance"],
                   j["mean_len"], " ".join("%d:%.2f" % kv for kv in j["fixed"].items())))
     print("  a drafter always right: %.2fx" % max(n / rel[n] for n in rel))
 
