@@ -268,7 +268,7 @@ class StateCache:
     def stats(self):
         with self._lock:
             in_mem = [s for s in self._states.values() if s.data is not None]
-            out = {"states": len(in_mem), "bytes": self.bytes, "limit": self.limit,
+            out = {"states": len(in_mem), "bytes": self.bytes,
                    "tokens": sum(len(s.tokens) for s in in_mem),
                    "hits": self.hits, "misses": self.misses, "saves": self.saves,
                    "evictions": self.evictions, "failures": self.failures}
