@@ -177,6 +177,9 @@ class WorkerSettings:
     threads_batch: object
     spec_type: str                  # request.SPEC_TYPES
     spec_draft_n_max: int
+    model_draft: Optional[str]      # -md: the draft model's file (spec_type draft-simple)
+    spec_draft_n_min: int
+    spec_draft_p_min: float
     stream_interval_ms: float
     chat_template: Optional[str]    # Jinja text, or a built-in name
     pooling: Optional[str]          # request.POOLINGS; None: the model's
@@ -265,6 +268,8 @@ class ModelInfo:
     rank_head: bool                 # a reranker's classification head (pooling_type rank)
     devices: list                   # where its layers are: the CPU, then each --rpc device
     speculative: bool               # its requests may draft (--spec-type other than none)
+    draft: str                      # the draft model's file name (-md), "" without one
+    draft_bytes: int                # its file and KV cache, held beside the model's
 
 
 def encode_info(info):

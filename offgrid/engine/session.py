@@ -162,15 +162,17 @@ class ChatSession:
 
     def __init__(self, model, n_ctx=4096, n_batch=512, n_ubatch=None, n_threads=None,
                  n_threads_batch=None, swa_full=True, threads=None, draft_max=0,
-                 context_shift=False, decoder=None):
+                 context_shift=False, decoder=None, draft_model=None):
         """``decoder``: the BatchDecoder (shared_decoder) this session is one
         member of; without it the session has a context of its own, made from
         n_ctx, n_batch, n_ubatch, swa_full and threads (the worker's
         DecodeThreads) or n_threads / n_threads_batch (None or "auto":
         adaptive, engine/threads.py).  ``draft_max``: speculative drafts of up
         to this many tokens from the request's own text (0: none; --spec-type
-        ngram-simple).  ``context_shift``: a full context drops part of its
-        past instead of ending the reply (--context-shift)."""
+        ngram-simple), or from ``draft_model`` (an engine.draftmodel.DraftModel
+        whose sequence ``index`` of this session is this session's: -md).
+        ``context_shift``: a full context drops part of its past instead of
+        ending the reply (--context-shift)."""
         self._owns_decoder = decoder is None
         if decoder is None:
             decoder = shared_decoder(model, 1, n_ctx, n_batch, n_ubatch, swa_full, threads,
@@ -180,6 +182,7 @@ class ChatSession:
         self._member = decoder.member()
         self.threads = decoder.threads
         self.draft_max = draft_max
+        self.draft_model = draft_model
         self._ctx = decoder.ctx
         base = SEQS_PER_SESSION * self._member.index
         self._seq, self._gap, self._pin = base + SEQ_PROMPT, base + SEQ_GAP, base + SEQ_PIN
@@ -702,7 +705,7 @@ class ChatSession:
         # Speculation (see _speculation): ``pending`` holds the drafted tokens
         # decoded after the last kept one, not yet checked; ``idx`` is the batch
         # index of the output of the last decode the sampler reads.
-        lookup = self._speculation(prompt, params, reader)
+        lookup = self._speculation(prompt, params, reader, cancel)
         pending, idx = [], self._out
         drafted = accepted = 0
 
@@ -784,6 +787,9 @@ class ChatSession:
             if lookup is not None:
                 room = min(self.n_ctx - n_past - 2, self.n_batch - 1,
                            limit - len(out_tokens) - 1 if limit is not None else self.n_batch)
+                # the logits are read: the others' steps need not wait for
+                # this draft (a draft model's decodes take a while)
+                self._member.release()
                 draft = lookup.draft(min(self.draft_max, room))
             status = self._decode_one(token, n_past, draft)
             if status == 2:
@@ -829,8 +835,9 @@ class ChatSession:
     draft_probation = 32
     draft_keep = 0.3
 
-    def _speculation(self, prompt, params, reader):
-        """A PromptLookup for this request, or None where it cannot draft.
+    def _speculation(self, prompt, params, reader, cancel=None):
+        """A PromptLookup (or the draft model's drafter) for this request, or
+        None where it cannot draft.
 
         Not with token probabilities (the reader reads one output), nor with a
         grammar or the tool-call rescue's (a draft the grammar forbids is only
@@ -843,6 +850,8 @@ class ChatSession:
                 or params.sampling.rescue_grammar is not None \
                 or params.n_predict == 1:
             return None
+        if self.draft_model is not None:
+            return self.draft_model.drafter(self._member.index, prompt, cancel)
         return PromptLookup(prompt)
 
     def _drop_after(self, n):

@@ -48,6 +48,7 @@ from .embed import POOLING, Embedder, model_pooling, to_le
 from . import cachereuse, promptfit, rpc, slotfile, statedisk
 from .fill import IdleFill
 from .infill import layout_infill
+from .draftmodel import DraftModel
 from .model import Model
 from .pacing import StreamPacer
 from .statecache import StateCache
@@ -108,10 +109,12 @@ class Loaded:
     """The model, its sessions, its chat template (what chat.select keeps on it) and
     its Embedder (whose context is made on the first embedding request)."""
 
-    def __init__(self, model, sessions, chat_template=None, embedder=None, decoder=None):
+    def __init__(self, model, sessions, chat_template=None, embedder=None, decoder=None,
+                 draft_model=None):
         self.model = model
         self.sessions = sessions
         self.decoder = decoder      # the sessions' shared context (engine/batch.py)
+        self.draft_model = draft_model      # -md (engine/draftmodel.py), or None
         self.chat_template = chat_template
         self.template = None
         template_for(self)      # a template that cannot be used fails the load
@@ -127,28 +130,34 @@ class Loaded:
                            progress=progress, rpc_endpoints=rpc.split_endpoints(args.rpc),
                            n_gpu_layers=args.n_gpu_layers, tensor_split=args.tensor_split,
                            repack=not args.no_repack, on_rpc_stall=on_rpc_stall)
+        n_sessions = max(1, args.parallel)
         if on_sized is not None:
-            n_sessions = max(1, args.parallel)
             on_sized(kv_bytes_of(model.meta, context_size(model, args.ctx_size) * n_sessions))
         sessions = []
-        decoder = None
+        decoder = draft_model = None
         threads = decode_threads(model, args.threads, args.threads_batch)
         try:
             # one context for every session, whose decodes are batched together
             decoder = shared_decoder(model, max(1, args.parallel), n_ctx=args.ctx_size,
                                      n_batch=args.batch_size, n_ubatch=args.ubatch_size,
                                      swa_full=not args.no_swa_full, threads=threads)
-            for _ in range(max(1, args.parallel)):
+            if args.spec_type == "draft-simple" and args.model_draft:
+                draft_model = DraftModel.load(
+                    args.model_draft, model, n_sessions, decoder.n_ctx_session,
+                    args.batch_size, args.ubatch_size, threads, args.spec_draft_n_min,
+                    args.spec_draft_p_min, lib_path=args.lib, verbose=args.verbose)
+            for _ in range(n_sessions):
                 sessions.append(ChatSession(
                     model, decoder=decoder, context_shift=args.context_shift,
-                    draft_max=args.spec_draft_n_max if args.spec_type != "none" else 0))
+                    draft_max=args.spec_draft_n_max if args.spec_type != "none" else 0,
+                    draft_model=draft_model))
             # the embedding context learns its thread counts on its own: its
             # decodes (every token an output) run at another speed than a prompt's
             embedder = Embedder.for_model(
                 model, args.pooling, n_ctx=sessions[0].n_ctx, n_batch=args.batch_size,
                 n_ubatch=args.ubatch_size,
                 threads=decode_threads(model, args.threads, args.threads_batch))
-            loaded = cls(model, sessions, args.chat_template, embedder, decoder)
+            loaded = cls(model, sessions, args.chat_template, embedder, decoder, draft_model)
             loaded.states = make_states(args, model, sessions[0])
             for s in sessions:
                 s.use_states(loaded.states)
@@ -156,6 +165,8 @@ class Loaded:
         except BaseException:
             for s in sessions:
                 s.close()
+            if draft_model is not None:
+                draft_model.close()
             if decoder is not None:
                 decoder.close()
             model.close()
@@ -165,6 +176,8 @@ class Loaded:
         self.embedder.close()
         for s in self.sessions:
             s.close()
+        if self.draft_model is not None:
+            self.draft_model.close()
         if self.decoder is not None:
             self.decoder.close()
         self.model.close()
@@ -179,7 +192,16 @@ class Loaded:
             caps=self.template.caps.as_dict(), meta=m.meta, kv_bytes=self.kv_bytes(),
             n_embd_out=m.n_embd_out, pooling=self.embedder.pooling,
             rank_head=model_pooling(m) == POOLING["rank"], devices=m.devices,
-            speculative=any(s.draft_max > 0 for s in self.sessions))
+            speculative=any(s.draft_max > 0 for s in self.sessions),
+            draft=self.draft_model.model.name if self.draft_model is not None else "",
+            draft_bytes=self.draft_bytes())
+
+    def draft_bytes(self):
+        """The draft model's file and KV cache (-md), 0 without one."""
+        d = self.draft_model
+        if d is None:
+            return 0
+        return os.path.getsize(d.model.path) + kv_bytes_of(d.model.meta, d.ctx.n_ctx)
 
     def kv_bytes(self):
         """The KV caches' size, from the model's shape (f16 keys and values)."""
@@ -842,8 +864,13 @@ def main(argv=None):
         # what the KV caches will take, before they are made: the front's default
         # memory ceiling counts them (server/workers.py)
         with out_lock:
+            # a draft model (-md) is a second model in this process: its file,
+            # and a KV cache taken as large as the model's (its shape is not
+            # read yet; a smaller draft's is less)
+            draft = os.path.getsize(args.model_draft) if args.model_draft else 0
             out.write(protocol.encode({"op": "sizing", "kv_bytes": kv_bytes,
-                                       "file_size": os.path.getsize(args.model)}))
+                                       "file_size": os.path.getsize(args.model),
+                                       "draft_bytes": draft + kv_bytes if draft else 0}))
             out.flush()
 
     try:

@@ -21,11 +21,20 @@ from .worker_client import WorkerClient
 
 def worker_settings(path, args, chat_template=None, decode_lock=None):
     """The engine's share of our flags for one model (``protocol.WorkerSettings``)."""
+    # -md drafts for -m's model alone: the shelf's others need not share its vocabulary
+    draft = getattr(args, "model_draft", None)
+    model = getattr(args, "model", None)
+    if draft and not (model and os.path.realpath(model) == os.path.realpath(path)):
+        draft = None
+    spec_type = args.spec_type if draft or args.spec_type != "draft-simple" else "none"
     return protocol.WorkerSettings(
         model=path, ctx_size=args.ctx_size, batch_size=args.batch_size,
         ubatch_size=args.ubatch_size, parallel=max(1, args.parallel), threads=args.threads,
-        threads_batch=args.threads_batch, spec_type=args.spec_type,
-        spec_draft_n_max=args.spec_draft_n_max, stream_interval_ms=args.stream_interval_ms,
+        threads_batch=args.threads_batch, spec_type=spec_type,
+        spec_draft_n_max=args.spec_draft_n_max, model_draft=draft,
+        spec_draft_n_min=getattr(args, "spec_draft_n_min", 0),
+        spec_draft_p_min=getattr(args, "spec_draft_p_min", 0.0),
+        stream_interval_ms=args.stream_interval_ms,
         chat_template=chat_template, pooling="rank" if args.reranking else args.pooling,
         no_swa_full=args.no_swa_full, no_repack=args.no_repack,
         context_shift=args.context_shift, spm_infill=args.spm_infill,
@@ -74,12 +83,19 @@ def default_max_rss(info, cache_bytes=0):
     """A worker's memory ceiling: its model file, its KV caches, its kept prompt states
     (``cache_bytes``: --cache-ram) and a margin for the rest (compute buffers, the
     logits of a batch, Python): half the model, 1 GiB at least."""
-    return ceiling_of(info.file_size, info.kv_bytes + cache_bytes)
+    return (ceiling_of(info.file_size, info.kv_bytes + cache_bytes)
+            + draft_ceiling(info.draft_bytes))
 
 
 def ceiling_of(file_size, kv_bytes):
     """default_max_rss of a model file of ``file_size`` bytes and KV caches of ``kv_bytes``."""
     return file_size + kv_bytes + max(1 << 30, file_size // 2)
+
+
+def draft_ceiling(draft_bytes):
+    """What a draft model (-md) of ``draft_bytes`` (its file and KV cache) adds to the
+    ceiling: a second model's share, compute buffers and margin included."""
+    return ceiling_of(draft_bytes, 0) if draft_bytes else 0
 
 
 # A preset's settings that are our flags, by their argparse names.
@@ -134,8 +150,9 @@ def start_worker(entry, args, decode_lock=None):
         max_rss = ceiling_of(file_size, cache_bytes)
 
         def sized(frame):
-            return ceiling_of(frame.get("file_size", file_size),
-                              frame.get("kv_bytes", 0) + cache_bytes)
+            return (ceiling_of(frame.get("file_size", file_size),
+                               frame.get("kv_bytes", 0) + cache_bytes)
+                    + draft_ceiling(frame.get("draft_bytes", 0)))
     elif args.worker_max_rss > 0:
         max_rss = int(args.worker_max_rss * (1 << 20))
     else:
