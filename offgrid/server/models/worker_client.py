@@ -155,6 +155,7 @@ class WorkerClient:
         self._alive_at = self._progress_at = time.monotonic()
         self._steps, self._running = 0, 0
         self._peeked = {}                   # method -> the last answer of a shelf read
+        self._peek_missed_at = None         # _alive_at when a shelf read last went unanswered
         self._closing = False
         self._failures = 0
         self._started_at = 0.0
@@ -493,11 +494,14 @@ class WorkerClient:
         """A shelf read (slots, threads, batching): the worker's answer within
         peek_timeout, else the last one it gave (None if none).  Never asks a
         worker that is not loaded or misses its heartbeat."""
-        if self.state != "ready" or self.unresponsive:
+        # one unanswered read is enough: the next ones (a /slots reads several)
+        # wait for the worker to be heard from again, so a page costs one timeout
+        if self.state != "ready" or self.unresponsive or self._peek_missed_at == self._alive_at:
             return self._peeked.get(method)
         try:
             value = self._call(method, method, {}, deadline=self.peek_timeout, peek=True)
         except (OffgridError, Unavailable):
+            self._peek_missed_at = self._alive_at
             return self._peeked.get(method)
         self._peeked[method] = value
         return value
