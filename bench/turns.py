@@ -91,10 +91,7 @@ def main(argv=None):
     found = bins() if any(n.startswith("llama") for n in names) else {}
     results = {"uptime_before": os.getloadavg(), "config": vars(args), "servers": {}}
     for name in names:
-        # offgrid's states in memory only, as llama-server's (none left on disk)
-        c = Config(cfg.model, cfg.threads, cfg.ctx, 1, 512, 512,
-                   extra=("--no-cache-disk",) if name == "offgrid" else ())
-        results["servers"][name] = run(SERVERS[name](c, found), texts, args.rounds)
+        results["servers"][name] = run(SERVERS[name](cfg, found), texts, args.rounds)
     results["uptime_after"] = os.getloadavg()
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     print("wrote %s" % args.out)
