@@ -228,6 +228,12 @@ class WorkerClient:
     # Seconds a worker gets to write its prompt states to --cache-dir before it goes
     # (engine/statedisk.py): a few hundred MiB at disk speed.
     persist_timeout = 30.0
+    # Whether the worker keeps prompt states on disk (launch.py: --cache-dir, not
+    # --no-cache-disk): only then is it asked to write them before it goes.
+    persist_states = False
+    # A worker not heard from (pong, frames) this recently is not asked: a stopped
+    # or stuck one would hold its close for persist_timeout.
+    persist_heard_within = 5.0
 
     def close(self, timeout=5.0):
         """End the worker: EOF on its stdin, then SIGKILL if it lingers.  Idempotent.
@@ -236,7 +242,9 @@ class WorkerClient:
         (``save_states``: sleep, unload and shutdown keep them for the next
         worker of the model); one that does not is not waited for."""
         with self._cond:
-            persist = not self._closing and self.state == "ready" and not self.unresponsive
+            persist = (self.persist_states and not self._closing and self.state == "ready"
+                       and not self.unresponsive
+                       and time.monotonic() - self._alive_at < self.persist_heard_within)
         if persist:
             try:
                 self._call("save_states", "save_states", {}, deadline=self.persist_timeout,
