@@ -31,6 +31,9 @@ gives every phase N.
                                                                         during a stream
     editor         code   -np 1 -b 1024 -ub 1024                1       /infill typing replay
     editor-gemma   gemma FIM copy, -np 1 -b 2048 -ub 512        1       the same, faster
+    edits          code   -np 1 -c 8192, together: offgrid      1       the edit scenarios
+                          default and none, llama-server plain          (bench/edits.py)
+                          and its n-gram --spec-types
     busy           see busy.py                                  once
 
 "code" is --code-model (Qwen2.5-Coder-0.5B), "gemma" --model.  The stock
@@ -67,6 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import busy as busy_phase  # noqa: E402
 import editor  # noqa: E402
+import edits  # noqa: E402
 import fimmodel  # noqa: E402
 import scenarios  # noqa: E402
 from servers import SERVERS, Config, CpuMeter  # noqa: E402
@@ -87,6 +91,36 @@ def _editor_rows(key, model):
         (key + "_cached_fraction", "", True,
          "editor replay (%s): mean cached fraction of the prompt" % model),
     ]
+
+
+EDIT_SCENARIOS = (("next_edit", "edit (a) next-edit: a 21-line window rewritten, Sweep prompt, "
+                                "/v1/completions"),
+                  ("apply_edit", "edit (b) apply-edit in chat: a 40-line function with a rename"),
+                  ("rewrite", "edit (c) whole-file rewrite in chat: ~150 lines, two edits"))
+
+
+def _edit_rows():
+    rows = []
+    for key, what in EDIT_SCENARIOS:
+        rows += [
+            ("%s_tok_s" % key, "tok/s", True,
+             "%s, greedy (offgrid default --spec-type; llama-server no speculation)" % what),
+            ("%s_spec_tok_s" % key, "tok/s", True,
+             "%s (offgrid default; llama-server its best n-gram --spec-type)" % what),
+            ("%s_plain_tok_s" % key, "tok/s", True,
+             "%s, offgrid --spec-type none (without drafts)" % what),
+        ] + [("%s_%s_tok_s" % (key, t), "tok/s", True,
+              "%s, llama-server --spec-type %s" % (what, t)) for t in SPEC_TYPES] + [
+            ("%s_wall_s" % key, "s", False,
+             "%s: request wall time (offgrid default; llama-server no speculation)" % what),
+            ("%s_spec_wall_s" % key, "s", False,
+             "%s: request wall time (offgrid default; llama-server its best n-gram)" % what),
+            ("%s_accept" % key, "", True,
+             "%s: drafted tokens that came true (offgrid default; llama-server its best)" % what),
+            ("%s_mean_len" % key, "", True,
+             "%s: mean accepted length, 1 + accepted per verify step (same)" % what),
+        ]
+    return rows
 
 
 # name -> (unit, higher_is_better, what); the order of the table
@@ -119,7 +153,7 @@ ROWS = [
     ("stall_max_gap_ms", "ms", False, "stall: the stream's longest wait for a token then"),
     ("stall_prompt_alone_s", "s", False, "stall: the 2,000-token prompt's wall time alone"),
     ("stall_prompt_during_s", "s", False, "stall: its wall time during the stream"),
-]
+] + _edit_rows()
 
 
 # -- machine ---------------------------------------------------------------------
@@ -288,6 +322,45 @@ def run_continuation(servers, order, reps, rnd):
     return out
 
 
+EDIT_ONLY = []      # --edit-scenario: the edit scenarios to run (default all)
+
+
+def edit_variants(args):
+    """{variant: (server, Config)}: offgrid with its default --spec-type and with
+    none (the figure before copy drafts), llama-server without speculation and
+    with each of SPEC_TYPES."""
+    cfg = Config(args.code_model, args.threads, 8192, 1, 512, 512)
+
+    def spec(t):
+        return dataclasses.replace(cfg, extra=("--spec-type", t))
+    out = {"offgrid": ("offgrid", cfg), "offgrid+none": ("offgrid", spec("none"))}
+    if "llama_server" in args.servers:
+        out["llama_server"] = ("llama_server", cfg)
+        for t in SPEC_TYPES:
+            out["llama_server+" + t] = ("llama_server", spec(t))
+    return {k: v for k, v in out.items() if v[0] in args.servers}
+
+
+def run_edits(servers, order, reps, rnd):
+    """The edit scenarios (bench/edits.py) on every variant, request by request,
+    alternating (ABC..CBA), one request of each scenario per variant per rep."""
+    out = {}
+    for key in order:
+        scenarios.warm_up(servers[key].port)
+    i = 0
+    for _ in range(reps):
+        for scen in EDIT_ONLY or edits.N_PREDICT:
+            for key in (order if i % 2 == 0 else order[::-1]):
+                server, _, spec = key.partition("+")
+                name = "edit_" + scen + ("" if not spec else
+                                         "_plain" if server == "offgrid" else "_" + spec)
+                sample, _ = quiet(edits.run_one, servers[key].port, scen)
+                sample["load"] = load()
+                merge(out.setdefault(server, {}), {name: {k: [v] for k, v in sample.items()}})
+            i += 1
+    return out
+
+
 def run_batched(port, reps, rnd, clients):
     scenarios.warm_up(port)
     out = {}
@@ -321,10 +394,12 @@ def phases(args, fim):
               run_editor("editor", args.keys)),
         Phase("editor-gemma", "editor-gemma", 1, cfg(1, 2048, 512, str(fim) if fim else None),
               run_editor("editor_gemma", args.keys)),
+        Phase("edits", "edits", 1, run=run_edits, variants=edit_variants(args)),
     ]
 
 
-PHASES = ("single", "continuation", "batched", "stall", "editor", "editor-gemma", "busy")
+PHASES = ("single", "continuation", "batched", "stall", "editor", "editor-gemma", "edits",
+          "busy")
 
 
 def for_server(cfg, name, args):
@@ -482,7 +557,46 @@ def figures(s):
     f["stall_max_gap_ms"] = med("stall", "max_gap_ms")
     f["stall_prompt_alone_s"] = med("stall", "prompt_alone_s")
     f["stall_prompt_during_s"] = med("stall", "prompt_during_s")
+    f.update(edit_figures(s, med))
     return {k: v for k, v in f.items() if v is not None}
+
+
+def edit_figures(s, med):
+    """The edit rows of one server's samples: llama-server's best n-gram variant
+    per scenario is the one with the highest median tok/s."""
+    f = {}
+
+    def sums(scen, key):
+        return sum(s[scen][key]) if s.get(scen, {}).get(key) else 0
+
+    def accept(scen):
+        n = sums(scen, "draft_n")
+        return sums(scen, "draft_n_accepted") / n if n else None
+
+    def mean_len(scen):
+        n = sums(scen, "draft_steps")
+        return 1 + sums(scen, "draft_n_accepted") / n if n else None
+
+    for key, _ in EDIT_SCENARIOS:
+        base = "edit_" + key
+        f[key + "_tok_s"] = med(base, "tps")
+        f[key + "_wall_s"] = med(base, "wall_s")
+        f[key + "_plain_tok_s"] = med(base + "_plain", "tps")
+        spec = {t: med("%s_%s" % (base, t), "tps") for t in SPEC_TYPES}
+        for t, v in spec.items():
+            f["%s_%s_tok_s" % (key, t)] = v
+        spec = {t: v for t, v in spec.items() if v is not None}
+        if spec:        # llama-server: its best n-gram option
+            best = max(spec, key=spec.get)
+            scen = "%s_%s" % (base, best)
+            f[key + "_spec_tok_s"] = spec[best]
+            f[key + "_spec_wall_s"] = med(scen, "wall_s")
+            f[key + "_accept"], f[key + "_mean_len"] = accept(scen), mean_len(scen)
+        elif base in s:     # offgrid: its default drafts
+            f[key + "_spec_tok_s"] = f[key + "_tok_s"]
+            f[key + "_spec_wall_s"] = f[key + "_wall_s"]
+            f[key + "_accept"], f[key + "_mean_len"] = accept(base), mean_len(base)
+    return f
 
 
 def best_spec_type(s):
@@ -493,7 +607,7 @@ def best_spec_type(s):
 
 
 def goals(result):
-    """(what, ratio or figure, goal, met) for the goals of issues #18 and #20."""
+    """(what, ratio or figure, goal, met) for the goals of issues #18, #20 and #40."""
     sc = result["scenarios"]
 
     def get(row, server):
@@ -537,6 +651,11 @@ def goals(result):
              get("batched_%d_tok_s" % n, "ratio"), ">=", 1.0)
     goal("#20 stall: offgrid's stream during another's 2,000-token prompt / alone",
          get("stall_kept", "offgrid"), ">=", 0.5)
+    for key, _ in EDIT_SCENARIOS:
+        goal("#40 %s, offgrid / llama-server without speculation (tok/s)" % key,
+             get(key + "_tok_s", "ratio"), ">=", 2.0)
+        goal("#40 %s, offgrid / llama-server's best n-gram (tok/s)" % key,
+             get(key + "_spec_tok_s", "ratio"), ">=", 1.2)
     return out
 
 
@@ -562,7 +681,7 @@ def table(result):
     g = goals(result)
     if g:
         lines.append("")
-        lines.append("goals (issues #18 and #20):")
+        lines.append("goals (issues #18, #20 and #40):")
         for what, value, bound, met in g:
             lines.append("  %-74s %8s  %-8s %s" % (what, "%.2f" % value, bound,
                                                     "met" if met else "NOT met"))
@@ -641,6 +760,8 @@ def parse_args(argv=None):
     p.add_argument("--stock-bin", help="folder with the stock llama-server "
                    "(default: scripts/build_lib.sh --stock-server)")
     p.add_argument("--no-llama-bench", action="store_true")
+    p.add_argument("--edit-scenario", action="append", choices=tuple(edits.N_PREDICT),
+                   help="the edits phase runs only these scenarios (repeatable; default all)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "latest.json"))
     p.add_argument("--markdown", action="store_true", help="also print the table as Markdown")
     args = p.parse_args(argv)
@@ -663,6 +784,7 @@ def selected_phases(args, fim):
 
 def main(argv=None):
     args = parse_args(argv)
+    EDIT_ONLY[:] = args.edit_scenario or []
     # SIGTERM unwinds like Ctrl-C, so the server being measured is stopped too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t_start = time.monotonic()

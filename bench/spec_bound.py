@@ -19,12 +19,21 @@ better, so a goal above the oracle's figure cannot be met by drafting from
 the request's text on this machine.  Beside it: fixed draft lengths, and
 the ceiling of a drafter that is always right (the best (1 + k) / cost).
 
-The workloads are the bench's own (bench/scenarios.py, bench/editor.py):
+The workloads are the bench's own (bench/scenarios.py, bench/editor.py,
+bench/edits.py):
 "continuation" (60 lines of bench/data/typed_file.py.txt before each of
 CONT_CUTS, 128 greedy tokens) and "editor" (the /infill prompt at each pause
 of the replay, greedy, n_predict as the replay sends, stopping where the
 completion meets the suffix, as the server does).  Greedy rather than the
 replay's sampling: a sampled token matches a draft no more often.
+"edits" (``--edits``): the three edit requests of bench/edits.py (a
+next-edit window, an apply-edit and a whole-file rewrite in chat, rendered
+with the model's template), greedy; there the drafts are
+engine/copydraft.py's, the draft lengths 0 and EDIT_K (1 + k a multiple of
+4, up to 64 tokens), and beside the oracle the real drafter's schedule
+(``copydraft``: CopyDraft driven as the session drives it, with these
+costs), so the gap between what the drafter does and what any drafter of
+its drafts could do is measured too.
 
     python3 bench/spec_bound.py [--model M] [--threads 2] [--json out.json]
 
@@ -52,12 +61,14 @@ from offgrid.engine.session import ChatSession  # noqa: E402
 from offgrid.request import GenerationParams, InfillRequest, SamplingParams  # noqa: E402
 
 K_MAX = 15              # drafts up to this many tokens (16-token verify decodes)
+EDIT_K = (0, 3, 7, 15, 31, 63)      # the edit workload's draft lengths
 COST_REPS = 9           # decodes timed per size; the median is kept
 FIXED_K = (1, 2, 3, 4, 7, 15)
 
 
-def verify_costs(session, tokens, reps=COST_REPS):
-    """{n: median seconds of a decode of n tokens after ``tokens``}, n = 1..K_MAX + 1.
+def verify_costs(session, tokens, reps=COST_REPS, sizes=None):
+    """{n: median seconds of a decode of n tokens after ``tokens``}, n = 1..K_MAX + 1
+    (or ``sizes``).
 
     Uses the session's own verify path (_decode_one with a draft keeps every
     output, as speculation does) and drops what it decoded after each try.
@@ -65,7 +76,7 @@ def verify_costs(session, tokens, reps=COST_REPS):
     session.evaluate(tokens)
     pos = len(session.cached)
     out = {}
-    for n in range(1, K_MAX + 2):
+    for n in sizes or range(1, K_MAX + 2):
         times = []
         for _ in range(reps):
             draft = tokens[-n + 1:] if n > 1 else []
@@ -174,18 +185,190 @@ def editor_samples(model, session):
     return out
 
 
+def edit_samples(model, session):
+    """bench/edits.py's three requests, rendered as the worker renders them, each
+    answered greedily (as many tokens as the bench allows)."""
+    import types
+    import edits
+    from offgrid.chat.prompt import prepare_chat
+    from offgrid.chat.select import template_for
+    from offgrid.request import Message
+    template = template_for(types.SimpleNamespace(model=model, chat_template=None))
+    out = []
+    for name, (path, body) in edits.bodies().items():
+        if "messages" in body:
+            msgs = [Message(m["role"], m["content"]) for m in body["messages"]]
+            text = prepare_chat(model, template, msgs).text
+            stop = []
+        else:
+            text, stop = body["prompt"], body["stop"]
+        prompt = model.tokenize(text, add_special=True, parse_special=True)
+        params = GenerationParams(n_predict=edits.N_PREDICT[name], stop=stop, speculate=False,
+                                  sampling=SamplingParams(temperature=0.0))
+        got = session.complete(prompt, params)
+        out.append((name, prompt, list(got.tokens)))
+        # the same answer with the change the request asks for made (a small
+        # model copies without making it): where drafts must follow an edit
+        old, new = EDITED[name]
+        if old in got.text:
+            edited = model.tokenize(got.text.replace(old, new), add_special=False,
+                                    parse_special=False)
+            out.append((name + "+edit", prompt, edited))
+    return out
+
+
+EDITED = {"next_edit": ("n_kv", "kv_count"), "apply_edit": ("metadata", "meta"),
+          "rewrite": ("_read_exact", "_read_bytes")}
+
+
+def copy_runs(prompt, output):
+    """As true_runs, with CopyDraft's drafts (up to 63 tokens)."""
+    from offgrid.engine.copydraft import CopyDraft
+    lookup = CopyDraft(prompt)
+    runs = []
+    for i, tok in enumerate(output):
+        lookup.append(tok)
+        draft = lookup.lookup(63)
+        m = 0
+        for d, real in zip(draft, output[i + 1:]):
+            if d != real:
+                break
+            m += 1
+        runs.append(m)
+    return runs
+
+
+def copydraft_time(prompt, output, cost):
+    """The time CopyDraft's own schedule takes with these costs (driven as the
+    session drives it, on a clock that advances by each step's cost)."""
+    from offgrid.engine.copydraft import CopyDraft
+
+    class Clock:
+        t = 0.0
+
+        def __call__(self):
+            return self.t
+    clock = Clock()
+    lk = CopyDraft(prompt, clock=clock)
+    lk.append(output[0])
+    pos, total, drafted, accepted, steps = 1, 0.0, 0, 0, 0
+    while pos < len(output):
+        d = lk.draft(63)
+        c = cost[1 + len(d)]
+        total += c
+        clock.t += c
+        h = 0
+        while h < len(d) and pos + h < len(output) and output[pos + h] == d[h]:
+            h += 1
+        if d:
+            drafted, accepted, steps = drafted + len(d), accepted + h, steps + 1
+        for t in output[pos:pos + h + 1]:
+            lk.append(t)
+        pos += h + 1
+    return total, drafted, accepted, steps
+
+
+def ngram_mod_time(prompt, output, cost, n=24, n_min=48, n_max=64):
+    """The time llama.cpp's ngram-mod schedule takes with these costs, as its
+    code (common/speculative.cpp) reads: each n-gram of ``n`` tokens maps to
+    the token that followed it last; a draft chains those up to ``n_max`` and
+    is made only if it reaches ``n_min``."""
+    t = list(prompt)
+    mod = {tuple(t[i:i + n]): t[i + n] for i in range(len(t) - n)}
+    last = max(0, len(t) - n)
+    t.append(output[0])
+    pos, total = 1, 0.0
+    while pos < len(output):
+        if last + 32 < len(t):
+            for i in range(last, len(t) - n):
+                mod[tuple(t[i:i + n])] = t[i + n]
+            last = len(t) - n
+        ctx, d = t[-n:], []
+        while len(d) < n_max:
+            nx = mod.get(tuple(ctx[-n:]))
+            if nx is None:
+                break
+            d.append(nx)
+            ctx.append(nx)
+        if len(d) < n_min:
+            d = []
+        total += cost[1 + len(d)]
+        h = 0
+        while h < len(d) and pos + h < len(output) and output[pos + h] == d[h]:
+            h += 1
+        t.extend(output[pos:pos + h + 1])
+        pos += h + 1
+    return total
+
+
+def judge_edits(prompt, output, cost):
+    runs = copy_runs(prompt, output)
+    plain = fixed_time(runs, cost, 0)
+    t, drafted, accepted, steps = copydraft_time(prompt, output, cost)
+    return {
+        "ngram_mod": plain / ngram_mod_time(prompt, output, cost),
+        "tokens": len(output),
+        "drafted_true_share": sum(1 for r in runs if r > 0) / max(1, len(runs)),
+        "oracle": plain / oracle_time(runs, cost, EDIT_K),
+        "copydraft": plain / t,
+        "acceptance": accepted / drafted if drafted else 0.0,
+        "mean_len": 1 + accepted / steps if steps else 1.0,
+        "fixed": {k: plain / fixed_time(runs, cost, k) for k in EDIT_K[1:]},
+    }
+
+
+def interpolated(cost):
+    """Every size from 1 to the largest measured, linear between measured ones."""
+    ns = sorted(cost)
+    out = dict(cost)
+    for a, b in zip(ns, ns[1:]):
+        for n in range(a + 1, b):
+            out[n] = cost[a] + (cost[b] - cost[a]) * (n - a) / (b - a)
+    return out
+
+
+def run_edits(model, session, report):
+    samples = edit_samples(model, session)
+    context = statistics.median(len(s[1]) for s in samples)
+    ctx_tokens = samples[0][1][:int(context)]
+    session.reset()
+    sizes = sorted({1 + k for k in EDIT_K} | {2})
+    cost = interpolated(verify_costs(session, ctx_tokens, sizes=sizes))
+    rel = {n: cost[n] / cost[1] for n in sizes}
+    judged = [(label, judge_edits(prompt, out, cost)) for label, prompt, out in samples]
+    report["workloads"]["edits"] = {
+        "context_tokens": int(context), "single_decode_ms": cost[1] * 1000.0,
+        "verify_cost": rel, "samples": dict(judged),
+        "always_right": max(n / rel[n] for n in rel)}
+    print("edits: %d samples, context ~%d tokens, a single decode %.1f ms"
+          % (len(samples), context, cost[1] * 1000.0))
+    print("  verify decode of n tokens / a single one: " +
+          ", ".join("%d: %.2f" % (n, rel[n]) for n in sizes))
+    for label, j in judged:
+        print("  %-15s %4d tokens: oracle %.2fx, copydraft %.2fx, ngram-mod %.2fx (copydraft: "
+              "acceptance %.0f%%, mean accepted length %.1f), fixed k %s" % (
+                  label, j["tokens"], j["oracle"], j["copydraft"], j["ngram_mod"],
+                  100 * j["acceptance"],
+                  j["mean_len"], " ".join("%d:%.2f" % kv for kv in j["fixed"].items())))
+    print("  a drafter always right: %.2fx" % max(n / rel[n] for n in rel))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=str(ROOT / "models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", help="write the figures here too")
+    p.add_argument("--edits", action="store_true",
+                   help="the edit workload (bench/edits.py) only")
     args = p.parse_args(argv)
     model = Model.load(args.model, progress=False)
     report = {"model": args.model, "threads": args.threads, "workloads": {}}
     try:
-        with ChatSession(model, n_ctx=4096, n_threads=args.threads,
+        with ChatSession(model, n_ctx=8192 if args.edits else 4096, n_threads=args.threads,
                          n_threads_batch=args.threads) as session:
-            for name, collect in (("continuation", continuation_samples),
+            if args.edits:
+                run_edits(model, session, report)
+            for name, collect in () if args.edits else (("continuation", continuation_samples),
                                   ("editor", editor_samples)):
                 samples = collect(model, session)
                 context = statistics.median(len(s[1]) for s in samples)

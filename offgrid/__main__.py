@@ -124,14 +124,18 @@ def parse_args(argv=None):
     p.add_argument("-tb", "--threads-batch", type=thread_count, default=None,
                    help="threads for prompt evaluation, likewise (default: as --threads)")
     p.add_argument("--spec-type", choices=SPEC_TYPES, default=None,
-                   help="speculative decoding: ngram-simple drafts tokens from the "
-                        "request's own text (prompt lookup) and checks them in one decode; "
-                        "the output is the same; a request stops drafting where it does "
-                        "not pay.  auto: ngram-simple for /completion and fill-in-the-middle, "
-                        "none for chat.  draft-simple: a draft model's tokens (-md) "
-                        "(default none; draft-simple with -md)")
-    p.add_argument("--spec-draft-n-max", type=int, default=8, metavar="N",
-                   help="most tokens drafted at once (default 8, at most 64)")
+                   help="speculative decoding: drafts tokens from the request's own text "
+                        "and checks them in one decode; the output is the same; a request "
+                        "stops drafting where it does not pay.  edits (the default): "
+                        "requests whose prompt carries the answer (next-edit windows, code "
+                        "quoted to be rewritten) draft long copies of it; auto: those, and "
+                        "prompt lookup (ngram-simple) for /completion and fill-in-the-middle; "
+                        "ngram-simple: those, and prompt lookup for every other request; "
+                        "ngram-mod: every request drafts as a copy; draft-simple: a draft "
+                        "model's tokens (-md; the default with -md); none: no drafts")
+    p.add_argument("--spec-draft-n-max", type=int, default=None, metavar="N",
+                   help="most tokens drafted at once (default 8 for prompt lookup, 63 for "
+                        "copies; at most 64)")
     p.add_argument("-md", "--model-draft", "--spec-draft-model", dest="model_draft",
                    metavar="FILE",
                    help="a smaller model of the same vocabulary drafts tokens for -m's, "
@@ -209,6 +213,9 @@ def parse_args(argv=None):
                    help="when a session's context fills up while generating, drop the older "
                    "half of it after the request's n_keep tokens and go on (default off: the "
                    "reply ends, truncated)")
+    p.add_argument("-fa", "--flash-attn", choices=("on", "off", "auto"), default="auto",
+                   help="flash attention in the sessions' contexts, as llama-server's -fa "
+                   "(default auto: libllama's choice, on for the CPU)")
     p.add_argument("--no-swa-full", action="store_true",
                    help="windowed KV cache for sliding-window models: less memory, "
                    "but no prompt-cache reuse")
@@ -268,14 +275,14 @@ def parse_args(argv=None):
                 "--models-preset FILE)")
     if not 0 <= args.stream_interval_ms <= 1000:
         p.error("--stream-interval-ms must be between 0 and 1000")
-    if not 1 <= args.spec_draft_n_max <= 64:
+    if args.spec_draft_n_max is not None and not 1 <= args.spec_draft_n_max <= 64:
         p.error("--spec-draft-n-max must be between 1 and 64")
     if not 0 <= args.spec_draft_n_min <= 64:
         p.error("--spec-draft-n-min must be between 0 and 64")
     if not 0.0 <= args.spec_draft_p_min <= 1.0:
         p.error("--spec-draft-p-min must be between 0 and 1")
     if args.spec_type is None:
-        args.spec_type = "draft-simple" if args.model_draft else "none"
+        args.spec_type = "draft-simple" if args.model_draft else "edits"
     if args.model_draft and args.spec_type != "draft-simple":
         p.error("-md drafts with a model: --spec-type draft-simple, or leave --spec-type out")
     if args.spec_type == "draft-simple":

@@ -1084,12 +1084,14 @@ class ContextHandle:
 
     def __init__(self, lib, model, n_ctx, n_batch, n_ubatch, n_threads, n_threads_batch,
                  swa_full=True, n_seq_max=1, embeddings=False,
-                 pooling=LLAMA_POOLING_TYPE_UNSPECIFIED, seq_width=1):
+                 pooling=LLAMA_POOLING_TYPE_UNSPECIFIED, seq_width=1, flash_attn=None):
         """``n_seq_max`` sequences share one unified cache (so extra ones cost
         no memory).  ``embeddings`` makes a context whose decodes
         output hidden states (every token of a batch), pooled per sequence as
         ``pooling`` says (a LLAMA_POOLING_TYPE_*; UNSPECIFIED: the model's).
-        ``seq_width``: how many sequences one token of a batch may go into."""
+        ``seq_width``: how many sequences one token of a batch may go into.
+        ``flash_attn``: True, False or None (libllama's auto: on where the
+        device supports it, which the CPU's does)."""
         self.lib = lib
         params = lib.llama_context_default_params()
         params.embeddings = embeddings
@@ -1106,6 +1108,8 @@ class ContextHandle:
         params.n_threads = n_threads
         params.n_threads_batch = n_threads_batch
         params.swa_full = swa_full
+        if flash_attn is not None:
+            params.flash_attn_type = 1 if flash_attn else 0
         params.no_perf = True
         self.ptr = lib.llama_init_from_model(model.ptr, params)
         self.batch = None

@@ -176,7 +176,7 @@ class WorkerSettings:
     threads: object                 # a count, or "auto"
     threads_batch: object
     spec_type: str                  # request.SPEC_TYPES
-    spec_draft_n_max: int
+    spec_draft_n_max: Optional[int]  # None: each drafter's own (8 lookup, 63 copies)
     model_draft: Optional[str]      # -md: the draft model's file (spec_type draft-simple)
     spec_draft_n_min: int
     spec_draft_p_min: float
@@ -196,6 +196,7 @@ class WorkerSettings:
     n_gpu_layers: Optional[int]
     tensor_split: Optional[list]
     verbose: bool
+    flash_attn: str = "auto"        # -fa: on, off, auto (libllama's: on for the CPU)
     cache_ram: int = 0              # MiB of prompt states in memory (engine/statecache.py); -1: no bound
     cache_dir: Optional[str] = None     # where prompt states go when the worker ends; None: nowhere
     cache_disk_max: int = 4096      # MiB of them on disk, for this model

@@ -28,7 +28,7 @@ from .errors import InvalidRequest
 REASONING_MODES = ("on", "off", "auto")                 # --reasoning
 REASONING_FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")    # --reasoning-format
 POOLINGS = ("none", "mean", "cls", "last", "rank")      # --pooling (engine/embed.POOLING)
-SPEC_TYPES = ("none", "auto", "ngram-simple", "draft-simple")     # --spec-type
+SPEC_TYPES = ("none", "edits", "auto", "ngram-simple", "ngram-mod", "draft-simple")  # --spec-type
 
 # llama-server's default sampler order (common_params_sampling::samplers);
 # a request may reorder or drop them with "samplers".
@@ -201,6 +201,7 @@ class Usage:
     # of them came true (llama-server's draft_n and draft_n_accepted)
     draft_tokens: int = 0
     draft_accepted: int = 0
+    draft_steps: int = 0                # decodes that verified a draft
     # FIM under t_max_prompt_ms: what was left out of the prompt to fit the
     # budget (engine/promptfit.py), None when nothing was
     dropped: Optional[dict] = None
@@ -250,6 +251,10 @@ class GenerationParams:
     # draft tokens from the request's own text and verify them in one decode
     # (engine/lookup.py); the output is that of plain decoding either way
     speculate: bool = True
+    # which drafter, where the server drafts at all (set by the worker from
+    # --spec-type and the prompt): "lookup" (engine/lookup.py), "copy" (an
+    # answer that copies its prompt: engine/copydraft.py) or "" (none)
+    drafter: str = "lookup"
     # streamed requests: report the prompt's evaluation as it goes, a
     # PromptProgress before the first batch and after each (return_progress)
     return_progress: bool = False

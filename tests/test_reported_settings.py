@@ -23,11 +23,13 @@ def srv(smollm_path):
 
 
 def test_props_say_whether_requests_draft(smollm_path, srv):
+    # the default --spec-type edits drafts the requests whose prompt carries
+    # their answer (engine/copydraft.py)
     status, _, props = srv.get("/props")
-    assert props["default_generation_settings"]["speculative"] is False
-    with ServerProcess(smollm_path, "--spec-type", "ngram-simple") as s:
+    assert props["default_generation_settings"]["speculative"] is True
+    with ServerProcess(smollm_path, "--spec-type", "none") as s:
         status, _, props = s.get("/props")
-        assert props["default_generation_settings"]["speculative"] is True
+        assert props["default_generation_settings"]["speculative"] is False
 
 
 def test_busy_slots_per_decode_counts_the_sessions_of_each_step(smollm_path):

@@ -10,6 +10,7 @@ the test demands that it was a near-tie and reports it.
 
 import pytest
 
+from offgrid.engine.copydraft import CopyDraft
 from offgrid.engine.lookup import PromptLookup
 
 
@@ -131,8 +132,10 @@ def sessions(qwen):
     # draft all the way, whatever it costs on this machine: this checks the output
     spec.draft_probation = 10 ** 6
     judge, PromptLookup.judge_after = PromptLookup.judge_after, 10 ** 6
+    copy_judge, CopyDraft.judge_after = CopyDraft.judge_after, 10 ** 6
     yield plain, spec
     PromptLookup.judge_after = judge
+    CopyDraft.judge_after = copy_judge
     plain.close()
     spec.close()
 
@@ -159,6 +162,89 @@ def test_greedy_speculation_is_plain_decoding(qwen, sessions, path):
     margin = math.log(top[0].prob) - math.log(top[1].prob)
     print("%s: token %d differs, a near-tie of %.3f nats" % (path.name, i, margin))
     assert margin < NEAR_TIE, (path.name, i, margin)
+
+
+def _edit_prompts():
+    """Prompts whose answer copies them: a next-edit window in Zed's Sweep
+    layout, and a chat request (Qwen's template, as the worker renders it)
+    quoting a function to return with a name changed."""
+    src = (ROOT / "offgrid" / "engine" / "lookup.py").read_text("utf-8").split("\n")
+    window = "\n".join(src[76:97]) + "\n"
+    changed = window.replace("step = self._step", "current = self._step", 1)
+    sweep = ("<|file_sep|>offgrid/engine/lookup.py.diff\noriginal:\n        step = self._step\n"
+             "updated:\n        current = self._step\n"
+             "<|file_sep|>original/offgrid/engine/lookup.py\n" + window +
+             "<|file_sep|>current/offgrid/engine/lookup.py\n" + changed +
+             "<|file_sep|>updated/offgrid/engine/lookup.py\n")
+    func = "\n".join(src[100:125])
+    chat = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+            "Return this method with `seen` renamed to `tally`, in one code block.\n\n"
+            "```python\n" + func + "\n```<|im_end|>\n<|im_start|>assistant\n")
+    return {"next-edit": sweep, "apply-edit": chat}
+
+
+@pytest.mark.parametrize("kind", ["next-edit", "apply-edit"])
+@pytest.mark.slow
+def test_greedy_copy_drafts_are_plain_decoding_on_edit_prompts(qwen, sessions, kind):
+    """The copy drafter (long drafts along the prompt's text) on the prompts it
+    is for: the same tokens as plain decoding, and most drafts come true."""
+    import math
+    plain, spec = sessions
+    tokens = qwen.tokenize(_edit_prompts()[kind], add_special=True, parse_special=True)
+    a = _greedy(plain, tokens, 160, speculate=False)
+    b = _greedy(spec, tokens, 160, speculate=True, drafter="copy")
+    u = b.usage
+    assert u.draft_tokens > 0 and u.draft_accepted > 0.5 * u.draft_tokens, u
+    if a.tokens == b.tokens:
+        return
+    i = next(i for i in range(min(len(a.tokens), len(b.tokens))) if a.tokens[i] != b.tokens[i])
+    probe = _greedy(plain, tokens + a.tokens[:i], 1, speculate=False, with_probs=True,
+                    n_probs=2)
+    top = probe.probs[0].top
+    margin = math.log(top[0].prob) - math.log(top[1].prob)
+    print("%s: token %d differs, a near-tie of %.3f nats" % (kind, i, margin))
+    assert margin < NEAR_TIE, (kind, i, margin)
+
+
+@pytest.mark.slow
+def test_sampled_copy_drafts_keep_plain_sampling(qwen, sessions):
+    """Sampling with drafts samples each position from its own logits with the
+    same random draws, in the same order, as plain decoding, so with one seed
+    the two give the same tokens, but for one thing: a verify decode's logits
+    differ from a single token's in the last bits (by up to ~0.3 here, the
+    batched and the single-row products round differently), and a random draw
+    that falls at the border of two tokens may go either way.  So where the two
+    part, plain decoding's two picks must be neighbours in its own ranking of
+    the candidates (the draw walks them in that order), with little between
+    their probabilities."""
+    plain, spec = sessions
+    tokens = qwen.tokenize(_edit_prompts()["apply-edit"], add_special=True, parse_special=True)
+    drafted = 0
+    for seed in (1, 2, 3):
+        sampling = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=seed)
+        kw = dict(n_predict=96, cache_prompt=False, sampling=sampling)
+        plain.reset()
+        a = plain.complete(tokens, GenerationParams(speculate=False, **kw))
+        spec.reset()
+        b = spec.complete(tokens, GenerationParams(speculate=True, drafter="copy", **kw))
+        drafted += b.usage.draft_tokens
+        if a.tokens == b.tokens:
+            continue
+        i = next(i for i in range(min(len(a.tokens), len(b.tokens)))
+                 if a.tokens[i] != b.tokens[i])
+        plain.reset()
+        probe = plain.complete(tokens + a.tokens[:i], GenerationParams(
+            n_predict=1, cache_prompt=False, with_probs=True, n_probs=40,
+            post_sampling_probs=True, speculate=False, sampling=sampling))
+        ranked = [t.id for t in probe.probs[0].top]
+        probs = {t.id: t.prob for t in probe.probs[0].top}
+        assert a.tokens[i] in ranked and b.tokens[i] in ranked, (seed, i)
+        ra, rb = ranked.index(a.tokens[i]), ranked.index(b.tokens[i])
+        print("seed %d: token %d differs, ranks %d and %d, p %.3f and %.3f"
+              % (seed, i, ra, rb, probs[a.tokens[i]], probs[b.tokens[i]]))
+        assert abs(ra - rb) == 1, (seed, i, ra, rb)
+        assert abs(probs[a.tokens[i]] - probs[b.tokens[i]]) < 0.05, (seed, i, probs)
+    assert drafted > 0
 
 
 @pytest.mark.slow

@@ -48,6 +48,7 @@ class PromptLookup:
     k_max = 64          # (the session caps each draft at its --spec-draft-n-max)
     judge_after = 4     # steps of each kind (drafted, plain) before judging
     win = 1.05          # drafting must beat plain decoding's tokens/s by this
+    judges_itself = False   # the session's draft_probation rule applies too
 
     def __init__(self, tokens, n_max=3, n_min=2, clock=time.perf_counter):
         self.tokens = list(tokens)
@@ -104,7 +105,7 @@ class PromptLookup:
         seen[1] += n_tokens
         seen[2] += now - start
         if d:
-            self.k = min(2 * self.k, self.k_max) if hits == len(d) else hits + 1
+            self._adapt(d, hits)
         drafted, plain = self._seen[True], self._seen[False]
         if drafted[0] < self.judge_after:
             return
@@ -115,6 +116,10 @@ class PromptLookup:
         if drafted[2] > 0 and plain[2] > 0 and \
                 drafted[1] / drafted[2] < self.win * plain[1] / plain[2]:
             self.paying = False
+
+    def _adapt(self, d, hits):
+        """The next draft's length, after draft ``d`` of which ``hits`` came true."""
+        self.k = min(2 * self.k, self.k_max) if hits == len(d) else hits + 1
 
     def lookup(self, k):
         """Up to k tokens that followed the latest earlier occurrence of the end."""

@@ -33,6 +33,7 @@ from ..request import (Completion, FinishReason, GenerationParams, RequestCancel
 from .batch import OUT_ALL, OUT_LAST, OUT_NONE, SEQS_PER_SESSION, BatchDecoder
 from .sampling import ProbsReader, build_sampler
 from .textstream import TextAssembler, TokenLedger
+from .copydraft import CopyDraft
 from .lookup import PromptLookup
 from .threads import DecodeThreads
 from .statecache import SAVE_BELOW
@@ -124,7 +125,7 @@ def context_size(model, n_ctx):
 
 
 def shared_decoder(model, n_sessions, n_ctx=4096, n_batch=512, n_ubatch=None, swa_full=True,
-                   threads=None, n_threads=None, n_threads_batch=None):
+                   threads=None, n_threads=None, n_threads_batch=None, flash_attn=None):
     """The BatchDecoder of ``n_sessions`` sessions of ``n_ctx`` tokens each: one
     context whose unified cache holds n_sessions * n_ctx cells, which its
     sessions (ChatSession(..., decoder=it)) share.
@@ -146,7 +147,7 @@ def shared_decoder(model, n_sessions, n_ctx=4096, n_batch=512, n_ubatch=None, sw
     ctx = libllama.ContextHandle(
         model.lib, model.handle, n_ctx * n_sessions, n_batch, n_ubatch or n_batch, n_gen,
         n_batch_threads, swa_full=swa_full, n_seq_max=SEQS_PER_SESSION * n_sessions,
-        seq_width=2)
+        seq_width=2, flash_attn=flash_attn)
     if not ctx.ptr:
         raise ContextError("libllama could not create a context of %d tokens "
                            "(not enough memory?)" % (n_ctx * n_sessions))
@@ -162,14 +163,16 @@ class ChatSession:
 
     def __init__(self, model, n_ctx=4096, n_batch=512, n_ubatch=None, n_threads=None,
                  n_threads_batch=None, swa_full=True, threads=None, draft_max=0,
-                 context_shift=False, decoder=None, draft_model=None):
+                 context_shift=False, decoder=None, copy_draft_max=63, draft_model=None):
         """``decoder``: the BatchDecoder (shared_decoder) this session is one
         member of; without it the session has a context of its own, made from
         n_ctx, n_batch, n_ubatch, swa_full and threads (the worker's
         DecodeThreads) or n_threads / n_threads_batch (None or "auto":
         adaptive, engine/threads.py).  ``draft_max``: speculative drafts of up
         to this many tokens from the request's own text (0: none; --spec-type
-        ngram-simple), or from ``draft_model`` (an engine.draftmodel.DraftModel
+        ngram-simple); ``copy_draft_max`` the same for the drafts of a request
+        whose answer copies its prompt (engine/copydraft.py), which are worth
+        making longer; or from ``draft_model`` (an engine.draftmodel.DraftModel
         whose sequence ``index`` of this session is this session's: -md).
         ``context_shift``: a full context drops part of its past instead of
         ending the reply (--context-shift)."""
@@ -182,6 +185,7 @@ class ChatSession:
         self._member = decoder.member()
         self.threads = decoder.threads
         self.draft_max = draft_max
+        self.copy_draft_max = copy_draft_max
         self.draft_model = draft_model
         self._ctx = decoder.ctx
         base = SEQS_PER_SESSION * self._member.index
@@ -712,8 +716,9 @@ class ChatSession:
         # decoded after the last kept one, not yet checked; ``idx`` is the batch
         # index of the output of the last decode the sampler reads.
         lookup = self._speculation(prompt, params, reader, cancel)
+        draft_cap = self.copy_draft_max if isinstance(lookup, CopyDraft) else self.draft_max
         pending, idx = [], self._out
-        drafted = accepted = 0
+        drafted = accepted = steps = 0
 
         while True:
             if cancel.cancelled:
@@ -796,7 +801,7 @@ class ChatSession:
                 # the logits are read: the others' steps need not wait for
                 # this draft (a draft model's decodes take a while)
                 self._member.release()
-                draft = lookup.draft(min(self.draft_max, room))
+                draft = lookup.draft(min(draft_cap, room))
             status = self._decode_one(token, n_past, draft)
             if status == 2:
                 finish, stop_type = FinishReason.CANCELLED, "none"
@@ -810,7 +815,10 @@ class ChatSession:
                 self.cached += draft
                 pending = list(draft)
                 drafted += len(draft)
-                if drafted >= self.draft_probation and accepted < self.draft_keep * drafted:
+                steps += 1
+                if not getattr(lookup, "judges_itself", False) \
+                        and drafted >= self.draft_probation \
+                        and accepted < self.draft_keep * drafted:
                     lookup = None   # too few drafts come true here to pay for checking them
 
         if pending or len(self.cached) > n_past:
@@ -827,7 +835,7 @@ class ChatSession:
                 on_piece(tail, got)
         usage.completion_tokens = len(out_tokens) + n_eog
         usage.generation_ms = (time.perf_counter() - t_start) * 1000.0
-        usage.draft_tokens, usage.draft_accepted = drafted, accepted
+        usage.draft_tokens, usage.draft_accepted, usage.draft_steps = drafted, accepted, steps
         c = Completion(text.text, out_tokens, finish, stop_type, text.stop_word or "",
                        usage, truncated)
         if reader is not None:
@@ -854,8 +862,10 @@ class ChatSession:
         if self.draft_max <= 0 or not params.speculate or reader is not None \
                 or params.sampling.grammar is not None or not self._can_shift \
                 or params.sampling.rescue_grammar is not None \
-                or params.n_predict == 1:
+                or params.n_predict == 1 or not params.drafter:
             return None
+        if params.drafter == "copy":
+            return CopyDraft(prompt, k_max=self.copy_draft_max)
         if self.draft_model is not None:
             return self.draft_model.drafter(self._member.index, prompt, cancel)
         return PromptLookup(prompt)

@@ -44,6 +44,7 @@ from ..chat.select import template_for
 from ..chat.template import ReplyFormat, new_tool_call_id
 from ..errors import InvalidRequest, OffgridError, PromptTooLong
 from ..request import RequestCancel
+from .copydraft import drafter_for
 from .embed import POOLING, Embedder, model_pooling, to_le
 from . import cachereuse, promptfit, rpc, slotfile, statedisk
 from .fill import IdleFill
@@ -140,7 +141,8 @@ class Loaded:
             # one context for every session, whose decodes are batched together
             decoder = shared_decoder(model, max(1, args.parallel), n_ctx=args.ctx_size,
                                      n_batch=args.batch_size, n_ubatch=args.ubatch_size,
-                                     swa_full=not args.no_swa_full, threads=threads)
+                                     swa_full=not args.no_swa_full, threads=threads,
+                                     flash_attn={"on": True, "off": False}.get(args.flash_attn))
             if args.spec_type == "draft-simple" and args.model_draft:
                 draft_model = DraftModel.load(
                     args.model_draft, model, n_sessions, decoder.n_ctx_session,
@@ -149,8 +151,8 @@ class Loaded:
             for _ in range(n_sessions):
                 sessions.append(ChatSession(
                     model, decoder=decoder, context_shift=args.context_shift,
-                    draft_max=args.spec_draft_n_max if args.spec_type != "none" else 0,
-                    draft_model=draft_model))
+                    draft_max=0 if args.spec_type == "none" else args.spec_draft_n_max or 8,
+                    copy_draft_max=args.spec_draft_n_max or 63, draft_model=draft_model))
             # the embedding context learns its thread counts on its own: its
             # decodes (every token an output) run at another speed than a prompt's
             embedder = Embedder.for_model(
@@ -262,9 +264,8 @@ class Worker:
         self.stream_interval = stream_interval
         self.spm_infill = spm_infill        # --spm-infill: FIM prompts suffix first
         self.model = loaded.model
-        # --spec-type auto: chat replies do not draft (their text repeats the
-        # prompt's far less than code does)
-        self.chat_drafts = spec_type != "auto"
+        # --spec-type: which requests draft, and how (copydraft.drafter_for)
+        self.spec_type = spec_type
         # what a chat request that does not say gets: enable_thinking (None: as
         # the template does by default) and how its reasoning is returned
         self.enable_thinking = {"on": True, "off": False}.get(reasoning)
@@ -680,8 +681,11 @@ class Worker:
         on_piece = None
         rs = None
         held = []       # chat: token probabilities not yet sent with a delta
+        if gen.speculate and tokens:
+            gen.drafter = drafter_for(self.spec_type, chat is not None,
+                                      gen.fim_suffix is not None,
+                                      lambda: self.model.detokenize(tokens, special=True))
         if chat is not None:
-            gen.speculate = gen.speculate and self.chat_drafts
             rescue = chat.get("rescue")
             if rescue is not None:
                 s = gen.sampling

@@ -187,14 +187,13 @@ def metrics(h, _body):
          m.n_decode),
         ("counter", "llamacpp:n_tokens_max", "Largest observed sequence length (prompt + "
          "generation)", m.n_tokens_max),
-        # speculation from the request's text (--spec-type ngram-simple); offgrid
-        # counts drafted tokens, not verification steps: that one stays 0
+        # speculation from the request's text (--spec-type)
         ("counter", "llamacpp:spec_decode_num_draft_tokens_total", "Speculative: Total draft "
          "tokens generated", m.draft_tokens),
         ("counter", "llamacpp:spec_decode_num_accepted_tokens_total", "Speculative: Total "
          "draft tokens accepted by the target model", m.draft_accepted),
         ("counter", "llamacpp:spec_decode_num_drafts_total", "Speculative: Total speculative "
-         "decoding verification steps", 0),
+         "decoding verification steps", m.draft_steps),
         ("gauge", "llamacpp:prompt_tokens_seconds", "Average prompt throughput in tokens/s "
          "since the previous scrape", m.prompt_rate),
         ("gauge", "llamacpp:predicted_tokens_seconds", "Average generation throughput in "

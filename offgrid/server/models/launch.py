@@ -42,7 +42,7 @@ def worker_settings(path, args, chat_template=None, decode_lock=None):
         reasoning_format=args.reasoning_format, lib=args.lib, decode_lock=decode_lock,
         rpc=args.rpc or None, n_gpu_layers=args.n_gpu_layers if args.rpc else None,
         tensor_split=list(args.tensor_split) if args.rpc and args.tensor_split else None,
-        verbose=args.verbose, cache_ram=cache_ram_mib(args),
+        verbose=args.verbose, flash_attn=args.flash_attn, cache_ram=cache_ram_mib(args),
         cache_dir=None if getattr(args, "no_cache_disk", False) else cache_dir(args),
         cache_disk_max=getattr(args, "cache_disk_max", 4096),
         slot_save_path=getattr(args, "slot_save_path", None))

@@ -29,6 +29,7 @@ class MetricsSnapshot:
     n_decode: int = 0               # llama_decode calls
     draft_tokens: int = 0           # speculation (--spec-type): tokens drafted,
     draft_accepted: int = 0         # ... and of them, those that came true
+    draft_steps: int = 0            # ... in this many verify decodes
     n_tokens_max: int = 0           # longest session cache seen (prompt + generation)
     # tokens per second since the previous /metrics read (llama-server's buckets)
     prompt_rate: float = 0.0
@@ -52,6 +53,7 @@ class Metrics:
         self.n_decode = 0
         self.draft_tokens = 0
         self.draft_accepted = 0
+        self.draft_steps = 0
         self.n_tokens_max = 0
         self._bucket = [0, 0.0, 0, 0.0]     # prompt tokens, seconds; predicted tokens, seconds
 
@@ -70,6 +72,7 @@ class Metrics:
             self.n_decode += u.n_decode
             self.draft_tokens += u.draft_tokens
             self.draft_accepted += u.draft_accepted
+            self.draft_steps += u.draft_steps
             self.n_tokens_max = max(self.n_tokens_max, c.n_cached)
             b = self._bucket
             b[0] += u.evaluated_tokens
@@ -109,7 +112,8 @@ class Metrics:
                 self._bucket = [0, 0.0, 0, 0.0]
             return MetricsSnapshot(
                 n_decode=self.n_decode, n_tokens_max=self.n_tokens_max,
-                draft_tokens=self.draft_tokens, draft_accepted=self.draft_accepted, **rates,
+                draft_tokens=self.draft_tokens, draft_accepted=self.draft_accepted,
+                draft_steps=self.draft_steps, **rates,
                 requests=dict(self.requests), prompt_tokens=self.prompt_tokens,
                 prompt_seconds=self.prompt_seconds, cached_tokens=self.cached_tokens,
                 predicted_tokens=self.predicted_tokens,

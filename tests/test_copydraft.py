@@ -1,0 +1,162 @@
+"""Drafts for answers that copy their prompt (engine/copydraft.py), and which
+requests get them (drafter_for).  The model-driven checks, that the output
+stays plain decoding's, are in test_speculation.py."""
+
+from offgrid.engine.copydraft import SIZES, CopyDraft, carries_answer, drafter_for
+
+
+class _Clock:
+    t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def _drive(lk, truth, cap=63, step_cost=lambda n: 1.0, n_steps=10 ** 6):
+    """As the session drives it: draft() before each decode, append() for each
+    token the step gives (the drafted ones that match ``truth``, then one
+    more).  Returns [(draft length, hits)] of the drafted steps."""
+    pos, steps = len(lk.tokens), []
+    for _ in range(n_steps):
+        if pos >= len(truth):
+            break
+        d = lk.draft(cap)
+        lk.clock.t += step_cost(len(d))
+        hits = 0
+        while hits < len(d) and pos + hits < len(truth) and truth[pos + hits] == d[hits]:
+            hits += 1
+        if d:
+            steps.append((len(d), hits))
+        for t in truth[pos:pos + hits + 1]:
+            lk.append(t)
+        pos += hits + 1
+    return steps
+
+
+def _text(n, seed=1):
+    """n tokens of a 'file' that does not repeat itself: every bigram unique."""
+    return [1000 + seed * 100000 + i for i in range(n)]
+
+
+def test_a_copy_drafts_long_from_the_right_place():
+    body = _text(300)
+    prompt = [1, 2] + body + [3, 4]         # the file, then "write it again:"
+    truth = prompt + body
+    lk = CopyDraft(prompt, clock=_Clock())
+    # the answer's first token has no match; then the copy starts
+    steps = _drive(lk, truth)
+    lengths = [n for n, _ in steps]
+    assert all(h == n for n, h in steps[:-1]), steps    # every draft came true...
+    assert max(lengths) == 63                           # ...and grew to the longest size
+    assert len(steps) < 300 / 15
+
+
+def test_an_edit_costs_a_short_draft_and_the_copy_resumes_after_it():
+    body = _text(200)
+    prompt = body + [3, 4]
+    # the answer: the body with token 100 replaced by two new ones (a rename)
+    answer = body[:100] + [77, 78] + body[101:]
+    lk = CopyDraft(prompt + answer[:1], clock=_Clock())
+    steps = _drive(lk, prompt + answer)
+    failed = [(n, h) for n, h in steps if h < n]
+    # the draft that ran into the edit, at most one more, and the answer's end
+    assert len(failed) <= 3, steps
+    # after the edit the copy picks up again, from the token after the old one
+    assert lk._src is not None
+    after = steps[[i for i, (n, h) in enumerate(steps) if h < n][0] + 1:]
+    assert sum(h for _, h in after) >= 80, steps
+
+
+def test_the_longest_match_wins_over_the_latest():
+    # (5, 6) occurs twice; the end matches the first occurrence further back
+    a, b = _text(20, 1), _text(20, 2)
+    prompt = [9, 8, 7, 5, 6] + a + [0, 5, 6] + b + [9, 8, 7, 5, 6]
+    lk = CopyDraft(prompt, clock=_Clock())
+    lk.k = 15
+    # a match of 5 tokens: drafts of up to 7 (a short match is less sure)
+    assert lk.lookup(15) == a[:7]
+
+
+def test_short_matches_draft_short_and_no_match_drafts_nothing():
+    lk = CopyDraft([1, 2, 3, 50, 51, 52, 53, 54, 55, 56, 57, 9, 9, 2, 3], clock=_Clock())
+    assert lk.lookup(63) == [50, 51, 52]    # a 2-token match: the shortest size
+    lk = CopyDraft([1, 2, 3, 4, 5], clock=_Clock())
+    assert lk.lookup(63) == []
+
+
+def test_draft_sizes_adapt_up_and_fall_back():
+    lk = CopyDraft(_text(10), clock=_Clock())
+    lk._adapt([0] * 7, 7)
+    assert lk.k == 31           # all came true: two sizes up
+    lk._adapt([0] * 31, 31)
+    assert lk.k == 63
+    lk._adapt([0] * 63, 2)
+    assert lk.k == SIZES[0]     # what came true, and one more
+    lk._adapt([0] * 63, 40)
+    assert lk.k == 7            # a probe after a change, however long the run before
+    need = lk._need
+    lk._adapt([0] * 7, 0)
+    assert lk._need == 2 * need     # nothing came true: a longer match to draft again
+    lk._adapt([0] * 3, 3)
+    assert lk._need == need
+
+
+def test_drafting_stops_for_a_request_where_it_does_not_pay():
+    """Drafts that mostly fail on a machine where a verify decode is dear:
+    drafted steps lose to plain ones, and the request stops drafting."""
+    body = _text(100)
+    # the answer keeps starting like the prompt and then going elsewhere
+    truth = list(body)
+    for i in range(40):
+        truth += body[i * 2:i * 2 + 3] + _text(3, seed=10 + i)
+    lk = CopyDraft(body, clock=_Clock())
+    _drive(lk, truth, step_cost=lambda n: 1.0 + 1.0 * n)
+    assert not lk.paying
+
+
+def test_which_prompts_carry_their_answer():
+    code = "```python\n" + "".join("line %d\n" % i for i in range(8)) + "```\n"
+    assert carries_answer("Rename x to y in this:\n" + code)
+    assert carries_answer("<|file_sep|>a.py\nx = 1\n<|file_sep|>updated/a.py\n")
+    assert carries_answer("<|editable_region_start|>\nfoo\n<|editable_region_end|>")
+    assert not carries_answer("What does `x = 1` do?\n```\nx = 1\n```\n")   # a short quote
+    assert not carries_answer("Write a poem about the sea.")
+    assert not carries_answer("```python\n" + "a\n" * 10)     # never closed
+
+
+def test_spec_types_keep_their_meaning_and_edits_draft_under_each():
+    edit = "```\n" + "x\n" * 10 + "```"
+    plain = "Tell me a story."
+    for spec in ("edits", "auto", "ngram-simple", "ngram-mod"):
+        assert drafter_for(spec, True, False, lambda: edit) == "copy"
+        assert drafter_for(spec, False, False, lambda: edit) == "copy"
+    assert drafter_for("none", True, False, lambda: edit) == ""
+    # the rest as before: edits none, auto completions and FIM, ngram-simple all
+    assert drafter_for("edits", False, False, lambda: plain) == ""
+    assert drafter_for("edits", False, True, lambda: plain) == ""
+    assert drafter_for("auto", False, False, lambda: plain) == "lookup"
+    assert drafter_for("auto", False, True, lambda: plain) == "lookup"
+    assert drafter_for("auto", True, False, lambda: plain) == ""
+    assert drafter_for("ngram-simple", True, False, lambda: plain) == "lookup"
+    assert drafter_for("ngram-mod", True, False, lambda: plain) == "copy"
+    # fill-in-the-middle is never a copy (its answer is what is missing)
+    assert drafter_for("auto", False, True, lambda: edit) == "lookup"
+
+
+def test_a_change_the_text_made_once_is_drafted_where_it_comes_again():
+    """A rename: the first time the text writes the new name the draft fails
+    there; once the copy resumes, the change is learned, and the next places
+    the old name comes in the prompt are drafted with the new one."""
+    old, new = 500, 600
+    body = []
+    for i in range(6):          # six lines, each with the old name in it
+        body += _text(30, seed=20 + i) + [old, 7, 8]
+    prompt = body + [3, 4]
+    answer = [new if t == old else t for t in body]
+    lk = CopyDraft(prompt + answer[:1], clock=_Clock())
+    steps = _drive(lk, prompt + answer)
+    assert lk._rules and lk._rules[0] == ((old,), (new,))
+    failed = [(n, h) for n, h in steps if h < n]
+    # the first rename costs a failed draft (and a probe); the other five none
+    assert len(failed) <= 3, steps
+    assert sum(h for _, h in steps) >= len(answer) - 2 * 33, steps
