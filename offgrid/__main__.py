@@ -123,14 +123,25 @@ def parse_args(argv=None):
                         "some (docs/cli.md, \"Threads\")")
     p.add_argument("-tb", "--threads-batch", type=thread_count, default=None,
                    help="threads for prompt evaluation, likewise (default: as --threads)")
-    p.add_argument("--spec-type", choices=SPEC_TYPES, default="none",
+    p.add_argument("--spec-type", choices=SPEC_TYPES, default=None,
                    help="speculative decoding: ngram-simple drafts tokens from the "
                         "request's own text (prompt lookup) and checks them in one decode; "
                         "the output is the same; a request stops drafting where it does "
                         "not pay.  auto: ngram-simple for /completion and fill-in-the-middle, "
-                        "none for chat (default none)")
+                        "none for chat.  draft-simple: a draft model's tokens (-md) "
+                        "(default none; draft-simple with -md)")
     p.add_argument("--spec-draft-n-max", type=int, default=8, metavar="N",
                    help="most tokens drafted at once (default 8, at most 64)")
+    p.add_argument("-md", "--model-draft", "--spec-draft-model", dest="model_draft",
+                   metavar="FILE",
+                   help="a smaller model of the same vocabulary drafts tokens for -m's, "
+                        "which checks them in one decode; the output is the same "
+                        "(docs/cli.md, \"Speculation\")")
+    p.add_argument("--spec-draft-n-min", type=int, default=0, metavar="N",
+                   help="a draft model's draft of fewer tokens is not checked (default 0)")
+    p.add_argument("--spec-draft-p-min", "--draft-p-min", type=float, default=0.0,
+                   metavar="P", help="a draft model's draft stops at a token it gives a "
+                   "probability under P, among its top 10 (default 0)")
     p.add_argument("--stream-interval-ms", type=float, default=25.0, metavar="MS",
                    help="a streamed reply's pieces that come faster than this go out "
                         "together, one write every MS at most (default 25; the first "
@@ -175,6 +186,22 @@ def parse_args(argv=None):
     p.add_argument("--cache-reuse", type=int, default=64,
                    help="FIM requests move cached runs of at least N tokens to where the new "
                    "prompt needs them instead of recomputing them (default 64; 0: off)")
+    p.add_argument("-cram", "--cache-ram", type=int, default=None, metavar="MIB",
+                   help="prompt states kept in memory per model, restored into any session "
+                   "when a prompt comes back (two clients taking turns on -np 1), in MiB "
+                   "(default: a quarter of the memory free when the model loads, at most "
+                   "8192; -1: no limit; 0: off)")
+    p.add_argument("--cache-dir", metavar="DIR", default=None,
+                   help="where prompt states go when a model sleeps, is unloaded or the "
+                   "server stops, read back when a request would use them (default: "
+                   "offgrid/states under $XDG_CACHE_HOME or ~/.cache)")
+    p.add_argument("--no-cache-disk", action="store_true",
+                   help="keep prompt states in memory only, never on disk")
+    p.add_argument("--cache-disk-max", type=int, default=4096, metavar="MIB",
+                   help="most MiB of prompt states written to disk per model (default 4096)")
+    p.add_argument("--slot-save-path", metavar="DIR", default=None,
+                   help="folder for POST /slots/ID?action=save|restore files (llama-server's "
+                   "flag; without it the slot actions are refused)")
     p.add_argument("--spm-infill", action="store_true",
                    help="lay fill-in-the-middle prompts out suffix first (suffix/prefix/middle), "
                    "as some code models were trained; llama-server's flag (default: prefix first)")
@@ -243,6 +270,21 @@ def parse_args(argv=None):
         p.error("--stream-interval-ms must be between 0 and 1000")
     if not 1 <= args.spec_draft_n_max <= 64:
         p.error("--spec-draft-n-max must be between 1 and 64")
+    if not 0 <= args.spec_draft_n_min <= 64:
+        p.error("--spec-draft-n-min must be between 0 and 64")
+    if not 0.0 <= args.spec_draft_p_min <= 1.0:
+        p.error("--spec-draft-p-min must be between 0 and 1")
+    if args.spec_type is None:
+        args.spec_type = "draft-simple" if args.model_draft else "none"
+    if args.model_draft and args.spec_type != "draft-simple":
+        p.error("-md drafts with a model: --spec-type draft-simple, or leave --spec-type out")
+    if args.spec_type == "draft-simple":
+        if not args.model_draft:
+            p.error("--spec-type draft-simple needs a draft model (-md FILE)")
+        if not args.model:
+            p.error("-md drafts for -m's model: give one")
+        if not os.path.isfile(args.model_draft):
+            p.error("draft model file not found: %s" % args.model_draft)
     if args.rpc is not None:
         try:
             args.rpc = ",".join(rpc_endpoints(args.rpc, args.rpc_allow_remote))
@@ -314,6 +356,16 @@ def main(argv=None):
     except ValueError as e:
         print("offgrid: %s" % e, file=sys.stderr)
         return 2
+    if args.slot_save_path:
+        # llama-server makes the folder too; the workers write into it
+        args.slot_save_path = os.path.abspath(os.path.expanduser(args.slot_save_path))
+        try:
+            os.makedirs(args.slot_save_path, exist_ok=True)
+        except OSError as e:
+            print("offgrid: cannot make --slot-save-path %s: %s" % (args.slot_save_path,
+                                                                     e.strerror),
+                  file=sys.stderr)
+            return 2
     if not is_loopback(args.host) and not api_keys:
         print("offgrid: warning: listening on %s without an API key; anyone who can reach "
               "this address can use the server (set --api-key)" % args.host, file=sys.stderr)
@@ -371,6 +423,7 @@ def main(argv=None):
                                                 ("slots", args.slots),
                                                 ("embeddings", args.embeddings)) if not on],
                       shelf=shelf, fim_given=fim is not None)
+    service.slot_save_path = args.slot_save_path
     httpd.RequestHandlerClass.service = service
     shelf.start_reaper()
     # preset models marked load-on-startup, and --pin ones, load meanwhile

@@ -84,6 +84,8 @@ llama_memory_t = _spelled(c_void_p, "llama_memory_t")
 llama_sampler_p = _spelled(c_void_p, "struct llama_sampler *")
 char_buf = _spelled(c_char_p, "char *")             # an output buffer; c_char_p is const char *
 float_p = _spelled(c_void_p, "float *")             # read with from_address, not a POINTER
+uint8_p = _spelled(c_void_p, "uint8_t *")           # a buffer's address (ctypes.addressof)
+const_uint8_p = _spelled(c_void_p, "const uint8_t *")
 llama_token_p = POINTER(llama_token)
 const_llama_token_p = _spelled(POINTER(llama_token), "const llama_token *")
 const_char_pp = _spelled(POINTER(c_char_p), "const char **")
@@ -417,6 +419,17 @@ _PROTOTYPES = {
     "llama_memory_seq_pos_max": (llama_pos, [llama_memory_t, llama_seq_id]),
     # bool llama_memory_can_shift(llama_memory_t mem);
     "llama_memory_can_shift": (c_bool, [llama_memory_t]),
+
+    # --- one sequence's state (engine/statecache.py) ---------------------------
+    # size_t llama_state_seq_get_size(struct llama_context * ctx, llama_seq_id seq_id);
+    "llama_state_seq_get_size": (c_size_t, [llama_context_p, llama_seq_id]),
+    # size_t llama_state_seq_get_data(struct llama_context * ctx, uint8_t * dst, size_t size,
+    #                                 llama_seq_id seq_id);
+    "llama_state_seq_get_data": (c_size_t, [llama_context_p, uint8_p, c_size_t, llama_seq_id]),
+    # size_t llama_state_seq_set_data(struct llama_context * ctx, const uint8_t * src, size_t size,
+    #                                 llama_seq_id dest_seq_id);
+    "llama_state_seq_set_data": (c_size_t, [llama_context_p, const_uint8_p, c_size_t,
+                                            llama_seq_id]),
 
     # --- sampling --------------------------------------------------------------
     # struct llama_sampler * llama_sampler_chain_init(struct llama_sampler_chain_params params);
@@ -1149,6 +1162,31 @@ class ContextHandle:
                                               ctypes.addressof(self._abort_flag))
         else:
             self.lib.llama_set_abort_callback(self.ptr, None, None)
+
+    # -- one sequence's state (engine/statecache.py) -----------------------
+    def seq_state(self, seq):
+        """A copy of sequence ``seq``'s cells (positions and keys and values,
+        libllama's own format), as a bytearray; None where libllama fails.
+        Its size grows with the sequence's tokens.  The caller holds the
+        lock of every other memory operation and decode of this context."""
+        n = self.lib.llama_state_seq_get_size(self.ptr, seq)
+        if n <= 0:
+            return None
+        buf = bytearray(n)
+        addr = ctypes.addressof((ctypes.c_char * n).from_buffer(buf))
+        got = self.lib.llama_state_seq_get_data(self.ptr, addr, n, seq)
+        return buf if got == n else None
+
+    def set_seq_state(self, seq, data):
+        """Put ``data`` (a seq_state() of a context of this model and these
+        settings) into sequence ``seq``, which loses what it held; False
+        where libllama refuses it (the sequence is then empty)."""
+        if not data:
+            return False
+        n = len(data)
+        view = (ctypes.c_char * n).from_buffer(data) if isinstance(data, bytearray) \
+            else ctypes.create_string_buffer(bytes(data), n)
+        return self.lib.llama_state_seq_set_data(self.ptr, ctypes.addressof(view), n, seq) == n
 
     def attach_threadpool(self, pool, pool_batch):
         """Run this context's decodes on ThreadPools that outlive it.

@@ -177,6 +177,9 @@ class WorkerSettings:
     threads_batch: object
     spec_type: str                  # request.SPEC_TYPES
     spec_draft_n_max: int
+    model_draft: Optional[str]      # -md: the draft model's file (spec_type draft-simple)
+    spec_draft_n_min: int
+    spec_draft_p_min: float
     stream_interval_ms: float
     chat_template: Optional[str]    # Jinja text, or a built-in name
     pooling: Optional[str]          # request.POOLINGS; None: the model's
@@ -193,6 +196,43 @@ class WorkerSettings:
     n_gpu_layers: Optional[int]
     tensor_split: Optional[list]
     verbose: bool
+    cache_ram: int = 0              # MiB of prompt states in memory (engine/statecache.py); -1: no bound
+    cache_dir: Optional[str] = None     # where prompt states go when the worker ends; None: nowhere
+    cache_disk_max: int = 4096      # MiB of them on disk, for this model
+    slot_save_path: Optional[str] = None    # POST /slots/ID?action=save|restore's folder
+
+
+@dataclasses.dataclass
+class SlotAction:
+    """POST /slots/ID?action=...: what the front asks of the session it holds for it
+    (llama-server's slot save, restore and erase; engine/slotfile.py)."""
+    action: str                     # "save", "restore" or "erase"
+    id_slot: int                    # the session
+    filename: str = ""              # a plain file name in --slot-save-path (save, restore)
+
+
+def valid_filename(name):
+    """llama.cpp's fs_validate_filename (no subfolders): a plain file name, no path
+    separator, no "..", no control or reserved characters, not ending in a space or
+    a dot."""
+    if not isinstance(name, str) or not name or len(name.encode("utf-8", "surrogatepass")) > 255:
+        return False
+    for ch in name:
+        c = ord(ch)
+        if c <= 0x1F or c == 0x7F or 0x80 <= c <= 0x9F or c in (0xFF0E, 0x2215, 0x2216) \
+                or 0xD800 <= c <= 0xDFFF or c in (0xFFFD, 0xFEFF) or ch in ':*?"<>|/\\':
+            return False
+    if name[0] == " " or name[-1] in " .":
+        return False
+    return ".." not in name and name != "."
+
+
+def encode_slot_action(a):
+    return _fields_of(a)
+
+
+def decode_slot_action(d):
+    return SlotAction(**{f.name: d[f.name] for f in dataclasses.fields(SlotAction) if f.name in d})
 
 
 def encode_settings(settings):
@@ -200,7 +240,8 @@ def encode_settings(settings):
 
 
 def decode_settings(d):
-    return WorkerSettings(**{f.name: d[f.name] for f in dataclasses.fields(WorkerSettings)})
+    return WorkerSettings(**{f.name: d[f.name] for f in dataclasses.fields(WorkerSettings)
+                             if f.name in d})
 
 
 @dataclasses.dataclass
@@ -227,6 +268,8 @@ class ModelInfo:
     rank_head: bool                 # a reranker's classification head (pooling_type rank)
     devices: list                   # where its layers are: the CPU, then each --rpc device
     speculative: bool               # its requests may draft (--spec-type other than none)
+    draft: str                      # the draft model's file name (-md), "" without one
+    draft_bytes: int                # its file and KV cache, held beside the model's
 
 
 def encode_info(info):

@@ -28,7 +28,7 @@ from .errors import InvalidRequest
 REASONING_MODES = ("on", "off", "auto")                 # --reasoning
 REASONING_FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")    # --reasoning-format
 POOLINGS = ("none", "mean", "cls", "last", "rank")      # --pooling (engine/embed.POOLING)
-SPEC_TYPES = ("none", "auto", "ngram-simple")           # --spec-type
+SPEC_TYPES = ("none", "auto", "ngram-simple", "draft-simple")     # --spec-type
 
 # llama-server's default sampler order (common_params_sampling::samplers);
 # a request may reorder or drop them with "samplers".

@@ -10,10 +10,12 @@ that client).
 import http.client
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -56,9 +58,16 @@ class ServerProcess:
         return "http://%s:%d" % (self.host, self.port)
 
     def launch(self):
-        """(argv, cwd, env) of the server process: this checkout's offgrid."""
+        """(argv, cwd, env) of the server process: this checkout's offgrid.
+
+        Its XDG cache is a folder of its own (removed by stop): the prompt states a
+        server writes there when it stops (engine/statedisk.py) must not reach
+        another test's server, nor the user's ~/.cache.  A test of them passes
+        --cache-dir."""
+        if getattr(self, "cache_home", None) is None:
+            self.cache_home = tempfile.mkdtemp(prefix="offgrid-test-cache-")
         return ([sys.executable, "-m", "offgrid"] + self.args, str(ROOT),
-                dict(os.environ, PYTHONUNBUFFERED="1"))
+                dict(os.environ, PYTHONUNBUFFERED="1", XDG_CACHE_HOME=self.cache_home))
 
     def start(self):
         argv, cwd, env = self.launch()
@@ -85,6 +94,14 @@ class ServerProcess:
 
     def stop(self, timeout=60):
         """SIGTERM, then wait; returns the exit code."""
+        try:
+            return self._stop(timeout)
+        finally:
+            if getattr(self, "cache_home", None) is not None:
+                shutil.rmtree(self.cache_home, ignore_errors=True)
+                self.cache_home = None
+
+    def _stop(self, timeout):
         if self.proc.poll() is None:
             if self.own_group:
                 os.killpg(self.proc.pid, signal.SIGTERM)
@@ -123,6 +140,9 @@ class ServerProcess:
     def __exit__(self, *exc):
         if self.proc and self.proc.poll() is None:
             self.stop()
+        elif getattr(self, "cache_home", None) is not None:
+            shutil.rmtree(self.cache_home, ignore_errors=True)
+            self.cache_home = None
 
     # -- client helpers ------------------------------------------------------
     def conn(self, timeout=120):

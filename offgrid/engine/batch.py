@@ -157,6 +157,11 @@ class BatchDecoder:
         """Keys were moved (llama_memory_seq_add): the next decode rotates them."""
         self._shift = True
 
+    def shift_pending(self):
+        """Whether moved keys wait for the next decode to re-rotate them (read
+        holding ``lock``): a copy of the cache now would hold them unrotated."""
+        return self._shift
+
     def close(self):
         if not self.closed:
             self.closed = True

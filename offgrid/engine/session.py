@@ -20,6 +20,8 @@ Threading: a session is used by one thread at a time (the server's pool
 hands it out); ``RequestCancel.cancel()`` may be called from any thread.
 """
 
+import contextlib
+import logging
 import threading
 import time
 
@@ -33,6 +35,9 @@ from .sampling import ProbsReader, build_sampler
 from .textstream import TextAssembler, TokenLedger
 from .lookup import PromptLookup
 from .threads import DecodeThreads
+from .statecache import SAVE_BELOW
+
+log = logging.getLogger("offgrid.session")
 
 
 # One decode at a time in the whole process.  ggml's worker threads spin
@@ -157,15 +162,17 @@ class ChatSession:
 
     def __init__(self, model, n_ctx=4096, n_batch=512, n_ubatch=None, n_threads=None,
                  n_threads_batch=None, swa_full=True, threads=None, draft_max=0,
-                 context_shift=False, decoder=None):
+                 context_shift=False, decoder=None, draft_model=None):
         """``decoder``: the BatchDecoder (shared_decoder) this session is one
         member of; without it the session has a context of its own, made from
         n_ctx, n_batch, n_ubatch, swa_full and threads (the worker's
         DecodeThreads) or n_threads / n_threads_batch (None or "auto":
         adaptive, engine/threads.py).  ``draft_max``: speculative drafts of up
         to this many tokens from the request's own text (0: none; --spec-type
-        ngram-simple).  ``context_shift``: a full context drops part of its
-        past instead of ending the reply (--context-shift)."""
+        ngram-simple), or from ``draft_model`` (an engine.draftmodel.DraftModel
+        whose sequence ``index`` of this session is this session's: -md).
+        ``context_shift``: a full context drops part of its past instead of
+        ending the reply (--context-shift)."""
         self._owns_decoder = decoder is None
         if decoder is None:
             decoder = shared_decoder(model, 1, n_ctx, n_batch, n_ubatch, swa_full, threads,
@@ -175,6 +182,7 @@ class ChatSession:
         self._member = decoder.member()
         self.threads = decoder.threads
         self.draft_max = draft_max
+        self.draft_model = draft_model
         self._ctx = decoder.ctx
         base = SEQS_PER_SESSION * self._member.index
         self._seq, self._gap, self._pin = base + SEQ_PROMPT, base + SEQ_GAP, base + SEQ_PIN
@@ -199,6 +207,7 @@ class ChatSession:
         # (the worker puts them on the piece's frame)
         self.usage = None
         self._out = -1                  # batch index of the last decode's (first) output
+        self.states = None              # the worker's StateCache (use_states)
         self.closed = False
 
     # -- lifetime ------------------------------------------------------------
@@ -240,10 +249,12 @@ class ChatSession:
         is gone.  Any step libllama refuses falls back to an empty cache.
         """
         mem = self._mem
-        if not cache_prompt or not self.cached:
-            return self._clear_plan()
         if min_run > 0 and not self._can_shift:
             min_run = 0
+        if cache_prompt and self.states is not None:
+            self._swap_state(tokens, min_run, need_logits)
+        if not cache_prompt or not self.cached:
+            return self._clear_plan()
         plan = cachereuse.plan(self.cached, tokens, min_run, need_logits)
         if plan.keep == 0 and not plan.runs:
             return self._clear_plan()
@@ -268,6 +279,104 @@ class ChatSession:
             return self._clear_plan()
         self.cached = list(tokens[:plan.keep])
         return plan
+
+    # -- states kept beside the sessions (statecache.py) ------------------------
+    def use_states(self, states):
+        """Keep states in ``states`` (a StateCache shared by the worker's sessions)
+        before losing most of the cache, and restore one that serves a prompt
+        better than the cache does.  Only where the memory can be cut and moved
+        (a recurrent model's state is its last token's, not a prefix's)."""
+        self.states = states if states is not None and states.enabled and self._can_shift \
+            else None
+
+    def _swap_state(self, tokens, min_run, need_logits):
+        """Before _prepare_cache plans ``tokens``: restore the kept state that gives
+        them more from the cache than this session's own cache would, where the
+        copy costs less than evaluating the difference; and keep this session's
+        state first if the prompt would lose most of it (or a restore replaces it)."""
+        states = self.states
+        own = (cachereuse.plan(self.cached, tokens, min_run, need_logits).reused
+               if self.cached else 0)
+        want = len(tokens) - (1 if need_logits else 0)
+        found, n = (None, own) if own >= want else \
+            states.best(tokens, min_run, need_logits, own, exact_tail=self.model.n_swa > 0)
+        restore = found is not None and states.worth_restoring(n - own, found[1].nbytes)
+        if restore or (self.cached and own < SAVE_BELOW * len(self.cached)):
+            self._save_state()
+        if own >= want:
+            return
+        state = states.take(found[0]) if restore else None
+        if state is None:
+            states.count(False)
+            return
+        if self._restore_state(state):
+            states.count(True)
+        else:
+            log.warning("libllama refused a kept state of %d tokens; it is dropped",
+                        len(state.tokens))
+            states.drop(found[0])
+            states.count(False)
+
+    def _save_state(self):
+        """Copy this session's prompt sequence into the StateCache (if it wants it)."""
+        tokens = self.cached
+        if not self.states.wants(tokens):
+            return
+        data = self.copy_state()
+        if data is not None:
+            self.states.put(list(tokens), data)
+
+    def copy_state(self):
+        """A copy of this session's cache (ContextHandle.seq_state) that holds exactly
+        ``cached``; None where there is nothing to copy, or no such copy now.
+        Not while the session runs a request."""
+        self._check_open()
+        tokens = self.cached
+        if not tokens or None in tokens:
+            return None
+        t0 = time.perf_counter()
+        with self._mem.locked() as memory:
+            # keys moved and not yet re-rotated (the next decode does that) would
+            # be copied as they are, unrotated: not kept; nor a cache whose cells
+            # do not hold exactly these tokens
+            if self.decoder.shift_pending() or memory.seq_pos_max(self._seq) != len(tokens) - 1 \
+                    or (self.model.n_swa <= 0 and memory.seq_pos_min(self._seq) != 0):
+                return None
+            data = self._ctx.seq_state(self._seq)
+        if data is not None and self.states is not None:
+            self.states.observe_copy(len(data), time.perf_counter() - t0)
+        return data
+
+    def load_state(self, tokens, data):
+        """Make the cache hold ``data`` (a copy_state() of a session of this worker's
+        context, or one checked to be of the same model and settings) as ``tokens``;
+        False, and an empty cache, where libllama refuses it or its cells do not
+        hold len(tokens) positions from 0."""
+        self._check_open()
+        if not tokens or len(tokens) >= self.n_ctx:
+            self.reset()
+            return False
+        t0 = time.perf_counter()
+        n = len(tokens)
+        with self._mem.locked() as memory:
+            for q in (self._seq, self._gap, self._pin):
+                memory.seq_rm(q, -1, -1)
+            ok = self._ctx.set_seq_state(self._seq, data) \
+                and memory.seq_pos_max(self._seq) == n - 1 \
+                and (self.model.n_swa > 0 or memory.seq_pos_min(self._seq) == 0)
+            if ok and self._pin in self._prompt_seqs:
+                memory.seq_cp(self._seq, self._pin, -1, -1)
+            if not ok:
+                memory.seq_rm(self._seq, -1, -1)
+        self.cached = list(tokens) if ok else []
+        if ok and self.states is not None:
+            self.states.observe_copy(len(data), time.perf_counter() - t0)
+        return ok
+
+    def _restore_state(self, state):
+        """Make this session's sequences hold ``state`` (a SavedState) and nothing
+        else; False (and an empty cache) where libllama refuses it."""
+        return self.load_state(state.tokens, state.data)
 
     def _window_intact(self, plan, n_tokens):
         """Whether the windowed cache, if any, holds what the first token to
@@ -376,6 +485,7 @@ class ChatSession:
         plan = self._prepare_cache(tokens, cache_prompt, cache_reuse, need_logits)
         gaps = plan.gaps(len(tokens))
         self._progress = _Progress(on_progress, len(tokens), plan.reused) if on_progress else None
+        t0 = time.perf_counter()
         try:
             for i, (start, end) in enumerate(gaps):
                 if end == len(tokens):
@@ -389,6 +499,9 @@ class ChatSession:
         finally:
             self._progress = None
         self.cached = list(tokens)
+        if self.states is not None:
+            # the prompt speed a restore is weighed against
+            self.states.observe_prompt(len(tokens) - plan.reused, time.perf_counter() - t0)
         return plan.reused
 
     def _decode(self, chunk, pos, want_logits, seq=None):
@@ -592,7 +705,7 @@ class ChatSession:
         # Speculation (see _speculation): ``pending`` holds the drafted tokens
         # decoded after the last kept one, not yet checked; ``idx`` is the batch
         # index of the output of the last decode the sampler reads.
-        lookup = self._speculation(prompt, params, reader)
+        lookup = self._speculation(prompt, params, reader, cancel)
         pending, idx = [], self._out
         drafted = accepted = 0
 
@@ -674,6 +787,9 @@ class ChatSession:
             if lookup is not None:
                 room = min(self.n_ctx - n_past - 2, self.n_batch - 1,
                            limit - len(out_tokens) - 1 if limit is not None else self.n_batch)
+                # the logits are read: the others' steps need not wait for
+                # this draft (a draft model's decodes take a while)
+                self._member.release()
                 draft = lookup.draft(min(self.draft_max, room))
             status = self._decode_one(token, n_past, draft)
             if status == 2:
@@ -719,8 +835,9 @@ class ChatSession:
     draft_probation = 32
     draft_keep = 0.3
 
-    def _speculation(self, prompt, params, reader):
-        """A PromptLookup for this request, or None where it cannot draft.
+    def _speculation(self, prompt, params, reader, cancel=None):
+        """A PromptLookup (or the draft model's drafter) for this request, or
+        None where it cannot draft.
 
         Not with token probabilities (the reader reads one output), nor with a
         grammar or the tool-call rescue's (a draft the grammar forbids is only
@@ -733,6 +850,8 @@ class ChatSession:
                 or params.sampling.rescue_grammar is not None \
                 or params.n_predict == 1:
             return None
+        if self.draft_model is not None:
+            return self.draft_model.drafter(self._member.index, prompt, cancel)
         return PromptLookup(prompt)
 
     def _drop_after(self, n):
@@ -798,6 +917,13 @@ class _SessionMemory:
     def seq_pos_max(self, seq):
         with self._lock:
             return self._memory.seq_pos_max(seq)
+
+    @contextlib.contextmanager
+    def locked(self):
+        """The Memory itself, under the decoder's lock, for several operations that
+        must see no decode between them (a state's copy and its checks)."""
+        with self._lock:
+            yield self._memory
 
 
 class _Progress:

@@ -32,6 +32,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from .. import libllama, protocol
 from ..jobs import Threads
@@ -44,11 +45,13 @@ from ..chat.template import ReplyFormat, new_tool_call_id
 from ..errors import InvalidRequest, OffgridError, PromptTooLong
 from ..request import RequestCancel
 from .embed import POOLING, Embedder, model_pooling, to_le
-from . import cachereuse, promptfit, rpc
+from . import cachereuse, promptfit, rpc, slotfile, statedisk
 from .fill import IdleFill
 from .infill import layout_infill
+from .draftmodel import DraftModel
 from .model import Model
 from .pacing import StreamPacer
+from .statecache import StateCache
 from .session import (ChatSession, context_size, decode_threads, pause_pools, shared_decoder,
                       take_turns_with)
 
@@ -106,14 +109,17 @@ class Loaded:
     """The model, its sessions, its chat template (what chat.select keeps on it) and
     its Embedder (whose context is made on the first embedding request)."""
 
-    def __init__(self, model, sessions, chat_template=None, embedder=None, decoder=None):
+    def __init__(self, model, sessions, chat_template=None, embedder=None, decoder=None,
+                 draft_model=None):
         self.model = model
         self.sessions = sessions
         self.decoder = decoder      # the sessions' shared context (engine/batch.py)
+        self.draft_model = draft_model      # -md (engine/draftmodel.py), or None
         self.chat_template = chat_template
         self.template = None
         template_for(self)      # a template that cannot be used fails the load
         self.embedder = embedder or Embedder.for_model(model, n_ctx=sessions[0].n_ctx)
+        self.states = None          # the sessions' StateCache (engine/statecache.py)
 
     @classmethod
     def load(cls, args, progress=True, on_rpc_stall=None, on_sized=None):
@@ -124,31 +130,43 @@ class Loaded:
                            progress=progress, rpc_endpoints=rpc.split_endpoints(args.rpc),
                            n_gpu_layers=args.n_gpu_layers, tensor_split=args.tensor_split,
                            repack=not args.no_repack, on_rpc_stall=on_rpc_stall)
+        n_sessions = max(1, args.parallel)
         if on_sized is not None:
-            n_sessions = max(1, args.parallel)
             on_sized(kv_bytes_of(model.meta, context_size(model, args.ctx_size) * n_sessions))
         sessions = []
-        decoder = None
+        decoder = draft_model = None
         threads = decode_threads(model, args.threads, args.threads_batch)
         try:
             # one context for every session, whose decodes are batched together
             decoder = shared_decoder(model, max(1, args.parallel), n_ctx=args.ctx_size,
                                      n_batch=args.batch_size, n_ubatch=args.ubatch_size,
                                      swa_full=not args.no_swa_full, threads=threads)
-            for _ in range(max(1, args.parallel)):
+            if args.spec_type == "draft-simple" and args.model_draft:
+                draft_model = DraftModel.load(
+                    args.model_draft, model, n_sessions, decoder.n_ctx_session,
+                    args.batch_size, args.ubatch_size, threads, args.spec_draft_n_min,
+                    args.spec_draft_p_min, lib_path=args.lib, verbose=args.verbose)
+            for _ in range(n_sessions):
                 sessions.append(ChatSession(
                     model, decoder=decoder, context_shift=args.context_shift,
-                    draft_max=args.spec_draft_n_max if args.spec_type != "none" else 0))
+                    draft_max=args.spec_draft_n_max if args.spec_type != "none" else 0,
+                    draft_model=draft_model))
             # the embedding context learns its thread counts on its own: its
             # decodes (every token an output) run at another speed than a prompt's
             embedder = Embedder.for_model(
                 model, args.pooling, n_ctx=sessions[0].n_ctx, n_batch=args.batch_size,
                 n_ubatch=args.ubatch_size,
                 threads=decode_threads(model, args.threads, args.threads_batch))
-            return cls(model, sessions, args.chat_template, embedder, decoder)
+            loaded = cls(model, sessions, args.chat_template, embedder, decoder, draft_model)
+            loaded.states = make_states(args, model, sessions[0])
+            for s in sessions:
+                s.use_states(loaded.states)
+            return loaded
         except BaseException:
             for s in sessions:
                 s.close()
+            if draft_model is not None:
+                draft_model.close()
             if decoder is not None:
                 decoder.close()
             model.close()
@@ -158,6 +176,8 @@ class Loaded:
         self.embedder.close()
         for s in self.sessions:
             s.close()
+        if self.draft_model is not None:
+            self.draft_model.close()
         if self.decoder is not None:
             self.decoder.close()
         self.model.close()
@@ -172,11 +192,42 @@ class Loaded:
             caps=self.template.caps.as_dict(), meta=m.meta, kv_bytes=self.kv_bytes(),
             n_embd_out=m.n_embd_out, pooling=self.embedder.pooling,
             rank_head=model_pooling(m) == POOLING["rank"], devices=m.devices,
-            speculative=any(s.draft_max > 0 for s in self.sessions))
+            speculative=any(s.draft_max > 0 for s in self.sessions),
+            draft=self.draft_model.model.name if self.draft_model is not None else "",
+            draft_bytes=self.draft_bytes())
+
+    def draft_bytes(self):
+        """The draft model's file and KV cache (-md), 0 without one."""
+        d = self.draft_model
+        if d is None:
+            return 0
+        return os.path.getsize(d.model.path) + kv_bytes_of(d.model.meta, d.ctx.n_ctx)
 
     def kv_bytes(self):
         """The KV caches' size, from the model's shape (f16 keys and values)."""
         return kv_bytes_of(self.model.meta, self.sessions[0].n_ctx * len(self.sessions))
+
+
+def make_states(args, model, session):
+    """The StateCache of --cache-ram (MiB; -1: no bound) and --cache-dir, or None where
+    both are off; the states on disk are listed (read when one is wanted)."""
+    mib = getattr(args, "cache_ram", 0) or 0
+    disk = None
+    if args.cache_dir and args.cache_disk_max > 0:
+        try:
+            ident = statedisk.identity(model.path, model.lib.path, {
+                "n_ctx": session.n_ctx, "n_batch": session.n_batch,
+                "swa_full": not args.no_swa_full, "n_seq": session.decoder.ctx.n_ctx,
+                "cache_type": "f16"})
+            disk = statedisk.StateDisk(args.cache_dir, ident, args.cache_disk_max << 20)
+        except OSError as e:
+            logging.getLogger("offgrid.statedisk").warning(
+                "prompt states on disk off: %s", e)
+    if mib == 0 and disk is None:
+        return None
+    states = StateCache(-1 if mib < 0 else mib << 20, disk)
+    states.adopt_disk()
+    return states
 
 
 def kv_bytes_of(meta, n_cells):
@@ -229,6 +280,7 @@ class Worker:
         # what a budget dropped goes into the cache while no frame is served (fill.py)
         self.fill = IdleFill(self._jobs, self.prompt_rate)
         self._last_fit = None           # (fitted tokens, whole prompt) of the last fit
+        self.slot_save_path = None      # --slot-save-path: POST /slots/ID?action=save|restore
 
     # -- frames out ---------------------------------------------------------------
     def send(self, obj):
@@ -356,6 +408,70 @@ class Worker:
         """How many tokens each session's cache holds now (a request may be running)."""
         return [len(s.cached) for s in self.loaded.sessions]
 
+    def call_states(self):
+        """The kept prompt states (engine/statecache.py): counts and bytes; None when off."""
+        st = self.loaded.states
+        return st.stats() if st is not None else None
+
+    def call_save_states(self):
+        """Write the kept prompt states, and the sessions' own caches where no request
+        runs, to --cache-dir (the front asks before the worker goes: sleep, unload,
+        shutdown); how many files were written."""
+        st = self.loaded.states
+        if st is None or st.disk is None:
+            return {"written": 0}
+        live = []
+        with self._lock:
+            running = bool(self._cancels)
+        if not running:
+            for s in self.loaded.sessions:
+                data = s.copy_state()
+                if data is not None:
+                    live.append((list(s.cached), data))
+        return {"written": st.to_disk(live)}
+
+    def call_slot_action(self, action):
+        """POST /slots/ID?action=save|restore|erase (protocol.SlotAction) on a session
+        the front holds for it: llama-server's result object."""
+        a = protocol.decode_slot_action(action)
+        session = self.loaded.sessions[a.id_slot]
+        t0 = time.perf_counter()
+        if a.action == "erase":
+            n = len(session.cached)
+            session.reset()
+            return {"id_slot": a.id_slot, "n_erased": n}
+        folder = self.slot_save_path
+        if not folder or not slotfile.valid_filename(a.filename):
+            raise InvalidRequest("Invalid filename")
+        path = os.path.join(folder, a.filename)
+        if a.action == "save":
+            tokens = list(session.cached)
+            state = session.copy_state() if tokens else None
+            if state is None:
+                raise OffgridError("Unable to save slot: it holds no cache to save"
+                                   if not tokens else "Unable to save slot")
+            try:
+                n_bytes = slotfile.write(path, tokens, state)
+            except OSError as e:
+                raise OffgridError("Unable to save slot: %s" % e.strerror)
+            return {"id_slot": a.id_slot, "filename": a.filename, "n_saved": len(tokens),
+                    "n_written": n_bytes,
+                    "timings": {"save_ms": (time.perf_counter() - t0) * 1000.0}}
+        try:
+            tokens, state, n_read = slotfile.read(path, self.model.n_vocab)
+            if len(tokens) > session.n_ctx:
+                raise slotfile.SlotFileError("Restored prompt does not fit in the slot context")
+            if not session.load_state(tokens, state):
+                raise slotfile.SlotFileError("No available space in KV cache or invalid slot "
+                                             "save file")
+        except (OSError, slotfile.SlotFileError) as e:
+            session.reset()
+            raise InvalidRequest("Unable to restore slot: %s"
+                                 % (e.strerror if isinstance(e, OSError) else e))
+        return {"id_slot": a.id_slot, "filename": a.filename, "n_restored": len(tokens),
+                "n_read": n_read, "cached": tokens,
+                "timings": {"restore_ms": (time.perf_counter() - t0) * 1000.0}}
+
     def call_batching(self):
         """Decode steps made so far, how many of them carried several sessions' work, and
         the sessions they carried in all."""
@@ -465,13 +581,22 @@ class Worker:
         pool's choice among free sessions)."""
         sessions = self.loaded.sessions
 
+        states = self.loaded.states
+
         def plan_of(tokens):
             if 0 <= id_slot < len(sessions):
                 cached = list(sessions[id_slot].cached)
             else:
                 cached = max((list(x.cached) for x in sessions),
                              key=lambda c: cachereuse.common_prefix(c, tokens))
-            return cachereuse.plan(cached, tokens, cache_reuse)
+            plan = cachereuse.plan(cached, tokens, cache_reuse)
+            if states is not None:
+                # a kept state the session would restore first (statecache.py)
+                found, _ = states.best(tokens, cache_reuse, True, plan.reused,
+                                       exact_tail=self.model.n_swa > 0)
+                if found is not None:
+                    plan = cachereuse.plan(found[1].tokens, tokens, cache_reuse)
+            return plan
         return plan_of
 
     def _constraint(self, schema, grammar):
@@ -739,8 +864,13 @@ def main(argv=None):
         # what the KV caches will take, before they are made: the front's default
         # memory ceiling counts them (server/workers.py)
         with out_lock:
+            # a draft model (-md) is a second model in this process: its file,
+            # and a KV cache taken as large as the model's (its shape is not
+            # read yet; a smaller draft's is less)
+            draft = os.path.getsize(args.model_draft) if args.model_draft else 0
             out.write(protocol.encode({"op": "sizing", "kv_bytes": kv_bytes,
-                                       "file_size": os.path.getsize(args.model)}))
+                                       "file_size": os.path.getsize(args.model),
+                                       "draft_bytes": draft + kv_bytes if draft else 0}))
             out.flush()
 
     try:
@@ -757,6 +887,7 @@ def main(argv=None):
     worker = Worker(loaded, out, args.reasoning, args.reasoning_format, out_lock,
                     args.spec_type, args.stream_interval_ms / 1000.0, args.spm_infill,
                     args.tool_call_rescue)
+    worker.slot_save_path = args.slot_save_path
     worker.send({"op": "ready", "info": protocol.encode_info(loaded.info())})
     worker.serve(inp)
     # The front is gone.  Requests may still be running on other threads

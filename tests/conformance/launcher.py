@@ -54,7 +54,12 @@ SAME_VALUE = {
     "--models-preset": "--models-preset", "--sleep-idle-seconds": "--sleep-idle-seconds",
     "--reasoning": "--reasoning", "-rea": "--reasoning",
     "--reasoning-format": "--reasoning-format", "--tags": "--tags",
+    "-md": "-md", "--model-draft": "-md", "--spec-draft-n-max": "--spec-draft-n-max",
+    "--spec-draft-n-min": "--spec-draft-n-min",
+    "--slot-save-path": "--slot-save-path", "--cache-ram": "--cache-ram", "-cram": "--cache-ram",
 }
+# --spec-type values offgrid has (request.SPEC_TYPES); any other is dropped
+SPEC_TYPES = {"none", "ngram-simple", "draft-simple"}
 SAME_SWITCH = {"--verbose": "-v", "-v": "-v", "--metrics": "--metrics",
                "--no-slots": "--no-slots", "--slots": "--slots",
                "--no-models-autoload": "--no-models-autoload",
@@ -104,6 +109,8 @@ def offgrid_flags(argv):
             for item in value.split(","):
                 if item.strip():
                     out += [to, item.strip()]
+        elif flag == "--spec-type" and value in SPEC_TYPES:
+            out += [flag, value]
         elif flag in SAME_SWITCH:
             out.append(SAME_SWITCH[flag])
         elif flag in AS_DEFAULT:
@@ -115,6 +122,9 @@ def offgrid_flags(argv):
     per_session_ctx(out, kv_unified="--kv-unified" in argv)
     if "--metrics" not in argv:
         out.append("--no-metrics")      # llama-server's /metrics is off unless asked for
+    # llama-server keeps prompt states in memory only: none on disk, where one test's
+    # server would find another's after a restart
+    out.append("--no-cache-disk")
     return out, dropped, as_default, on_purpose
 
 

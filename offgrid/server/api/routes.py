@@ -10,14 +10,16 @@ from collections import namedtuple
 from ..httpd.httperrors import Unavailable
 from .errormap import respond
 from . import anthropic, embeddings, ollama, ollama_admin, openai_chat, responses, router_models
-from . import status, webui
+from . import slot_actions, status, webui
 from .status import health, metrics, models, props, slots
 from .native import completion, detokenize, infill, tokenize
 from .openai_completions import v1_completions
 
 # dialect: the shape of the route's error bodies (errormap.error_body) and stream
 # error events (errormap.error_event)
-Route = namedtuple("Route", "handler methods auth needs_service dialect", defaults=("openai",))
+# body_optional: a POST that may come without a body (the handler gets None)
+Route = namedtuple("Route", "handler methods auth needs_service dialect body_optional",
+                   defaults=("openai", False))
 
 
 # -- the table ------------------------------------------------------------------------
@@ -81,7 +83,9 @@ ROUTES = {
 
 # Routes whose path ends in a value (the handler reads it from h.path), tried
 # after ROUTES' exact paths: (prefix, route).
-PREFIX_ROUTES = ((status.MODEL_PREFIX, Route(status.model_retrieve, _GET, True, True)),)
+PREFIX_ROUTES = ((status.MODEL_PREFIX, Route(status.model_retrieve, _GET, True, True)),
+                 (slot_actions.PREFIX, Route(slot_actions.slot_action, _POST, True, True,
+                                             body_optional=True)))
 
 
 def route_of(path):

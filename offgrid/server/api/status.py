@@ -142,12 +142,18 @@ def slots(h, _body):
         # record from the last request while the worker is not there
         n_cached = e.peek("slots") or [s.n_cached for s in e.pool.sessions]
         threads = _threads_of(e) or {}
+        # the model's kept prompt states (engine/statecache.py), which any of its
+        # sessions may restore: the same on each of its slots
+        states = e.peek("states")
         for s, n in zip(e.pool.sessions, n_cached):
-            out.append({"id": s.index, "model": e.id, "n_ctx": e.n_ctx,
-                        "state": _health_status(e),
-                        "is_processing": e.pool.is_busy(s), "n_cached": n,
-                        "n_threads": threads.get("generation"),
-                        "n_threads_batch": threads.get("batch")})
+            slot = {"id": s.index, "model": e.id, "n_ctx": e.n_ctx,
+                    "state": _health_status(e),
+                    "is_processing": e.pool.is_busy(s), "n_cached": n,
+                    "n_threads": threads.get("generation"),
+                    "n_threads_batch": threads.get("batch")}
+            if states is not None:
+                slot["prompt_cache"] = states
+            out.append(slot)
     h.send_json(200, out)
 
 
@@ -235,9 +241,44 @@ def metrics(h, _body):
         for e, b in batching:
             if b is not None:
                 out.append('%s{model="%s"} %d' % (name, _label(e.id), b[key]))
+    out += _state_lines([(e, _ask(e, "states")) for e, _ in threads])
     # llama-server's header: when the counters started, for rates across restarts
     h.send_text(200, "\n".join(out) + "\n",
                 headers={"Process-Start-Time-Unix": str(int(m.started))})
+
+
+# The kept prompt states of each model (engine/statecache.py, --cache-ram, --cache-dir)
+_STATE_GAUGES = (
+    ("offgrid_state_cache_states", "states",
+     "Prompt states kept to be restored into a session, by where they are."),
+    ("offgrid_state_cache_bytes", "bytes", "Bytes of the prompt states kept, by where they are."),
+)
+_STATE_COUNTERS = (
+    ("offgrid_state_cache_hits_total", "hits",
+     "Requests whose prompt came from a kept state restored into their session."),
+    ("offgrid_state_cache_misses_total", "misses",
+     "Requests that looked for a kept state beyond their session's cache and found none."),
+    ("offgrid_state_cache_saves_total", "saves", "Prompt states kept in memory."),
+    ("offgrid_state_cache_evictions_total", "evictions",
+     "Prompt states let go to stay within --cache-ram."),
+)
+
+
+def _state_lines(states):
+    states = [(e, st) for e, st in states if st is not None]
+    out = []
+    for name, key, help_text in _STATE_GAUGES:
+        out += ["# HELP %s %s" % (name, help_text), "# TYPE %s gauge" % name]
+        for e, st in states:
+            out.append('%s{model="%s",where="memory"} %d' % (name, _label(e.id), st[key]))
+            if "disk" in st:
+                out.append('%s{model="%s",where="disk"} %d' % (name, _label(e.id),
+                                                              st["disk"][key]))
+    for name, key, help_text in _STATE_COUNTERS:
+        out += ["# HELP %s %s" % (name, help_text), "# TYPE %s counter" % name]
+        for e, st in states:
+            out.append('%s{model="%s"} %d' % (name, _label(e.id), st[key]))
+    return out
 
 
 def _label(value):

@@ -259,7 +259,8 @@ class Handler(BaseHTTPRequestHandler):
             if method == "POST" and route.needs_service and self.front_memory is not None:
                 # before its body takes any room
                 self.front_memory.check(self.server.requests_in_flight() - 1)
-            body = self._read_json() if method == "POST" else None
+            body = self._read_json(getattr(route, "body_optional", False)) \
+                if method == "POST" else None
             self.app.dispatch(self, route, body)
         except Exception as exc:           # the one exit for errors
             self._send_exception(exc)
@@ -360,8 +361,13 @@ class Handler(BaseHTTPRequestHandler):
                         type="permission_error")
 
     # -- request bodies ----------------------------------------------------------
-    def _read_json(self):
+    def _read_json(self, optional=False):
+        """The body as a JSON object; with ``optional`` None for a POST that sends
+        none (no length, or 0: llama-server's POST /slots/ID?action=erase)."""
         try:
+            if optional and reader.framing(self.headers, self.request_version) in (None, 0):
+                self._body_pending = False
+                return None
             data = reader.read_body(self.rfile, self.headers, self.max_body, self.read_timeout,
                                     self.request_version)
             self._body_pending = False

@@ -21,11 +21,20 @@ from .worker_client import WorkerClient
 
 def worker_settings(path, args, chat_template=None, decode_lock=None):
     """The engine's share of our flags for one model (``protocol.WorkerSettings``)."""
+    # -md drafts for -m's model alone: the shelf's others need not share its vocabulary
+    draft = getattr(args, "model_draft", None)
+    model = getattr(args, "model", None)
+    if draft and not (model and os.path.realpath(model) == os.path.realpath(path)):
+        draft = None
+    spec_type = args.spec_type if draft or args.spec_type != "draft-simple" else "none"
     return protocol.WorkerSettings(
         model=path, ctx_size=args.ctx_size, batch_size=args.batch_size,
         ubatch_size=args.ubatch_size, parallel=max(1, args.parallel), threads=args.threads,
-        threads_batch=args.threads_batch, spec_type=args.spec_type,
-        spec_draft_n_max=args.spec_draft_n_max, stream_interval_ms=args.stream_interval_ms,
+        threads_batch=args.threads_batch, spec_type=spec_type,
+        spec_draft_n_max=args.spec_draft_n_max, model_draft=draft,
+        spec_draft_n_min=getattr(args, "spec_draft_n_min", 0),
+        spec_draft_p_min=getattr(args, "spec_draft_p_min", 0.0),
+        stream_interval_ms=args.stream_interval_ms,
         chat_template=chat_template, pooling="rank" if args.reranking else args.pooling,
         no_swa_full=args.no_swa_full, no_repack=args.no_repack,
         context_shift=args.context_shift, spm_infill=args.spm_infill,
@@ -33,7 +42,35 @@ def worker_settings(path, args, chat_template=None, decode_lock=None):
         reasoning_format=args.reasoning_format, lib=args.lib, decode_lock=decode_lock,
         rpc=args.rpc or None, n_gpu_layers=args.n_gpu_layers if args.rpc else None,
         tensor_split=list(args.tensor_split) if args.rpc and args.tensor_split else None,
-        verbose=args.verbose)
+        verbose=args.verbose, cache_ram=cache_ram_mib(args),
+        cache_dir=None if getattr(args, "no_cache_disk", False) else cache_dir(args),
+        cache_disk_max=getattr(args, "cache_disk_max", 4096),
+        slot_save_path=getattr(args, "slot_save_path", None))
+
+
+def cache_ram_mib(args):
+    """--cache-ram, or its default: a quarter of the memory free now, at most
+    llama-server's 8192 MiB (engine/statecache.py keeps prompt states within it)."""
+    value = getattr(args, "cache_ram", None)
+    if value is not None:
+        return value
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return max(0, min(8192, int(line.split()[1]) // 1024 // 4))
+    except (OSError, ValueError, IndexError):
+        pass
+    return 1024
+
+
+def cache_dir(args):
+    """--cache-dir, or offgrid/states under $XDG_CACHE_HOME (else ~/.cache)."""
+    value = getattr(args, "cache_dir", None)
+    if value:
+        return os.path.abspath(os.path.expanduser(value))
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "offgrid", "states")
 
 
 def worker_args(path, args, chat_template=None, decode_lock=None):
@@ -42,15 +79,23 @@ def worker_args(path, args, chat_template=None, decode_lock=None):
     return ["--settings", json.dumps(protocol.encode_settings(settings))]
 
 
-def default_max_rss(info):
-    """A worker's memory ceiling: its model file, its KV caches, and a margin for the
-    rest (compute buffers, the logits of a batch, Python): half the model, 1 GiB at least."""
-    return ceiling_of(info.file_size, info.kv_bytes)
+def default_max_rss(info, cache_bytes=0):
+    """A worker's memory ceiling: its model file, its KV caches, its kept prompt states
+    (``cache_bytes``: --cache-ram) and a margin for the rest (compute buffers, the
+    logits of a batch, Python): half the model, 1 GiB at least."""
+    return (ceiling_of(info.file_size, info.kv_bytes + cache_bytes)
+            + draft_ceiling(info.draft_bytes))
 
 
 def ceiling_of(file_size, kv_bytes):
     """default_max_rss of a model file of ``file_size`` bytes and KV caches of ``kv_bytes``."""
     return file_size + kv_bytes + max(1 << 30, file_size // 2)
+
+
+def draft_ceiling(draft_bytes):
+    """What a draft model (-md) of ``draft_bytes`` (its file and KV cache) adds to the
+    ceiling: a second model's share, compute buffers and margin included."""
+    return ceiling_of(draft_bytes, 0) if draft_bytes else 0
 
 
 # A preset's settings that are our flags, by their argparse names.
@@ -96,12 +141,18 @@ def start_worker(entry, args, decode_lock=None):
     # what its KV caches take (its sizing frame, before it makes them), its file and
     # margin alone.
     sized = None
+    # kept prompt states count too (engine/statecache.py), bounded by --cache-ram
+    cache_mib = cache_ram_mib(a)
+    cache_bytes = max(0, cache_mib) << 20 if cache_mib >= 0 else 0
+    a.cache_ram = cache_mib
     if args.worker_max_rss is None:
         file_size = os.path.getsize(path)
-        max_rss = ceiling_of(file_size, 0)
+        max_rss = ceiling_of(file_size, cache_bytes)
 
         def sized(frame):
-            return ceiling_of(frame.get("file_size", file_size), frame.get("kv_bytes", 0))
+            return (ceiling_of(frame.get("file_size", file_size),
+                               frame.get("kv_bytes", 0) + cache_bytes)
+                    + draft_ceiling(frame.get("draft_bytes", 0)))
     elif args.worker_max_rss > 0:
         max_rss = int(args.worker_max_rss * (1 << 20))
     else:
@@ -119,7 +170,7 @@ def start_worker(entry, args, decode_lock=None):
     finally:
         entry.loading = None
     if args.worker_max_rss is None:
-        worker.max_rss = default_max_rss(worker.info)
+        worker.max_rss = default_max_rss(worker.info, cache_bytes)
     return worker
 
 

@@ -122,6 +122,38 @@ class ChatPool:
         finally:
             cancel.detach(wake)
 
+    def hold(self, session, cancel, on_wait=None):
+        """Wait for this one ``session`` to be free and take it (a request's
+        ``id_slot``, a slot action: api/slot_actions.py); False if ``cancel``
+        fired first.  ``on_wait`` as acquire's.  Released as any."""
+        wake = self._notify
+        cancel.attach(wake)
+        waiting = False
+        try:
+            with self._cond:
+                try:
+                    while True:
+                        if self._closed:
+                            raise Unavailable("server is shutting down")
+                        if cancel.cancelled:
+                            return False
+                        if session in self._free:
+                            self._free.remove(session)
+                            self._held[session] = cancel
+                            self._in_use[cancel] += 1
+                            return True
+                        if not waiting:
+                            waiting = True
+                            self._n_waiting += 1
+                            if on_wait is not None:
+                                on_wait()
+                        self._cond.wait()
+                finally:
+                    if waiting:
+                        self._n_waiting -= 1
+        finally:
+            cancel.detach(wake)
+
     def _next(self):
         """The ticket a free session goes to (under the condition): of the owners
         holding the fewest sessions the first in turn, its oldest live ticket."""

@@ -412,7 +412,7 @@ class Shelf:
         except OSError:
             size = 0
         if info:
-            return info.file_size + info.kv_bytes + 64 * _MIB
+            return info.file_size + info.draft_bytes + info.kv_bytes + 64 * _MIB
         return size + size // 4 + 64 * _MIB
 
     def resident(self, entry):

@@ -224,8 +224,24 @@ class WorkerClient:
     def pid(self):
         return self._proc.pid if self._proc is not None else None
 
+    # Seconds a worker gets to write its prompt states to --cache-dir before it goes
+    # (engine/statedisk.py): a few hundred MiB at disk speed.
+    persist_timeout = 30.0
+
     def close(self, timeout=5.0):
-        """End the worker: EOF on its stdin, then SIGKILL if it lingers.  Idempotent."""
+        """End the worker: EOF on its stdin, then SIGKILL if it lingers.  Idempotent.
+
+        A loaded worker that answers first writes its prompt states to disk
+        (``save_states``: sleep, unload and shutdown keep them for the next
+        worker of the model); one that does not is not waited for."""
+        with self._cond:
+            persist = not self._closing and self.state == "ready" and not self.unresponsive
+        if persist:
+            try:
+                self._call("save_states", "save_states", {}, deadline=self.persist_timeout,
+                           peek=True)
+            except Exception:       # noqa: BLE001 - a cache not written is no error
+                pass
         with self._cond:
             if self._closing:
                 return

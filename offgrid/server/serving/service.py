@@ -71,6 +71,8 @@ class Service:
         self.sampling_default = sampling_default or SamplingParams()
         # optional endpoints switched off (--no-metrics, --no-slots): they answer 501
         self.endpoints_off = frozenset(endpoints_off)
+        # --slot-save-path: POST /slots/ID?action=... (api/slot_actions.py); None: refused
+        self.slot_save_path = None
         # minimum run of cached tokens that FIM requests move rather than
         # recompute (0: prefix reuse only); see engine/cachereuse.py
         self.cache_reuse = cache_reuse
@@ -240,7 +242,12 @@ class Service:
         pool, worker = entry.pool, entry.worker
         if pool is None or worker is None:
             raise Unavailable("model %s was unloaded" % entry.id)
-        session = pool.acquire(tokens or [], cancel, on_wait=look)
+        if 0 <= id_slot < len(pool.sessions):
+            # the session the request names (llama-server's id_slot), free or not
+            named = pool.sessions[id_slot]
+            session = named if pool.hold(named, cancel, on_wait=look) else None
+        else:
+            session = pool.acquire(tokens or [], cancel, on_wait=look)
         if session is None:
             c = Completion("", [], FinishReason.CANCELLED, "none", "",
                            Usage(prompt_tokens=len(tokens or [])))

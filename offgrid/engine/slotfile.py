@@ -1,0 +1,109 @@
+"""llama-server's slot files: POST /slots/ID?action=save|restore (--slot-save-path).
+
+The file is what ``llama_state_seq_save_file`` writes, with llama-server's
+token payload, so a file saved by either server restores in the other:
+
+    u32 magic 'ggsq' (LLAMA_STATE_SEQ_MAGIC)   u32 version 3 (LLAMA_STATE_SEQ_VERSION)
+    u32 n                                       n x i32 payload
+    the sequence's state (llama_state_seq_get_data less its 8-byte header)
+
+The payload is llama-server's ``server_tokens::serialize``: LLAMA_TOKEN_NULL
+(-1), its version 1, the token count and the tokens, then the count of media
+chunks (0: offgrid has none).  Older servers wrote the plain token list; both
+are read.  Python writes and reads the file (not libllama's file functions,
+which throw through C on a short file): every size is checked against the
+file's before anything is allocated or handed to libllama.
+"""
+
+import array
+import os
+import struct
+import sys
+
+from ..protocol import valid_filename  # noqa: F401  (the front checks names the same way)
+
+MAGIC = 0x67677371          # 'ggsq'
+VERSION = 3
+TOKENS_NULL = -1            # LLAMA_TOKEN_NULL: llama-server's packed payload follows
+TOKENS_VERSION = 1          # SERVER_TOKENS_STATE_VERSION
+# llama_state_seq_get_data's own header, which the file does not hold:
+# its io magic and the sequence id (read and discarded by set_data)
+IO_HEADER = struct.pack("<Ii", 0xaf143cd8, 0)
+
+
+class SlotFileError(ValueError):
+    """A slot file that is not one, or not for this model (the message says why)."""
+
+
+def _i32(values):
+    a = array.array("i", values)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tobytes()
+
+
+def write(path, tokens, state):
+    """Write ``tokens`` and ``state`` (a ContextHandle.seq_state) to ``path``;
+    returns the bytes written.  Written beside it first, then renamed: a
+    failure leaves no half file under the name."""
+    payload = [TOKENS_NULL, TOKENS_VERSION, len(tokens)] + list(tokens) + [0]
+    head = struct.pack("<III", MAGIC, VERSION, len(payload)) + _i32(payload)
+    tmp = path + ".tmp%d" % os.getpid()
+    try:
+        with open(tmp, "wb") as f:
+            f.write(head)
+            f.write(memoryview(state)[len(IO_HEADER):])
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return len(head) + len(state) - len(IO_HEADER)
+
+
+def read(path, n_vocab):
+    """(tokens, state for ContextHandle.set_seq_state, bytes read) of a slot file;
+    SlotFileError if it is not one (or names a token outside the vocabulary),
+    OSError if it cannot be read."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if len(data) < 12:
+        raise SlotFileError("the file is too short for a slot file")
+    magic, version, n = struct.unpack_from("<III", data, 0)
+    if magic != MAGIC or version != VERSION:
+        raise SlotFileError("unknown (magic, version) for a sequence state file: %08x, %08x"
+                            % (magic, version))
+    if n > (len(data) - 12) // 4:
+        raise SlotFileError("token count in sequence state file exceeds the file size")
+    packed = array.array("i")
+    packed.frombytes(data[12:12 + 4 * n])
+    if sys.byteorder != "little":
+        packed.byteswap()
+    tokens = _unpack(list(packed))
+    for t in tokens:
+        if not 0 <= t < n_vocab:
+            raise SlotFileError("Invalid tokens in slot save file")
+    state = data[12 + 4 * n:]
+    if not state:
+        raise SlotFileError("the file holds no sequence state")
+    return tokens, bytearray(IO_HEADER + state), len(data)
+
+
+def _unpack(packed):
+    """The tokens of llama-server's payload (or of an older plain list)."""
+    if not packed or packed[0] != TOKENS_NULL:
+        return packed
+    if len(packed) < 3 or packed[1] != TOKENS_VERSION:
+        raise SlotFileError("Unsupported server tokens state version")
+    n = packed[2]
+    if n < 0 or 3 + n > len(packed):
+        raise SlotFileError("Unexpected end of server tokens state")
+    tokens = packed[3:3 + n]
+    rest = packed[3 + n:]
+    if rest and rest[0] != 0:
+        raise SlotFileError("Cannot restore media tokens without an mmproj")
+    if len(rest) > 1:
+        raise SlotFileError("Trailing data in server tokens state")
+    return tokens

@@ -1,0 +1,243 @@
+"""StateDisk: prompt states written to disk when a worker goes, read back when one is wanted.
+
+A model put to sleep (--sleep-idle-seconds), unloaded, or a server stopped
+and started again begins with empty caches: the next request pays its whole
+prompt.  So before the worker goes (the front asks it: WorkerClient.close),
+the most recently used states (engine/statecache.py) and the sessions' own
+caches are written here, up to a bound in bytes; the next worker of the same
+model lists them at start (their tokens only) and reads one back the first
+time a request would restore it.
+
+A state is only good for the exact model file, the libllama build that wrote
+it and the same context settings, so each file says which (``Identity``),
+and a file that names another, or does not match its own checksum, is a
+miss with one log line, never restored.  So is a file that cannot be read,
+and a write that fails (full disk, unwritable folder) leaves no half file
+and logs once: the cache is an optimisation, never an error.
+
+    <dir>/<model key>/<n>.state:
+        b"OFFGRID-STATE\\n"   u32 length   header (JSON: identity, n_tokens,
+        state_bytes, sha256 of what follows)   n_tokens x i32   the state
+"""
+
+import array
+import hashlib
+import json
+import logging
+import os
+import struct
+import sys
+
+log = logging.getLogger("offgrid.statedisk")
+
+MAGIC = b"OFFGRID-STATE\n"
+FORMAT = 1
+HEAD_BYTES = 1 << 20        # of the model file, hashed: its header (metadata, tensor index)
+
+
+def file_identity(path, head=HEAD_BYTES):
+    """A file's size and the SHA-256 of its first ``head`` bytes (a GGUF's header
+    and metadata: another model, or another quantisation, differs there)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(head))
+        size = os.fstat(f.fileno()).st_size
+    return {"size": size, "head_sha256": h.hexdigest()}
+
+
+def identity(model_path, lib_path, context):
+    """What a state depends on: the model file, the libllama build (its file's identity),
+    and the context's settings (``context``: a dict of them)."""
+    return {"format": FORMAT, "model": file_identity(model_path),
+            "build": file_identity(lib_path) if lib_path else None, "context": context}
+
+
+def default_dir():
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "offgrid", "states")
+
+
+class StateDisk:
+    """One model's folder of states in ``root``, at most ``max_bytes`` of them."""
+
+    def __init__(self, root, ident, max_bytes):
+        self.ident = ident
+        key = hashlib.sha256(json.dumps(ident["model"], sort_keys=True).encode()).hexdigest()
+        self.dir = os.path.join(root, key[:24])
+        self.max_bytes = max_bytes
+        self.reads = self.read_failures = self.writes = 0
+        self._warned = False
+        self._files = {}            # name -> bytes, as last listed or written
+
+    # -- listing and reading ----------------------------------------------------------
+    def index(self):
+        """(file name, tokens, state bytes) of each state here that this worker may use."""
+        out = []
+        try:
+            names = sorted(n for n in os.listdir(self.dir) if n.endswith(".state"))
+        except OSError:
+            return out
+        for name in names:
+            try:
+                with open(os.path.join(self.dir, name), "rb") as f:
+                    head = self._head(f, name)
+                    if head is None:
+                        continue
+                    tokens = _tokens(f.read(4 * head["n_tokens"]), head["n_tokens"])
+            except (OSError, ValueError) as e:
+                self._miss(name, "unreadable (%s)" % e)
+                continue
+            if tokens is None:
+                self._miss(name, "truncated")
+                continue
+            self._files[name] = head["state_bytes"]
+            out.append((name, tokens, head["state_bytes"]))
+        return out
+
+    def _head(self, f, name):
+        if f.read(len(MAGIC)) != MAGIC:
+            self._miss(name, "not a state file")
+            return None
+        (n,) = struct.unpack("<I", f.read(4))
+        if n > 1 << 20:
+            self._miss(name, "not a state file")
+            return None
+        head = json.loads(f.read(n).decode("utf-8"))
+        if not isinstance(head, dict) or not isinstance(head.get("n_tokens"), int) \
+                or not isinstance(head.get("state_bytes"), int):
+            self._miss(name, "not a state file")
+            return None
+        for what in ("format", "model", "build", "context"):
+            if head.get("ident", {}).get(what) != self.ident[what]:
+                self._miss(name, "written for another %s" % {
+                    "format": "format", "model": "model file", "build": "libllama build",
+                    "context": "context (-c, -np, cache settings)"}[what])
+                return None
+        return head
+
+    def read(self, name, tokens):
+        """The state in file ``name`` (bytearray), checked whole; None (and one log
+        line) if it cannot be used."""
+        path = os.path.join(self.dir, name)
+        try:
+            with open(path, "rb") as f:
+                head = self._head(f, name)
+                if head is None:
+                    self.read_failures += 1
+                    return None
+                body = f.read(4 * head["n_tokens"] + head["state_bytes"] + 1)
+        except (OSError, ValueError) as e:
+            self.read_failures += 1
+            self._miss(name, "unreadable (%s)" % e)
+            return None
+        n_tok = 4 * head["n_tokens"]
+        if len(body) != n_tok + head["state_bytes"] \
+                or hashlib.sha256(body).hexdigest() != head.get("sha256") \
+                or _tokens(body[:n_tok], head["n_tokens"]) != list(tokens):
+            self.read_failures += 1
+            self._miss(name, "corrupted or truncated")
+            return None
+        self.reads += 1
+        return bytearray(body[n_tok:])
+
+    def _miss(self, name, why):
+        log.warning("prompt state %s: %s; not used", os.path.join(self.dir, name), why)
+
+    # -- writing ------------------------------------------------------------------------
+    def write_all(self, states):
+        """Make the folder hold ``states`` ((tokens, data, name): most recently used
+        first; ``name`` the file a state came from, kept as it is), as many as fit
+        in max_bytes, none contained in one before it; returns how many files it
+        wrote.  Files of states not among them go.  A failure logs one line and
+        stops writing."""
+        keep, total, seen = [], 0, []
+        for tokens, data, name in states:
+            n = len(data) if data is not None else self._files.get(name)
+            if not tokens or n is None or any(
+                    len(s) >= len(tokens) and s[:len(tokens)] == list(tokens) for s in seen):
+                continue
+            if total + n > self.max_bytes:
+                continue
+            total += n
+            seen.append(list(tokens))
+            keep.append((list(tokens), data, name if name in self._files else None, n))
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+            old = [f for f in os.listdir(self.dir) if f.endswith(".state")]
+        except OSError as e:
+            self._warn("cannot use %s: %s" % (self.dir, e.strerror or e))
+            return 0
+        kept = {name: n for _, _, name, n in keep if name is not None}
+        files, fresh = dict(kept), 0
+        taken = set(old)
+        i = 0
+        for tokens, data, name, n in keep:
+            if name is not None:
+                continue
+            while "%d.state" % i in taken:
+                i += 1
+            new = "%d.state" % i
+            taken.add(new)
+            if not self._write(new, tokens, data):
+                break
+            files[new] = n
+            fresh += 1
+        for name in old:
+            if name not in files:
+                try:
+                    os.unlink(os.path.join(self.dir, name))
+                except OSError:
+                    pass
+        self.writes += fresh
+        self._files = files
+        return fresh
+
+    def _write(self, name, tokens, data):
+        body_tokens = _i32(tokens)
+        h = hashlib.sha256(body_tokens)
+        h.update(data)
+        head = json.dumps({"ident": self.ident, "n_tokens": len(tokens),
+                           "state_bytes": len(data), "sha256": h.hexdigest()}).encode()
+        path = os.path.join(self.dir, name)
+        tmp = path + ".tmp%d" % os.getpid()
+        try:
+            with open(tmp, "wb") as f:
+                f.write(MAGIC + struct.pack("<I", len(head)) + head)
+                f.write(body_tokens)
+                f.write(data)
+            os.replace(tmp, path)
+            return True
+        except OSError as e:
+            self._warn("cannot write %s: %s" % (path, e.strerror or e))
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            return False
+
+    def _warn(self, message):
+        if not self._warned:
+            self._warned = True
+            log.warning("prompt states not saved: %s", message)
+
+    def stats(self):
+        return {"states": len(self._files), "bytes": sum(self._files.values()),
+                "reads": self.reads, "read_failures": self.read_failures,
+                "writes": self.writes}
+
+
+def _i32(values):
+    a = array.array("i", values)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tobytes()
+
+
+def _tokens(data, n):
+    if len(data) != 4 * n:
+        return None
+    a = array.array("i")
+    a.frombytes(data)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return list(a)
