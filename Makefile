@@ -103,7 +103,7 @@ test: lib/libllama.so $(MODELS) $(VENV)/.ready $(VENV)/.conformance-ready browse
 
 # Claude Code and Codex against a real server (tests/test_agents.py): apart from
 # `make test`, whose 15 minutes on a fresh machine have no room for it (their
-# 8-11k-token prompts: 9 CPU-minutes; 18-20 minutes on 2 cores under a load of 7-9).
+# 8-11k-token prompts: 6.5-9 CPU-minutes, after an 800 MB npm install).
 test-agents: lib/libllama.so $(MODELS) $(VENV)/.ready agent-clients
 	$(PYTEST) -m agents $(PYTEST_ARGS) tests
 
