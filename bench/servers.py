@@ -215,7 +215,10 @@ def offgrid(cfg, bins=None):
         return [sys.executable, "-m", "offgrid", "-m", cfg.model, "--host", HOST,
                 "--port", str(port)] + _threads(cfg, "-t") + [
                 "-c", str(cfg.ctx), "-np", str(cfg.parallel), "-b", str(cfg.batch),
-                "-ub", str(cfg.ubatch)] + [str(x) for x in cfg.extra]
+                "-ub", str(cfg.ubatch),
+                # prompt states in memory only, as llama-server's --cache-ram: none
+                # written at stop for the next run's server to find
+                "--no-cache-disk"] + [str(x) for x in cfg.extra]
     return Server("offgrid", argv, ready_line="listening on http://")
 
 

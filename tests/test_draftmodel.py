@@ -113,14 +113,13 @@ def test_a_second_request_drafts_from_what_the_first_left(drafted):
     assert again["timings"]["draft_n_accepted"] >= 0.7 * again["timings"]["draft_n"]
 
 
-def test_sampled_requests_keep_their_length_and_draft():
-    with ServerProcess(GEMMA, "-md", GEMMA, ctx=1024) as s:
-        status, _, body = s.post("/completion", {
-            "prompt": PROMPTS[1], "temperature": 0.8, "seed": 42, "n_predict": 32,
-            "ignore_eos": True})
-        assert status == 200, body
-        assert body["tokens_predicted"] == 32
-        assert body["timings"]["draft_n"] > 0
+def test_sampled_requests_keep_their_length_and_draft(drafted):
+    status, _, body = drafted.post("/completion", {
+        "prompt": PROMPTS[1], "temperature": 0.8, "seed": 42, "n_predict": 32,
+        "ignore_eos": True})
+    assert status == 200, body
+    assert body["tokens_predicted"] == 32
+    assert body["timings"]["draft_n"] > 0
 
 
 def test_p_min_and_n_min_hold_drafts_back():

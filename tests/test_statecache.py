@@ -238,3 +238,27 @@ def test_two_conversations_taking_turns_on_one_session_keep_their_prompts():
         assert t["prompt_n"] < 30 and t["cache_n"] > 200, t
     assert [b["content"] for b in got] == [b["content"] for b in without]
     assert [v for k, v in m.items() if k.startswith("offgrid_state_cache_hits_total")] == [2]
+
+
+def test_a_restored_state_copies_back_byte_for_byte(qwen):
+    """A restore puts back exactly the cells it was given (so a restored prompt differs
+    from one evaluated afresh only as any cached prefix does: by the batch its keys
+    were computed in)."""
+    a, b = conversations(qwen)
+    decoder = shared_decoder(qwen, 2, n_ctx=1024, n_batch=256, n_threads=TEST_THREADS)
+    first, second = (ChatSession(qwen, decoder=decoder) for _ in range(2))
+    try:
+        first.evaluate(a)
+        second.evaluate(b)
+        saved = first.copy_state()
+        first.evaluate(b)               # the session holds something else meanwhile
+        # into the other session and back: the cells (each naming its sequence)
+        assert second.load_state(list(a), saved)
+        assert second.cached == a and positions(second) == (0, len(a) - 1)
+        assert first.load_state(list(a), second.copy_state())
+        assert first.cached == a and positions(first) == (0, len(a) - 1)
+        assert first.copy_state() == saved
+    finally:
+        first.close()
+        second.close()
+        decoder.close()

@@ -251,11 +251,13 @@ class ChatSession:
         mem = self._mem
         if min_run > 0 and not self._can_shift:
             min_run = 0
+        plan = None
         if cache_prompt and self.states is not None:
-            self._swap_state(tokens, min_run, need_logits)
+            plan = self._swap_state(tokens, min_run, need_logits)
         if not cache_prompt or not self.cached:
             return self._clear_plan()
-        plan = cachereuse.plan(self.cached, tokens, min_run, need_logits)
+        if plan is None:
+            plan = cachereuse.plan(self.cached, tokens, min_run, need_logits)
         if plan.keep == 0 and not plan.runs:
             return self._clear_plan()
         # drop what the plan does not keep, from the cached tokens' positions
@@ -293,10 +295,13 @@ class ChatSession:
         """Before _prepare_cache plans ``tokens``: restore the kept state that gives
         them more from the cache than this session's own cache would, where the
         copy costs less than evaluating the difference; and keep this session's
-        state first if the prompt would lose most of it (or a restore replaces it)."""
+        state first if the prompt would lose most of it (or a restore replaces it).
+        Returns the session's own plan for ``tokens`` where the cache is still its
+        own (None after a restore, or with nothing cached)."""
         states = self.states
-        own = (cachereuse.plan(self.cached, tokens, min_run, need_logits).reused
-               if self.cached else 0)
+        plan = cachereuse.plan(self.cached, tokens, min_run, need_logits) if self.cached \
+            else None
+        own = plan.reused if plan is not None else 0
         want = len(tokens) - (1 if need_logits else 0)
         found, n = (None, own) if own >= want else \
             states.best(tokens, min_run, need_logits, own, exact_tail=self.model.n_swa > 0)
@@ -304,11 +309,11 @@ class ChatSession:
         if restore or (self.cached and own < SAVE_BELOW * len(self.cached)):
             self._save_state()
         if own >= want:
-            return
+            return plan
         state = states.take(found[0]) if restore else None
         if state is None:
             states.count(False)
-            return
+            return plan
         if self._restore_state(state):
             states.count(True)
         else:
@@ -316,6 +321,7 @@ class ChatSession:
                         len(state.tokens))
             states.drop(found[0])
             states.count(False)
+        return None
 
     def _save_state(self):
         """Copy this session's prompt sequence into the StateCache (if it wants it)."""

@@ -48,6 +48,9 @@ DEFAULT_LIMIT_MIB = 8192
 SAVE_BELOW = 0.5
 # States shorter than this are not worth a copy: they cost little to evaluate.
 MIN_TOKENS = 32
+# States whose chunk-reuse plan a lookup works out (those sharing the longest
+# prefix); the others count their common prefix only.
+PLANNED = 4
 
 
 def default_limit_mib(mem_available):
@@ -176,14 +179,19 @@ class StateCache:
         before (a model whose window cache keeps only the state's last window)."""
         with self._lock:
             states = list(self._states.items())
-        best, best_n = None, have
+        # the common prefix first (slices compared in C); a chunk-reuse plan, which
+        # indexes a state's every position, only for the few that share the most
+        last = len(tokens) - (1 if need_logits else 0)
+        scored = []
         for k, s in states:
-            if exact_tail:
-                n = cachereuse.common_prefix(s.tokens, tokens)
-                if n < len(s.tokens) - 1:
-                    continue
-                n = min(n, len(tokens) - (1 if need_logits else 0))
-            else:
+            n = cachereuse.common_prefix(s.tokens, tokens)
+            if exact_tail and n < len(s.tokens) - 1:
+                continue
+            scored.append((min(n, last), k, s))
+        scored.sort(key=lambda x: -x[0])
+        best, best_n = None, have
+        for i, (n, k, s) in enumerate(scored):
+            if min_run > 0 and not exact_tail and i < PLANNED:
                 n = cachereuse.plan(s.tokens, tokens, min_run, need_logits).reused
             if n > best_n:
                 best, best_n = (k, s), n
@@ -268,7 +276,7 @@ class StateCache:
     def stats(self):
         with self._lock:
             in_mem = [s for s in self._states.values() if s.data is not None]
-            out = {"states": len(in_mem), "bytes": self.bytes, "limit": self.limit,
+            out = {"states": len(in_mem), "bytes": self.bytes,
                    "tokens": sum(len(s.tokens) for s in in_mem),
                    "hits": self.hits, "misses": self.misses, "saves": self.saves,
                    "evictions": self.evictions, "failures": self.failures}

@@ -160,6 +160,8 @@ def start_worker(entry, args, decode_lock=None):
     worker = WorkerClient(entry.id, worker_args(path, a, template, decode_lock),
                           max_rss=max_rss, verbose=args.verbose, sized_rss=sized)
     worker.on_progress = lambda fraction: setattr(entry, "progress", fraction)
+    # its prompt states go to disk before it goes (engine/statedisk.py)
+    worker.persist_states = not getattr(a, "no_cache_disk", False)
     worker.timeout = max(1.0, args.worker_timeout)
     entry.loading = worker          # POST /models/unload and shutdown stop the load
     try:

@@ -155,6 +155,7 @@ class WorkerClient:
         self._alive_at = self._progress_at = time.monotonic()
         self._steps, self._running = 0, 0
         self._peeked = {}                   # method -> the last answer of a shelf read
+        self._peek_missed_at = None         # _alive_at when a shelf read last went unanswered
         self._closing = False
         self._failures = 0
         self._started_at = 0.0
@@ -227,6 +228,12 @@ class WorkerClient:
     # Seconds a worker gets to write its prompt states to --cache-dir before it goes
     # (engine/statedisk.py): a few hundred MiB at disk speed.
     persist_timeout = 30.0
+    # Whether the worker keeps prompt states on disk (launch.py: --cache-dir, not
+    # --no-cache-disk): only then is it asked to write them before it goes.
+    persist_states = False
+    # A worker not heard from (pong, frames) this recently is not asked: a stopped
+    # or stuck one would hold its close for persist_timeout.
+    persist_heard_within = 5.0
 
     def close(self, timeout=5.0):
         """End the worker: EOF on its stdin, then SIGKILL if it lingers.  Idempotent.
@@ -235,7 +242,9 @@ class WorkerClient:
         (``save_states``: sleep, unload and shutdown keep them for the next
         worker of the model); one that does not is not waited for."""
         with self._cond:
-            persist = not self._closing and self.state == "ready" and not self.unresponsive
+            persist = (self.persist_states and not self._closing and self.state == "ready"
+                       and not self.unresponsive
+                       and time.monotonic() - self._alive_at < self.persist_heard_within)
         if persist:
             try:
                 self._call("save_states", "save_states", {}, deadline=self.persist_timeout,
@@ -493,11 +502,14 @@ class WorkerClient:
         """A shelf read (slots, threads, batching): the worker's answer within
         peek_timeout, else the last one it gave (None if none).  Never asks a
         worker that is not loaded or misses its heartbeat."""
-        if self.state != "ready" or self.unresponsive:
+        # one unanswered read is enough: the next ones (a /slots reads several)
+        # wait for the worker to be heard from again, so a page costs one timeout
+        if self.state != "ready" or self.unresponsive or self._peek_missed_at == self._alive_at:
             return self._peeked.get(method)
         try:
             value = self._call(method, method, {}, deadline=self.peek_timeout, peek=True)
         except (OffgridError, Unavailable):
+            self._peek_missed_at = self._alive_at
             return self._peeked.get(method)
         self._peeked[method] = value
         return value
