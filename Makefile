@@ -101,13 +101,14 @@ test: lib/libllama.so $(MODELS) $(VENV)/.ready $(VENV)/.conformance-ready browse
 	@r=0; $(PYTEST) $(XDIST) -m "not serial and not agents" $(PYTEST_ARGS) tests || r=1; \
 	$(PYTEST) -m "serial and not agents" $(PYTEST_ARGS) tests; s=$$?; [ $$s -eq 0 -o $$s -eq 5 ] || r=1; exit $$r
 
-# The suite less the tests marked slow (the bundle, minute-long fault, RPC and
-# debugger runs): a few minutes once the cache is warm.
-# Claude Code and Codex against a real server (tests/test_agents.py; slow): apart
-# from `make test` while the default 0.5B model fails two of them (issue 36).
+# Claude Code and Codex against a real server (tests/test_agents.py): apart from
+# `make test`, whose 15 minutes on a fresh machine have no room for it (their
+# 8-11k-token prompts: 6.5-9 CPU-minutes, after an 800 MB npm install).
 test-agents: lib/libllama.so $(MODELS) $(VENV)/.ready agent-clients
 	$(PYTEST) -m agents $(PYTEST_ARGS) tests
 
+# The suite less the tests marked slow (the bundle, minute-long fault, RPC and
+# debugger runs): a few minutes once the cache is warm.
 test-fast: lib/libllama.so $(MODELS) $(VENV)/.ready browser
 	@r=0; $(PYTEST) $(XDIST) -m "not slow and not serial" $(PYTEST_ARGS) tests \
 	|| r=1; $(PYTEST) -m "serial and not slow" $(PYTEST_ARGS) tests; s=$$?; \

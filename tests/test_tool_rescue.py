@@ -31,7 +31,9 @@ QWEN = ROOT / "models" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 READ = Tool("Read", "Read a file from the local filesystem.", {
     "type": "object", "required": ["file_path"], "additionalProperties": False,
     "properties": {"file_path": {"type": "string", "description": "The absolute path"},
-                   "offset": {"type": "integer", "minimum": 0}}})
+                   "offset": {"type": "integer", "minimum": 0, "maximum": 9007199254740991},
+                   "pages": {"type": "string", "description": "Page range for PDF files "
+                                                             "(e.g., \"1-5\")."}}})
 BASH = Tool("Bash", "Run a shell command.", {
     "type": "object", "required": ["command"],
     "properties": {"command": {"type": "string"}}})
@@ -106,10 +108,102 @@ def test_arguments_that_fit_no_single_tool_leave_it_content(text):
     assert parse_reply(text, FMT_ARGS).tool_calls == []
 
 
+# Claude Code's Read and Codex's exec_command, as they send them (abridged)
+CLAUDE_READ = Tool("Read", "Reads a file.", {
+    "type": "object", "required": ["file_path"], "additionalProperties": False,
+    "properties": {
+        "file_path": {"type": "string", "description": "The absolute path to the file to read"},
+        "offset": {"type": "integer", "minimum": 0, "maximum": 9007199254740991,
+                   "description": "The line number to start reading from."},
+        "limit": {"type": "integer", "exclusiveMinimum": 0, "maximum": 9007199254740991,
+                  "description": "The number of lines to read."},
+        "pages": {"type": "string", "description": "Page range for PDF files (e.g., \"1-5\", "
+                  "\"3\", \"10-20\"). Only applicable to PDF files."},
+        "allow_large": {"type": "boolean", "description": "Set to true to read a large file."}}})
+CODEX_EXEC = Tool("exec_command", "Runs a command.", {
+    "type": "object", "required": ["cmd"], "additionalProperties": False,
+    "properties": {
+        "cmd": {"type": "string", "description": "Shell command to execute."},
+        "justification": {"type": "string", "description": "User-facing approval question for "
+                                                           "`require_escalated`; omit otherwise."},
+        "prefix_rule": {"type": "array", "items": {"type": "string"}, "description":
+                        "Reusable approval prefix for `cmd`; for example [\"git\", \"pull\"]."},
+        "sandbox_permissions": {"type": "string", "enum": ["use_default", "require_escalated"],
+                                "description": "Per-command sandbox override."},
+        "workdir": {"type": "string", "description": "Working directory for the command. "
+                                                     "Defaults to the turn cwd."},
+        "yield_time_ms": {"type": "number", "description": "Wait before yielding output."}}})
+FMT_AGENTS = ReplyFormat(tool_syntax="hermes", parse_tools=True, bare_calls=True,
+                         tool_names=("Read", "exec_command"),
+                         tool_args=tool_args([CLAUDE_READ, CODEX_EXEC]))
+
+
+def _args_of(text, fmt=FMT_AGENTS):
+    return [(c.name, json.loads(c.arguments)) for c in parse_reply(text, fmt).tool_calls]
+
+
+@pytest.mark.parametrize("written, kept", [
+    # what Qwen 0.5B copied out of the schemas (seen with the real clients)
+    ({"file_path": "/w/a.txt", "offset": 9007199254740991, "limit": 9007199254740991,
+      "pages": "", "allow_large": True},
+     {"file_path": "/w/a.txt", "allow_large": True}),
+    ({"file_path": "/w/a.txt", "pages": "Page range for PDF files"}, {"file_path": "/w/a.txt"}),
+    # what a caller means stays
+    ({"file_path": "/w/a.txt", "offset": 120, "limit": 40, "pages": "1-5"},
+     {"file_path": "/w/a.txt", "offset": 120, "limit": 40, "pages": "1-5"}),
+])
+def test_a_rescued_call_loses_what_it_copied_out_of_the_schema_only(written, kept):
+    call = json.dumps({"name": "Read", "arguments": written})
+    assert _args_of(call) == [("Read", kept)]
+    stream = ReplyStream(FMT_AGENTS)
+    deltas = [d for ch in call for d in stream.add(ch)]
+    last, whole = stream.finish()
+    assert [json.loads(d.tool_call[1].arguments) for d in deltas + last if d.tool_call] == [kept]
+
+
+def test_codex_exec_command_keeps_its_workdir_and_loses_copied_prose():
+    written = {"cmd": "cat calc.py", "justification": "User-facing approval question for "
+               "`require_escalated`", "prefix_rule": ["git", "pull"],
+               "sandbox_permissions": "use_default", "workdir": "/w", "yield_time_ms": 10000}
+    assert _args_of("```json\n" + json.dumps({"name": "exec_command", "arguments": written})) \
+        == [("exec_command", {"cmd": "cat calc.py", "sandbox_permissions": "use_default",
+                              "workdir": "/w", "yield_time_ms": 10000})]
+    # a justification of its own, an example not from the description: meant, kept
+    meant = {"cmd": "git pull", "justification": "Fetch the latest commits from origin",
+             "prefix_rule": ["git", "fetch"]}
+    assert _args_of(json.dumps({"name": "exec_command", "arguments": meant})) == \
+        [("exec_command", meant)]
+    # required arguments are never touched, empty or not
+    assert _args_of('{"name": "exec_command", "arguments": {"cmd": ""}}') == \
+        [("exec_command", {"cmd": ""})]
+
+
+def test_a_call_in_the_templates_own_form_is_left_as_written():
+    text = ('<tool_call>\n{"name": "Read", "arguments": {"file_path": "/a", "pages": "", '
+            '"offset": 9007199254740991}}\n</tool_call>')
+    assert _args_of(text) == [("Read", {"file_path": "/a", "pages": "",
+                                        "offset": 9007199254740991})]
+
+
 def test_without_the_rescue_a_bare_call_in_a_hermes_template_is_content():
     fmt = ReplyFormat(tool_syntax="hermes", parse_tools=True, tool_names=("Read",))
     text = '{"name": "Read", "arguments": {"file_path": "/a"}}'
     assert parse_reply(text, fmt).content == text
+
+
+def test_a_held_call_keeps_its_optional_arguments_and_drops_copied_ones(qwen):
+    """The grammar holds a call to its tool's whole schema; reading it drops only the
+    values copied out of the schema (a sentinel maximum, an empty string)."""
+    plan = _qwen_plan(qwen, [Message("user", READ_IT)])
+    for forced, kept in [(', "offset": 12', {"offset": 12}),
+                         (', "offset": 9007199254740991, "pages": ""', {})]:
+        text, ended = generate(qwen, plan, forced='{"name": "Read", "arguments": {"file_path": '
+                                                  '"/tmp/notes.txt"' + forced + "}")
+        assert ended, text
+        calls = parse_reply(text, plan.reply_format).tool_calls
+        args = json.loads(calls[0].arguments)
+        assert args["file_path"] == "/tmp/notes.txt" and \
+            {k: v for k, v in args.items() if k in ("offset", "pages")} == kept, text
 
 
 def test_the_rescue_grammar_passes_the_checks(qwen):

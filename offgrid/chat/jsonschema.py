@@ -243,12 +243,18 @@ class Grammar:
             self._depth -= 1
 
     def _snapshot(self):
-        return (dict(self.rules), dict(self._refs), dict(self._keys), dict(self._next),
-                self._size)
+        # rules and refs are only ever added inside a schema() call (a ref's own
+        # reserved rule is filled in there too), and dicts keep insertion order:
+        # what a failed part added is the tail, taken back in its own length of
+        # time, not the whole table's (a schema of thousands of parts stays linear)
+        return len(self.rules), len(self._refs), self._size
 
     def _restore(self, saved):
-        rules, refs, keys, nxt, self._size = saved
-        self.rules, self._refs, self._keys, self._next = rules, refs, keys, nxt
+        n_rules, n_refs, self._size = saved
+        while len(self.rules) > n_rules:
+            self.rules.popitem()
+        while len(self._refs) > n_refs:
+            self._refs.popitem()
 
     def _schema(self, schema, name):
         if schema is True or schema == {} or schema is None:

@@ -44,15 +44,18 @@ stream from their first pieces.
 """
 
 import json
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
 from .. import jsonlimit
-from .rescue import tool_by_arguments
+from .rescue import copied_arguments, tool_by_arguments
 from .template import ToolCall, new_tool_call_id
 
 _WS = " \t\n\r\v\f"
+
+log = logging.getLogger("offgrid.chat")
 
 
 @dataclass
@@ -376,7 +379,11 @@ class _Opener:
     def reply(self):
         self.ws()
         if self.fence and self.lit("```"):
-            self.lit("json", optional=True)
+            # its language: json, or any other a small model writes (markdown, ...)
+            tag = re.compile(r"[A-Za-z0-9_+.-]{0,16}").match(self.s, self.i)
+            if tag.end() == len(self.s):
+                raise _More()
+            self.i = tag.end()
             self.ws()
         self.start = self.i
         if self.nested and self.lit("[", optional=True):
@@ -450,7 +457,26 @@ def _bare_calls(text, fmt, partial):
             return None
     if not calls or (fmt.tool_names and any(c.name not in fmt.tool_names for c in calls)):
         return None
-    return _HOLD if partial else calls      # sent at the end: nothing may follow a bare call
+    if partial:
+        return _HOLD                        # sent at the end: nothing may follow a bare call
+    if fmt.bare_calls and fmt.tool_args:
+        calls = [_without_copies(c, fmt) for c in calls]
+    return calls
+
+
+def _without_copies(call, fmt):
+    """A rescued call less the optional arguments copied out of its schema (rescue.py)."""
+    try:
+        args = json.loads(call.arguments)
+    except ValueError:
+        return call
+    drop = copied_arguments(call.name, args, fmt.tool_args)
+    if not drop:
+        return call
+    log.debug("tool-call rescue: %s's %s dropped (copied out of its schema)",
+              call.name, ", ".join("%s=%s" % (k, json.dumps(args[k])[:60]) for k in drop))
+    kept = {k: v for k, v in args.items() if k not in drop}
+    return ToolCall(call.name, json.dumps(kept, ensure_ascii=False), call.id)
 
 
 def _by_arguments(call, obj, fmt):

@@ -35,8 +35,29 @@ there, and no other tool's required keys are -- is a call to that tool
 with exec_command's ``{"cmd": "cat calc.py", ...}``); keys the tool does not
 have are dropped from it (``tool_args`` here, chat/reply.py reads).
 
+A rescued call's optional arguments are kept, except those that are plainly
+copied out of the tool's schema rather than meant (``copied_arguments``): a
+model that writes bare JSON fills optional parameters from their
+descriptions, and some of what it copies makes the call fail where the
+same call without it works.  Seen with Claude Code and Codex on the 0.5B
+model: Read's ``"offset": 9007199254740991`` (its schema's maximum; the
+read then starts past the end of the file) and ``"pages": "Page range for
+PDF files ..."`` (refused), exec_command's ``"justification": "User-facing
+approval question for ..."`` (refused without sandbox_permissions) and
+``"prefix_rule": ["git", "pull"]`` (the description's example).  Only
+values no caller means are dropped -- an empty string, a number at a bound
+as large as 2^31 or beyond (JavaScript's Number.MAX_SAFE_INTEGER is what
+zod writes for an integer with no maximum), prose or a JSON example found
+in the parameter's own description -- never a required argument or one of
+an enum's choices, so a call that means ``offset: 120`` or a ``workdir``
+keeps it (dropping every optional argument would run a command in the
+wrong folder or read the wrong part of a file, silently).  The calls a
+model writes in its template's own form are left as written.
+
 ``--no-tool-call-rescue`` turns it off (the worker passes ``enabled``).
 """
+
+import json
 
 from .jsonschema import Grammar, json_literal
 
@@ -44,7 +65,7 @@ from .jsonschema import Grammar, json_literal
 # any JSON whitespace (the grammar, fed token by token, is what holds the exact
 # form); group 1 is the name as written (JSON-escaped, which tool names rarely
 # need).
-OPENER = (r'[ \t\n]{0,40}(?:```[ \t]{0,2}(?:json|JSON)?[ \t]{0,4}\n[ \t\n]{0,8})?'
+OPENER = (r'[ \t\n]{0,40}(?:```[ \t]{0,2}[A-Za-z0-9_+.-]{0,16}[ \t]{0,4}\n[ \t\n]{0,8})?'
           r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 
 # How much of a reply's start is watched: an opener longer than this is not one.
@@ -54,8 +75,9 @@ WATCH_CHARS = 256
 def bare_call_grammar(tools):
     """GBNF for a whole reply that is one bare call to one of ``tools``:
     ``{"name": <tool>, "arguments" (or "parameters"): <its arguments>}``,
-    after at most 40 blanks and an optional ```json fence, and nothing after
-    it (the arguments may be left out when the schema requires none)."""
+    after at most 40 blanks and an optional fence (```json or any other
+    language), and nothing after it (the arguments may be left out when the
+    schema requires none)."""
     g = Grammar(strict=False)
     alts = []
     key = "(%s | %s)" % (json_literal("arguments"), json_literal("parameters"))
@@ -69,7 +91,8 @@ def bare_call_grammar(tools):
             tail = "(%s)?" % tail
         alts.append(g.add("tool-%d-call" % i, '"{" space %s space ":" space %s space %s "}"'
                           % (json_literal("name"), json_literal(t.name), tail)))
-    fence = '"```" [ \\t]{0,2} ("json" | "JSON")? [ \\t]{0,4} "\\n" [ \\t\\n]{0,8}'
+    # a fence of any language: the model writes ```json, ```markdown, ``` ...
+    fence = '"```" [ \\t]{0,2} [A-Za-z0-9_+.\\-]{0,16} [ \\t]{0,4} "\\n" [ \\t\\n]{0,8}'
     g.rules["root"] = '[ \\t\\n]{0,40} (%s)? (%s)' % (fence, " | ".join(alts))
     return g.text()
 
@@ -84,13 +107,25 @@ def rescue_of(tools, tool_choice, enabled=True):
 
 
 def tool_args(tools):
-    """[name, required keys, property keys] per tool, for reading a misnamed call."""
+    """[name, required keys, property keys, hints] per tool: to read a misnamed
+    call, and to drop what a rescued call copied (``copied_arguments``).  Hints
+    map each optional key to [its description, its numeric bounds]."""
     out = []
     for t in tools:
         p = t.parameters if isinstance(t.parameters, dict) else {}
         required = p.get("required") if isinstance(p.get("required"), list) else []
+        required = tuple(k for k in required if isinstance(k, str))
         props = p.get("properties") if isinstance(p.get("properties"), dict) else {}
-        out.append((t.name, tuple(k for k in required if isinstance(k, str)), tuple(props)))
+        hints = {}
+        for k, sub in props.items():
+            if k in required or not isinstance(sub, dict) or "enum" in sub or "const" in sub:
+                continue        # an enum's choices are all meant
+            desc = sub.get("description") if isinstance(sub.get("description"), str) else ""
+            bounds = [sub[b] for b in ("minimum", "maximum", "exclusiveMinimum",
+                                       "exclusiveMaximum")
+                      if _is_number(sub.get(b)) and abs(sub[b]) >= _HUGE]
+            hints[k] = [desc[:4000], bounds]
+        out.append((t.name, required, tuple(props), hints))
     return tuple(out)
 
 
@@ -102,9 +137,48 @@ def tool_by_arguments(args, candidates):
     if not isinstance(args, dict) or not args:
         return None
     keys = set(args)
-    fits = [(name, props) for name, required, props in candidates
-            if required and set(required) <= keys]
+    fits = [(c[0], c[2]) for c in candidates if c[1] and set(c[1]) <= keys]
     if len(fits) != 1:
         return None
     name, props = fits[0]
     return name, {k: v for k, v in args.items() if k in props}
+
+
+# A bound this large is a schema's "no bound", never a value a caller means.
+_HUGE = 2 ** 31
+
+
+def _is_number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _squeezed(text):
+    return "".join(text.split()).casefold()
+
+
+def _copied(value, desc, bounds):
+    """Whether an optional argument's ``value`` is one no caller means (see the docstring)."""
+    if value == "":
+        return True
+    if _is_number(value):
+        return abs(value) >= 2 ** 53 - 1 or value in bounds
+    if not desc:
+        return False
+    if isinstance(value, str):
+        # prose (a space in it), long enough not to be a short example value
+        v = value.strip()
+        return (len(v) >= 12 and " " in v and _squeezed(v) in _squeezed(desc)) or \
+            _squeezed(v) == _squeezed(desc)
+    if isinstance(value, (list, dict)) and value:
+        return _squeezed(json.dumps(value, ensure_ascii=False)) in _squeezed(desc)
+    return False
+
+
+def copied_arguments(name, args, candidates):
+    """The keys of ``args`` (a rescued call to ``name``) that hold a value
+    copied out of the tool's schema (see the module's docstring)."""
+    hints = next((c[3] for c in candidates if c[0] == name and len(c) > 3), None)
+    if not isinstance(args, dict) or not hints:
+        return []
+    return [k for k, v in args.items()
+            if k in hints and _copied(v, hints[k][0], hints[k][1])]
