@@ -180,6 +180,8 @@ def test_batches_choose_apart_from_single_tokens():
 # -- a real server under a real hog ------------------------------------------
 
 import os           # noqa: E402
+import re           # noqa: E402
+import statistics   # noqa: E402
 import subprocess   # noqa: E402
 import sys          # noqa: E402
 import threading    # noqa: E402
@@ -273,19 +275,18 @@ def test_server_gives_a_busy_core_back_and_takes_it_again(gemma_path):
             # the idle machine's speed first: a count's best learned beside the
             # hog is its collapsed speed, and coming back up then takes a probe
             # more (test_a_small_gain_started_busy_is_found_once_the_machine_frees)
-            others = OtherLoad(server.proc.pid)
+            # (where one thread fewer runs as fast here, a routine down-probe
+            # may already have taken it: the hog then holds it there)
             _wait_decodes(server, 100)
-            assert server.get("/props")[2]["threads"]["generation"] == cores, (
-                "down a core before the hog began: other programs kept %.1f cores busy"
-                % others.cores())
-            _busy_and_free(server, cores)
+            back = _busy_and_free(server, cores)
         finally:
             stop.set()
             gen.join(timeout=120)
         m = server.metrics()
-        assert m['offgrid_thread_switches_total{model="%s"}' % os.path.basename(str(gemma_path))] >= 2
+        switches = m['offgrid_thread_switches_total{model="%s"}' % os.path.basename(str(gemma_path))]
+        assert switches >= (2 if back == cores else 1)
         status, _, slots = server.get("/slots")
-        assert slots[0]["n_threads"] == cores
+        assert slots[0]["n_threads"] == back
 
 
 def _busy_and_free(server, cores):
@@ -303,13 +304,42 @@ def _busy_and_free(server, cores):
         for p in hogs:
             p.kill()
             p.wait()
-    # the cores are free again: an up-probe finds them (probes back off to 32 s).
-    # Another program that keeps a core busy meanwhile makes staying down right
-    # and this test fail, not skip: its message says how busy the machine was.
+    # the cores are free again: an up-probe finds them (probes back off to 32 s),
+    # or, where the freed core buys less than an up-probe must win by, a probe
+    # of full length whose decodes ran about as fast as one thread fewer (not
+    # collapsed, as beside a hog) rightly keeps the count: seen on this EPYC VM
+    # with gemma, 82-88 tok/s at 1 thread against 83-92 at 2.  Another program
+    # that keeps a core busy meanwhile makes staying down right and this test
+    # fail, not skip: its message says how busy the machine was.
     others = OtherLoad(server.proc.pid)
-    _wait_for(server, cores, timeout=60, context=lambda: (
-        "other programs kept %.1f cores busy after the hog ended; the worker's thread log:\n%s"
-        % (others.cores(), "".join(line for line in server.output if "threads:" in line)[-4000:])))
+    mark = len(server.output)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if server.get("/props")[2]["threads"]["generation"] == cores:
+            return cores
+        if any(_fair_loss(line) for line in server.output[mark:]):
+            return cores - 1
+        time.sleep(0.5)
+    pytest.fail("threads never reached %d in 60 s, and no up-probe ran as fast as the "
+                "count it tried to leave: other programs kept %.1f cores busy after the hog "
+                "ended; the worker's thread log:\n%s"
+                % (cores, others.cores(),
+                   "".join(line for line in server.output if "threads:" in line)[-4000:]))
+
+
+_LOSS = re.compile(r"threads: \d+ lost to \d+ \(([\d., ]+) vs ([\d.]+) tokens/s")
+
+
+def _fair_loss(line):
+    """A logged up-probe that lost over its whole length at about the current
+    count's speed: the more threads are free but add less than the margin."""
+    m = _LOSS.search(line)
+    if not m:
+        return False
+    rates = [float(r) for r in m.group(1).split(",")]
+    base = float(m.group(2))
+    return (len(rates) >= ThreadChoice.probe_len
+            and 0.8 * base <= statistics.median(rates) <= ThreadChoice.win_up * base)
 
 
 def _wait_decodes(server, n, timeout=60):
