@@ -29,7 +29,7 @@ from offgrid.request import RequestCancel
 from offgrid.server.api import budget
 from offgrid.server.api.fields import MAX_N_PROBS
 from offgrid.server.httpd import frontmem
-from offgrid.server.models.worker_client import MAX_BUFFERED, _Pending
+from offgrid.server.models.pending import MAX_BUFFERED, Pending
 
 try:
     from .serverproc import ServerProcess
@@ -168,7 +168,7 @@ def test_the_front_refuses_new_work_near_its_own_ceiling(smollm_path):
 def test_a_stream_whose_client_does_not_read_is_cancelled_past_its_buffer():
     """What the worker's reader queues for one request is bounded: past MAX_BUFFERED the
     pieces are dropped and the request is cancelled when its thread next looks."""
-    p = _Pending("test")
+    p = Pending("test")
     cancel = RequestCancel()
     piece = 64 << 10
     n = MAX_BUFFERED // piece

@@ -42,54 +42,13 @@ from ... import protocol
 from ...errors import ModelLoadError, OffgridError, RpcUnavailable, WorkerDied
 from ..httpd import burst
 from ..httpd.httperrors import Unavailable
+from .pending import Pending
 from .worker_process import (_popen, _reap, data_limit, describe_exit, rss_of,
                              set_data_limit, worker_command)
 
 log = logging.getLogger("offgrid.workers")
 
 _MIB = 1 << 20
-# Bytes of stream frames one request may have waiting for its thread (its
-# client reads slowly; the socket write blocks for up to --timeout): past it
-# the rest are dropped and the request is cancelled, rather than buffered
-# without end (issue 37: n_probs made a token's frame kilobytes).
-MAX_BUFFERED = 8 << 20
-
-
-class _Pending:
-    """A request waiting for its frames."""
-    __slots__ = ("queue", "what", "lock", "buffered", "overflow")
-
-    def __init__(self, what):
-        self.queue = queue.SimpleQueue()
-        self.what = what        # method and path for the log, never content
-        # stream frames waiting for the request's thread (its client reads slowly):
-        # their bytes, and whether they passed MAX_BUFFERED (then the rest are
-        # dropped and the request is cancelled)
-        self.lock = threading.Lock()
-        self.buffered = 0
-        self.overflow = False
-
-    def put_piece(self, frame, n):
-        """Queue a piece or delta frame of ``n`` bytes (the reader's thread), unless
-        the request has more than MAX_BUFFERED waiting already."""
-        with self.lock:
-            if self.overflow or self.buffered + n > MAX_BUFFERED:
-                self.overflow = True
-                return
-            self.buffered += n
-        frame["_n"] = n
-        self.queue.put(frame)
-
-    def took(self, frame, cancel):
-        """The request's thread took ``frame`` off its queue."""
-        with self.lock:
-            self.buffered -= frame.get("_n", 0)
-            overflow = self.overflow
-        if overflow and not cancel.cancelled:
-            cancel.cancel("the client read its stream too slowly (%d MiB of it waited)"
-                          % (MAX_BUFFERED >> 20))
-
-
 class WorkerClient:
     """One model's worker process, as the front sees it."""
 
@@ -145,7 +104,7 @@ class WorkerClient:
         self.last_death = None
         self._cond = threading.Condition()
         self._write_lock = threading.Lock()
-        self._pending = {}                  # request id -> _Pending
+        self._pending = {}                  # request id -> Pending
         self._ids = itertools.count(1)
         self._proc = None
         self._killed_for = None
@@ -284,7 +243,7 @@ class WorkerClient:
     def _open(self, what):
         """A new request id and its queue, failed at once if no worker is there."""
         rid = next(self._ids)
-        p = _Pending("%s (request %d)" % (what, rid))
+        p = Pending("%s (request %d)" % (what, rid))
         with self._cond:
             if self.state != "ready":
                 raise Unavailable("model %s is %s" % (self.name, self.state))
