@@ -75,7 +75,11 @@ def test_zed_ollama_raw_generate_reads_special_tokens_and_stops_cleanly(server):
     assert _count(server, prompt, False) > out["prompt_eval_count"]
     text = out["response"]
     assert text and not any(s in text for s in STOP), text
-    assert out["done"] is True and out["done_reason"] == "stop", out
+    # sampled at Zed's 0.2, about one answer in twelve writes on past the
+    # block (the same with --spec-type none); the greedy test checks the stop
+    assert out["done"] is True and out["done_reason"] in ("stop", "length"), out
+    if out["done_reason"] == "length":
+        assert out["eval_count"] == 160, out
     assert "kv_count" in text
     # the default --spec-type drafted this prompt as a copy
     after = server.metrics()["llamacpp:spec_decode_num_draft_tokens_total"]
@@ -89,7 +93,13 @@ def test_zed_openai_completions_sweep_shape(server):
         "model": "qwen", "prompt": prompt, "max_tokens": 160, "stop": STOP})
     assert status == 200, out
     choice = out["choices"][0]
-    assert choice["finish_reason"] == "stop", out
+    # Zed sends no temperature, so this samples at the default 0.8: the model
+    # may write on past the block (CI saw it once); where it stops, and that it
+    # does at temperature 0, test_greedy_edit_answer_with_drafts_is_the_plain_answer
+    # checks
+    assert choice["finish_reason"] in ("stop", "length"), out
+    if choice["finish_reason"] == "length":
+        assert out["usage"]["completion_tokens"] == 160, out
     assert choice["text"] and not any(s in choice["text"] for s in STOP)
     assert out["usage"]["prompt_tokens"] == _count(server, prompt, True)
 
@@ -123,9 +133,17 @@ def test_greedy_edit_answer_with_drafts_is_the_plain_answer(qwen_path, server):
     status, _, spec_oai = server.post("/v1/completions", dict(
         body, model="qwen", max_tokens=160))
     assert status == 200
+    status, _, spec_ollama = server.post("/api/generate", {
+        "model": "qwen", "prompt": prompt, "raw": True, "stream": False,
+        "options": {"num_predict": 160, "temperature": 0, "stop": STOP}})
+    assert status == 200
     with ServerProcess(qwen_path, "--spec-type", "none", ctx=4096) as plain:
         status, _, out = plain.post("/completion", body)
         assert status == 200
         assert "draft_n" not in out["timings"]
     assert spec["content"] == out["content"]
+    assert spec["stop_type"] in ("eos", "word"), spec    # not "limit"
     assert spec_oai["choices"][0]["text"] == out["content"]
+    assert spec_oai["choices"][0]["finish_reason"] == "stop", spec_oai
+    assert spec_ollama["response"] == out["content"]
+    assert spec_ollama["done_reason"] == "stop", spec_ollama
