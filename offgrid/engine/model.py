@@ -147,6 +147,19 @@ class Model:
             handle.close()
             raise
 
+    def flash_attn(self, setting):
+        """``-fa on|off|auto`` as (True, False or None for libllama's own
+        probe, the words the load line says).  With every layer on the CPU,
+        auto is on: measured on the three bench models on this project's
+        2-core EPYC (docs/performance.md), prompt 1.13-1.15x faster with it
+        on two and level on the third, generation level; which is also what
+        libllama's probe picks for the CPU backend."""
+        if setting in ("on", "off"):
+            return setting == "on", "%s (-fa %s)" % (setting, setting)
+        if all(d["name"] == "CPU" or not d["layers"] for d in self.devices):
+            return True, "on (-fa auto: every layer on the CPU, where it is as fast or faster)"
+        return None, "libllama's choice per device (-fa auto, layers on --rpc devices)"
+
     def _placement(self, devices, n_gpu_layers, tensor_split):
         """The ``devices`` attribute: how many layers each device got (engine/rpc.py)."""
         try:

@@ -121,6 +121,7 @@ class Loaded:
         template_for(self)      # a template that cannot be used fails the load
         self.embedder = embedder or Embedder.for_model(model, n_ctx=sessions[0].n_ctx)
         self.states = None          # the sessions' StateCache (engine/statecache.py)
+        self.flash_attn = "libllama's choice (-fa auto)"    # Loaded.load says which
 
     @classmethod
     def load(cls, args, progress=True, on_rpc_stall=None, on_sized=None):
@@ -137,12 +138,13 @@ class Loaded:
         sessions = []
         decoder = draft_model = None
         threads = decode_threads(model, args.threads, args.threads_batch)
+        flash_attn, flash_attn_words = model.flash_attn(args.flash_attn)
         try:
             # one context for every session, whose decodes are batched together
             decoder = shared_decoder(model, max(1, args.parallel), n_ctx=args.ctx_size,
                                      n_batch=args.batch_size, n_ubatch=args.ubatch_size,
                                      swa_full=not args.no_swa_full, threads=threads,
-                                     flash_attn={"on": True, "off": False}.get(args.flash_attn))
+                                     flash_attn=flash_attn)
             if args.spec_type == "draft-simple" and args.model_draft:
                 draft_model = DraftModel.load(
                     args.model_draft, model, n_sessions, decoder.n_ctx_session,
@@ -160,6 +162,7 @@ class Loaded:
                 n_ubatch=args.ubatch_size,
                 threads=decode_threads(model, args.threads, args.threads_batch))
             loaded = cls(model, sessions, args.chat_template, embedder, decoder, draft_model)
+            loaded.flash_attn = flash_attn_words
             loaded.states = make_states(args, model, sessions[0])
             for s in sessions:
                 s.use_states(loaded.states)
@@ -196,7 +199,7 @@ class Loaded:
             rank_head=model_pooling(m) == POOLING["rank"], devices=m.devices,
             speculative=any(s.draft_max > 0 for s in self.sessions),
             draft=self.draft_model.model.name if self.draft_model is not None else "",
-            draft_bytes=self.draft_bytes())
+            draft_bytes=self.draft_bytes(), flash_attn=self.flash_attn)
 
     def draft_bytes(self):
         """The draft model's file and KV cache (-md), 0 without one."""
