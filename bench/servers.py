@@ -66,6 +66,7 @@ class Config:
     batch: int = 512
     ubatch: int = 512
     extra: tuple = ()           # flags for this server only (--spec-type; rpc.py: --rpc)
+    cache_dir: Optional[str] = None     # offgrid's --cache-dir; None: --no-cache-disk
 
 
 def free_port():
@@ -215,10 +216,12 @@ def offgrid(cfg, bins=None):
         return [sys.executable, "-m", "offgrid", "-m", cfg.model, "--host", HOST,
                 "--port", str(port)] + _threads(cfg, "-t") + [
                 "-c", str(cfg.ctx), "-np", str(cfg.parallel), "-b", str(cfg.batch),
-                "-ub", str(cfg.ubatch),
+                "-ub", str(cfg.ubatch)] + (
                 # prompt states in memory only, as llama-server's --cache-ram: none
-                # written at stop for the next run's server to find
-                "--no-cache-disk"] + [str(x) for x in cfg.extra]
+                # written at stop for the next run's server to find (bench/wake.py
+                # gives a folder of its own)
+                ["--cache-dir", cfg.cache_dir] if cfg.cache_dir else ["--no-cache-disk"]) + [
+                str(x) for x in cfg.extra]
     return Server("offgrid", argv, ready_line="listening on http://")
 
 

@@ -272,6 +272,7 @@ class ModelInfo:
     speculative: bool               # its requests may draft (--spec-type other than none)
     draft: str                      # the draft model's file name (-md), "" without one
     draft_bytes: int                # its file and KV cache, held beside the model's
+    flash_attn: str                 # -fa as it was resolved, in words for the load line
 
 
 def encode_info(info):

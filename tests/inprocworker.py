@@ -9,7 +9,8 @@ import os
 import threading
 
 from offgrid import protocol
-from offgrid.engine.worker import Loaded, Worker
+from offgrid.engine.loaded import Loaded
+from offgrid.engine.worker import Worker
 from offgrid.server.models.entry import ModelEntry
 from offgrid.server.models.worker_client import WorkerClient
 

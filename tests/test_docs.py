@@ -207,6 +207,14 @@ def bench_help(out):
     assert out.startswith("usage:") and "--only" in out and "--rounds" in out, out
 
 
+def turns_help(out):
+    assert out.startswith("usage:") and "--turns" in out and "--tokens" in out, out
+
+
+def wake_help(out):
+    assert out.startswith("usage:") and "--sleep" in out and "--rounds" in out, out
+
+
 def conformance_table(out):
     assert "| file | tests | pass llama-server | pass offgrid | gaps |" in out, out
     for core in ("basic", "tokenize", "infill", "completion", "tool_call"):
@@ -460,6 +468,8 @@ DOCS = {
     # docs/performance.md
     r"^make bench": BENCH,
     r"^python3 bench/run\.py --help$": Run(bench_help),
+    r"^python3 bench/turns\.py --help$": Run(turns_help),
+    r"^python3 bench/wake\.py --help$": Run(wake_help),
     # docs/testing.md
     r"^make test-fast$": SUITE,
 }

@@ -503,7 +503,8 @@ def test_the_spm_infill_flag_lays_out_the_workers_fim_prompts_suffix_first(fim_m
     # --spm-infill reaches the worker in its settings; the front never sets it per request
     import io
     from offgrid import protocol
-    from offgrid.engine.worker import Loaded, Worker
+    from offgrid.engine.loaded import Loaded
+    from offgrid.engine.worker import Worker
     session = ChatSession(fim_model, n_ctx=4096, n_batch=512, n_threads=1)
     try:
         worker = Worker(Loaded(fim_model, [session]), io.BytesIO(), spm_infill=True)

@@ -162,6 +162,31 @@ def test_a_full_disk_leaves_no_half_file(qwen, tmp_path, caplog):
     assert "not saved" in caplog.text
 
 
+def test_two_workers_sharing_a_folder_keep_each_others_states(qwen, tmp_path):
+    """Two servers given one --cache-dir (or two workers of one model): a writer
+    prunes only what it listed, so the other's newer file stays while the bound
+    has room, and goes first when it has not."""
+    with session_of(qwen) as s:
+        s.evaluate(prompt_of(qwen))
+        mine = (list(s.cached), s.copy_state(), None)
+        s.evaluate(qwen.tokenize("class Other:\n    pass\n" * 25, add_special=False))
+        theirs = (list(s.cached), s.copy_state(), None)
+    a, b = disk_of(qwen, tmp_path), disk_of(qwen, tmp_path)
+    a.index()
+    b.index()
+    assert b.write_all([theirs]) == 1
+    assert a.write_all([mine]) == 1     # a never listed b's file
+    names = sorted(n for n in os.listdir(a.dir) if n.endswith(".state"))
+    assert len(names) == 2, names
+    both = {tuple(t) for _, t, _ in disk_of(qwen, tmp_path).index()}
+    assert both == {tuple(mine[0]), tuple(theirs[0])}
+    # no room for both: the writer's own state wins, the other's goes
+    small = statedisk.StateDisk(str(tmp_path), a.ident, len(mine[1]) + 1024)
+    assert small.write_all([mine]) == 1     # it listed nothing: both files are others'
+    left = [t for _, t, _ in disk_of(qwen, tmp_path).index()]
+    assert left == [mine[0]]
+
+
 # -- through the server ---------------------------------------------------------------
 
 QWEN = "models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"

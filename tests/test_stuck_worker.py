@@ -25,7 +25,8 @@ import time
 import pytest
 
 from offgrid.engine.session import ChatSession, shared_decoder
-from offgrid.engine.worker import Loaded, Worker
+from offgrid.engine.loaded import Loaded
+from offgrid.engine.worker import Worker
 from offgrid.errors import WorkerDied
 from offgrid.request import GenerationParams, RequestCancel
 from offgrid.server.models.entry import ModelEntry

@@ -5,7 +5,9 @@ and reaches libllama only through the named handle classes of
 ``offgrid.libllama``.  The HTTP front (``offgrid.server``) never imports it,
 but for the pure-Python prefix measure of ``cachereuse``.
 
-    worker.py       the worker process: its frames, its calls, the Loaded model
+    worker.py       the worker process: its frames and its calls
+    loaded.py       Loaded: the model, its sessions, embedder and state cache, as
+                    the worker's settings ask; what it reports of them
     model.py        Model: a loaded GGUF, its vocabulary and metadata (rpc.py: --rpc)
     batch.py        BatchDecoder: the sessions' one llama_context and shared decode steps
     session.py      ChatSession: one session's prompt evaluation and generation

@@ -21,6 +21,7 @@ and logs once: the cache is an optimisation, never an error.
 """
 
 import array
+import fcntl
 import hashlib
 import json
 import logging
@@ -148,8 +149,9 @@ class StateDisk:
         """Make the folder hold ``states`` ((tokens, data, name): most recently used
         first; ``name`` the file a state came from, kept as it is), as many as fit
         in max_bytes, none contained in one before it; returns how many files it
-        wrote.  Files of states not among them go.  A failure logs one line and
-        stops writing."""
+        wrote.  Files of states not among them go, but for those this worker
+        never listed (another's, sharing the folder), which stay while the
+        bound has room.  A failure logs one line and stops writing."""
         keep, total, seen = [], 0, []
         for tokens, data, name in states:
             n = len(data) if data is not None else self._files.get(name)
@@ -163,11 +165,39 @@ class StateDisk:
             keep.append((list(tokens), data, name if name in self._files else None, n))
         try:
             os.makedirs(self.dir, exist_ok=True)
-            old = [f for f in os.listdir(self.dir) if f.endswith(".state")]
+            lock = os.open(self.dir, os.O_RDONLY)     # flock on the folder itself
         except OSError as e:
             self._warn("cannot use %s: %s" % (self.dir, e.strerror or e))
             return 0
+        try:
+            # Another server (or another worker of this model) may share the
+            # folder: one writer at a time, so that two never pick one name
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return self._write_locked(keep, total)
+        except OSError as e:
+            self._warn("cannot use %s: %s" % (self.dir, e.strerror or e))
+            return 0
+        finally:
+            os.close(lock)
+
+    def _write_locked(self, keep, total):
+        old = [f for f in os.listdir(self.dir) if f.endswith(".state")]
         kept = {name: n for _, _, name, n in keep if name is not None}
+        # ...and the files it wrote since this worker listed the folder are
+        # not this worker's to prune: they stay while the bound has room,
+        # the newest first
+        theirs = []
+        for name in old:
+            if name not in self._files:
+                try:
+                    st = os.stat(os.path.join(self.dir, name))
+                except OSError:
+                    continue
+                theirs.append((st.st_mtime, st.st_size, name))
+        for _, size, name in sorted(theirs, reverse=True):
+            if total + size <= self.max_bytes:
+                total += size
+                kept[name] = size
         files, fresh = dict(kept), 0
         taken = set(old)
         i = 0

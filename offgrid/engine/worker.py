@@ -45,16 +45,13 @@ from ..chat.template import ReplyFormat, new_tool_call_id
 from ..errors import InvalidRequest, OffgridError, PromptTooLong
 from ..request import RequestCancel
 from .copydraft import drafter_for
-from .embed import POOLING, Embedder, model_pooling, to_le
-from . import cachereuse, promptfit, rpc, slotfile, statedisk
+from .embed import to_le
+from . import cachereuse, promptfit, rpc, slotfile
 from .fill import IdleFill
 from .infill import layout_infill
-from .draftmodel import DraftModel
-from .model import Model
+from .loaded import Loaded
 from .pacing import StreamPacer
-from .statecache import StateCache
-from .session import (ChatSession, context_size, decode_threads, pause_pools, shared_decoder,
-                      take_turns_with)
+from .session import pause_pools, take_turns_with
 
 
 def parse_args(argv=None):
@@ -104,155 +101,6 @@ class FileTurns:
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             self._thread_lock.release()
-
-
-class Loaded:
-    """The model, its sessions, its chat template (what chat.select keeps on it) and
-    its Embedder (whose context is made on the first embedding request)."""
-
-    def __init__(self, model, sessions, chat_template=None, embedder=None, decoder=None,
-                 draft_model=None):
-        self.model = model
-        self.sessions = sessions
-        self.decoder = decoder      # the sessions' shared context (engine/batch.py)
-        self.draft_model = draft_model      # -md (engine/draftmodel.py), or None
-        self.chat_template = chat_template
-        self.template = None
-        template_for(self)      # a template that cannot be used fails the load
-        self.embedder = embedder or Embedder.for_model(model, n_ctx=sessions[0].n_ctx)
-        self.states = None          # the sessions' StateCache (engine/statecache.py)
-
-    @classmethod
-    def load(cls, args, progress=True, on_rpc_stall=None, on_sized=None):
-        """The model and its sessions; ``on_sized(kv_bytes)`` is called once the
-        model's shape is known and before its KV caches are made (the front's
-        memory ceiling depends on them)."""
-        model = Model.load(args.model, lib_path=args.lib, verbose=args.verbose,
-                           progress=progress, rpc_endpoints=rpc.split_endpoints(args.rpc),
-                           n_gpu_layers=args.n_gpu_layers, tensor_split=args.tensor_split,
-                           repack=not args.no_repack, on_rpc_stall=on_rpc_stall)
-        n_sessions = max(1, args.parallel)
-        if on_sized is not None:
-            on_sized(kv_bytes_of(model.meta, context_size(model, args.ctx_size) * n_sessions))
-        sessions = []
-        decoder = draft_model = None
-        threads = decode_threads(model, args.threads, args.threads_batch)
-        try:
-            # one context for every session, whose decodes are batched together
-            decoder = shared_decoder(model, max(1, args.parallel), n_ctx=args.ctx_size,
-                                     n_batch=args.batch_size, n_ubatch=args.ubatch_size,
-                                     swa_full=not args.no_swa_full, threads=threads,
-                                     flash_attn={"on": True, "off": False}.get(args.flash_attn),
-                                     kv_unified=args.kv_unified)
-            if args.spec_type == "draft-simple" and args.model_draft:
-                draft_model = DraftModel.load(
-                    args.model_draft, model, n_sessions, decoder.n_ctx_session,
-                    args.batch_size, args.ubatch_size, threads, args.spec_draft_n_min,
-                    args.spec_draft_p_min, lib_path=args.lib, verbose=args.verbose,
-                    kv_unified=args.kv_unified)
-            for _ in range(n_sessions):
-                sessions.append(ChatSession(
-                    model, decoder=decoder, context_shift=args.context_shift,
-                    draft_max=0 if args.spec_type == "none" else args.spec_draft_n_max or 8,
-                    copy_draft_max=args.spec_draft_n_max or 63, draft_model=draft_model))
-            # the embedding context learns its thread counts on its own: its
-            # decodes (every token an output) run at another speed than a prompt's
-            embedder = Embedder.for_model(
-                model, args.pooling, n_ctx=sessions[0].n_ctx, n_batch=args.batch_size,
-                n_ubatch=args.ubatch_size,
-                threads=decode_threads(model, args.threads, args.threads_batch))
-            loaded = cls(model, sessions, args.chat_template, embedder, decoder, draft_model)
-            loaded.states = make_states(args, model, sessions[0])
-            for s in sessions:
-                s.use_states(loaded.states)
-            return loaded
-        except BaseException:
-            for s in sessions:
-                s.close()
-            if draft_model is not None:
-                draft_model.close()
-            if decoder is not None:
-                decoder.close()
-            model.close()
-            raise
-
-    def close(self):
-        self.embedder.close()
-        for s in self.sessions:
-            s.close()
-        if self.draft_model is not None:
-            self.draft_model.close()
-        if self.decoder is not None:
-            self.decoder.close()
-        self.model.close()
-
-    def info(self):
-        m, s = self.model, self.sessions[0]
-        return protocol.ModelInfo(
-            path=os.path.abspath(m.path), name=m.name, n_vocab=m.n_vocab,
-            n_ctx_train=m.n_ctx_train, n_embd=m.n_embd, n_params=m.n_params, size=m.size,
-            file_size=os.path.getsize(m.path), n_ctx=s.n_ctx, n_sessions=len(self.sessions),
-            has_fim=m.has_fim, chat_template=m.chat_template or "",
-            caps=self.template.caps.as_dict(), meta=m.meta, kv_bytes=self.kv_bytes(),
-            n_embd_out=m.n_embd_out, pooling=self.embedder.pooling,
-            rank_head=model_pooling(m) == POOLING["rank"], devices=m.devices,
-            speculative=any(s.draft_max > 0 for s in self.sessions),
-            draft=self.draft_model.model.name if self.draft_model is not None else "",
-            draft_bytes=self.draft_bytes())
-
-    def draft_bytes(self):
-        """The draft model's file and KV cache (-md), 0 without one."""
-        d = self.draft_model
-        if d is None:
-            return 0
-        return os.path.getsize(d.model.path) + kv_bytes_of(d.model.meta, d.ctx.n_ctx)
-
-    def kv_bytes(self):
-        """The KV caches' size, from the model's shape (f16 keys and values)."""
-        return kv_bytes_of(self.model.meta, self.sessions[0].n_ctx * len(self.sessions))
-
-
-def make_states(args, model, session):
-    """The StateCache of --cache-ram (MiB; -1: no bound) and --cache-dir, or None where
-    both are off; the states on disk are listed (read when one is wanted)."""
-    mib = getattr(args, "cache_ram", 0) or 0
-    disk = None
-    if args.cache_dir and args.cache_disk_max > 0:
-        try:
-            ident = statedisk.identity(model.path, model.lib.path, {
-                "n_ctx": session.n_ctx, "n_batch": session.n_batch,
-                "swa_full": not args.no_swa_full, "n_seq": session.decoder.ctx.n_ctx,
-                "cache_type": "f16",
-                # a stream per session lays states out by stream (only named where
-                # on, so that the default's states keep their identity)
-                **({} if session.decoder.kv_unified else {"kv_unified": False})})
-            disk = statedisk.StateDisk(args.cache_dir, ident, args.cache_disk_max << 20)
-        except OSError as e:
-            logging.getLogger("offgrid.statedisk").warning(
-                "prompt states on disk off: %s", e)
-    if mib == 0 and disk is None:
-        return None
-    states = StateCache(-1 if mib < 0 else mib << 20, disk)
-    states.adopt_disk()
-    return states
-
-
-def kv_bytes_of(meta, n_cells):
-    """Bytes of a KV cache of ``n_cells`` tokens for a model of this metadata (f16 keys
-    and values)."""
-    arch = meta.get("general.architecture", "")
-
-    def num(key, default=0):
-        try:
-            return int(meta.get("%s.%s" % (arch, key), default))
-        except (TypeError, ValueError):
-            return default
-    n_head = num("attention.head_count", 1) or 1
-    head = num("embedding_length", 0) // n_head
-    n_kv = num("attention.head_count_kv", n_head)
-    per_token = num("block_count") * n_kv * (num("attention.key_length", head)
-                                             + num("attention.value_length", head)) * 2
-    return per_token * n_cells
 
 
 class Worker:

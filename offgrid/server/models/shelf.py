@@ -399,7 +399,8 @@ class Shelf:
         if closed:
             worker.close()
             raise Unavailable("server is shutting down")
-        self.announce("loaded %s in %.1f s" % (entry.id, seconds))
+        self.announce("loaded %s in %.1f s; flash attention %s"
+                      % (entry.id, seconds, worker.info.flash_attn))
 
     def estimate(self, entry):
         """Bytes a model will hold once loaded: what it held last time, else its file
