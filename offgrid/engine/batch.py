@@ -2,7 +2,9 @@
 
 Each ChatSession of a worker is a few sequences of one context (session.py:
 its prompt, a scratch sequence, the sliding-window pin), in one unified KV
-cache sized for all of them.  Each decode step packs the work of every
+cache sized for all of them, or with --no-kv-unified in a cache stream of
+the session's own (``streams``: libllama then evaluates a step one part per
+stream, in ascending runs of streams, so a step's parts go in member order).  Each decode step packs the work of every
 session that has some into one llama_batch: the next token (and draft) of
 each generating session and a bounded share of the prompt of each one that
 is evaluating (continuous batching: a session joins at the next step and
