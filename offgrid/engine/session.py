@@ -329,14 +329,15 @@ class ChatSession(Generation):
         tokens = self.cached
         if not self.states.wants(tokens):
             return
-        data = self.copy_state()
+        data = self.copy_state(reuse=self.states.reclaim)
         if data is not None:
             self.states.put(list(tokens), data)
 
-    def copy_state(self):
+    def copy_state(self, reuse=None):
         """A copy of this session's cache (ContextHandle.seq_state) that holds exactly
         ``cached``; None where there is nothing to copy, or no such copy now.
-        Not while the session runs a request."""
+        ``reuse(tokens)``: a bytearray to write it into, or None.  Not while
+        the session runs a request."""
         self._check_open()
         tokens = self.cached
         if not tokens or None in tokens:
@@ -349,7 +350,7 @@ class ChatSession(Generation):
             if self.decoder.shift_pending() or memory.seq_pos_max(self._seq) != len(tokens) - 1 \
                     or (self.model.n_swa <= 0 and memory.seq_pos_min(self._seq) != 0):
                 return None
-            data = self._ctx.seq_state(self._seq)
+            data = self._ctx.seq_state(self._seq, reuse(tokens) if reuse else None)
         if data is not None and self.states is not None:
             self.states.observe_copy(len(data), time.perf_counter() - t0)
         return data
