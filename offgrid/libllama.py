@@ -1185,15 +1185,21 @@ class ContextHandle:
             self.lib.llama_set_abort_callback(self.ptr, None, None)
 
     # -- one sequence's state (engine/statecache.py) -----------------------
-    def seq_state(self, seq):
+    def seq_state(self, seq, buf=None):
         """A copy of sequence ``seq``'s cells (positions and keys and values,
-        libllama's own format), as a bytearray; None where libllama fails.
-        Its size grows with the sequence's tokens.  The caller holds the
-        lock of every other memory operation and decode of this context."""
+        libllama's own format), as a bytearray (``buf``, resized, where one is
+        given); None where libllama fails.  Its size grows with the sequence's
+        tokens.  The caller holds the lock of every other memory operation and
+        decode of this context."""
         n = self.lib.llama_state_seq_get_size(self.ptr, seq)
         if n <= 0:
             return None
-        buf = bytearray(n)
+        if buf is None:
+            buf = bytearray(n)
+        elif len(buf) > n:
+            del buf[n:]
+        else:
+            buf.extend(bytes(n - len(buf)))
         addr = ctypes.addressof((ctypes.c_char * n).from_buffer(buf))
         got = self.lib.llama_state_seq_get_data(self.ptr, addr, n, seq)
         return buf if got == n else None

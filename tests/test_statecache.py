@@ -71,6 +71,33 @@ def test_alternating_prompts_restore_their_states_with_the_same_greedy_text(qwen
         assert st["hits"] == 4 and st["saves"] >= 4
 
 
+def test_conversations_that_go_on_write_over_their_older_states(qwen, reference):
+    """Each conversation's turn is its last prompt, the answer and a new line, as a
+    chat client sends it: the state kept when the other takes the session is
+    written into the buffer of the one it replaces, and restores right."""
+    states = StateCache(256 << 20)
+    a, b = conversations(qwen)
+    with ChatSession(qwen, n_ctx=1024, n_batch=256, n_threads=TEST_THREADS) as s:
+        s.use_states(states)
+        for k in range(3):
+            for name in ("a", "b"):
+                prompt = (a if name == "a" else b) + tokens(qwen, "\n# %s, turn %d\n" % (name, k))
+                c = s.complete(prompt, GenerationParams(**GREEDY))
+                assert c.text == reference(prompt).text, (name, k)
+                if k > 0:
+                    assert c.usage.cached_tokens >= len(prompt) - 12, (name, k, c.usage)
+                prompt = prompt + c.tokens
+                if name == "a":
+                    a = prompt
+                else:
+                    b = prompt
+        st = states.stats()
+    # from the second round on, each save replaces that conversation's own older state
+    assert st["reclaims"] >= 3, st
+    kept = [x.tokens for x in states._states.values()]
+    assert len(kept) == 2, [len(t) for t in kept]
+
+
 def test_a_conversation_s_state_replaces_the_older_one_it_contains(qwen):
     states = StateCache(256 << 20)
     a, b = conversations(qwen)

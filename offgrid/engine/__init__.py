@@ -10,7 +10,8 @@ but for the pure-Python prefix measure of ``cachereuse``.
                     the worker's settings ask; what it reports of them
     model.py        Model: a loaded GGUF, its vocabulary and metadata (rpc.py: --rpc)
     batch.py        BatchDecoder: the sessions' one llama_context and shared decode steps
-    session.py      ChatSession: one session's prompt evaluation and generation
+    session.py      ChatSession: one session's cache and prompt evaluation
+    generate.py     its generation: sampling, drafts checked, text released
     sampling.py     the libllama sampler chain of a request's SamplingParams
     cachereuse.py   which cached runs of tokens a new prompt can keep (pure Python)
     textstream.py   bytes to text: whole characters, stop strings, indentation stops

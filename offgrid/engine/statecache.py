@@ -104,6 +104,7 @@ class StateCache:
         self.misses = 0         # lookups that found nothing better than the session had
         self.saves = 0
         self.evictions = 0
+        self.reclaims = 0       # saves written into the buffer of the state they replace
         self.failures = 0       # states libllama refused (dropped)
         # what a restore costs against what it saves: seconds per byte copied,
         # seconds per prompt token evaluated (moving averages, measured)
@@ -149,6 +150,22 @@ class StateCache:
                         cachereuse.common_prefix(s.tokens, tokens) == len(tokens):
                     return False
         return True
+
+    def reclaim(self, tokens):
+        """The buffer of a kept state that a state of ``tokens`` replaces (one whose
+        tokens begin these: put() would drop it), taken out of the cache for the
+        new copy to be written into; None if there is none.  A fresh buffer of a
+        4,000-token state (47 MB on Qwen2.5-Coder-0.5B) costs ~22 ms in page
+        faults, libllama's copy into a used one 3 ms, and a conversation taking
+        turns replaces its own older state every turn."""
+        with self._lock:
+            for k, s in self._states.items():
+                if isinstance(s.data, bytearray) and len(s.tokens) <= len(tokens) and \
+                        cachereuse.common_prefix(s.tokens, tokens) == len(s.tokens):
+                    self._drop(k)
+                    self.reclaims += 1
+                    return s.data
+        return None
 
     def put(self, tokens, data):
         """Keep ``data``, the state of ``tokens``; states it contains go, then the
@@ -279,7 +296,8 @@ class StateCache:
             out = {"states": len(in_mem), "bytes": self.bytes,
                    "tokens": sum(len(s.tokens) for s in in_mem),
                    "hits": self.hits, "misses": self.misses, "saves": self.saves,
-                   "evictions": self.evictions, "failures": self.failures}
+                   "evictions": self.evictions, "failures": self.failures,
+                   "reclaims": self.reclaims}
         if self.disk is not None:
             out["disk"] = self.disk.stats()
         return out
