@@ -195,6 +195,25 @@ def test_two_streams_generating_at_once_share_decode_steps(srv):
     assert steps() - before >= 12
 
 
+def test_a_kept_prompt_state_comes_back_in_another_sessions_stream(srv):
+    """--cache-ram (on by default): a conversation that lost its session to
+    another is restored into the other session's stream."""
+    a = "You review Python code.\n" + "def add(x, y):\n    return x + y\n" * 25 + "Q: add(1, 2)?\nA:"
+    b = "You translate to French.\n" + "The cat sleeps on the warm mat.\n" * 25 + "Q: the dog?\nA:"
+    bodies = []
+    for prompt, slot in ((a, 0), (b, 0), (a, 1)):
+        status, _, body = srv.post("/completion", {"prompt": prompt, "n_predict": 8,
+                                                   "id_slot": slot, "cache_prompt": True})
+        assert status == 200, body
+        bodies.append(body)
+    first, _, again = bodies
+    # all but the last prompt token came from the state (whose decode alone may
+    # pick another token at a near-tie than the whole prompt's did: the text is
+    # checked against a fresh session in test_a_state_restores_into_another_sessions_stream)
+    assert again["tokens_cached"] >= first["tokens_evaluated"] - 1, again
+    assert again["timings"]["prompt_n"] <= 1 and again["content"], again["timings"]
+
+
 def test_infill_reuses_a_moved_suffix_in_a_stream(fim_model_path):
     prefix = "import os\n\n\ndef walk(root):\n" * 8
     suffix = "\n    return files\n\n\ndef main():\n    print(walk('.'))\n" * 6
