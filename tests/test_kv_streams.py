@@ -198,7 +198,8 @@ def test_two_streams_generating_at_once_share_decode_steps(srv):
 def test_a_kept_prompt_state_comes_back_in_another_sessions_stream(srv):
     """--cache-ram (on by default): a conversation that lost its session to
     another is restored into the other session's stream."""
-    a = "You review Python code.\n" + "def add(x, y):\n    return x + y\n" * 25 + "Q: add(1, 2)?\nA:"
+    a = ("You review Python code.\n" + "def add(x, y):\n    return x + y\n" * 25
+         + "Q: add(1, 2)?\nA:")
     b = "You translate to French.\n" + "The cat sleeps on the warm mat.\n" * 25 + "Q: the dog?\nA:"
     bodies = []
     for prompt, slot in ((a, 0), (b, 0), (a, 1)):
