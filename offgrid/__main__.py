@@ -216,6 +216,15 @@ def parse_args(argv=None):
     p.add_argument("-fa", "--flash-attn", choices=("on", "off", "auto"), default="auto",
                    help="flash attention in the sessions' contexts, as llama-server's -fa "
                    "(default auto: libllama's choice, on for the CPU)")
+    p.add_argument("-kvu", "--kv-unified", dest="kv_unified", action="store_true",
+                   default=True,
+                   help="the -np sessions' KV cells in one cache they share (default; "
+                   "llama-server's -kvu)")
+    p.add_argument("-no-kvu", "--no-kv-unified", dest="kv_unified", action="store_false",
+                   help="a cache stream of -c cells for each -np session (llama-server's "
+                   "default with an explicit -np): a prompt's text does not depend on "
+                   "where the other sessions' cells lie, and sessions decoding at once "
+                   "take one step per run of consecutive sessions")
     p.add_argument("--no-swa-full", action="store_true",
                    help="windowed KV cache for sliding-window models: less memory, "
                    "but no prompt-cache reuse")

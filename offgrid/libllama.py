@@ -368,6 +368,11 @@ _PROTOTYPES = {
     # --- context ---------------------------------------------------------------
     # struct llama_context * llama_init_from_model(struct llama_model * model, struct llama_context_params params);
     "llama_init_from_model": (llama_context_p, [llama_model_p, llama_context_params]),
+    # struct llama_context * llama_init_from_model_streams(struct llama_model * model,
+    #         struct llama_context_params params, uint32_t n_seq_per_stream);
+    # (offgrid's scripts/patches/0005: sequences s*n .. s*n+n-1 share KV stream s)
+    "llama_init_from_model_streams": (llama_context_p, [llama_model_p, llama_context_params,
+                                                        c_uint32]),
     # void llama_free(struct llama_context * ctx);
     "llama_free": (None, [llama_context_p]),
     # uint32_t llama_n_ctx(const struct llama_context * ctx);
@@ -1084,15 +1089,24 @@ class ContextHandle:
 
     def __init__(self, lib, model, n_ctx, n_batch, n_ubatch, n_threads, n_threads_batch,
                  swa_full=True, n_seq_max=1, embeddings=False,
-                 pooling=LLAMA_POOLING_TYPE_UNSPECIFIED, seq_width=1, flash_attn=None):
+                 pooling=LLAMA_POOLING_TYPE_UNSPECIFIED, seq_width=1, flash_attn=None,
+                 seq_per_stream=0):
         """``n_seq_max`` sequences share one unified cache (so extra ones cost
-        no memory).  ``embeddings`` makes a context whose decodes
+        no memory), or with ``seq_per_stream`` (a divisor of n_seq_max), each
+        run of that many consecutive sequences has a cache stream of its own,
+        n_ctx / (n_seq_max / seq_per_stream) cells that only they see (1: one
+        per sequence, llama-server's -np without -kvu; 0: unified).
+        ``embeddings`` makes a context whose decodes
         output hidden states (every token of a batch), pooled per sequence as
         ``pooling`` says (a LLAMA_POOLING_TYPE_*; UNSPECIFIED: the model's).
         ``seq_width``: how many sequences one token of a batch may go into.
         ``flash_attn``: True, False or None (libllama's auto: on where the
         device supports it, which the CPU's does)."""
         self.lib = lib
+        if seq_per_stream > 0 and n_seq_max % seq_per_stream:
+            # libllama would refuse it with a null context and a log line
+            raise ValueError("n_seq_max %d is not a multiple of seq_per_stream %d"
+                             % (n_seq_max, seq_per_stream))
         params = lib.llama_context_default_params()
         params.embeddings = embeddings
         params.pooling_type = pooling
@@ -1104,14 +1118,17 @@ class ContextHandle:
         params.n_batch = n_batch
         params.n_ubatch = max(min(n_ubatch, n_batch), n_seq_max, 2)
         params.n_seq_max = n_seq_max
-        params.kv_unified = True
+        params.kv_unified = seq_per_stream <= 0 or seq_per_stream >= n_seq_max
         params.n_threads = n_threads
         params.n_threads_batch = n_threads_batch
         params.swa_full = swa_full
         if flash_attn is not None:
             params.flash_attn_type = 1 if flash_attn else 0
         params.no_perf = True
-        self.ptr = lib.llama_init_from_model(model.ptr, params)
+        if params.kv_unified or seq_per_stream == 1:
+            self.ptr = lib.llama_init_from_model(model.ptr, params)
+        else:
+            self.ptr = lib.llama_init_from_model_streams(model.ptr, params, seq_per_stream)
         self.batch = None
         self.pools = None       # the ThreadPools attached: (single token, batch)
         if not self.ptr:

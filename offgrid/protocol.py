@@ -201,6 +201,7 @@ class WorkerSettings:
     cache_dir: Optional[str] = None     # where prompt states go when the worker ends; None: nowhere
     cache_disk_max: int = 4096      # MiB of them on disk, for this model
     slot_save_path: Optional[str] = None    # POST /slots/ID?action=save|restore's folder
+    kv_unified: bool = True         # False: a KV cache stream per session (--no-kv-unified)
 
 
 @dataclasses.dataclass

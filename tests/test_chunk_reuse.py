@@ -18,15 +18,17 @@ except ImportError:
     from serverproc import TEST_THREADS
 
 
-@pytest.fixture(params=["alone", "second of two"])
+@pytest.fixture(params=["alone", "second of two", "second of two streams"])
 def session(request, fim_model):
     """A session with a context of its own, or the second session of a shared
-    context (its sequences numbered from 3) beside one that holds a prompt."""
+    context (its sequences numbered from 3) beside one that holds a prompt: in
+    one cache, or in a stream of cells of its own (--no-kv-unified)."""
     if request.param == "alone":
         with ChatSession(fim_model, n_ctx=2048, n_batch=64, n_threads=TEST_THREADS) as s:
             yield s
         return
-    decoder = shared_decoder(fim_model, 2, n_ctx=2048, n_batch=64, n_threads=TEST_THREADS)
+    decoder = shared_decoder(fim_model, 2, n_ctx=2048, n_batch=64, n_threads=TEST_THREADS,
+                             kv_unified=request.param != "second of two streams")
     first, second = (ChatSession(fim_model, decoder=decoder) for _ in range(2))
     held = text_tokens(fim_model, "class Neighbour:\n    pass\n" * 20)
     first.evaluate(held)

@@ -36,9 +36,11 @@ def plain():
         yield s
 
 
-@pytest.fixture(scope="module")
-def drafted():
-    with ServerProcess(GEMMA, "-md", GEMMA, "-np", "2", ctx=1024) as s:
+@pytest.fixture(scope="module", params=["shared cache", "streams"])
+def drafted(request):
+    # streams: --no-kv-unified gives the draft model's context a stream per session too
+    extra = ["--no-kv-unified"] if request.param == "streams" else []
+    with ServerProcess(GEMMA, "-md", GEMMA, "-np", "2", *extra, ctx=1024) as s:
         yield s
 
 

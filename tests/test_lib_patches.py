@@ -1,7 +1,8 @@
 """The patches `make lib` applies to the pinned llama.cpp (scripts/patches).
 
 Each patch must still apply to the pinned source, and what it changes must be
-visible in the library lib/ holds.  The one patch so far aligns ggml-cpu's
+visible in the library lib/ holds (0005's KV cache streams of several
+sequences are tests/test_kv_streams.py's).  The first patch aligns ggml-cpu's
 work buffer (the scratch every kernel gets) to 64 bytes; unaligned, flash
 attention's prompt kernel runs ~40% slower, and where glibc puts the buffer
 differs from process to process.

@@ -18,7 +18,10 @@ Integers are spelled as the C type their ctypes class is on this platform
 """
 
 import ctypes
+import re
+import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -79,16 +82,35 @@ def c_program(tables, callbacks):
     return "\n".join(lines) + "\n"
 
 
+PATCHES = Path(__file__).resolve().parent.parent / "scripts" / "patches"
+
+
+def patched_include(src, tmp_path):
+    """A copy of the pinned include/ with what scripts/patches change in it (0005
+    declares llama_init_from_model_streams): the headers lib/ is built from."""
+    out = tmp_path / "patched"
+    shutil.copytree(src / "include", out / "include")
+    for patch in sorted(PATCHES.glob("*.patch")):
+        # the patch's sections for include/ files only
+        parts = re.split(r"(?m)^(?=--- a/)", patch.read_text("utf-8"))[1:]
+        mine = "".join(p for p in parts if p.startswith("--- a/include/"))
+        if mine:
+            done = subprocess.run(["patch", "--quiet", "--forward", "-p1", "-d", str(out)],
+                                  input=mine, capture_output=True, text=True)
+            assert done.returncode == 0, (patch.name, done.stdout + done.stderr)
+    return out / "include"
+
+
 def compile_errors(source, tmp_path):
-    """gcc's complaints about ``source`` against the pinned headers ('' if none)."""
+    """gcc's complaints about ``source`` against the pinned headers as patched ('' if none)."""
     src = tinymodels.llama_cpp_source()
     header = src / "include" / "llama.h"
     assert header.is_file(), "llama.h not found at %s (run `make lib`)" % header
     path = tmp_path / "prototypes.c"
     path.write_text(source)
     cmd = ["gcc", "-std=gnu11", "-fsyntax-only", "-Werror=incompatible-pointer-types",
-           "-Werror=int-conversion", "-I", str(src / "include"), "-I", str(src / "ggml" / "include"),
-           str(path)]
+           "-Werror=int-conversion", "-I", str(patched_include(src, tmp_path)),
+           "-I", str(src / "ggml" / "include"), str(path)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     return "" if done.returncode == 0 else done.stderr
 

@@ -2,7 +2,9 @@
 
 Each ChatSession of a worker is a few sequences of one context (session.py:
 its prompt, a scratch sequence, the sliding-window pin), in one unified KV
-cache sized for all of them.  Each decode step packs the work of every
+cache sized for all of them, or with --no-kv-unified in a cache stream of
+the session's own (``streams``: libllama then evaluates a step one part per
+stream, in ascending runs of streams, so a step's parts go in member order).  Each decode step packs the work of every
 session that has some into one llama_batch: the next token (and draft) of
 each generating session and a bounded share of the prompt of each one that
 is evaluating (continuous batching: a session joins at the next step and
@@ -126,11 +128,15 @@ class BatchDecoder:
     prompt_share = 0.8
     learn_prompt_alone = 64     # prompt tokens a step of them alone must have to teach
 
-    def __init__(self, ctx, threads, turn):
+    def __init__(self, ctx, threads, turn, streams=False):
         """``ctx``: the ContextHandle (owned from here on); ``threads``: the
         DecodeThreads of its decodes; ``turn()``: the lock every decode of the
-        process takes (session.decode_turn), looked up at each step."""
+        process takes (session.decode_turn), looked up at each step;
+        ``streams``: each member's sequences have a cache stream of their own
+        (session.shared_decoder's kv_unified=False)."""
         self.ctx = ctx
+        self.streams = streams
+        self.kv_unified = not streams
         self.threads = threads
         self._turn = turn
         self.lock = threading.Lock()        # llama_decode and every memory operation
@@ -197,6 +203,10 @@ class BatchDecoder:
         step = self._take()
         if not step:
             return
+        if self.streams:
+            # libllama's split_equal takes streams in ascending runs (0, 1, 2
+            # in one ubatch; 1, 0 in two): the members' parts in their order
+            step.sort(key=lambda s: s[0].member.index)
         self._running = step
         self.ctx.clear_abort()
         status = -1000          # an exception out of the decode: every part fails

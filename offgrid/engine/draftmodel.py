@@ -68,11 +68,12 @@ class DraftModel:
     """The draft model and its context: one sequence per session of the target."""
 
     def __init__(self, model, target, n_sessions, n_ctx, n_batch, n_ubatch, threads, n_min=0,
-                 p_min=0.0):
+                 p_min=0.0, kv_unified=True):
         """``model``: the loaded draft Model (owned from here on); ``target``:
         the target Model; ``n_ctx``: tokens per session (the target's);
         ``threads``: the target's DecodeThreads (the counts the draft's
-        decodes follow)."""
+        decodes follow); ``kv_unified``: False gives each session's sequence a
+        cache stream of its own, as the target's (--no-kv-unified)."""
         self.model = model
         self.n_ctx = n_ctx
         self.n_min = max(0, n_min)
@@ -85,7 +86,8 @@ class DraftModel:
                                  % (model.name, target.name, why))
         self.ctx = libllama.ContextHandle(
             model.lib, model.handle, n_ctx * n_sessions, n_batch, n_ubatch or n_batch,
-            threads.generation.max_threads, threads.batch.max_threads, n_seq_max=n_sessions)
+            threads.generation.max_threads, threads.batch.max_threads, n_seq_max=n_sessions,
+            seq_per_stream=0 if kv_unified else 1)
         if not self.ctx.ptr:
             raise ModelLoadError("libllama could not make the draft model's context of %d "
                                  "tokens (not enough memory?)" % (n_ctx * n_sessions))
@@ -102,11 +104,11 @@ class DraftModel:
 
     @classmethod
     def load(cls, path, target, n_sessions, n_ctx, n_batch, n_ubatch, threads, n_min=0,
-             p_min=0.0, lib_path=None, verbose=False):
+             p_min=0.0, lib_path=None, verbose=False, kv_unified=True):
         model = Model.load(path, lib_path=lib_path, verbose=verbose, progress=False)
         try:
             return cls(model, target, n_sessions, n_ctx, n_batch, n_ubatch, threads, n_min,
-                       p_min)
+                       p_min, kv_unified)
         except BaseException:
             model.close()
             raise

@@ -56,12 +56,13 @@ class Loaded:
             decoder = shared_decoder(model, max(1, args.parallel), n_ctx=args.ctx_size,
                                      n_batch=args.batch_size, n_ubatch=args.ubatch_size,
                                      swa_full=not args.no_swa_full, threads=threads,
-                                     flash_attn=flash_attn)
+                                     flash_attn=flash_attn, kv_unified=args.kv_unified)
             if args.spec_type == "draft-simple" and args.model_draft:
                 draft_model = DraftModel.load(
                     args.model_draft, model, n_sessions, decoder.n_ctx_session,
                     args.batch_size, args.ubatch_size, threads, args.spec_draft_n_min,
-                    args.spec_draft_p_min, lib_path=args.lib, verbose=args.verbose)
+                    args.spec_draft_p_min, lib_path=args.lib, verbose=args.verbose,
+                    kv_unified=args.kv_unified)
             for _ in range(n_sessions):
                 sessions.append(ChatSession(
                     model, decoder=decoder, context_shift=args.context_shift,
@@ -135,7 +136,10 @@ def make_states(args, model, session):
             ident = statedisk.identity(model.path, model.lib.path, {
                 "n_ctx": session.n_ctx, "n_batch": session.n_batch,
                 "swa_full": not args.no_swa_full, "n_seq": session.decoder.ctx.n_ctx,
-                "cache_type": "f16"})
+                "cache_type": "f16",
+                # a stream per session lays states out by stream (only named where
+                # on, so that the default's states keep their identity)
+                **({} if session.decoder.kv_unified else {"kv_unified": False})})
             disk = statedisk.StateDisk(args.cache_dir, ident, args.cache_disk_max << 20)
         except OSError as e:
             logging.getLogger("offgrid.statedisk").warning(

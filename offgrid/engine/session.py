@@ -122,10 +122,20 @@ def context_size(model, n_ctx):
 
 
 def shared_decoder(model, n_sessions, n_ctx=4096, n_batch=512, n_ubatch=None, swa_full=True,
-                   threads=None, n_threads=None, n_threads_batch=None, flash_attn=None):
+                   threads=None, n_threads=None, n_threads_batch=None, flash_attn=None,
+                   kv_unified=True):
     """The BatchDecoder of ``n_sessions`` sessions of ``n_ctx`` tokens each: one
     context whose unified cache holds n_sessions * n_ctx cells, which its
     sessions (ChatSession(..., decoder=it)) share.
+
+    kv_unified=False (--no-kv-unified) gives each session a cache stream of
+    its own instead, n_ctx cells that only its SEQS_PER_SESSION sequences see
+    (libllama's llama_init_from_model_streams, scripts/patches/0005).  Where
+    one session's cells lie then does not depend on the others', so its
+    attention sums, and a greedy reply, are the same in every session
+    (llama-server's -np without -kvu); the price is that a decode step takes
+    one sequence set per stream at a time, in runs of consecutive streams
+    (llama.cpp's split_equal), where the unified cache takes any mix.
 
     swa_full: models with sliding-window attention (gemma-3) otherwise keep
     only the last window of keys, and llama_memory_seq_rm cannot cut such a
@@ -144,12 +154,13 @@ def shared_decoder(model, n_sessions, n_ctx=4096, n_batch=512, n_ubatch=None, sw
     ctx = libllama.ContextHandle(
         model.lib, model.handle, n_ctx * n_sessions, n_batch, n_ubatch or n_batch, n_gen,
         n_batch_threads, swa_full=swa_full, n_seq_max=SEQS_PER_SESSION * n_sessions,
-        seq_width=2, flash_attn=flash_attn)
+        seq_width=2, flash_attn=flash_attn,
+        seq_per_stream=0 if kv_unified or n_sessions == 1 else SEQS_PER_SESSION)
     if not ctx.ptr:
         raise ContextError("libllama could not create a context of %d tokens "
                            "(not enough memory?)" % (n_ctx * n_sessions))
     ctx.attach_threadpool(shared_pool(model.lib, n_gen), shared_pool(model.lib, n_batch_threads))
-    decoder = BatchDecoder(ctx, threads, decode_turn)
+    decoder = BatchDecoder(ctx, threads, decode_turn, streams=not kv_unified and n_sessions > 1)
     decoder.n_ctx_session = n_ctx if n_sessions > 1 else ctx.n_ctx
     decoder.swa_full = swa_full
     return decoder

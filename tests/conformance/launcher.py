@@ -76,10 +76,7 @@ SAME_SWITCH = {"--verbose": "-v", "-v": "-v", "--metrics": "--metrics",
 #   --swa-full       offgrid keeps a full-size KV cache for SWA models unless --no-swa-full
 #   --cont-batching  -np sessions run requests at once (in turns per decode, not one batch)
 #   --slots          /slots is always served
-#   --kv-unified     each -np session has a cache of its own; the launcher then gives
-#                    each the whole --ctx-size (per_session_ctx), what one slot may use of
-#                    llama-server's shared one
-AS_DEFAULT = {"--offline", "--jinja", "--swa-full", "--cont-batching", "-cb", "--kv-unified"}
+AS_DEFAULT = {"--offline", "--jinja", "--swa-full", "--cont-batching", "-cb"}
 # Flags offgrid leaves aside on purpose (docs/compatibility.md, "Differences from llama-server");
 # accepted, and logged apart from the dropped ones.
 #   --no-jinja         chat templates are always the model's Jinja template
@@ -117,15 +114,43 @@ def offgrid_flags(argv):
             as_default.append(flag)
         elif flag in ON_PURPOSE:
             on_purpose.append(flag)
+        elif flag in KV_UNIFIED:
+            pass                        # kv_unified() below
         else:
             dropped.append(flag)
-    per_session_ctx(out, kv_unified="--kv-unified" in argv)
+    unified = kv_unified(argv)
+    if not unified:
+        out.append("--no-kv-unified")
+    per_session_ctx(out, kv_unified=unified)
     if "--metrics" not in argv:
         out.append("--no-metrics")      # llama-server's /metrics is off unless asked for
     # llama-server keeps prompt states in memory only: none on disk, where one test's
     # server would find another's after a restart
     out.append("--no-cache-disk")
     return out, dropped, as_default, on_purpose
+
+
+KV_UNIFIED = {"-kvu": True, "--kv-unified": True, "-no-kvu": False, "--no-kv-unified": False}
+
+
+def kv_unified(argv):
+    """Whether llama-server runs this command line with one KV cache for all its
+    slots (server.cpp): with -np auto (absent or negative) always, 4 slots in it;
+    with an explicit -np only with -kvu, else a stream of cells per slot, which
+    offgrid's --no-kv-unified gives its sessions too."""
+    n_par = -1
+    for i, a in enumerate(argv):
+        flag, _, value = a.partition("=")
+        if flag in ("-np", "--parallel"):
+            value = value if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "-1")
+            try:
+                n_par = int(value)
+            except ValueError:
+                pass
+    if n_par < 0:
+        return True
+    said = [KV_UNIFIED[a] for a in argv if a in KV_UNIFIED]
+    return said[-1] if said else False
 
 
 def per_session_ctx(flags, kv_unified):

@@ -37,6 +37,7 @@ def worker_settings(path, args, chat_template=None, decode_lock=None):
         stream_interval_ms=args.stream_interval_ms,
         chat_template=chat_template, pooling="rank" if args.reranking else args.pooling,
         no_swa_full=args.no_swa_full, no_repack=args.no_repack,
+        kv_unified=getattr(args, "kv_unified", True),
         context_shift=args.context_shift, spm_infill=args.spm_infill,
         tool_call_rescue=not args.no_tool_call_rescue, reasoning=args.reasoning,
         reasoning_format=args.reasoning_format, lib=args.lib, decode_lock=decode_lock,
