@@ -215,7 +215,8 @@ def parse_args(argv=None):
                    "reply ends, truncated)")
     p.add_argument("-fa", "--flash-attn", choices=("on", "off", "auto"), default="auto",
                    help="flash attention in the sessions' contexts, as llama-server's -fa "
-                   "(default auto: libllama's choice, on for the CPU)")
+                   "(default auto: on where every layer is on the CPU, measured as fast or faster "
+                   "there; libllama's choice with --rpc devices; the load line says which)")
     p.add_argument("-kvu", "--kv-unified", dest="kv_unified", action="store_true",
                    default=True,
                    help="the -np sessions' KV cells in one cache they share (default; "
