@@ -69,6 +69,21 @@ def test_alternating_prompts_restore_their_states_with_the_same_greedy_text(qwen
                 assert positions(s) == (0, len(s.cached) - 1)
         st = states.stats()
         assert st["hits"] == 4 and st["saves"] >= 4
+    # each turn's state replaced the one before it behind the same prompt (and
+    # was written into its memory): one state a conversation, not one a turn
+    assert len(states._states) == 2 and st["reclaims"] >= 2, st
+
+
+def test_what_a_state_replaces():
+    from offgrid.engine.statecache import TAIL_REPLACED, replaces
+    old = list(range(1000))
+    assert replaces(old + [5, 6], old)                  # contains it
+    assert replaces(old[:-20] + [7] * 30, old)          # all but a short tail
+    assert not replaces(old[:-(TAIL_REPLACED + 1)] + [7], old)     # too long a tail
+    assert not replaces([9] + old, old)                 # another prompt
+    short = list(range(40))
+    assert not replaces(short[:30] + [7], short)        # more than an eighth of it
+    assert replaces(short[:36] + [7], short)
 
 
 def test_conversations_that_go_on_write_over_their_older_states(qwen, reference):

@@ -22,7 +22,10 @@ per token (Qwen2.5-Coder-0.5B: 12 KiB a token, f16 keys and values of 24
 layers of 2 heads of 64), so the cache is bounded in bytes; the least
 recently used states go first.  A state that another contains (its tokens a
 prefix of the other's) is dropped when the other is kept, as llama-server
-does.
+does, and so is one that differs from the other in its last few tokens only
+(``replaces``): a conversation's next turn behind the same long prompt,
+which would otherwise keep that prompt twice for a tail that costs little
+to evaluate.  The new copy is written into the dropped one's memory.
 
 Threads: every session of the worker calls in, each on its own request's
 thread; one lock guards the table.  The copies themselves run under the
@@ -48,9 +51,22 @@ DEFAULT_LIMIT_MIB = 8192
 SAVE_BELOW = 0.5
 # States shorter than this are not worth a copy: they cost little to evaluate.
 MIN_TOKENS = 32
+# A kept state is replaced by a new one that shares all of it but at most
+# this many tokens at its end (and an eighth of it): re-evaluating them costs
+# a fraction of a second at most, keeping both a whole state's memory.
+TAIL_REPLACED = 64
 # States whose chunk-reuse plan a lookup works out (those sharing the longest
 # prefix); the others count their common prefix only.
 PLANNED = 4
+
+
+def replaces(tokens, old):
+    """Whether a state of ``tokens`` makes the kept state of ``old`` not worth
+    keeping: it contains it, or shares all of it but a short tail."""
+    if len(old) > len(tokens) + TAIL_REPLACED:
+        return False
+    common = cachereuse.common_prefix(old, tokens)
+    return len(old) - common <= min(TAIL_REPLACED, len(old) // 8)
 
 
 def default_limit_mib(mem_available):
@@ -152,23 +168,22 @@ class StateCache:
         return True
 
     def reclaim(self, tokens):
-        """The buffer of a kept state that a state of ``tokens`` replaces (one whose
-        tokens begin these: put() would drop it), taken out of the cache for the
-        new copy to be written into; None if there is none.  A fresh buffer of a
+        """The buffer of a kept state that a state of ``tokens`` replaces (put()
+        would drop it), taken out of the cache for the new copy to be written
+        into; None if there is none.  A fresh buffer of a
         4,000-token state (47 MB on Qwen2.5-Coder-0.5B) costs ~22 ms in page
         faults, libllama's copy into a used one 3 ms, and a conversation taking
         turns replaces its own older state every turn."""
         with self._lock:
             for k, s in self._states.items():
-                if isinstance(s.data, bytearray) and len(s.tokens) <= len(tokens) and \
-                        cachereuse.common_prefix(s.tokens, tokens) == len(s.tokens):
+                if isinstance(s.data, bytearray) and replaces(tokens, s.tokens):
                     self._drop(k)
                     self.reclaims += 1
                     return s.data
         return None
 
     def put(self, tokens, data):
-        """Keep ``data``, the state of ``tokens``; states it contains go, then the
+        """Keep ``data``, the state of ``tokens``; states it replaces go, then the
         least recently used ones until it fits.  False if it does not fit at all."""
         n = len(data)
         if self.limit >= 0 and n > self.limit:
@@ -176,8 +191,7 @@ class StateCache:
         tokens = list(tokens)
         with self._lock:
             for k, s in list(self._states.items()):
-                if len(s.tokens) <= len(tokens) and \
-                        cachereuse.common_prefix(s.tokens, tokens) == len(s.tokens):
+                if replaces(tokens, s.tokens):
                     self._drop(k)
             if self.limit >= 0:
                 while self.bytes + n > self.limit and self._evict_oldest():
