@@ -298,12 +298,19 @@ def continuation_variants(args):
     def spec(t):
         return dataclasses.replace(cfg, extra=("--spec-type", t))
     # offgrid's "none" is explicit: its default may turn speculation on
-    out = {"offgrid": ("offgrid", spec("none")),
-           "offgrid+ngram-simple": ("offgrid", spec("ngram-simple"))}
+    return _with_llama_server(args, cfg, {
+        "offgrid": ("offgrid", spec("none")),
+        "offgrid+ngram-simple": ("offgrid", spec("ngram-simple"))})
+
+
+def _with_llama_server(args, cfg, out):
+    """``out`` (offgrid's variants) and llama-server's, without speculation and
+    with each of SPEC_TYPES, of the servers in --servers."""
     if "llama_server" in args.servers:
         out["llama_server"] = ("llama_server", cfg)
         for t in SPEC_TYPES:
-            out["llama_server+" + t] = ("llama_server", spec(t))
+            out["llama_server+" + t] = ("llama_server",
+                                        dataclasses.replace(cfg, extra=("--spec-type", t)))
     return {k: v for k, v in out.items() if v[0] in args.servers}
 
 
@@ -331,14 +338,9 @@ def edit_variants(args):
     with each of SPEC_TYPES."""
     cfg = Config(args.code_model, args.threads, 8192, 1, 512, 512)
 
-    def spec(t):
-        return dataclasses.replace(cfg, extra=("--spec-type", t))
-    out = {"offgrid": ("offgrid", cfg), "offgrid+none": ("offgrid", spec("none"))}
-    if "llama_server" in args.servers:
-        out["llama_server"] = ("llama_server", cfg)
-        for t in SPEC_TYPES:
-            out["llama_server+" + t] = ("llama_server", spec(t))
-    return {k: v for k, v in out.items() if v[0] in args.servers}
+    return _with_llama_server(args, cfg, {
+        "offgrid": ("offgrid", cfg),
+        "offgrid+none": ("offgrid", dataclasses.replace(cfg, extra=("--spec-type", "none")))})
 
 
 def run_edits(servers, order, reps, rnd):

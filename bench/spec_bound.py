@@ -93,7 +93,11 @@ def verify_costs(session, tokens, reps=COST_REPS, sizes=None):
 def true_runs(prompt, output, k_max=K_MAX):
     """For each step i (output[i] just sampled, about to be decoded): how many of
     the draft PromptLookup gives then match output[i + 1:] (at most k_max)."""
-    lookup = PromptLookup(prompt)
+    return drafter_runs(PromptLookup(prompt), output, k_max)
+
+
+def drafter_runs(lookup, output, k_max):
+    """true_runs with any drafter (its append(token) and lookup(k))."""
     runs = []
     for i, tok in enumerate(output):
         lookup.append(tok)
@@ -224,18 +228,7 @@ EDITED = {"next_edit": ("n_kv", "kv_count"), "apply_edit": ("metadata", "meta"),
 def copy_runs(prompt, output):
     """As true_runs, with CopyDraft's drafts (up to 63 tokens)."""
     from offgrid.engine.copydraft import CopyDraft
-    lookup = CopyDraft(prompt)
-    runs = []
-    for i, tok in enumerate(output):
-        lookup.append(tok)
-        draft = lookup.lookup(63)
-        m = 0
-        for d, real in zip(draft, output[i + 1:]):
-            if d != real:
-                break
-            m += 1
-        runs.append(m)
-    return runs
+    return drafter_runs(CopyDraft(prompt), output, 63)
 
 
 def copydraft_time(prompt, output, cost):
