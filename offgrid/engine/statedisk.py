@@ -8,8 +8,9 @@ caches are written here, up to a bound in bytes; the next worker of the same
 model lists them at start (their tokens only) and reads one back the first
 time a request would restore it.
 
-A state is only good for the exact model file, the libllama build that wrote
-it and the same context settings, so each file says which (``Identity``),
+A state is only good for the exact model file (its whole content's hash:
+two fine-tunes of one base can share size and header), the libllama build
+that wrote it and the same context settings, so each file says which (``Identity``),
 and a file that names another, or does not match its own checksum, is a
 miss with one log line, never restored.  So is a file that cannot be read,
 and a write that fails (full disk, unwritable folder) leaves no half file
@@ -46,10 +47,58 @@ def file_identity(path, head=HEAD_BYTES):
     return {"size": size, "head_sha256": h.hexdigest()}
 
 
-def identity(model_path, lib_path, context):
-    """What a state depends on: the model file, the libllama build (its file's identity),
-    and the context's settings (``context``: a dict of them)."""
-    return {"format": FORMAT, "model": file_identity(model_path),
+def content_sha256(path, root):
+    """The SHA-256 of a whole file, computed once and kept in ``root`` by the file's
+    device, inode, size and modification time.
+
+    Two fine-tunes of one base, converted alike, have the same size and often
+    the same header; only their tensor data differs, so a state is matched to
+    its model by all of it.  Hashing reads the file once (about a second a
+    GB here); a file replaced or touched is hashed again."""
+    st = os.stat(path)
+    key = "%d:%d:%d:%d" % (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    book = os.path.join(root, "file-hashes.json")
+    known = _read_json(book)
+    if isinstance(known.get(key), str):
+        return known[key]
+    if st.st_size > 1 << 30:
+        log.info("hashing %s (%.1f GB) once, so that its kept states are its own",
+                 os.path.basename(path), st.st_size / 1e9)
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    digest = h.hexdigest()
+    try:
+        os.makedirs(root, exist_ok=True)
+        known = _read_json(book)
+        known[key] = digest
+        tmp = "%s.tmp-%d" % (book, os.getpid())
+        with open(tmp, "w") as f:
+            json.dump(known, f)
+        os.replace(tmp, book)
+    except OSError as e:
+        log.warning("could not keep the hash of %s: %s", path, e)
+    return digest
+
+
+def _read_json(path):
+    try:
+        with open(path) as f:
+            d = json.load(f)
+        return d if isinstance(d, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def identity(model_path, lib_path, context, root=None):
+    """What a state depends on: the model file (with ``root``, a --cache-dir, its
+    whole content's hash too), the libllama build (its file's identity), and
+    the context's settings (``context``: a dict of them)."""
+    model = file_identity(model_path)
+    if root is not None:
+        model["sha256"] = content_sha256(model_path, root)
+    return {"format": FORMAT, "model": model,
             "build": file_identity(lib_path) if lib_path else None, "context": context}
 
 
