@@ -113,6 +113,18 @@ LLAMA_POOLING_TYPE_CLS = 2
 LLAMA_POOLING_TYPE_LAST = 3
 LLAMA_POOLING_TYPE_RANK = 4
 
+# enum llama_rope_type
+LLAMA_ROPE_TYPE_NONE = -1
+LLAMA_ROPE_TYPE_NORM = 0
+LLAMA_ROPE_TYPE_NEOX = 2
+LLAMA_ROPE_TYPE_MROPE = 8
+LLAMA_ROPE_TYPE_VISION = 24
+LLAMA_ROPE_TYPE_IMROPE = 40
+
+# llama_state_seq_flags: only the parts a cut cannot restore (a recurrent
+# state, a window cache), as a checkpoint keeps them
+LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY = 1
+
 # enum ggml_log_level
 GGML_LOG_LEVEL_ERROR = 4
 GGML_LOG_LEVEL_CONT = 5
@@ -311,6 +323,12 @@ _PROTOTYPES = {
     "llama_model_n_embd_out": (c_int32, [const_llama_model_p]),
     # int32_t llama_model_n_swa(const struct llama_model * model);
     "llama_model_n_swa": (c_int32, [const_llama_model_p]),
+    # bool llama_model_is_recurrent(const struct llama_model * model);
+    "llama_model_is_recurrent": (c_bool, [const_llama_model_p]),
+    # bool llama_model_is_hybrid(const struct llama_model * model);
+    "llama_model_is_hybrid": (c_bool, [const_llama_model_p]),
+    # enum llama_rope_type llama_model_rope_type(const struct llama_model * model);
+    "llama_model_rope_type": (c_int, [const_llama_model_p]),
     # uint64_t llama_model_n_params(const struct llama_model * model);
     "llama_model_n_params": (c_uint64, [const_llama_model_p]),
     # uint64_t llama_model_size(const struct llama_model * model);
@@ -377,6 +395,8 @@ _PROTOTYPES = {
     "llama_free": (None, [llama_context_p]),
     # uint32_t llama_n_ctx(const struct llama_context * ctx);
     "llama_n_ctx": (c_uint32, [const_llama_context_p]),
+    # uint32_t llama_n_rs_seq(const struct llama_context * ctx);
+    "llama_n_rs_seq": (c_uint32, [const_llama_context_p]),
     # uint32_t llama_n_batch(const struct llama_context * ctx);
     "llama_n_batch": (c_uint32, [const_llama_context_p]),
     # uint32_t llama_n_ubatch(const struct llama_context * ctx);
@@ -426,15 +446,18 @@ _PROTOTYPES = {
     "llama_memory_can_shift": (c_bool, [llama_memory_t]),
 
     # --- one sequence's state (engine/statecache.py) ---------------------------
-    # size_t llama_state_seq_get_size(struct llama_context * ctx, llama_seq_id seq_id);
-    "llama_state_seq_get_size": (c_size_t, [llama_context_p, llama_seq_id]),
-    # size_t llama_state_seq_get_data(struct llama_context * ctx, uint8_t * dst, size_t size,
-    #                                 llama_seq_id seq_id);
-    "llama_state_seq_get_data": (c_size_t, [llama_context_p, uint8_p, c_size_t, llama_seq_id]),
-    # size_t llama_state_seq_set_data(struct llama_context * ctx, const uint8_t * src, size_t size,
-    #                                 llama_seq_id dest_seq_id);
-    "llama_state_seq_set_data": (c_size_t, [llama_context_p, const_uint8_p, c_size_t,
-                                            llama_seq_id]),
+    # size_t llama_state_seq_get_size_ext(struct llama_context * ctx, llama_seq_id seq_id,
+    #                                     llama_state_seq_flags flags);
+    "llama_state_seq_get_size_ext": (c_size_t, [llama_context_p, llama_seq_id, c_uint32]),
+    # size_t llama_state_seq_get_data_ext(struct llama_context * ctx, uint8_t * dst, size_t size,
+    #                                     llama_seq_id seq_id, llama_state_seq_flags flags);
+    "llama_state_seq_get_data_ext": (c_size_t, [llama_context_p, uint8_p, c_size_t, llama_seq_id,
+                                                c_uint32]),
+    # size_t llama_state_seq_set_data_ext(struct llama_context * ctx, const uint8_t * src,
+    #                                     size_t size, llama_seq_id dest_seq_id,
+    #                                     llama_state_seq_flags flags);
+    "llama_state_seq_set_data_ext": (c_size_t, [llama_context_p, const_uint8_p, c_size_t,
+                                                llama_seq_id, c_uint32]),
 
     # --- sampling --------------------------------------------------------------
     # struct llama_sampler * llama_sampler_chain_init(struct llama_sampler_chain_params params);
@@ -854,6 +877,18 @@ class ModelHandle:
         """The sliding attention window, 0 where the model has none."""
         return self.lib.llama_model_n_swa(self.ptr)
 
+    def is_recurrent(self):
+        """Whether the model's whole memory is recurrent state (Mamba, RWKV)."""
+        return bool(self.lib.llama_model_is_recurrent(self.ptr))
+
+    def is_hybrid(self):
+        """Whether the model keeps recurrent state beside its attention's cache."""
+        return bool(self.lib.llama_model_is_hybrid(self.ptr))
+
+    def rope_type(self):
+        """enum llama_rope_type: -1 none, 0 norm, 2 neox, 8 mrope, 24 vision, 40 imrope."""
+        return self.lib.llama_model_rope_type(self.ptr)
+
     def n_params(self):
         return self.lib.llama_model_n_params(self.ptr)
 
@@ -1090,7 +1125,7 @@ class ContextHandle:
     def __init__(self, lib, model, n_ctx, n_batch, n_ubatch, n_threads, n_threads_batch,
                  swa_full=True, n_seq_max=1, embeddings=False,
                  pooling=LLAMA_POOLING_TYPE_UNSPECIFIED, seq_width=1, flash_attn=None,
-                 seq_per_stream=0):
+                 seq_per_stream=0, n_rs_seq=0):
         """``n_seq_max`` sequences share one unified cache (so extra ones cost
         no memory), or with ``seq_per_stream`` (a divisor of n_seq_max), each
         run of that many consecutive sequences has a cache stream of its own,
@@ -1101,7 +1136,10 @@ class ContextHandle:
         ``pooling`` says (a LLAMA_POOLING_TYPE_*; UNSPECIFIED: the model's).
         ``seq_width``: how many sequences one token of a batch may go into.
         ``flash_attn``: True, False or None (libllama's auto: on where the
-        device supports it, which the CPU's does)."""
+        device supports it, which the CPU's does).  ``n_rs_seq``: snapshots
+        of each sequence's recurrent state, so that its last n_rs_seq tokens
+        can be taken back (libllama keeps it 0 for an architecture that
+        cannot; ``n_rs_seq`` reads what it kept)."""
         self.lib = lib
         if seq_per_stream > 0 and n_seq_max % seq_per_stream:
             # libllama would refuse it with a null context and a log line
@@ -1122,6 +1160,7 @@ class ContextHandle:
         params.n_threads = n_threads
         params.n_threads_batch = n_threads_batch
         params.swa_full = swa_full
+        params.n_rs_seq = max(0, n_rs_seq)
         if flash_attn is not None:
             params.flash_attn_type = 1 if flash_attn else 0
         params.no_perf = True
@@ -1137,6 +1176,7 @@ class ContextHandle:
         self.n_ctx = lib.llama_n_ctx(self.ptr)
         self.n_batch = lib.llama_n_batch(self.ptr)
         self.n_ubatch = lib.llama_n_ubatch(self.ptr)
+        self.n_rs_seq = lib.llama_n_rs_seq(self.ptr)
         self._abort_flag = ctypes.create_string_buffer(2)      # [flag, NUL]
         libc = ctypes.CDLL(None)
         self._strlen_addr = ctypes.cast(libc.strlen, c_void_p).value
@@ -1185,13 +1225,15 @@ class ContextHandle:
             self.lib.llama_set_abort_callback(self.ptr, None, None)
 
     # -- one sequence's state (engine/statecache.py) -----------------------
-    def seq_state(self, seq, buf=None):
+    def seq_state(self, seq, buf=None, partial=False):
         """A copy of sequence ``seq``'s cells (positions and keys and values,
         libllama's own format), as a bytearray (``buf``, resized, where one is
         given); None where libllama fails.  Its size grows with the sequence's
-        tokens.  The caller holds the lock of every other memory operation and
-        decode of this context."""
-        n = self.lib.llama_state_seq_get_size(self.ptr, seq)
+        tokens.  ``partial``: only what a cut cannot give back (the recurrent
+        state, a window cache): a checkpoint.  The caller holds the lock of
+        every other memory operation and decode of this context."""
+        flags = LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else 0
+        n = self.lib.llama_state_seq_get_size_ext(self.ptr, seq, flags)
         if n <= 0:
             return None
         if buf is None:
@@ -1201,19 +1243,22 @@ class ContextHandle:
         else:
             buf.extend(bytes(n - len(buf)))
         addr = ctypes.addressof((ctypes.c_char * n).from_buffer(buf))
-        got = self.lib.llama_state_seq_get_data(self.ptr, addr, n, seq)
+        got = self.lib.llama_state_seq_get_data_ext(self.ptr, addr, n, seq, flags)
         return buf if got == n else None
 
-    def set_seq_state(self, seq, data):
+    def set_seq_state(self, seq, data, partial=False):
         """Put ``data`` (a seq_state() of a context of this model and these
-        settings) into sequence ``seq``, which loses what it held; False
-        where libllama refuses it (the sequence is then empty)."""
+        settings, taken with the same ``partial``) into sequence ``seq``, which
+        loses what it held (with ``partial``, only its recurrent or window
+        part); False where libllama refuses it (that part is then empty)."""
         if not data:
             return False
         n = len(data)
         view = (ctypes.c_char * n).from_buffer(data) if isinstance(data, bytearray) \
             else ctypes.create_string_buffer(bytes(data), n)
-        return self.lib.llama_state_seq_set_data(self.ptr, ctypes.addressof(view), n, seq) == n
+        flags = LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else 0
+        return self.lib.llama_state_seq_set_data_ext(self.ptr, ctypes.addressof(view), n, seq,
+                                                     flags) == n
 
     def attach_threadpool(self, pool, pool_batch):
         """Run this context's decodes on ThreadPools that outlive it.

@@ -273,6 +273,7 @@ class ModelInfo:
     draft: str                      # the draft model's file name (-md), "" without one
     draft_bytes: int                # its file and KV cache, held beside the model's
     flash_attn: str                 # -fa as it was resolved, in words for the load line
+    memory: dict                    # its memory class and what it enables (engine/memory.py)
 
 
 def encode_info(info):

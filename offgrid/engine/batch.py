@@ -128,14 +128,19 @@ class BatchDecoder:
     prompt_share = 0.8
     learn_prompt_alone = 64     # prompt tokens a step of them alone must have to teach
 
-    def __init__(self, ctx, threads, turn, streams=False):
+    def __init__(self, ctx, threads, turn, streams=False, has_state=False):
         """``ctx``: the ContextHandle (owned from here on); ``threads``: the
         DecodeThreads of its decodes; ``turn()``: the lock every decode of the
         process takes (session.decode_turn), looked up at each step;
         ``streams``: each member's sequences have a cache stream of their own
-        (session.shared_decoder's kv_unified=False)."""
+        (session.shared_decoder's kv_unified=False); ``has_state``: the
+        memory holds recurrent states, which a decode cut short may leave
+        half written, so a step is aborted only when every member in it is
+        cancelled (engine/memory.py)."""
         self.ctx = ctx
         self.streams = streams
+        self.has_state = has_state
+        self.memory = None          # its MemoryClass (session.shared_decoder sets it)
         self.kv_unified = not streams
         self.threads = threads
         self._turn = turn
@@ -329,7 +334,8 @@ class BatchDecoder:
     def _abort(self, member):
         with self._cond:
             member.cancelled = True
-            if self._is_running(member):
+            if self._is_running(member) and (not self.has_state or all(
+                    p.member.cancelled for p, _, _ in self._running)):
                 self.ctx.request_abort()
             self._cond.notify_all()
 

@@ -115,6 +115,8 @@ class Generation:
         # index of the output of the last decode the sampler reads.
         lookup = self._speculation(prompt, params, reader, cancel)
         draft_cap = self.copy_draft_max if isinstance(lookup, CopyDraft) else self.draft_max
+        if self.memory.drafts is not None:
+            draft_cap = min(draft_cap, self.memory.drafts)     # what can be taken back
         pending, idx = [], self._out
         drafted = accepted = steps = 0
 
@@ -203,6 +205,7 @@ class Generation:
             status = self._decode_one(token, n_past, draft)
             if status == 2:
                 finish, stop_type = FinishReason.CANCELLED, "none"
+                pending = []        # nothing of this decode is in the cache
                 break
             if status != 0:
                 self._fail(status)
@@ -219,7 +222,7 @@ class Generation:
                         and accepted < self.draft_keep * drafted:
                     lookup = None   # too few drafts come true here to pay for checking them
 
-        if pending or len(self.cached) > n_past:
+        if (pending or len(self.cached) > n_past) and self.cached:
             self._drop_after(n_past)    # a stop came before the draft's end
         tail = text.finish()
         if ledger is None:
@@ -255,10 +258,11 @@ class Generation:
         grammar or the tool-call rescue's (a draft the grammar forbids is only
         wasted work, and the grammar path is the hostile-input path: kept
         plain), nor where the
-        cache cannot drop the cells of a wrong draft (recurrent state).
+        cache cannot take a wrong draft back (a recurrent state without
+        snapshots: engine/memory.py).
         """
         if self.draft_max <= 0 or not params.speculate or reader is not None \
-                or params.sampling.grammar is not None or not self._can_shift \
+                or params.sampling.grammar is not None or self.memory.drafts == 0 \
                 or params.sampling.rescue_grammar is not None \
                 or params.n_predict == 1 or not params.drafter:
             return None
@@ -269,8 +273,13 @@ class Generation:
         return PromptLookup(prompt)
 
     def _drop_after(self, n):
-        """Forget the cache past its first n positions (a draft's wrong tokens)."""
-        if not self._mem.rm(n, -1):
+        """Forget the cache past its first n positions (a draft's wrong tokens),
+        and read the cut back: a recurrent state cut further than its
+        snapshots go would otherwise stay as it was."""
+        back = len(self.cached) - n
+        ok = self.memory.cuts_anywhere or back <= self._rollback_ok
+        self._rollback_ok = 0
+        if not (ok and self._mem.rm(n, -1) and self._mem.seq_pos_max(self._seq) == n - 1):
             self.reset()        # cannot happen where _speculation allows drafts
             raise DecodeError("libllama could not drop a draft's cells", -1)
         del self.cached[n:]

@@ -51,12 +51,15 @@ class Loaded:
         decoder = draft_model = None
         threads = decode_threads(model, args.threads, args.threads_batch)
         flash_attn, flash_attn_words = model.flash_attn(args.flash_attn)
+        draft_max = 0 if args.spec_type == "none" else args.spec_draft_n_max or 8
         try:
             # one context for every session, whose decodes are batched together
             decoder = shared_decoder(model, max(1, args.parallel), n_ctx=args.ctx_size,
                                      n_batch=args.batch_size, n_ubatch=args.ubatch_size,
                                      swa_full=not args.no_swa_full, threads=threads,
-                                     flash_attn=flash_attn, kv_unified=args.kv_unified)
+                                     flash_attn=flash_attn, kv_unified=args.kv_unified,
+                                     # a recurrent state's snapshots, to take a draft back
+                                     n_rs_seq=draft_max)
             if args.spec_type == "draft-simple" and args.model_draft:
                 draft_model = DraftModel.load(
                     args.model_draft, model, n_sessions, decoder.n_ctx_session,
@@ -66,7 +69,7 @@ class Loaded:
             for _ in range(n_sessions):
                 sessions.append(ChatSession(
                     model, decoder=decoder, context_shift=args.context_shift,
-                    draft_max=0 if args.spec_type == "none" else args.spec_draft_n_max or 8,
+                    draft_max=draft_max,
                     copy_draft_max=args.spec_draft_n_max or 63, draft_model=draft_model))
             # the embedding context learns its thread counts on its own: its
             # decodes (every token an output) run at another speed than a prompt's
@@ -110,9 +113,11 @@ class Loaded:
             caps=self.template.caps.as_dict(), meta=m.meta, kv_bytes=self.kv_bytes(),
             n_embd_out=m.n_embd_out, pooling=self.embedder.pooling,
             rank_head=model_pooling(m) == POOLING["rank"], devices=m.devices,
-            speculative=any(s.draft_max > 0 for s in self.sessions),
+            speculative=any(s.draft_max > 0 for s in self.sessions)
+            and self.sessions[0].memory.drafts != 0,
             draft=self.draft_model.model.name if self.draft_model is not None else "",
-            draft_bytes=self.draft_bytes(), flash_attn=self.flash_attn)
+            draft_bytes=self.draft_bytes(), flash_attn=self.flash_attn,
+            memory=self.sessions[0].memory.as_dict())
 
     def draft_bytes(self):
         """The draft model's file and KV cache (-md), 0 without one."""
@@ -139,7 +144,8 @@ def make_states(args, model, session):
                 "cache_type": "f16",
                 # a stream per session lays states out by stream (only named where
                 # on, so that the default's states keep their identity)
-                **({} if session.decoder.kv_unified else {"kv_unified": False})})
+                **({} if session.decoder.kv_unified else {"kv_unified": False})},
+                root=args.cache_dir)
             disk = statedisk.StateDisk(args.cache_dir, ident, args.cache_disk_max << 20)
         except OSError as e:
             logging.getLogger("offgrid.statedisk").warning(

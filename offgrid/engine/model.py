@@ -13,6 +13,7 @@ import threading
 from .. import libllama
 from ..errors import InvalidToken, ModelLoadError
 from . import rpc
+from .memory import MemoryClass
 
 # Texts this long or longer have their tokens kept (Model.tokenize), the last
 # TOKENIZED_KEPT of them: a few editors' prefixes and suffixes and their rings
@@ -62,6 +63,7 @@ class Model:
       add_eos, add_sep    whether it appends EOS, and puts SEP between a rerank pair
       meta                GGUF metadata, key -> value as a string
       chat_template       the model's Jinja template text, or None
+      memory              its MemoryClass (engine/memory.py): dense, swa, hybrid, recurrent
       vocab_only          loaded without weights: it tokenizes but cannot generate
       devices             where its layers are: [{"name", "layers", ...}], the CPU first,
                           then each --rpc device ("endpoint", "free" and "total" bytes)
@@ -89,6 +91,9 @@ class Model:
         self.add_sep = handle.add_sep()
 
         self.meta = handle.meta()
+        # dense, SWA, hybrid or recurrent: what its contexts' caches may do
+        # (a session's decoder refines it with the context's rollback depth)
+        self.memory = MemoryClass.of(handle, self.meta)
         self.chat_template = handle.chat_template()
         self.devices = self._placement(devices, n_gpu_layers, tensor_split)
 

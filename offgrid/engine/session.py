@@ -31,6 +31,7 @@ from ..errors import ContextError, ContextFull, DecodeError, InvalidRequest
 from ..request import (Completion, FinishReason, GenerationParams, RequestCancel,  # noqa: F401
                        SamplingParams, TokenProb, Usage)
 from .batch import OUT_ALL, OUT_LAST, OUT_NONE, SEQS_PER_SESSION, BatchDecoder
+from .checkpoints import Checkpoints
 from .generate import Generation
 from .threads import DecodeThreads
 from .statecache import SAVE_BELOW
@@ -123,7 +124,7 @@ def context_size(model, n_ctx):
 
 def shared_decoder(model, n_sessions, n_ctx=4096, n_batch=512, n_ubatch=None, swa_full=True,
                    threads=None, n_threads=None, n_threads_batch=None, flash_attn=None,
-                   kv_unified=True):
+                   kv_unified=True, n_rs_seq=0):
     """The BatchDecoder of ``n_sessions`` sessions of ``n_ctx`` tokens each: one
     context whose unified cache holds n_sessions * n_ctx cells, which its
     sessions (ChatSession(..., decoder=it)) share.
@@ -142,6 +143,12 @@ def shared_decoder(model, n_sessions, n_ctx=4096, n_batch=512, n_ubatch=None, sw
     cache at an earlier position: every request would re-evaluate its whole
     prompt.  The full cache costs memory (n_ctx keys for every layer instead
     of a window) and buys reuse.
+
+    n_rs_seq: on a model with recurrent state, snapshots of each sequence's
+    last n_rs_seq states, so that a wrong draft of up to that many tokens is
+    taken back natively (libllama keeps it 0 where the architecture cannot;
+    ``decoder.memory.rollback`` says what it kept).  Each costs a copy of the
+    recurrent state per sequence.
     """
     if model.vocab_only:
         # libllama makes the context, then aborts the process at the first decode
@@ -155,12 +162,16 @@ def shared_decoder(model, n_sessions, n_ctx=4096, n_batch=512, n_ubatch=None, sw
         model.lib, model.handle, n_ctx * n_sessions, n_batch, n_ubatch or n_batch, n_gen,
         n_batch_threads, swa_full=swa_full, n_seq_max=SEQS_PER_SESSION * n_sessions,
         seq_width=2, flash_attn=flash_attn,
-        seq_per_stream=0 if kv_unified or n_sessions == 1 else SEQS_PER_SESSION)
+        seq_per_stream=0 if kv_unified or n_sessions == 1 else SEQS_PER_SESSION,
+        n_rs_seq=n_rs_seq if model.memory.has_state else 0)
     if not ctx.ptr:
         raise ContextError("libllama could not create a context of %d tokens "
                            "(not enough memory?)" % (n_ctx * n_sessions))
     ctx.attach_threadpool(shared_pool(model.lib, n_gen), shared_pool(model.lib, n_batch_threads))
-    decoder = BatchDecoder(ctx, threads, decode_turn, streams=not kv_unified and n_sessions > 1)
+    memory = model.memory.with_context(ctx)
+    decoder = BatchDecoder(ctx, threads, decode_turn, streams=not kv_unified and n_sessions > 1,
+                           has_state=memory.has_state)
+    decoder.memory = memory
     decoder.n_ctx_session = n_ctx if n_sessions > 1 else ctx.n_ctx
     decoder.swa_full = swa_full
     return decoder
@@ -198,14 +209,24 @@ class ChatSession(Generation):
         self._ctx = decoder.ctx
         base = SEQS_PER_SESSION * self._member.index
         self._seq, self._gap, self._pin = base + SEQ_PROMPT, base + SEQ_GAP, base + SEQ_PIN
-        pin = decoder.swa_full and model.n_swa > 0
+        # (not with a recurrent state: a token in two sequences couples their
+        # states, which must then stay equal, and a checkpoint restores one)
+        pin = decoder.swa_full and model.n_swa > 0 and not decoder.memory.has_state
         self._prompt_seqs = (self._seq, self._pin) if pin else (self._seq,)
         self._mem = _SessionMemory(decoder, (self._seq, self._gap, self._pin))
         self.n_ctx = decoder.n_ctx_session
         self.n_batch = self._ctx.n_batch
-        # chunk reuse moves cached keys to new positions: only where the
-        # memory can re-rotate them (not recurrent state, for one)
-        self._can_shift = self._ctx.memory.can_shift()
+        # what the cache may do (engine/memory.py): chunk reuse moves cached
+        # keys to new positions, only where the memory can cut anywhere and
+        # re-rotate them (not where it holds a recurrent state)
+        self.memory = decoder.memory
+        self._can_shift = self.memory.moves_keys
+        # a recurrent state cut back restarts from one of these (checkpoints.py)
+        self.checkpoints = Checkpoints() if self.memory.needs_checkpoints else None
+        # tokens of the prompt sequence that can be taken back natively now:
+        # a recurrent state's snapshots are those of the last decode's tokens,
+        # single use (engine/memory.py), so only after a decode with a draft
+        self._rollback_ok = 0
         # libllama.Candidates for grammar sampling and token probabilities, made on first use
         self._candidates = None
         self.cached = []        # tokens whose KV is in the cache, at positions 0..len-1
@@ -248,6 +269,7 @@ class ChatSession(Generation):
         self._check_open()
         self._mem.rm(-1, -1)
         self.cached = []
+        self._rollback_ok = 0
 
     def common_prefix(self, tokens):
         """How many leading tokens of ``tokens`` this session has cached."""
@@ -261,6 +283,8 @@ class ChatSession(Generation):
         is gone.  Any step libllama refuses falls back to an empty cache.
         """
         mem = self._mem
+        if self.memory.has_state:
+            return self._prepare_state(tokens, cache_prompt, need_logits)
         if min_run > 0 and not self._can_shift:
             min_run = 0
         plan = None
@@ -271,6 +295,13 @@ class ChatSession(Generation):
         if plan is None:
             plan = cachereuse.plan(self.cached, tokens, min_run, need_logits)
         if plan.keep == 0 and not plan.runs:
+            return self._clear_plan()
+        if self.model.n_swa > 0 and not self.decoder.swa_full \
+                and (plan.runs or plan.keep < len(self.cached)):
+            # a window cache that keeps only the window (--no-swa-full): a cut
+            # back into it gave another text than a fresh evaluation, with
+            # every position it needs still reported there (measured on a tiny
+            # gemma3), so only a prompt that goes on from the cache reuses it
             return self._clear_plan()
         # drop what the plan does not keep, from the cached tokens' positions
         # (in every sequence of the session, SEQ_PROMPT and SEQ_PIN alike)
@@ -294,14 +325,72 @@ class ChatSession(Generation):
         self.cached = list(tokens[:plan.keep])
         return plan
 
+    def _prepare_state(self, tokens, cache_prompt, need_logits):
+        """_prepare_cache where the memory holds a recurrent state: only a prefix
+        of the cache is reused, and a state cannot be cut back (beyond the
+        last draft's snapshots), so a prompt that diverges inside the cached
+        tokens restarts from the latest checkpoint at or before the divergence
+        (or from nothing).  Every cut is read back before it is trusted."""
+        if cache_prompt and self.states is not None:
+            self._swap_state(tokens, 0, need_logits)
+        if not cache_prompt or not self.cached:
+            return self._clear_plan()
+        last = len(tokens) - (1 if need_logits else 0)
+        keep = min(self.common_prefix(tokens), last)
+        if keep < len(self.cached):
+            if not (len(self.cached) - keep <= self._rollback_ok and self._cut_state(keep)):
+                keep = self._restore_checkpoint(tokens, keep)
+        self._rollback_ok = 0
+        if keep <= 0:
+            return self._clear_plan()
+        self.cached = list(tokens[:keep])
+        return cachereuse.ReusePlan(keep)
+
+    def _cut_state(self, n):
+        """Cut the session's sequences back to their first ``n`` positions; True
+        only where the cut is made and reads back as made."""
+        with self._mem.locked() as memory:
+            ok = all([memory.seq_rm(q, n, -1) for q in (self._seq, self._gap, self._pin)])
+            return ok and memory.seq_pos_max(self._seq) == n - 1
+
+    def _checkpoint(self, n):
+        """Keep the recurrent part of the state after the first ``n`` cached tokens."""
+        with self._mem.locked() as memory:
+            if memory.seq_pos_max(self._seq) != n - 1:
+                return
+            data = self._ctx.seq_state(self._seq, partial=True)
+        if data is not None:
+            self.checkpoints.add(self.cached[:n], data)
+
+    def _restore_checkpoint(self, tokens, limit):
+        """Bring the sequence back to the latest checkpoint that ``tokens`` start
+        with, at most ``limit`` tokens in; how many tokens it holds (0: none)."""
+        c = self.checkpoints.best(tokens, limit)
+        if c is None:
+            return 0
+        n = len(c.tokens)
+        with self._mem.locked() as memory:
+            for q in (self._gap, self._pin):
+                memory.seq_rm(q, -1, -1)
+            ok = self._ctx.set_seq_state(self._seq, c.data, partial=True) \
+                and memory.seq_rm(self._seq, n, -1) and memory.seq_pos_max(self._seq) == n - 1
+        if not ok:
+            log.warning("libllama refused a checkpoint of %d tokens; it is dropped", n)
+            self.checkpoints.forget(c)
+            self._mem.rm(-1, -1)
+            return 0
+        self.checkpoints.restored += 1
+        return n
+
     # -- states kept beside the sessions (statecache.py) ------------------------
     def use_states(self, states):
         """Keep states in ``states`` (a StateCache shared by the worker's sessions)
         before losing most of the cache, and restore one that serves a prompt
         better than the cache does.  Only where the memory can be cut and moved
-        (a recurrent model's state is its last token's, not a prefix's)."""
-        self.states = states if states is not None and states.enabled and self._can_shift \
-            else None
+        (a recurrent model's state is its last token's, not a prefix's: its
+        states are restored only whole, for a prompt that goes on from them)."""
+        self.states = states if states is not None and states.enabled \
+            and (self._can_shift or self.memory.has_state) else None
 
     def _swap_state(self, tokens, min_run, need_logits):
         """Before _prepare_cache plans ``tokens``: restore the kept state that gives
@@ -314,9 +403,12 @@ class ChatSession(Generation):
         plan = cachereuse.plan(self.cached, tokens, min_run, need_logits) if self.cached \
             else None
         own = plan.reused if plan is not None else 0
+        if self.memory.has_state and self.cached:
+            own = self._usable(tokens, need_logits)
         want = len(tokens) - (1 if need_logits else 0)
         found, n = (None, own) if own >= want else \
-            states.best(tokens, min_run, need_logits, own, exact_tail=self.model.n_swa > 0)
+            states.best(tokens, min_run, need_logits, own, whole=self.memory.has_state,
+                        exact_tail=self.model.n_swa > 0 and not self.memory.has_state)
         restore = found is not None and states.worth_restoring(n - own, found[1].nbytes)
         if restore or (self.cached and own < SAVE_BELOW * len(self.cached)):
             self._save_state()
@@ -342,7 +434,8 @@ class ChatSession(Generation):
             return
         data = self.copy_state(reuse=self.states.reclaim)
         if data is not None:
-            self.states.put(list(tokens), data)
+            self.states.put(list(tokens), data, self.checkpoints.on(tokens)
+                            if self.checkpoints is not None else ())
 
     def copy_state(self, reuse=None):
         """A copy of this session's cache (ContextHandle.seq_state) that holds exactly
@@ -359,7 +452,7 @@ class ChatSession(Generation):
             # be copied as they are, unrotated: not kept; nor a cache whose cells
             # do not hold exactly these tokens
             if self.decoder.shift_pending() or memory.seq_pos_max(self._seq) != len(tokens) - 1 \
-                    or (self.model.n_swa <= 0 and memory.seq_pos_min(self._seq) != 0):
+                    or (self.memory.kind == "dense" and memory.seq_pos_min(self._seq) != 0):
                 return None
             data = self._ctx.seq_state(self._seq, reuse(tokens) if reuse else None)
         if data is not None and self.states is not None:
@@ -382,20 +475,36 @@ class ChatSession(Generation):
                 memory.seq_rm(q, -1, -1)
             ok = self._ctx.set_seq_state(self._seq, data) \
                 and memory.seq_pos_max(self._seq) == n - 1 \
-                and (self.model.n_swa > 0 or memory.seq_pos_min(self._seq) == 0)
+                and (self.memory.kind != "dense" or memory.seq_pos_min(self._seq) == 0)
             if ok and self._pin in self._prompt_seqs:
                 memory.seq_cp(self._seq, self._pin, -1, -1)
             if not ok:
                 memory.seq_rm(self._seq, -1, -1)
         self.cached = list(tokens) if ok else []
+        self._rollback_ok = 0
         if ok and self.states is not None:
             self.states.observe_copy(len(data), time.perf_counter() - t0)
         return ok
 
     def _restore_state(self, state):
         """Make this session's sequences hold ``state`` (a SavedState) and nothing
-        else; False (and an empty cache) where libllama refuses it."""
-        return self.load_state(state.tokens, state.data)
+        else, with its checkpoints; False (and an empty cache) where libllama
+        refuses it."""
+        ok = self.load_state(state.tokens, state.data)
+        if ok and self.checkpoints is not None:
+            for c in state.checkpoints:
+                self.checkpoints.add(c.tokens, c.data)
+        return ok
+
+    def _usable(self, tokens, need_logits):
+        """How many of ``tokens`` a recurrent model's cache gives them (_prepare_state):
+        all it shares where they go on from its end, else its latest checkpoint."""
+        last = len(tokens) - (1 if need_logits else 0)
+        n = min(self.common_prefix(tokens), last)
+        if n == len(self.cached):
+            return n
+        c = self.checkpoints.best(tokens, n)
+        return len(c.tokens) if c is not None else 0
 
     def _window_intact(self, plan, n_tokens):
         """Whether the windowed cache, if any, holds what the first token to
@@ -419,6 +528,7 @@ class ChatSession(Generation):
         # and zeroing 72 MiB of gemma's cache took ~1 ms per cold request
         self._mem.rm(-1, -1)
         self.cached = []
+        self._rollback_ok = 0
         return cachereuse.ReusePlan(0)
 
     # -- running a request ---------------------------------------------------
@@ -527,6 +637,7 @@ class ChatSession(Generation):
         """A prompt chunk's decode into the prompt sequences (or ``seq`` alone);
         returns llama_decode's status (the logits, if asked: batch index _out)."""
         self.n_decodes += 1
+        self._rollback_ok = 0
         seqs = self._prompt_seqs if seq is None else (seq,)
         status, self._out = self._member.decode(chunk, pos, seqs,
                                                 OUT_LAST if want_logits else OUT_NONE, True)
@@ -542,6 +653,11 @@ class ChatSession(Generation):
                                                     self._prompt_seqs, OUT_ALL)
         else:
             status, self._out = self._member.decode([token], pos, self._prompt_seqs, OUT_LAST)
+        # one part of a step is one ubatch (its tail is kept whole for the
+        # snapshots), so a recurrent state can be taken back over its draft
+        self._rollback_ok = min(len(draft), self.memory.rollback) if status == 0 else 0
+        if status == 2 and self.memory.has_state:
+            self.reset()        # see _evaluate_tail
         return status
 
     def _shift_context(self, params, n_prompt):
@@ -570,12 +686,25 @@ class ChatSession(Generation):
         with ``logits``); False if cancelled part way."""
         mem = self._mem
         pos = start
+        # where a recurrent state is kept for later prompts (checkpoints.py)
+        marks = self.checkpoints.points(start, len(tokens)) if self.checkpoints is not None \
+            else []
         while pos < len(tokens):
             if cancel is not None and cancel.cancelled:
                 self.cached = list(tokens[:pos])
                 return False
-            chunk = tokens[pos:pos + self.n_batch]
+            end = min(pos + self.n_batch, len(tokens))
+            while marks and marks[0] <= pos:
+                marks.pop(0)
+            if marks and marks[0] < end:
+                end = marks[0]
+            chunk = tokens[pos:end]
             status = self._decode(chunk, pos, logits and pos + len(chunk) == len(tokens))
+            if status == 2 and self.memory.has_state:
+                # an aborted decode may have written part of the state's layers:
+                # nothing of it can be trusted (the checkpoints still can)
+                self.reset()
+                return False
             if status == 2:     # aborted: keep what libllama did get into the cache
                 # libllama drops the aborted ubatch's positions from the
                 # token's first sequence only, whichever it takes that to be
@@ -588,6 +717,8 @@ class ChatSession(Generation):
                 self._fail(status)
             pos += len(chunk)
             self.cached = list(tokens[:pos])
+            if marks and marks[0] == pos:
+                self._checkpoint(pos)
             if self._progress is not None:
                 self._progress.advance(len(chunk))
         return True

@@ -92,15 +92,31 @@ def mem_available():
 class SavedState:
     """One sequence's cells as libllama wrote them, and the tokens they hold
     (positions 0..len-1).  ``data`` is None while the state is only on disk
-    (``key``: its file, statedisk.py)."""
+    (``key``: its file, statedisk.py).  ``checkpoints``: a recurrent model's
+    session checkpoints (engine/checkpoints.py) that lie on its tokens, which
+    go with it, so that a prompt diverging inside it can still use it."""
 
-    __slots__ = ("tokens", "data", "nbytes", "key")
+    __slots__ = ("tokens", "data", "nbytes", "key", "checkpoints")
 
-    def __init__(self, tokens, data, nbytes=None, key=None):
+    def __init__(self, tokens, data, nbytes=None, key=None, checkpoints=()):
         self.tokens = tokens
         self.data = data
         self.nbytes = len(data) if data is not None else nbytes
         self.key = key
+        self.checkpoints = list(checkpoints)
+
+    def usable(self, tokens, n, last):
+        """Of a recurrent model's state sharing ``n`` tokens with a prompt, how many
+        a restore gives it: the whole state where the prompt goes on from it,
+        else its latest checkpoint on the prompt (at most ``last`` tokens)."""
+        if n == len(self.tokens) and n <= last:
+            return n
+        best = 0
+        for c in self.checkpoints:
+            k = len(c.tokens)
+            if best < k <= min(n, last) and cachereuse.common_prefix(c.tokens, tokens) == k:
+                best = k
+        return best
 
 
 class StateCache:
@@ -182,10 +198,11 @@ class StateCache:
                     return s.data
         return None
 
-    def put(self, tokens, data):
-        """Keep ``data``, the state of ``tokens``; states it replaces go, then the
-        least recently used ones until it fits.  False if it does not fit at all."""
-        n = len(data)
+    def put(self, tokens, data, checkpoints=()):
+        """Keep ``data``, the state of ``tokens`` (with a recurrent model's
+        ``checkpoints`` on them); states it replaces go, then the least
+        recently used ones until it fits.  False if it does not fit at all."""
+        n = len(data) + sum(len(c.data) for c in checkpoints)
         if self.limit >= 0 and n > self.limit:
             return False
         tokens = list(tokens)
@@ -196,18 +213,20 @@ class StateCache:
             if self.limit >= 0:
                 while self.bytes + n > self.limit and self._evict_oldest():
                     pass
-            self._states[self._next] = SavedState(tokens, data)
+            self._states[self._next] = SavedState(tokens, data, checkpoints=checkpoints)
             self._next += 1
             self.bytes += n
             self.saves += 1
         return True
 
-    def best(self, tokens, min_run, need_logits, have, exact_tail=False):
+    def best(self, tokens, min_run, need_logits, have, exact_tail=False, whole=False):
         """The kept state that would give ``tokens`` the most from the cache, and
         how many (its cachereuse plan's ``reused``), if more than ``have`` (what
         the session's own cache gives); else (None, have).  ``exact_tail``: a
         state helps only where ``tokens`` go on from its last token or the one
-        before (a model whose window cache keeps only the state's last window)."""
+        before (a model whose window cache keeps only the state's last window).
+        ``whole``: only where ``tokens`` go on past its last token (a recurrent
+        state is its last token's: engine/memory.py)."""
         with self._lock:
             states = list(self._states.items())
         # the common prefix first (slices compared in C); a chunk-reuse plan, which
@@ -218,11 +237,15 @@ class StateCache:
             n = cachereuse.common_prefix(s.tokens, tokens)
             if exact_tail and n < len(s.tokens) - 1:
                 continue
+            if whole:
+                n = s.usable(tokens, n, last)
+                if n <= 0:
+                    continue
             scored.append((min(n, last), k, s))
         scored.sort(key=lambda x: -x[0])
         best, best_n = None, have
         for i, (n, k, s) in enumerate(scored):
-            if min_run > 0 and not exact_tail and i < PLANNED:
+            if min_run > 0 and not exact_tail and not whole and i < PLANNED:
                 n = cachereuse.plan(s.tokens, tokens, min_run, need_logits).reused
             if n > best_n:
                 best, best_n = (k, s), n
@@ -260,7 +283,7 @@ class StateCache:
     def _drop(self, key):
         s = self._states.pop(key, None)
         if s is not None and s.data is not None:
-            self.bytes -= len(s.data)
+            self.bytes -= len(s.data) + sum(len(c.data) for c in s.checkpoints)
 
     def _evict_oldest(self, but=None):
         """Let the least recently used state in memory go; False if none.  (States

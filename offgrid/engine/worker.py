@@ -447,7 +447,9 @@ class Worker:
             if states is not None:
                 # a kept state the session would restore first (statecache.py)
                 found, _ = states.best(tokens, cache_reuse, True, plan.reused,
-                                       exact_tail=self.model.n_swa > 0)
+                                       whole=self.model.memory.has_state,
+                                       exact_tail=self.model.n_swa > 0
+                                       and not self.model.memory.has_state)
                 if found is not None:
                     plan = cachereuse.plan(found[1].tokens, tokens, cache_reuse)
             return plan

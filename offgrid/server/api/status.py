@@ -99,6 +99,8 @@ def props(h, _body):
         "threads": _threads_of(e),
         # where the model's layers are: the CPU here, then each --rpc device
         "devices": info.devices or [],
+        # dense, swa, hybrid or recurrent, and what its cache may do
+        "memory": info.memory,
     })
 
 

@@ -399,8 +399,9 @@ class Shelf:
         if closed:
             worker.close()
             raise Unavailable("server is shutting down")
-        self.announce("loaded %s in %.1f s; flash attention %s"
-                      % (entry.id, seconds, worker.info.flash_attn))
+        self.announce("loaded %s in %.1f s; flash attention %s; memory %s"
+                      % (entry.id, seconds, worker.info.flash_attn,
+                         worker.info.memory.get("description", "?")))
 
     def estimate(self, entry):
         """Bytes a model will hold once loaded: what it held last time, else its file

@@ -1,0 +1,144 @@
+"""MemoryClass: what a model's memory can do, read once at load.
+
+A model remembers a prompt in one of four ways, and every cache feature
+(prefix reuse, chunk reuse, drafts, kept states, context shift) depends on
+which:
+
+    dense       a KV cell per position: cut anywhere, move (re-rotate) keys
+    swa         the same, plus a window cache that keeps only the last window
+                of positions (full-size with swa_full, as offgrid makes it)
+    hybrid      attention's KV cells beside a recurrent state per sequence
+                (Qwen3.5/3.6, LFM2, Granite-4.0-H, Nemotron-H, Qwen3-Next)
+    recurrent   a recurrent state per sequence only (Mamba, RWKV)
+
+A recurrent state is that of the sequence's last token: it cannot be cut
+back to an earlier position, unless the context keeps snapshots of its last
+``rollback`` tokens (``n_rs_seq``, on the architectures that support them),
+and libllama's own answers are no guide (``llama_memory_can_shift`` is true
+for most hybrids; a cut in the middle returns true and leaves the state as it
+was).  So the session asks this one description rather than libllama, and
+what it cannot cut it restores from a checkpoint of the recurrent part
+(``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``), as llama-server does.
+
+Made by ``MemoryClass.of(handle, meta)`` from the model, then ``with_context``
+once a context says how many tokens it can take back.
+"""
+
+from .. import libllama
+
+_ROPE_NAMES = {
+    libllama.LLAMA_ROPE_TYPE_NONE: "none",
+    libllama.LLAMA_ROPE_TYPE_NORM: "norm",
+    libllama.LLAMA_ROPE_TYPE_NEOX: "neox",
+    libllama.LLAMA_ROPE_TYPE_MROPE: "mrope",
+    libllama.LLAMA_ROPE_TYPE_VISION: "vision",
+    libllama.LLAMA_ROPE_TYPE_IMROPE: "imrope",
+}
+
+
+class MemoryClass:
+    """The memory of one model (and, after with_context, of its contexts)."""
+
+    def __init__(self, kind, n_swa=0, rope_type=0, n_expert=0, n_expert_used=0,
+                 can_shift=True, rollback=0):
+        self.kind = kind                # "dense", "swa", "hybrid" or "recurrent"
+        self.n_swa = n_swa              # the attention window, 0 for none
+        self.rope_type = rope_type      # enum llama_rope_type
+        self.n_expert = n_expert        # MoE experts, 0 for a dense FFN
+        self.n_expert_used = n_expert_used
+        self.can_shift = can_shift      # libllama moves keys (llama_memory_can_shift)
+        self.rollback = rollback        # tokens a recurrent state can be taken back
+
+    @classmethod
+    def of(cls, handle, meta=None):
+        """The class of a loaded ModelHandle (``meta``: its GGUF metadata)."""
+        meta = meta or {}
+        arch = meta.get("general.architecture", "")
+        if handle.is_recurrent():
+            kind = "recurrent"
+        elif handle.is_hybrid():
+            kind = "hybrid"
+        elif handle.n_swa() > 0:
+            kind = "swa"
+        else:
+            kind = "dense"
+        return cls(kind, n_swa=max(0, handle.n_swa()), rope_type=handle.rope_type(),
+                   n_expert=_int(meta.get("%s.expert_count" % arch)),
+                   n_expert_used=_int(meta.get("%s.expert_used_count" % arch)))
+
+    def with_context(self, ctx):
+        """This class as a made context has it: whether its memory moves keys,
+        and how many tokens its recurrent state can be taken back."""
+        return MemoryClass(self.kind, self.n_swa, self.rope_type, self.n_expert,
+                           self.n_expert_used, can_shift=ctx.memory.can_shift(),
+                           rollback=ctx.n_rs_seq if self.has_state else 0)
+
+    # -- what the memory can do ------------------------------------------------
+    @property
+    def has_state(self):
+        """A recurrent state per sequence (hybrid or recurrent)."""
+        return self.kind in ("hybrid", "recurrent")
+
+    @property
+    def cuts_anywhere(self):
+        """Cells can be removed at any position, in the middle too."""
+        return not self.has_state
+
+    @property
+    def moves_keys(self):
+        """Cached runs can move to new positions (chunk reuse, context shift)."""
+        return self.cuts_anywhere and self.can_shift
+
+    def can_take_back(self, n):
+        """Whether the last ``n`` tokens can be cut off without a checkpoint."""
+        return self.cuts_anywhere or n <= self.rollback
+
+    @property
+    def drafts(self):
+        """The longest draft a wrong guess of which can be taken back: any
+        length (None) where cells are cut, else the snapshots kept, 0 for none."""
+        return None if self.cuts_anywhere else self.rollback
+
+    @property
+    def needs_checkpoints(self):
+        """A prompt that diverges from the cache inside what a cut cannot give
+        back restarts from a checkpoint (or from nothing)."""
+        return self.has_state
+
+    @property
+    def rope_name(self):
+        return _ROPE_NAMES.get(self.rope_type, str(self.rope_type))
+
+    def describe(self):
+        """One line for the load line and /props, e.g. "hybrid: prompt reuse from
+        checkpoints, drafts rolled back natively up to 16 tokens"."""
+        parts = []
+        if self.kind == "swa":
+            parts.append("window %d" % self.n_swa)
+        if self.n_expert:
+            parts.append("MoE %d of %d experts" % (self.n_expert_used, self.n_expert))
+        if self.has_state:
+            parts.append("prompt reuse from its prefix and checkpoints")
+            if self.rollback:
+                parts.append("drafts rolled back natively up to %d tokens" % self.rollback)
+            else:
+                parts.append("no drafts (its state cannot be rolled back)")
+        else:
+            parts.append("prompt reuse anywhere" if self.moves_keys else "prompt reuse of a prefix")
+        return "%s: %s" % (self.kind, ", ".join(parts))
+
+    def as_dict(self):
+        """What /props shows."""
+        return {"class": self.kind, "n_swa": self.n_swa, "rope_type": self.rope_name,
+                "n_expert": self.n_expert, "n_expert_used": self.n_expert_used,
+                "rollback": self.rollback, "chunk_reuse": self.moves_keys,
+                "checkpoints": self.needs_checkpoints,
+                "speculation": self.drafts is None or self.drafts > 0,
+                "description": self.describe()}
+
+
+def _int(value):
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0

@@ -1,0 +1,314 @@
+"""Tiny models of every memory class, built by libllama itself.
+
+tinymodels.py writes llama-architecture files tensor by tensor; that needs
+each tensor's name and shape, which differ for every architecture.  Here
+libllama works them out: a GGUF metadata context with an architecture's
+hyperparameters goes to ``llama_model_init_from_user``, which creates every
+tensor that architecture loads (shapes from the metadata, as for a real
+file) and calls back for its data; ``llama_model_save_to_file`` then writes
+a GGUF that offgrid loads like any other.  The recipe for each architecture's
+keys is llama.cpp's own tests/test-llama-archs.cpp (read, not copied): one
+superset of hyperparameters that every architecture takes what it needs
+from, with per-layer head counts where a hybrid marks its recurrent layers
+(0 heads).
+
+Each model has a real vocabulary (llama.cpp's ggml-vocab-llama-spm.gguf,
+32,000 tokens: the tokenizer of a real model) and the real chat template of
+the family that uses the architecture (models/templates/ of the pinned
+source).  Weights are seeded: norms 1, the recurrent decay ``ssm_a``
+negative (as the C++ recipe has it), the rest uniform and small, but the
+output projection large so that logits spread out and greedy decoding does
+not flip on the rounding of a batched or cached decode; control tokens get
+an output row of zeros, so a generation runs to its token limit.
+
+    path = build("qwen35", directory)      # cached by recipe, like tinymodels
+
+The models are tiny (2-3 layers, n_embd 256): a prompt of a few hundred tokens
+evaluates in milliseconds.
+"""
+
+import ctypes
+import hashlib
+import json
+import os
+import random
+import struct
+from ctypes import c_bool, c_char_p, c_int, c_int64, c_size_t, c_uint32, c_void_p
+from pathlib import Path
+
+try:
+    from . import gguf, tinymodels
+except ImportError:  # tests/ on sys.path
+    import gguf
+    import tinymodels
+
+from offgrid import libllama
+
+FORMAT_VERSION = 1
+VOCAB = "llama-spm"
+
+# arch -> what differs: the family's template, layer count, MoE, SWA window,
+# and the spread of the layer weights (std_layer): too small and a random model
+# hardly looks past its last token, too large and it repeats one token; each
+# value was chosen so that changing one word early, midway or late in a
+# 20-word prompt changes the greedy continuation (measured, not derived)
+ARCHS = {
+    "llama": dict(template="meta-llama-Llama-3.2-3B-Instruct.jinja", std_layer=0.3),
+    "qwen3moe": dict(template="Qwen-Qwen3-0.6B.jinja", moe=True),
+    "gemma3": dict(template="google-gemma-2-2b-it.jinja", swa=64, n_layer=2),
+    "gpt-oss": dict(template="openai-gpt-oss-120b.jinja", moe=True, swa=64, std_layer=1.2),
+    "lfm2": dict(template="LFM2.5-Instruct.jinja"),
+    "granitehybrid": dict(template="ibm-granite-granite-4.0.jinja", std_layer=0.3),
+    "qwen3next": dict(template="Qwen-Qwen3-0.6B.jinja", moe=True),
+    "nemotron_h": dict(template="NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.jinja", n_layer=3,
+                       std_layer=0.3),
+    "qwen35": dict(template="Qwen3.5-4B.jinja"),
+    "mamba2": dict(template="Qwen-Qwen2.5-7B-Instruct.jinja"),
+}
+
+N_CTX_TRAIN = 4096
+N_EMBD = 64
+N_HEAD = 2
+N_FF = 128
+SEED = 4321
+STD_LAYER = 0.15
+STD_EMBD = 0.1
+STD_OUTPUT = 0.5
+
+# gguf_type (ggml's gguf.h)
+_U32, _F32, _BOOL = 4, 6, 7
+# ggml_type
+_GGML_F32, _GGML_F16 = 0, 1
+
+
+def build(arch, directory):
+    """The path of a tiny ``arch`` model in ``directory``, built once per recipe."""
+    spec = ARCHS[arch]
+    src = tinymodels.llama_cpp_source()
+    vocab = src / "models" / ("ggml-vocab-%s.gguf" % VOCAB)
+    template = (src / "models" / "templates" / spec["template"]).read_text()
+    recipe = {"format": FORMAT_VERSION, "arch": arch, "spec": spec, "n_embd": N_EMBD,
+              "seed": SEED, "std": [STD_LAYER, STD_EMBD, STD_OUTPUT],
+              "vocab": hashlib.sha256(vocab.read_bytes()).hexdigest(),
+              "template": hashlib.sha256(template.encode()).hexdigest(),
+              "lib": _lib_version()}
+    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+    directory = Path(directory)
+    path = directory / ("arch-%s-%s.gguf" % (arch, key))
+    if path.exists():
+        return path
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name("%s.tmp-%d" % (path.name, os.getpid()))
+    try:
+        _Builder(arch, spec, vocab, template).save(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def _lib_version():
+    lib = libllama.load()
+    return lib.llama_version().decode() if hasattr(lib, "llama_version") else ""
+
+
+class _Ggml:
+    """The few ggml-base and libllama calls the builder makes (test-only ctypes;
+    offgrid itself binds none of them)."""
+
+    def __init__(self):
+        lib = libllama.load()
+        folder = Path(lib.path).parent if getattr(lib, "path", None) else \
+            Path(__file__).resolve().parent.parent / "lib"
+        base = ctypes.CDLL(str(folder / "libggml-base.so"))
+        llama = ctypes.CDLL(str(folder / "libllama.so"))
+        self.base, self.llama = base, llama
+
+        class InitParams(ctypes.Structure):
+            _fields_ = [("no_alloc", c_bool), ("ctx", c_void_p)]
+        self.InitParams = InitParams
+        sig = {
+            "gguf_init_empty": (c_void_p, []),
+            "gguf_init_from_file": (c_void_p, [c_char_p, InitParams]),
+            "gguf_free": (None, [c_void_p]),
+            "gguf_set_kv": (None, [c_void_p, c_void_p]),
+            "gguf_get_n_kv": (c_int64, [c_void_p]),
+            "gguf_get_key": (c_char_p, [c_void_p, c_int64]),
+            "gguf_remove_key": (c_int64, [c_void_p, c_char_p]),
+            "gguf_set_val_u32": (None, [c_void_p, c_char_p, c_uint32]),
+            "gguf_set_val_f32": (None, [c_void_p, c_char_p, ctypes.c_float]),
+            "gguf_set_val_bool": (None, [c_void_p, c_char_p, c_bool]),
+            "gguf_set_val_str": (None, [c_void_p, c_char_p, c_char_p]),
+            "gguf_set_arr_data": (None, [c_void_p, c_char_p, c_int, c_void_p, c_size_t]),
+            "ggml_get_name": (c_char_p, [c_void_p]),
+            "ggml_nelements": (c_int64, [c_void_p]),
+            "ggml_nbytes": (c_size_t, [c_void_p]),
+            "ggml_backend_tensor_set": (None, [c_void_p, c_void_p, c_size_t, c_size_t]),
+        }
+        for name, (res, args) in sig.items():
+            fn = getattr(base, name)
+            fn.restype, fn.argtypes = res, args
+        self.set_cb = ctypes.CFUNCTYPE(None, c_void_p, c_void_p)
+        llama.llama_model_init_from_user.restype = c_void_p
+        llama.llama_model_init_from_user.argtypes = [c_void_p, self.set_cb, c_void_p,
+                                                     libllama.llama_model_params]
+        llama.llama_model_save_to_file.restype = None
+        llama.llama_model_save_to_file.argtypes = [c_void_p, c_char_p]
+        llama.llama_model_free.restype = None
+        llama.llama_model_free.argtypes = [c_void_p]
+        llama.llama_model_default_params.restype = libllama.llama_model_params
+        llama.llama_model_default_params.argtypes = []
+
+
+class _Builder:
+    def __init__(self, arch, spec, vocab, template):
+        self.g = _Ggml()
+        self.arch, self.spec = arch, spec
+        self.vocab, self.template = vocab, template
+        meta = gguf.read(vocab).metadata
+        self.control = [i for i, t in enumerate(meta["tokenizer.ggml.token_type"].value)
+                        if t == 3]
+        self.n_vocab = len(meta["tokenizer.ggml.tokens"].value)
+        rng = random.Random(SEED)
+        # one pool of uniform numbers in [-1, 1), tiled from a per-tensor
+        # offset: a prime length, so no two rows of a matrix are the same
+        n = 1000003
+        unit = [2.0 * rng.random() - 1.0 for _ in range(n)]
+        # uniform on [-a, a] has standard deviation a / sqrt(3)
+        self.std_layer = spec.get("std_layer", STD_LAYER)
+        self.pools = {std: struct.pack("<%df" % n, *[v * std * 3 ** 0.5 for v in unit])
+                      for std in (self.std_layer, STD_EMBD, STD_OUTPUT)}
+        self.pool_n = n
+
+    # -- metadata ----------------------------------------------------------
+    def _metadata(self):
+        g, a, spec = self.g.base, self.arch, self.spec
+        ctx = g.gguf_init_empty()
+        src = g.gguf_init_from_file(str(self.vocab).encode(), self.g.InitParams(True, None))
+        g.gguf_set_kv(ctx, src)
+        g.gguf_free(src)
+        # the vocab file's model keys (llama.*) would be read as this model's
+        keys = [g.gguf_get_key(ctx, i) for i in range(g.gguf_get_n_kv(ctx))]
+        for k in keys:
+            if not k.startswith(b"tokenizer."):
+                g.gguf_remove_key(ctx, k)
+        n_layer = spec.get("n_layer", 2)
+        moe = spec.get("moe", False)
+        head_dim = N_EMBD // N_HEAD
+
+        def u32(k, v):
+            g.gguf_set_val_u32(ctx, (k % a).encode(), v)
+
+        def f32(k, v):
+            g.gguf_set_val_f32(ctx, (k % a).encode(), v)
+
+        def arr(k, values):
+            data = (ctypes.c_uint32 * len(values))(*values)
+            g.gguf_set_arr_data(ctx, (k % a).encode(), _U32, data, len(values))
+
+        g.gguf_set_val_str(ctx, b"general.architecture", a.encode())
+        g.gguf_set_val_str(ctx, b"general.name", ("offgrid-tiny-" + a).encode())
+        g.gguf_set_val_str(ctx, b"tokenizer.chat_template", self.template.encode())
+        u32("%s.vocab_size", self.n_vocab)
+        u32("%s.context_length", N_CTX_TRAIN)
+        u32("%s.embedding_length", N_EMBD)
+        u32("%s.features_length", N_EMBD)
+        u32("%s.block_count", n_layer)
+        u32("%s.leading_dense_block_count", 1)
+        if a == "nemotron_h":
+            arr("%s.feed_forward_length", [0 if i <= 1 else N_FF for i in range(n_layer)])
+        else:
+            u32("%s.feed_forward_length", N_FF)
+        g.gguf_set_val_bool(ctx, ("%s.use_parallel_residual" % a).encode(), False)
+        f32("%s.logit_scale", 1.0)
+        u32("%s.full_attention_interval", 2)
+        if a in ("nemotron_h", "granitehybrid", "lfm2"):
+            # layer 1 is recurrent (no attention heads); the others attend
+            heads = [0 if i == 1 else N_HEAD for i in range(n_layer)]
+            arr("%s.attention.head_count", heads)
+            arr("%s.attention.head_count_kv", heads)
+        else:
+            u32("%s.attention.head_count", N_HEAD)
+            u32("%s.attention.head_count_kv", N_HEAD)
+        f32("%s.attention.clamp_kqv", 1.0)
+        f32("%s.attention.layer_norm_epsilon", 1e-5)
+        f32("%s.attention.layer_norm_rms_epsilon", 1e-5)
+        f32("%s.attention.group_norm_epsilon", 1e-5)
+        u32("%s.attention.group_norm_groups", 8)
+        u32("%s.attention.sliding_window", spec.get("swa", 128))
+        u32("%s.attention.sliding_window_pattern", 2)
+        f32("%s.rope.freq_base", 10000.0)
+        arr("%s.rope.dimension_sections", [head_dim // 4] * 4)
+        if moe:
+            u32("%s.expert_feed_forward_length", N_FF)
+            u32("%s.expert_shared_feed_forward_length", N_FF // 2)
+            u32("%s.interleave_moe_layer_step", 2)
+            u32("%s.expert_count", 4)
+            u32("%s.expert_used_count", 2)
+            u32("%s.expert_shared_count", 1)
+            u32("%s.expert_gating_func", 2)
+        inner = 256 if a in ("qwen3next", "qwen35") else 2 * N_EMBD
+        u32("%s.ssm.inner_size", inner)
+        u32("%s.ssm.conv_kernel", 4)
+        u32("%s.ssm.state_size", 128)
+        u32("%s.ssm.time_step_rank", N_HEAD)
+        u32("%s.ssm.group_count", 2)
+        u32("%s.shortconv.l_cache", 3)
+        f32("%s.residual_scale", 1.0)
+        f32("%s.embedding_scale", 1.0)
+        f32("%s.attention.scale", 1.0 / head_dim ** 0.5)
+        return ctx
+
+    # -- weights -----------------------------------------------------------
+    def _fill(self, tensor, _ud):
+        g = self.g.base
+        name = g.ggml_get_name(tensor).decode()
+        n = g.ggml_nelements(tensor)
+        ggml_type = ctypes.c_int.from_address(tensor).value
+        if "norm" in name and name.endswith(".weight"):
+            values = struct.pack("<f", 1.0) * n
+        else:
+            std = {"output.weight": STD_OUTPUT, "token_embd.weight": STD_EMBD}.get(
+                name, self.std_layer)
+            values = self._tile(name, n, self.pools[std])
+            if "ssm_a" in name:
+                values = struct.pack("<%df" % n, *[-abs(v) for v in
+                                                   struct.unpack("<%df" % n, values)])
+            if name == "output.weight":
+                rows = bytearray(values)
+                zero = bytes(4 * N_EMBD)
+                for t in self.control:
+                    rows[t * 4 * N_EMBD:(t + 1) * 4 * N_EMBD] = zero
+                values = bytes(rows)
+        if ggml_type == _GGML_F16:
+            floats = struct.unpack("<%df" % n, values)
+            values = struct.pack("<%de" % n, *floats)
+        elif ggml_type != _GGML_F32:
+            raise RuntimeError("tensor %s of ggml type %d" % (name, ggml_type))
+        buf = ctypes.create_string_buffer(values, len(values))
+        g.ggml_backend_tensor_set(tensor, buf, 0, len(values))
+
+    def _tile(self, name, n, pool):
+        """n float32s of ``pool``, from an offset that the tensor's name picks."""
+        off = int(hashlib.sha256(name.encode()).hexdigest()[:8], 16) % self.pool_n
+        need = 4 * n
+        reps = (4 * off + need) // len(pool) + 1
+        return (pool * reps)[4 * off:4 * off + need]
+
+    def save(self, path):
+        g, llama = self.g.base, self.g.llama
+        meta = self._metadata()
+        cb = self.g.set_cb(self._fill)
+        params = llama.llama_model_default_params()
+        params.progress_callback = libllama.llama_progress_callback()
+        model = llama.llama_model_init_from_user(meta, cb, None, params)
+        try:
+            if not model:
+                raise RuntimeError("libllama could not make a %s model from the recipe"
+                                   % self.arch)
+            llama.llama_model_save_to_file(model, str(path).encode())
+        finally:
+            if model:
+                llama.llama_model_free(model)
+            g.gguf_free(meta)
