@@ -231,3 +231,23 @@ def test_no_swa_full_gives_the_default_text(swa_arch, arch_dir):
                           ctx=4096) as ref:
         for prompt in edits:
             assert complete(windowed, prompt)["content"] == fresh(ref, prompt)
+
+
+def test_two_models_alike_but_for_their_weights_never_share_a_state(arch_dir, tmp_path):
+    """Same size, same first MiB (metadata, tensor index), other weights: a state
+    the first wrote to --cache-dir is never restored into the second."""
+    first = archmodels.build("llama", arch_dir)
+    second = tmp_path / "second.gguf"
+    data = bytearray(first.read_bytes())
+    for i in range(len(data) - 4096, len(data) - 64, 97):    # tensor data, near the end
+        data[i] ^= 0x5A
+    second.write_bytes(bytes(data))
+    assert os.path.getsize(second) == os.path.getsize(first)
+    states = tmp_path / "states"
+    prompt = text(100, 12)
+    with ServerProcess(first, "--cache-dir", states, ctx=4096) as srv:
+        complete(srv, prompt)
+    with ServerProcess(first, "--cache-dir", states, ctx=4096) as srv:
+        assert complete(srv, prompt)["timings"]["cache_n"] > 0      # its own state, back
+    with ServerProcess(second, "--cache-dir", states, ctx=4096) as srv:
+        assert complete(srv, prompt)["timings"]["cache_n"] == 0
