@@ -251,3 +251,19 @@ def test_two_models_alike_but_for_their_weights_never_share_a_state(arch_dir, tm
         assert complete(srv, prompt)["timings"]["cache_n"] > 0      # its own state, back
     with ServerProcess(second, "--cache-dir", states, ctx=4096) as srv:
         assert complete(srv, prompt)["timings"]["cache_n"] == 0
+
+
+def test_a_hybrid_with_no_kv_unified_shares_one_cache_and_serves(arch_dir):
+    """--no-kv-unified's stream per session holds plain attention caches only
+    (scripts/patches/0005): a hybrid's sessions share one cache instead, with a
+    line saying so, rather than fail to load."""
+    path = archmodels.build("qwen35", arch_dir)
+    prompts = [text(50, 20), text(60, 21)]
+    with ServerProcess(path, "-np", "2", "--no-kv-unified", ctx=2048) as srv, \
+            ServerProcess(path, "--spec-type", "none", "-cram", "0", "--no-cache-disk",
+                          ctx=2048) as ref:
+        assert any("--no-kv-unified" in line and "share one cache" in line
+                   for line in srv.output)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(lambda p: complete(srv, p)["content"], prompts))
+        assert got == [fresh(ref, p) for p in prompts]

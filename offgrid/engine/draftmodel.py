@@ -158,7 +158,11 @@ class DraftModel:
         cached = self._cached[seq]
         keep = min(cachereuse.common_prefix(cached, history), len(history) - 1)
         if keep < len(cached):
-            if not self.ctx.memory.seq_rm(seq, keep, -1):
+            # a recurrent state cannot be cut back (engine/memory.py): a draft
+            # model that has one reads the history again; a cut is read back
+            mem = self.ctx.memory
+            if self.model.memory.has_state or not mem.seq_rm(seq, keep, -1) \
+                    or mem.seq_pos_max(seq) != keep - 1:
                 self._forget(seq)
                 keep = 0
             else:

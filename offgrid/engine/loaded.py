@@ -52,12 +52,20 @@ class Loaded:
         threads = decode_threads(model, args.threads, args.threads_batch)
         flash_attn, flash_attn_words = model.flash_attn(args.flash_attn)
         draft_max = 0 if args.spec_type == "none" else args.spec_draft_n_max or 8
+        kv_unified = args.kv_unified
+        if not kv_unified and model.memory.has_state and n_sessions > 1:
+            # libllama's streams of several sequences (scripts/patches/0005)
+            # take a plain or windowed attention cache only
+            logging.getLogger("offgrid.worker").warning(
+                "--no-kv-unified: %s keeps a recurrent state, which a KV stream per "
+                "session cannot hold; its sessions share one cache", model.name)
+            kv_unified = True
         try:
             # one context for every session, whose decodes are batched together
             decoder = shared_decoder(model, max(1, args.parallel), n_ctx=args.ctx_size,
                                      n_batch=args.batch_size, n_ubatch=args.ubatch_size,
                                      swa_full=not args.no_swa_full, threads=threads,
-                                     flash_attn=flash_attn, kv_unified=args.kv_unified,
+                                     flash_attn=flash_attn, kv_unified=kv_unified,
                                      # a recurrent state's snapshots, to take a draft back
                                      n_rs_seq=draft_max)
             if args.spec_type == "draft-simple" and args.model_draft:
@@ -65,7 +73,7 @@ class Loaded:
                     args.model_draft, model, n_sessions, decoder.n_ctx_session,
                     args.batch_size, args.ubatch_size, threads, args.spec_draft_n_min,
                     args.spec_draft_p_min, lib_path=args.lib, verbose=args.verbose,
-                    kv_unified=args.kv_unified)
+                    kv_unified=kv_unified)
             for _ in range(n_sessions):
                 sessions.append(ChatSession(
                     model, decoder=decoder, context_shift=args.context_shift,
