@@ -96,8 +96,16 @@ class MemoryClass:
     @property
     def drafts(self):
         """The longest draft a wrong guess of which can be taken back: any
-        length (None) where cells are cut, else the snapshots kept, 0 for none."""
-        return None if self.cuts_anywhere else self.rollback
+        length (None) where cells are cut or the state is checkpointed before
+        each check (``replays``), else the snapshots kept."""
+        return self.rollback if self.rollback else None
+
+    @property
+    def replays(self):
+        """A recurrent state with no snapshots: a draft is checked after a
+        checkpoint of the state, and a wrong one restores it and decodes the
+        accepted tokens again (llama-server's speculative checkpoints)."""
+        return self.has_state and not self.rollback
 
     @property
     def needs_checkpoints(self):
@@ -122,7 +130,7 @@ class MemoryClass:
             if self.rollback:
                 parts.append("drafts rolled back natively up to %d tokens" % self.rollback)
             else:
-                parts.append("no drafts (its state cannot be rolled back)")
+                parts.append("drafts checked from a checkpoint, the accepted part replayed")
         else:
             parts.append("prompt reuse anywhere" if self.moves_keys else "prompt reuse of a prefix")
         return "%s: %s" % (self.kind, ", ".join(parts))
@@ -133,7 +141,8 @@ class MemoryClass:
                 "n_expert": self.n_expert, "n_expert_used": self.n_expert_used,
                 "rollback": self.rollback, "chunk_reuse": self.moves_keys,
                 "checkpoints": self.needs_checkpoints,
-                "speculation": self.drafts is None or self.drafts > 0,
+                "speculation": True, "draft_rollback": "cut" if self.cuts_anywhere
+                else "native" if self.rollback else "checkpoint and replay",
                 "description": self.describe()}
 
 

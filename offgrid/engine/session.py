@@ -227,6 +227,9 @@ class ChatSession(Generation):
         # a recurrent state's snapshots are those of the last decode's tokens,
         # single use (engine/memory.py), so only after a decode with a draft
         self._rollback_ok = 0
+        # (tokens, partial state) before the last draft's check, where a wrong
+        # draft is taken back by a restore and a replay (memory.replays)
+        self._verify = None
         # libllama.Candidates for grammar sampling and token probabilities, made on first use
         self._candidates = None
         self.cached = []        # tokens whose KV is in the cache, at positions 0..len-1
@@ -648,6 +651,15 @@ class ChatSession(Generation):
         output kept then); the token's logits are at batch index _out, the
         draft's after it."""
         self.n_decodes += 1
+        self._verify = None
+        if draft and self.memory.replays:
+            with self._mem.locked() as memory:
+                data = self._ctx.seq_state(self._seq, partial=True) \
+                    if memory.seq_pos_max(self._seq) == pos - 1 else None
+            if data is None:
+                draft = ()      # no checkpoint to take a wrong draft back to
+            else:
+                self._verify = (pos, data)
         if draft:
             status, self._out = self._member.decode([token] + list(draft), pos,
                                                     self._prompt_seqs, OUT_ALL)
