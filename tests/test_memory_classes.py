@@ -268,3 +268,27 @@ def test_a_hybrid_with_no_kv_unified_shares_one_cache_and_serves(arch_dir):
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             got = list(pool.map(lambda p: complete(srv, p)["content"], prompts))
         assert got == [fresh(ref, p) for p in prompts]
+
+
+@pytest.mark.parametrize("hybrid", ["qwen35", "lfm2"])
+def test_a_turn_whose_reply_renders_otherwise_restarts_from_a_checkpoint(hybrid, arch_dir):
+    """Qwen3.5's template drops a reply's reasoning from the next turn's prompt, so
+    the prompt diverges where the reply began: the session restores the
+    checkpoint it made 4 tokens before the first prompt's end, not nothing."""
+    from offgrid.engine.model import Model
+    from offgrid.engine.session import ChatSession
+    from offgrid.request import GenerationParams, SamplingParams
+    model = Model.load(str(archmodels.build(hybrid, arch_dir)), progress=False)
+    greedy = GenerationParams(n_predict=12, sampling=SamplingParams(temperature=0.0))
+    try:
+        first = model.tokenize(text(100, 13), add_special=True)
+        second = first + model.tokenize(" " + text(30, 14), add_special=False)
+        with ChatSession(model, n_ctx=2048) as s, ChatSession(model, n_ctx=2048) as ref:
+            s.complete(first, greedy)
+            before = s.checkpoints.restored
+            got = s.complete(second, greedy)
+            assert s.checkpoints.restored == before + 1
+            assert got.usage.cached_tokens == len(first) - 4
+            assert got.text == ref.complete(second, greedy).text
+    finally:
+        model.close()
