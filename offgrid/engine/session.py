@@ -578,7 +578,10 @@ class ChatSession(Generation):
                         return False
                     if end == len(tokens):
                         # the gaps before are filled by now: the cache is a prefix
-                        done = self._evaluate_tail(tokens[:stop], pos, cancel, logits=False)
+                        # a checkpoint at the end of the whole prompt only, not
+                        # of each step's slice of it
+                        done = self._evaluate_tail(tokens[:stop], pos, cancel, logits=False,
+                                                   checkpoints=stop == len(tokens))
                     else:
                         done = self._evaluate_gap(tokens, pos, stop, cancel)
                         if done:
@@ -693,14 +696,14 @@ class ChatSession(Generation):
         del self.cached[n_keep:n_keep + n_discard]
         return True
 
-    def _evaluate_tail(self, tokens, start, cancel, logits=True):
+    def _evaluate_tail(self, tokens, start, cancel, logits=True, checkpoints=True):
         """Decode tokens[start:] in SEQ_PROMPT (the last token's logits kept,
         with ``logits``); False if cancelled part way."""
         mem = self._mem
         pos = start
         # where a recurrent state is kept for later prompts (checkpoints.py)
-        marks = self.checkpoints.points(start, len(tokens)) if self.checkpoints is not None \
-            else []
+        marks = self.checkpoints.points(start, len(tokens)) \
+            if self.checkpoints is not None and checkpoints else []
         while pos < len(tokens):
             if cancel is not None and cancel.cancelled:
                 self.cached = list(tokens[:pos])
