@@ -287,27 +287,6 @@ class Generation:
             raise DecodeError("libllama could not drop a draft's cells", -1)
         del self.cached[n:]
 
-    def _replay_to(self, n):
-        """Take a recurrent state back to its first n tokens from the checkpoint made
-        before the draft's check (session._decode_one): restore it, cut the
-        attention's cells after it, decode the accepted tokens again."""
-        verify, self._verify = self._verify, None
-        ok = verify is not None and verify[0] <= n
-        if ok:
-            pos, data = verify
-            with self._mem.locked() as memory:
-                ok = self._ctx.set_seq_state(self._seq, data, partial=True) \
-                    and memory.seq_rm(self._seq, pos, -1) \
-                    and memory.seq_pos_max(self._seq) == pos - 1
-            replay = self.cached[pos:n]
-            if ok and replay:
-                ok = self._decode(replay, pos, False) == 0
-            ok = ok and self._mem.seq_pos_max(self._seq) == n - 1
-        if not ok:
-            self.reset()
-            raise DecodeError("libllama could not take a draft back", -1)
-        del self.cached[n:]
-
     def _token_prob(self, reader, token, piece, idx):
         """The TokenProb of ``token``, just sampled from output ``idx`` (before the
         next decode)."""

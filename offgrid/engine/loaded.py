@@ -66,8 +66,12 @@ class Loaded:
                                      n_batch=args.batch_size, n_ubatch=args.ubatch_size,
                                      swa_full=not args.no_swa_full, threads=threads,
                                      flash_attn=flash_attn, kv_unified=kv_unified,
-                                     # a recurrent state's snapshots, to take a draft back
-                                     n_rs_seq=draft_max)
+                                     # a recurrent state's snapshots, to take a draft
+                                     # back: with one session only, since with several
+                                     # decoding in one step they gave wrong tokens (1-2
+                                     # of 32 batched requests, lfm2 and qwen35); several
+                                     # sessions take a draft back by checkpoint and replay
+                                     n_rs_seq=draft_max if n_sessions == 1 else 0)
             if args.spec_type == "draft-simple" and args.model_draft:
                 draft_model = DraftModel.load(
                     args.model_draft, model, n_sessions, decoder.n_ctx_session,

@@ -7,7 +7,8 @@ decoded in ``n_batch`` chunks.  Editors send a request per keystroke with a
 prompt that mostly repeats the last one, so this is where their latency goes.
 
 Generation (``complete``: sampling, drafts, text) is engine/generate.py's
-part of the class.
+part of the class, and the cache of a model with recurrent state (prefix,
+checkpoints, drafts taken back) engine/recurrent.py's.
 
 Sessions of one worker share one llama_context (engine/batch.py): each is
 three sequences of its unified KV cache, and their decodes go through the
@@ -33,6 +34,7 @@ from ..request import (Completion, FinishReason, GenerationParams, RequestCancel
 from .batch import OUT_ALL, OUT_LAST, OUT_NONE, SEQS_PER_SESSION, BatchDecoder
 from .checkpoints import Checkpoints
 from .generate import Generation
+from .recurrent import RecurrentCache
 from .threads import DecodeThreads
 from .statecache import SAVE_BELOW
 
@@ -177,7 +179,7 @@ def shared_decoder(model, n_sessions, n_ctx=4096, n_batch=512, n_ubatch=None, sw
     return decoder
 
 
-class ChatSession(Generation):
+class ChatSession(Generation, RecurrentCache):
     """A share of a llama_context (its sequences of the KV cache), serving one request at a time."""
 
     def __init__(self, model, n_ctx=4096, n_batch=512, n_ubatch=None, n_threads=None,
@@ -328,63 +330,6 @@ class ChatSession(Generation):
         self.cached = list(tokens[:plan.keep])
         return plan
 
-    def _prepare_state(self, tokens, cache_prompt, need_logits):
-        """_prepare_cache where the memory holds a recurrent state: only a prefix
-        of the cache is reused, and a state cannot be cut back (beyond the
-        last draft's snapshots), so a prompt that diverges inside the cached
-        tokens restarts from the latest checkpoint at or before the divergence
-        (or from nothing).  Every cut is read back before it is trusted."""
-        if cache_prompt and self.states is not None:
-            self._swap_state(tokens, 0, need_logits)
-        if not cache_prompt or not self.cached:
-            return self._clear_plan()
-        last = len(tokens) - (1 if need_logits else 0)
-        keep = min(self.common_prefix(tokens), last)
-        if keep < len(self.cached):
-            if not (len(self.cached) - keep <= self._rollback_ok and self._cut_state(keep)):
-                keep = self._restore_checkpoint(tokens, keep)
-        self._rollback_ok = 0
-        if keep <= 0:
-            return self._clear_plan()
-        self.cached = list(tokens[:keep])
-        return cachereuse.ReusePlan(keep)
-
-    def _cut_state(self, n):
-        """Cut the session's sequences back to their first ``n`` positions; True
-        only where the cut is made and reads back as made."""
-        with self._mem.locked() as memory:
-            ok = all([memory.seq_rm(q, n, -1) for q in (self._seq, self._gap, self._pin)])
-            return ok and memory.seq_pos_max(self._seq) == n - 1
-
-    def _checkpoint(self, n):
-        """Keep the recurrent part of the state after the first ``n`` cached tokens."""
-        with self._mem.locked() as memory:
-            if memory.seq_pos_max(self._seq) != n - 1:
-                return
-            data = self._ctx.seq_state(self._seq, partial=True)
-        if data is not None:
-            self.checkpoints.add(self.cached[:n], data)
-
-    def _restore_checkpoint(self, tokens, limit):
-        """Bring the sequence back to the latest checkpoint that ``tokens`` start
-        with, at most ``limit`` tokens in; how many tokens it holds (0: none)."""
-        c = self.checkpoints.best(tokens, limit)
-        if c is None:
-            return 0
-        n = len(c.tokens)
-        with self._mem.locked() as memory:
-            for q in (self._gap, self._pin):
-                memory.seq_rm(q, -1, -1)
-            ok = self._ctx.set_seq_state(self._seq, c.data, partial=True) \
-                and memory.seq_rm(self._seq, n, -1) and memory.seq_pos_max(self._seq) == n - 1
-        if not ok:
-            log.warning("libllama refused a checkpoint of %d tokens; it is dropped", n)
-            self.checkpoints.forget(c)
-            self._mem.rm(-1, -1)
-            return 0
-        self.checkpoints.restored += 1
-        return n
-
     # -- states kept beside the sessions (statecache.py) ------------------------
     def use_states(self, states):
         """Keep states in ``states`` (a StateCache shared by the worker's sessions)
@@ -498,16 +443,6 @@ class ChatSession(Generation):
             for c in state.checkpoints:
                 self.checkpoints.add(c.tokens, c.data)
         return ok
-
-    def _usable(self, tokens, need_logits):
-        """How many of ``tokens`` a recurrent model's cache gives them (_prepare_state):
-        all it shares where they go on from its end, else its latest checkpoint."""
-        last = len(tokens) - (1 if need_logits else 0)
-        n = min(self.common_prefix(tokens), last)
-        if n == len(self.cached):
-            return n
-        c = self.checkpoints.best(tokens, n)
-        return len(c.tokens) if c is not None else 0
 
     def _window_intact(self, plan, n_tokens):
         """Whether the windowed cache, if any, holds what the first token to
@@ -655,14 +590,8 @@ class ChatSession(Generation):
         draft's after it."""
         self.n_decodes += 1
         self._verify = None
-        if draft and self.memory.replays:
-            with self._mem.locked() as memory:
-                data = self._ctx.seq_state(self._seq, partial=True) \
-                    if memory.seq_pos_max(self._seq) == pos - 1 else None
-            if data is None:
-                draft = ()      # no checkpoint to take a wrong draft back to
-            else:
-                self._verify = (pos, data)
+        if draft and self.memory.replays and not self._checkpoint_before_check(pos):
+            draft = ()      # no checkpoint to take a wrong draft back to
         if draft:
             status, self._out = self._member.decode([token] + list(draft), pos,
                                                     self._prompt_seqs, OUT_ALL)
