@@ -459,9 +459,12 @@ def main(argv=None):
 
     stop.wait()
     print("offgrid: shutting down", file=sys.stderr, flush=True)
-    # Stop accepting first; requests on kept-alive connections still reach
-    # the service and get 503 from here on, while running ones finish.
+    # Stop accepting first, and close the listening socket, so a new
+    # connection is refused at once (server.py: stop_accepting) rather than
+    # left in the kernel's queue; requests on kept-alive connections still
+    # reach the service and get 503 from here on, while running ones finish.
     httpd.shutdown()
+    httpd.stop_accepting()
     service.shutdown()
     # Let the handlers write their last bytes (a client that stopped reading
     # gets 5 seconds), then end the workers.

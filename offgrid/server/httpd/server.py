@@ -159,6 +159,29 @@ class Server(ThreadingHTTPServer):
         err, body, _ = self.RequestHandlerClass.app.error_response(err, "- " + path, None)
         return err.status, body
 
+    def stop_accepting(self):
+        """Close the listening socket, once ``shutdown`` has stopped accept()ing.
+
+        Left open, it would let the kernel complete new connections that no
+        one accepts: a balancer's health check or a request sent during the
+        drain would wait there until the process exits, and a balancer
+        answers that with a 502 after its timeout.  Closed, a new connection
+        is refused at once, which a balancer retries on another replica
+        (HAProxy's ``retry-on conn-failure``, nginx's ``proxy_next_upstream
+        error``) and takes as this one going down.  The connections the
+        kernel has queued already are accepted first and answered as any
+        (503 once the service is shutting down), not reset.
+        """
+        self.socket.setblocking(False)
+        while True:
+            try:
+                request, client_address = self.socket.accept()
+            except OSError:         # none left (EAGAIN), or the socket is gone
+                break
+            request.setblocking(True)
+            self.process_request(request, client_address)
+        self.socket.close()
+
     def server_close(self):
         lobby = getattr(self, "lobby", None)     # absent when binding failed in __init__
         if lobby is not None:
@@ -237,6 +260,10 @@ class Servers:
     def shutdown(self):
         for server in self.servers:
             server.shutdown()
+
+    def stop_accepting(self):
+        for server in self.servers:
+            server.stop_accepting()
 
     def drain(self, timeout):
         deadline = time.monotonic() + timeout
