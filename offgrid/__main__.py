@@ -11,6 +11,7 @@ import argparse
 import ipaddress
 import logging
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -187,6 +188,9 @@ def parse_args(argv=None):
                    help="seconds a client may take to send a whole request (default 30)")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds running requests get to finish on shutdown (default 10)")
+    p.add_argument("--instance-name", metavar="NAME", default=None,
+                   help="send X-Offgrid-Instance: NAME on every response, so which replica "
+                   "behind a load balancer answered shows (default: none)")
     p.add_argument("--cache-reuse", type=int, default=64,
                    help="FIM requests move cached runs of at least N tokens to where the new "
                    "prompt needs them instead of recomputing them (default 64; 0: off)")
@@ -283,6 +287,10 @@ def parse_args(argv=None):
     if not (args.model or args.models_dir or args.models_preset):
         p.error("give a model (-m FILE) or a shelf of them (--models-dir DIR, "
                 "--models-preset FILE)")
+    if args.instance_name is not None and not re.fullmatch(r"[\x21-\x7e]{1,64}",
+                                                           args.instance_name):
+        # it goes into a header line as it is
+        p.error("--instance-name must be 1 to 64 printable ASCII characters without spaces")
     if not 0 <= args.stream_interval_ms <= 1000:
         p.error("--stream-interval-ms must be between 0 and 1000")
     if args.spec_draft_n_max is not None and not 1 <= args.spec_draft_n_max <= 64:
@@ -389,7 +397,7 @@ def main(argv=None):
     try:
         httpd = make_server(args.host, args.port, APP, None, api_keys, args.cors_origin,
                             args.max_body, args.verbose, args.timeout, args.read_timeout,
-                            ceiling_from_flag(args.front_max_rss))
+                            ceiling_from_flag(args.front_max_rss), args.instance_name)
     except OSError as e:
         print("offgrid: cannot listen on %s:%d: %s" % (args.host, args.port, e), file=sys.stderr)
         return 1

@@ -15,7 +15,7 @@ import time
 from http.server import ThreadingHTTPServer
 
 from ...jobs import Threads
-from .handler import Handler
+from .handler import INSTANCE_HEADER, Handler
 from .httperrors import Unavailable
 from .frontmem import FrontMemory
 from .lobby import Lobby
@@ -89,8 +89,10 @@ class Server(ThreadingHTTPServer):
         self._handlers = Threads("http-connection")
         self.closing = False
         super().__init__(*args, **kwargs)
+        name = self.RequestHandlerClass.instance_name
         self.lobby = Lobby(self, min(self.first_byte_timeout, self.RequestHandlerClass.timeout),
-                           self.max_waiting, Handler.server_version)
+                           self.max_waiting, Handler.server_version,
+                           "%s: %s\r\n" % (INSTANCE_HEADER, name) if name else "")
 
     # -- connections ----------------------------------------------------------------
     def get_request(self):
@@ -276,7 +278,8 @@ class Servers:
 
 
 def make_server(host, port, app, service=None, api_keys=(), cors_origins=(), max_body=None,
-                verbose=False, timeout=None, read_timeout=None, front_max_rss=None):
+                verbose=False, timeout=None, read_timeout=None, front_max_rss=None,
+                instance_name=None):
     """A Server bound to host:port serving ``app``, whose Handler class carries these
     settings.
 
@@ -293,6 +296,8 @@ def make_server(host, port, app, service=None, api_keys=(), cors_origins=(), max
         attrs["read_timeout"] = read_timeout
     if front_max_rss:
         attrs["front_memory"] = FrontMemory(front_max_rss)
+    if instance_name:
+        attrs["instance_name"] = instance_name
     handler = type("OffgridHandler", (Handler,), attrs)
     # descriptors for the cap, the lobby, and the models, pipes and logs beside them
     _raise_fd_limit(Server.max_connections + Server.max_waiting + 256)
