@@ -188,6 +188,10 @@ def parse_args(argv=None):
                    help="seconds a client may take to send a whole request (default 30)")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds running requests get to finish on shutdown (default 10)")
+    p.add_argument("--max-queue", type=int, default=None, metavar="N",
+                   help="requests that may wait for a model's sessions, per model; one more "
+                   "gets 503 with Retry-After at once, which a load balancer takes to another "
+                   "replica (default: no bound)")
     p.add_argument("--instance-name", metavar="NAME", default=None,
                    help="send X-Offgrid-Instance: NAME on every response, so which replica "
                    "behind a load balancer answered shows (default: none)")
@@ -287,6 +291,8 @@ def parse_args(argv=None):
     if not (args.model or args.models_dir or args.models_preset):
         p.error("give a model (-m FILE) or a shelf of them (--models-dir DIR, "
                 "--models-preset FILE)")
+    if args.max_queue is not None and args.max_queue < 0:
+        p.error("--max-queue must be 0 or more")
     if args.instance_name is not None and not re.fullmatch(r"[\x21-\x7e]{1,64}",
                                                            args.instance_name):
         # it goes into a header line as it is

@@ -269,6 +269,7 @@ class Service:
             raise Unavailable("server is shutting down")
         if entry.pool is None or entry.worker is None:
             raise Unavailable("model %s was unloaded" % entry.id)
+        entry.pool.check_room()     # --max-queue: a stream still gets its 503 as a status
         for tokens in prompts:
             if tokens is not None and len(tokens) >= entry.n_ctx:
                 # the same error as the worker's for a prompt it made itself
