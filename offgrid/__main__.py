@@ -12,6 +12,7 @@ import ipaddress
 import logging
 import os
 import re
+import select
 import signal
 import sys
 import tempfile
@@ -473,10 +474,12 @@ def main(argv=None):
 
     stop.wait()
     print("offgrid: shutting down", file=sys.stderr, flush=True)
-    # Stop accepting first, and close the listening socket, so a new
-    # connection is refused at once (server.py: stop_accepting) rather than
-    # left in the kernel's queue; requests on kept-alive connections still
-    # reach the service and get 503 from here on, while running ones finish.
+    # New requests get 503 from now on, those on kept-alive connections too
+    # (a balancer retries them elsewhere); then stop accepting, and close the
+    # listening socket, so a new connection is refused at once (server.py:
+    # stop_accepting) rather than left in the kernel's queue, while the
+    # running requests finish.
+    service.stop_taking()
     httpd.shutdown()
     httpd.stop_accepting()
     service.shutdown()
@@ -503,8 +506,14 @@ class StopSignals:
 
     def __init__(self):
         self.received = []
+        self._wake = None
 
     def install(self):
+        # the C handler writes a byte here, so wait() wakes at once, not at its
+        # next look: during that look a balancer would still send new work here
+        self._wake, w = os.pipe()
+        os.set_blocking(w, False)
+        signal.set_wakeup_fd(w)
         signal.signal(signal.SIGINT, self.handler)
         signal.signal(signal.SIGTERM, self.handler)
 
@@ -515,9 +524,13 @@ class StopSignals:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     def wait(self, poll=0.5):
-        """Return once a signal came (sleep is what a signal interrupts)."""
+        """Return once a signal came: at once through the wakeup pipe, else at the
+        next look (sleep is what a signal interrupts)."""
         while not self.received:
-            time.sleep(poll)
+            if self._wake is None:
+                time.sleep(poll)
+            elif select.select([self._wake], [], [], poll)[0]:
+                os.read(self._wake, 512)
 
 
 if __name__ == "__main__":
