@@ -1,7 +1,8 @@
 """Three replicas behind Debian's HAProxy and nginx, with docs/fleet.md's configurations.
 
 Issue 50's "done when", through each balancer on loopback: a stream arrives
-in many reads, the first long before the end; conversations hashed on a
+in many reads, the first long before the end (through a bare nginx
+``proxy_pass`` too, which buffers streams that lack X-Accel-Buffering: no); conversations hashed on a
 session header read >= 90% of each later turn's prompt from the cache, round
 robin far less; a replica SIGKILLed mid-stream ends that stream at once, the
 conversation moves to another replica and the others keep theirs; a draining
@@ -271,6 +272,43 @@ def test_a_stream_arrives_in_many_reads_the_first_long_before_the_end(fleet):
     assert t_first < total / 3, "the first event after %.2fs of %.2fs" % (t_first, total)
     print("figures: %s stream: %d reads, first at %.2fs of %.2fs"
           % (balancer.kind, reads, t_first, total))
+
+
+STOCK_NGINX = """worker_processes 1;
+events { worker_connections 64; }
+http {
+    server {
+        listen 127.0.0.1:8000;
+        location / { proxy_pass http://127.0.0.1:8101; }
+    }
+}
+"""
+
+
+def test_a_stock_nginx_streams_because_the_replica_asks_it_not_to_buffer(replicas, tmp_path):
+    """nginx's defaults (HTTP/1.0 to the replica, proxy_buffering on) hold a stream in
+    their buffers; offgrid's X-Accel-Buffering: no turns that off per response (without
+    it this proxy handed a 60-token stream on in 3 reads, at its end)."""
+    stock = Balancer("nginx", replicas, tmp_path)
+    stock.text = STOCK_NGINX.replace(DOC_FRONT, "127.0.0.1:%d" % stock.port).replace(
+        DOC_REPLICAS[0], "127.0.0.1:%d" % replicas[0].port)
+    stock.start()
+    try:
+        t0 = time.monotonic()
+        sock, first = stock.open_stream(stream_body(60), "stock")
+        t_first = time.monotonic() - t0
+        reads, data = 1, first
+        while True:
+            more = sock.recv(1 << 16)
+            if not more:
+                break
+            reads, data = reads + 1, data + more
+        total = time.monotonic() - t0
+        sock.close()
+    finally:
+        stock.stop()
+    assert events_of(data)[-1]["tokens_predicted"] == 60
+    assert reads >= 20 and t_first < total / 3, (reads, t_first, total)
 
 
 SYSTEM = ("You are assistant {c} of the {tag} lighthouse museum. Answer in one short sentence. "
