@@ -124,7 +124,7 @@ def _pool(e, counter):
 def _sessions_used(e):
     pool = e.pool
     return round(pool.n_busy / len(pool.sessions), 4) if pool is not None and pool.sessions \
-        else 0
+        else 0.0
 
 
 def _kv_used(e):
@@ -132,7 +132,7 @@ def _kv_used(e):
     worker's live count (a running request's cache grows), else the front's record."""
     pool = e.pool
     if pool is None or not pool.sessions or e.info is None or not e.n_ctx:
-        return 0
+        return 0.0
     cached = e.peek("slots") or [s.n_cached for s in pool.sessions]
     return round(min(1.0, sum(cached) / float(e.n_ctx * len(pool.sessions))), 4)
 
