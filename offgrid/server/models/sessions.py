@@ -95,9 +95,10 @@ class ChatPool:
     def _check_room(self):
         if self.max_queue is not None and self._n_waiting >= self.max_queue \
                 and len(self._free) <= self._n_waiting:
-            raise QueueFull("the queue is full: %d requests wait for this model's %d sessions "
-                            "(--max-queue %d); retry later or on another server"
-                            % (self._n_waiting, len(self.sessions), self.max_queue))
+            raise QueueFull("the queue is full: this model's %d sessions are busy and %d "
+                            "requests wait already (--max-queue %d); retry later or on "
+                            "another server"
+                            % (len(self.sessions), self._n_waiting, self.max_queue))
 
     # -- acquire / release ----------------------------------------------------
     def acquire(self, tokens, cancel, on_wait=None, owner=None):
