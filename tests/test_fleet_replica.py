@@ -19,9 +19,11 @@ import pytest
 
 try:
     from .serverproc import Call, ServerProcess
+    from . import rawhttp
     from .rawhttp import argv_of, children
 except ImportError:
     from serverproc import Call, ServerProcess
+    import rawhttp
     from rawhttp import argv_of, children
 
 # a stream long enough to still run when the next request comes (SmolLM2-135M on
@@ -81,6 +83,17 @@ def test_every_response_names_the_instance(srv):
         got, headers, _ = srv.request(method, path, body)
         assert got == status, path
         assert headers.get("X-Offgrid-Instance") == "replica-a", (path, headers)
+
+
+def test_the_lobbys_own_answers_name_the_instance_too(srv):
+    # a connection that never speaks gets the lobby's 408 (server.first_byte_timeout: 3 s)
+    sock = rawhttp.connect(srv.port)
+    try:
+        data = rawhttp.read_until_closed(sock, timeout=10)
+    finally:
+        sock.close()
+    assert data.startswith(b"HTTP/1.1 408"), data
+    assert b"\r\nX-Offgrid-Instance: replica-a\r\n" in data, data
 
 
 def test_past_max_queue_a_503_with_retry_after_in_each_dialect(srv):
