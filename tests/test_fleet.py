@@ -221,6 +221,8 @@ def fleet(balancer, replicas):
     """The three replicas up (one a test killed or drained is started again, on its
     port), and the balancer sending each its share of the keys again."""
     for i, r in enumerate(replicas):
+        if r.proc.poll() is None and not healthy(r):
+            r.proc.wait(30)         # a drain a failed test left under way: let it end
         if r.proc.poll() is not None:
             replicas[i] = fresh = Replica(r.args[1], r.name, r.port)
             fresh.start()
@@ -231,6 +233,13 @@ def fleet(balancer, replicas):
             return balancer, replicas, seen
         assert time.monotonic() < deadline, "the balancer never used every replica: %s" % seen
         time.sleep(0.5)
+
+
+def healthy(replica):
+    try:
+        return replica.get("/health", timeout=5)[0] == 200
+    except OSError:
+        return False
 
 
 def replica_named(replicas, name):
