@@ -31,6 +31,7 @@ XDIST    = $(if $(filter 1,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadfile)
 export PORTABLE RPC
 
 .PHONY: all lib rpc-server model run test test-fast venv browser agent-clients test-agents bench bench-rpc \
+	fleet fleet-tools \
 	soak bundle conformance clean
 
 all: lib model
@@ -80,6 +81,18 @@ browser:
 		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install \
 			-y -qq --no-install-recommends chromium chromium-driver; fi
 
+# Three replicas behind Debian's haproxy and nginx with docs/fleet.md's configurations
+# (tests/test_fleet.py, about two minutes: apart from `make test`); both balancers are
+# installed once (apt-get, as root or through sudo), as `make browser` does chromium.
+fleet-tools:
+	@if command -v haproxy >/dev/null && command -v nginx >/dev/null; then :; else \
+		echo "[make fleet] installing haproxy and nginx (apt-get)"; \
+		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install \
+			-y -qq --no-install-recommends haproxy nginx; fi
+
+fleet: lib/libllama.so models/smollm2-135m-instruct-q4_1.gguf $(VENV)/.ready fleet-tools
+	$(PYTEST) -m fleet $(PYTEST_ARGS) tests/test_fleet.py
+
 # llama-server's test suite needs a few more (requests, wget, aiohttp, ...):
 # tests/test_conformance_subset.py runs part of it.
 $(VENV)/.conformance-ready: $(VENV)/.ready tests/conformance/run.py
@@ -98,8 +111,8 @@ agent-clients:
 # serves all its tests; both runs report, and either failing fails the target
 # (pytest's 5, nothing selected, is no failure).
 test: lib/libllama.so $(MODELS) $(VENV)/.ready $(VENV)/.conformance-ready browser
-	@r=0; $(PYTEST) $(XDIST) -m "not serial and not agents" $(PYTEST_ARGS) tests || r=1; \
-	$(PYTEST) -m "serial and not agents" $(PYTEST_ARGS) tests; s=$$?; [ $$s -eq 0 -o $$s -eq 5 ] || r=1; exit $$r
+	@r=0; $(PYTEST) $(XDIST) -m "not serial and not agents and not fleet" $(PYTEST_ARGS) tests || r=1; \
+	$(PYTEST) -m "serial and not agents and not fleet" $(PYTEST_ARGS) tests; s=$$?; [ $$s -eq 0 -o $$s -eq 5 ] || r=1; exit $$r
 
 # Claude Code and Codex against a real server (tests/test_agents.py): apart from
 # `make test`, whose 15 minutes on a fresh machine have no room for it (their
@@ -110,8 +123,8 @@ test-agents: lib/libllama.so $(MODELS) $(VENV)/.ready agent-clients
 # The suite less the tests marked slow (the bundle, minute-long fault, RPC and
 # debugger runs): a few minutes once the cache is warm.
 test-fast: lib/libllama.so $(MODELS) $(VENV)/.ready browser
-	@r=0; $(PYTEST) $(XDIST) -m "not slow and not serial" $(PYTEST_ARGS) tests \
-	|| r=1; $(PYTEST) -m "serial and not slow" $(PYTEST_ARGS) tests; s=$$?; \
+	@r=0; $(PYTEST) $(XDIST) -m "not slow and not serial and not fleet" $(PYTEST_ARGS) tests \
+	|| r=1; $(PYTEST) -m "serial and not slow and not fleet" $(PYTEST_ARGS) tests; s=$$?; \
 	[ $$s -eq 0 -o $$s -eq 5 ] || r=1; exit $$r
 
 # Air-gapped tarball dist/offgrid-<version>-linux-<arch>.tar.gz: offgrid, a

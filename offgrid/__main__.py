@@ -11,6 +11,8 @@ import argparse
 import ipaddress
 import logging
 import os
+import re
+import select
 import signal
 import sys
 import tempfile
@@ -187,6 +189,13 @@ def parse_args(argv=None):
                    help="seconds a client may take to send a whole request (default 30)")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds running requests get to finish on shutdown (default 10)")
+    p.add_argument("--max-queue", type=int, default=None, metavar="N",
+                   help="requests that may wait for a model's sessions, per model; one more "
+                   "gets 503 with Retry-After at once, which a load balancer takes to another "
+                   "replica (default: no bound)")
+    p.add_argument("--instance-name", metavar="NAME", default=None,
+                   help="send X-Offgrid-Instance: NAME on every response, so which replica "
+                   "behind a load balancer answered shows (default: none)")
     p.add_argument("--cache-reuse", type=int, default=64,
                    help="FIM requests move cached runs of at least N tokens to where the new "
                    "prompt needs them instead of recomputing them (default 64; 0: off)")
@@ -283,6 +292,12 @@ def parse_args(argv=None):
     if not (args.model or args.models_dir or args.models_preset):
         p.error("give a model (-m FILE) or a shelf of them (--models-dir DIR, "
                 "--models-preset FILE)")
+    if args.max_queue is not None and args.max_queue < 0:
+        p.error("--max-queue must be 0 or more")
+    if args.instance_name is not None and not re.fullmatch(r"[\x21-\x7e]{1,64}",
+                                                           args.instance_name):
+        # it goes into a header line as it is
+        p.error("--instance-name must be 1 to 64 printable ASCII characters without spaces")
     if not 0 <= args.stream_interval_ms <= 1000:
         p.error("--stream-interval-ms must be between 0 and 1000")
     if args.spec_draft_n_max is not None and not 1 <= args.spec_draft_n_max <= 64:
@@ -389,7 +404,7 @@ def main(argv=None):
     try:
         httpd = make_server(args.host, args.port, APP, None, api_keys, args.cors_origin,
                             args.max_body, args.verbose, args.timeout, args.read_timeout,
-                            ceiling_from_flag(args.front_max_rss))
+                            ceiling_from_flag(args.front_max_rss), args.instance_name)
     except OSError as e:
         print("offgrid: cannot listen on %s:%d: %s" % (args.host, args.port, e), file=sys.stderr)
         return 1
@@ -459,9 +474,14 @@ def main(argv=None):
 
     stop.wait()
     print("offgrid: shutting down", file=sys.stderr, flush=True)
-    # Stop accepting first; requests on kept-alive connections still reach
-    # the service and get 503 from here on, while running ones finish.
+    # New requests get 503 from now on, those on kept-alive connections too
+    # (a balancer retries them elsewhere); then stop accepting, and close the
+    # listening socket, so a new connection is refused at once (server.py:
+    # stop_accepting) rather than left in the kernel's queue, while the
+    # running requests finish.
+    service.stop_taking()
     httpd.shutdown()
+    httpd.stop_accepting()
     service.shutdown()
     # Let the handlers write their last bytes (a client that stopped reading
     # gets 5 seconds), then end the workers.
@@ -486,8 +506,14 @@ class StopSignals:
 
     def __init__(self):
         self.received = []
+        self._wake = None
 
     def install(self):
+        # the C handler writes a byte here, so wait() wakes at once, not at its
+        # next look: during that look a balancer would still send new work here
+        self._wake, w = os.pipe()
+        os.set_blocking(w, False)
+        signal.set_wakeup_fd(w)
         signal.signal(signal.SIGINT, self.handler)
         signal.signal(signal.SIGTERM, self.handler)
 
@@ -498,9 +524,13 @@ class StopSignals:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     def wait(self, poll=0.5):
-        """Return once a signal came (sleep is what a signal interrupts)."""
+        """Return once a signal came: at once through the wakeup pipe, else at the
+        next look (sleep is what a signal interrupts)."""
         while not self.received:
-            time.sleep(poll)
+            if self._wake is None:
+                time.sleep(poll)
+            elif select.select([self._wake], [], [], poll)[0]:
+                os.read(self._wake, 512)
 
 
 if __name__ == "__main__":

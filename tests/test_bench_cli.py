@@ -54,6 +54,22 @@ def test_rpc_bench_help_runs():
     assert "--servers" in out.stdout and "--rounds" in out.stdout
 
 
+def test_fleet_bench_help_runs():
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "fleet.py"), "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for flag in ("--replicas", "--clients", "--seconds", "--rounds"):
+        assert flag in out.stdout, flag
+
+
+def test_fleet_bench_runs_docs_haproxy_config_on_its_own_ports():
+    fleet = _bench_module("bench_fleet", "fleet.py")
+    text = fleet.haproxy_config(9000, [9101, 9102])
+    servers = [line.split() for line in text.splitlines() if line.strip().startswith("server ")]
+    assert [s[2] for s in servers] == ["127.0.0.1:9101", "127.0.0.1:9102"], servers
+    assert "bind 127.0.0.1:9000" in text and "balance hash" in text and "810" not in text
+
+
 def test_every_phase_can_run_alone(bench):
     for name in bench.PHASES:
         args = bench.parse_args(["--only", name])

@@ -81,8 +81,8 @@ class NotRun:
 
 
 class RunBy:
-    def __init__(self, test_file):
-        self.test_file = test_file
+    def __init__(self, test_file, why="a slow test: it builds the bundle"):
+        self.test_file, self.why = test_file, why
 
 
 # --------------------------------------------------------------------------
@@ -384,6 +384,8 @@ CONFORMANCE = NotRun("llama.cpp's server tests against two servers: about 20 min
 SUITE = NotRun("the suite itself: run from inside it, it would run this test again; "
                "make -n checks the target", make_runs_the_suite)
 BUNDLE = RunBy("tests/test_bundle.py")
+FLEET = RunBy("tests/test_fleet.py", "`make fleet`: Debian's haproxy and nginx in front of "
+              "three replicas, about two minutes")
 
 
 def agents_run_this_way(command, scratch):
@@ -462,6 +464,10 @@ DOCS = {
         "needs two other machines on a private network (and a model too big for one); "
         "tests/test_rpc.py runs --rpc on loopback; offgrid's parser checks the flags",
         offgrid_parses),
+    # docs/fleet.md: tests/test_fleet.py starts the replicas and both balancers so
+    r"^python3 -m offgrid .*--instance-name ": FLEET,
+    r"^haproxy -f ": FLEET,
+    r"^nginx -c ": FLEET,
     # docs/compatibility.md
     r"^make conformance": CONFORMANCE,
     r"^python3 tests/conformance/run\.py --table$": Run(conformance_table),
@@ -613,7 +619,7 @@ def test_docs_command(command, scratch, request):
         pytest.skip("not run by design: " + entry.reason)
     else:
         run_by(entry.test_file)(command.text, scratch)
-        pytest.skip("run by %s (a slow test: it builds the bundle)" % entry.test_file)
+        pytest.skip("run by %s (%s)" % (entry.test_file, entry.why))
 
 
 def test_the_shelf_example_in_its_order(lib, scratch):

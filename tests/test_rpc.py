@@ -251,3 +251,53 @@ def test_an_rpc_endpoint_that_never_answers_the_handshake_is_an_error_naming_it(
     assert done.returncode == 1, done.stderr
     assert endpoint in done.stderr and "did not answer" in done.stderr, done.stderr
     assert time.monotonic() - t0 < 60
+
+
+# -- kept prompt states (issue 50) ------------------------------------------------------------
+
+@pytest.mark.slow
+def test_kept_prompt_states_are_off_with_rpc_layers_and_nothing_aborts(rpc_servers, rpc_lib,
+                                                                      tmp_path):
+    """llama.cpp aborts while copying a sequence's state out of RPC layers (llama.cpp
+    #26128, #26529): with layers on rpc-servers the worker keeps no prompt states, says
+    so as it loads, and two conversations taking turns on one session (each turn would
+    keep the other's state), then a shutdown (which would write them to --cache-dir),
+    all go through with no worker death."""
+    endpoints = ",".join(s.endpoint for s in rpc_servers)
+    states = tmp_path / "states"
+    split = offgrid(rpc_lib, SMOL, "--rpc", endpoints, "-np", "1", "--cache-ram", "64",
+                    "--cache-dir", states).start()
+    try:
+        out = "".join(split.output)
+        assert "prompt states kept off for %s" % SMOL.name in out, out
+        systems = ["You keep the %s. " % what + " ".join(
+            "Note %d on the %s." % (i, what) for i in range(40)) for what in ("apples", "boats")]
+        for turn in range(2):
+            for system in systems:
+                status, _, body = split.post("/v1/chat/completions", {
+                    "messages": [{"role": "system", "content": system},
+                                 {"role": "user", "content": "Turn %d?" % turn}],
+                    "max_tokens": 3, "temperature": 0}, timeout=120)
+                assert status == 200, body
+        m = split.metrics()
+        assert m['offgrid_worker_deaths_total{model="%s"}' % SMOL.name] == 0
+        assert not any(k.startswith("offgrid_state_cache_saves_total") for k in m), m
+    finally:
+        code = split.stop()
+    assert code == 0
+    assert not list(states.rglob("*.state")), list(states.rglob("*"))
+
+
+@pytest.mark.slow
+def test_kept_prompt_states_stay_on_with_every_layer_local(rpc_servers, rpc_lib):
+    """--rpc with -ngl 0 puts no layer on the rpc-servers: the states are safe, and kept."""
+    endpoints = ",".join(s.endpoint for s in rpc_servers)
+    with offgrid(rpc_lib, SMOL, "--rpc", endpoints, "-ngl", "0", "-np", "1",
+                 "--cache-ram", "64") as split:
+        assert "prompt states kept off" not in "".join(split.output)
+        for what in ("apples", "boats"):
+            status, _, body = split.post("/completion", {
+                "prompt": "Notes on %s: " % what + "a note. " * 60, "n_predict": 2}, timeout=120)
+            assert status == 200, body
+        saves = split.metrics()['offgrid_state_cache_saves_total{model="%s"}' % SMOL.name]
+        assert saves >= 1

@@ -145,8 +145,18 @@ class Loaded:
 
 def make_states(args, model, session):
     """The StateCache of --cache-ram (MiB; -1: no bound) and --cache-dir, or None where
-    both are off; the states on disk are listed (read when one is wanted)."""
+    both are off; the states on disk are listed (read when one is wanted).  Off for a
+    model with layers on --rpc devices, with a line saying so: llama.cpp aborts while
+    copying a sequence's state out of RPC layers (llama.cpp #26128, #26529), and an
+    abort here would end the worker in the middle of a request."""
     mib = getattr(args, "cache_ram", 0) or 0
+    if any(d.get("endpoint") and d.get("layers") for d in model.devices or ()):
+        if mib or args.cache_dir:
+            logging.getLogger("offgrid.statecache").warning(
+                "prompt states kept off for %s (--cache-ram, --cache-dir): its layers are "
+                "on --rpc devices, from which llama.cpp cannot copy a sequence's state "
+                "safely", os.path.basename(model.path))
+        return None
     disk = None
     if args.cache_dir and args.cache_disk_max > 0:
         try:

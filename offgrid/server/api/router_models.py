@@ -116,6 +116,27 @@ def unload(h, body):
 
 # -- /metrics ------------------------------------------------------------------------------
 
+def _pool(e, counter):
+    pool = e.pool
+    return getattr(pool, counter) if pool is not None else 0
+
+
+def _sessions_used(e):
+    pool = e.pool
+    return round(pool.n_busy / len(pool.sessions), 4) if pool is not None and pool.sessions \
+        else 0.0
+
+
+def _kv_used(e):
+    """The tokens the sessions' caches hold now, over their cells (-c each): the
+    worker's live count (a running request's cache grows), else the front's record."""
+    pool = e.pool
+    if pool is None or not pool.sessions or e.info is None or not e.n_ctx:
+        return 0.0
+    cached = e.peek("slots") or [s.n_cached for s in pool.sessions]
+    return round(min(1.0, sum(cached) / float(e.n_ctx * len(pool.sessions))), 4)
+
+
 def metric_lines(shelf, label):
     """Prometheus lines, one per model for each of these; ``label`` escapes a value."""
     per_model = [
@@ -135,6 +156,15 @@ def metric_lines(shelf, label):
          lambda e: round(e.load_seconds, 3)),
         ("gauge", "offgrid_model_resident_bytes", "Memory its worker process holds (RSS).",
          shelf.resident),
+        # what a router in front of several replicas weighs (docs/fleet.md)
+        ("gauge", "offgrid_model_requests_queued", "Requests waiting for one of the model's "
+         "sessions (--max-queue bounds them).", lambda e: _pool(e, "n_waiting")),
+        ("gauge", "offgrid_model_requests_running", "Requests running on the model's sessions.",
+         lambda e: _pool(e, "n_busy")),
+        ("gauge", "offgrid_model_sessions_used_ratio", "Fraction of the model's sessions "
+         "running a request (0-1).", _sessions_used),
+        ("gauge", "offgrid_model_kv_used_ratio", "Fraction of the model's KV cache cells "
+         "holding its sessions' tokens (0-1).", _kv_used),
     ]
     entries = shelf.entries
     out = []

@@ -19,6 +19,9 @@ def _unhealthy(status, message, **fields):
 
 
 def health(h, _body):
+    """200 only when a request for the default model can be served now: what a load
+    balancer's health check asks (docs/fleet.md).  Cheap: it reads the shelf, never
+    a worker."""
     svc = h.service
     if svc is None:
         h.send_json(503, _unhealthy("loading", "Loading model"))
@@ -27,12 +30,20 @@ def health(h, _body):
     else:
         entries = svc.entries
         models = [{"id": e.id, "status": _health_status(e)} for e in entries]
-        # a model can serve if it is loaded, or a request may load it; not while its
-        # worker restarts after a death, nor when it cannot load at all, nor while
-        # its worker misses its heartbeat
-        servable = [e for e in entries if _health_status(e) in ("loaded", "unloaded",
-                                                                  "sleeping")
-                    or (e.status == "loading" and e.worker is None)]
+        if svc.text is not None:
+            # a server with a default model is judged by it alone: not while it
+            # loads (at start, a restart after its worker died, a wake), nor when it
+            # cannot load, nor while its worker misses its heartbeat.  Unloaded or
+            # sleeping is ok: a request loads it, and a balancer that saw 503 here
+            # would never send the request that wakes it.
+            servable = [svc.text] if _health_status(svc.text) in (
+                "loaded", "unloaded", "sleeping") else []
+        else:
+            # a router: some model can serve, or a request may load one; a load in
+            # progress on demand is no outage of the others
+            servable = [e for e in entries if _health_status(e) in ("loaded", "unloaded",
+                                                                      "sleeping")
+                        or (e.status == "loading" and e.worker is None)]
         if entries and not servable:
             h.send_json(503, _unhealthy("loading", "Loading model", models=models))
         else:

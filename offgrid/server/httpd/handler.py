@@ -62,6 +62,9 @@ from .streams import EventStream, NDJSONStream, dumps
 
 log = logging.getLogger("offgrid.http")
 
+# The response header that names the replica (--instance-name).
+INSTANCE_HEADER = "X-Offgrid-Instance"
+
 # An HTTP token (RFC 9110): what a header name in Access-Control-Request-Headers may be.
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
@@ -100,6 +103,9 @@ class Handler(BaseHTTPRequestHandler):
     front_memory = None
     # The application: route, dispatch, error_response (see the module docstring).
     app = None
+    # --instance-name: sent on every response as INSTANCE_HEADER, so whoever stands
+    # behind a load balancer (an operator, a test) sees which replica answered
+    instance_name = None
 
     # -- connection ---------------------------------------------------------------
     def setup(self):
@@ -401,6 +407,8 @@ class Handler(BaseHTTPRequestHandler):
         self.rfile.phase(None)
         self.connection.settimeout(self.timeout)
         super().send_response(code, message)
+        if self.instance_name:
+            self.send_header(INSTANCE_HEADER, self.instance_name)
 
     def send_json(self, status, obj, headers=None):
         self._send_body(status, dumps(obj), "application/json; charset=utf-8", headers)

@@ -60,6 +60,14 @@ class Unavailable(HTTPError):
     status, type = 503, "unavailable_error"
 
 
+class QueueFull(Unavailable):
+    """A model's queue is at --max-queue: come back in ``retry_after`` seconds, or
+    elsewhere (a load balancer's redispatch takes the 503 to another replica)."""
+
+    def __init__(self, message, retry_after=1):
+        super().__init__(message, headers={"Retry-After": str(retry_after)})
+
+
 class ContextExceeded(BadRequest):
     """llama-server's exceed_context_size_error, with the two sizes its body reports."""
     type = "exceed_context_size_error"

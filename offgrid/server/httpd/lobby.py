@@ -48,12 +48,14 @@ log = logging.getLogger("offgrid.lobby")
 _IN = select.POLLIN | select.POLLPRI
 
 
-def response_bytes(status, obj, server="offgrid", head_only=False):
-    """A whole HTTP/1.1 response with a JSON body, ending its connection."""
+def response_bytes(status, obj, server="offgrid", head_only=False, extra=""):
+    """A whole HTTP/1.1 response with a JSON body, ending its connection; ``extra``:
+    more header lines, each ending in CRLF."""
     body = json.dumps(obj, separators=(",", ":")).encode("utf-8")
     head = ("HTTP/1.1 %d %s\r\nServer: %s\r\nContent-Type: application/json; charset=utf-8\r\n"
-            "Content-Length: %d\r\nConnection: close\r\n\r\n"
-            % (status, http.HTTPStatus(status).phrase, server, len(body))).encode("latin-1")
+            "Content-Length: %d\r\n%sConnection: close\r\n\r\n"
+            % (status, http.HTTPStatus(status).phrase, server, len(body), extra)
+            ).encode("latin-1")
     return head if head_only else head + body
 
 
@@ -88,11 +90,13 @@ class Lobby:
     # with the client's bytes unread would send a reset that can overtake it.
     linger_seconds = 1.0
 
-    def __init__(self, server, first_byte_timeout, max_waiting, server_name="offgrid"):
+    def __init__(self, server, first_byte_timeout, max_waiting, server_name="offgrid",
+                 extra_headers=""):
         self.server = server
         self.first_byte_timeout = first_byte_timeout
         self.max_waiting = max_waiting
         self.server_name = server_name
+        self.extra_headers = extra_headers      # header lines for every answer (the instance)
         self._lock = threading.Lock()
         self._arrivals = []             # (socket, address) from add(), under _lock
         self._stopping = False          # under _lock
@@ -271,7 +275,8 @@ class Lobby:
         """Write the one answer, half-close, and drain for linger_seconds."""
         g = self._refused[fd]
         try:
-            g.sock.send(response_bytes(status, obj, self.server_name, head_only))
+            g.sock.send(response_bytes(status, obj, self.server_name, head_only,
+                                       self.extra_headers))
             g.sock.shutdown(socket.SHUT_WR)
         except OSError:
             self._leave(fd)
@@ -289,7 +294,7 @@ class Lobby:
             try:
                 g.sock.send(response_bytes(*self.server.error_reply(RequestTimeout(
                     "no request arrived within %g seconds" % self.first_byte_timeout)),
-                    server=self.server_name))
+                    server=self.server_name, extra=self.extra_headers))
             except OSError:
                 pass
             self._leave(fd)

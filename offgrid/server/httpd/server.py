@@ -15,7 +15,7 @@ import time
 from http.server import ThreadingHTTPServer
 
 from ...jobs import Threads
-from .handler import Handler
+from .handler import INSTANCE_HEADER, Handler
 from .httperrors import Unavailable
 from .frontmem import FrontMemory
 from .lobby import Lobby
@@ -89,8 +89,10 @@ class Server(ThreadingHTTPServer):
         self._handlers = Threads("http-connection")
         self.closing = False
         super().__init__(*args, **kwargs)
+        name = self.RequestHandlerClass.instance_name
         self.lobby = Lobby(self, min(self.first_byte_timeout, self.RequestHandlerClass.timeout),
-                           self.max_waiting, Handler.server_version)
+                           self.max_waiting, Handler.server_version,
+                           "%s: %s\r\n" % (INSTANCE_HEADER, name) if name else "")
 
     # -- connections ----------------------------------------------------------------
     def get_request(self):
@@ -158,6 +160,29 @@ class Server(ThreadingHTTPServer):
         error exit (the path's dialect, when the head was read)."""
         err, body, _ = self.RequestHandlerClass.app.error_response(err, "- " + path, None)
         return err.status, body
+
+    def stop_accepting(self):
+        """Close the listening socket, once ``shutdown`` has stopped accept()ing.
+
+        Left open, it would let the kernel complete new connections that no
+        one accepts: a balancer's health check or a request sent during the
+        drain would wait there until the process exits, and a balancer
+        answers that with a 502 after its timeout.  Closed, a new connection
+        is refused at once, which a balancer retries on another replica
+        (HAProxy's ``retry-on conn-failure``, nginx's ``proxy_next_upstream
+        error``) and takes as this one going down.  The connections the
+        kernel has queued already are accepted first and answered as any
+        (503 once the service is shutting down), not reset.
+        """
+        self.socket.setblocking(False)
+        while True:
+            try:
+                request, client_address = self.socket.accept()
+            except OSError:         # none left (EAGAIN), or the socket is gone
+                break
+            request.setblocking(True)
+            self.process_request(request, client_address)
+        self.socket.close()
 
     def server_close(self):
         lobby = getattr(self, "lobby", None)     # absent when binding failed in __init__
@@ -238,6 +263,10 @@ class Servers:
         for server in self.servers:
             server.shutdown()
 
+    def stop_accepting(self):
+        for server in self.servers:
+            server.stop_accepting()
+
     def drain(self, timeout):
         deadline = time.monotonic() + timeout
         return all([server.drain(max(0.0, deadline - time.monotonic()))
@@ -249,7 +278,8 @@ class Servers:
 
 
 def make_server(host, port, app, service=None, api_keys=(), cors_origins=(), max_body=None,
-                verbose=False, timeout=None, read_timeout=None, front_max_rss=None):
+                verbose=False, timeout=None, read_timeout=None, front_max_rss=None,
+                instance_name=None):
     """A Server bound to host:port serving ``app``, whose Handler class carries these
     settings.
 
@@ -266,6 +296,8 @@ def make_server(host, port, app, service=None, api_keys=(), cors_origins=(), max
         attrs["read_timeout"] = read_timeout
     if front_max_rss:
         attrs["front_memory"] = FrontMemory(front_max_rss)
+    if instance_name:
+        attrs["instance_name"] = instance_name
     handler = type("OffgridHandler", (Handler,), attrs)
     # descriptors for the cap, the lobby, and the models, pipes and logs beside them
     _raise_fd_limit(Server.max_connections + Server.max_waiting + 256)

@@ -69,6 +69,9 @@ class _ChunkedStream:
         h.send_response(200)
         h.send_header("Content-Type", self.content_type)
         h.send_header("Cache-Control", "no-cache")
+        # nginx buffers a proxied response by default (proxy_buffering on) and
+        # would hold the stream until it ends; this header turns that off for it
+        h.send_header("X-Accel-Buffering", "no")
         if self.chunked:
             h.send_header("Transfer-Encoding", "chunked")
         else:

@@ -78,7 +78,8 @@ class ModelEntry:
         info = worker.info
         self.worker = worker
         self._info = info
-        self.pool = ChatPool([SessionSlot(i) for i in range(info.n_sessions)])
+        self.pool = ChatPool([SessionSlot(i) for i in range(info.n_sessions)],
+                             getattr(self.shelf, "max_queue", None))
         self._status, self.error, self.progress = "loaded", None, None
 
     def detach(self, status="unloaded", error=None):

@@ -216,7 +216,8 @@ def build_shelf(args, decode_lock):
     shelf = Shelf(lambda entry: start_worker(entry, args, decode_lock), dirs=args.models_dir,
                   preset=preset, models_max=args.models_max, memory=memory,
                   autoload=args.models_autoload, sleep_idle=args.sleep_idle_seconds,
-                  fallback=not (args.models_dir or args.models_preset))
+                  fallback=not (args.models_dir or args.models_preset),
+                  max_queue=getattr(args, "max_queue", None))
     text = fim = None
     if args.model:
         stem = os.path.basename(args.model)

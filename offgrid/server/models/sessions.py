@@ -13,7 +13,10 @@ next session goes to the owner holding the fewest sessions, the least
 recently served among equals, and within an owner to its oldest job: a
 request of 64 jobs takes its turn beside a request of one instead of holding
 the queue ahead of it.  A job whose cancel fires leaves the queue at once and
-never starts.
+never starts.  With ``max_queue`` (--max-queue) at most that many jobs wait:
+one more that would have to wait is refused (QueueFull, a 503 with
+Retry-After) rather than piling up behind them, so a load balancer can take
+it to a replica with room.
 
 Lock order: a RequestCancel's lock may be taken before the pool's condition
 (cancel hooks notify it), never the other way round.
@@ -24,7 +27,7 @@ import threading
 
 # pure Python, the one measure of a warm cache on both sides of the pipe
 from ...engine.cachereuse import common_prefix
-from ..httpd.httperrors import Unavailable
+from ..httpd.httperrors import QueueFull, Unavailable
 
 
 class SessionSlot:
@@ -54,8 +57,9 @@ class _Ticket:
 class ChatPool:
     """A fixed set of sessions behind a lock and a condition."""
 
-    def __init__(self, sessions):
+    def __init__(self, sessions, max_queue=None):
         self.sessions = list(sessions)
+        self.max_queue = max_queue      # jobs that may wait for a session (None: no bound)
         self._free = list(sessions)
         self._cond = threading.Condition()
         # owner -> its waiting tickets, oldest first; the owners in turn order
@@ -82,6 +86,20 @@ class ChatPool:
     def is_busy(self, session):
         return session not in self._free
 
+    def check_room(self):
+        """Raise QueueFull if a new job would have to wait behind max_queue others
+        (a job waits when the free sessions are fewer than the jobs waiting with it)."""
+        with self._cond:
+            self._check_room()
+
+    def _check_room(self):
+        if self.max_queue is not None and self._n_waiting >= self.max_queue \
+                and len(self._free) <= self._n_waiting:
+            raise QueueFull("the queue is full: this model's %d sessions are busy and %d "
+                            "requests wait already (--max-queue %d); retry later or on "
+                            "another server"
+                            % (len(self.sessions), self._n_waiting, self.max_queue))
+
     # -- acquire / release ----------------------------------------------------
     def acquire(self, tokens, cancel, on_wait=None, owner=None):
         """Wait for a session; returns it, or None if ``cancel`` fired first.
@@ -95,6 +113,9 @@ class ChatPool:
         cancel.attach(wake)     # outside the condition: see the lock order above
         try:
             with self._cond:
+                if self._closed:
+                    raise Unavailable("server is shutting down")
+                self._check_room()
                 ticket = _Ticket(owner if owner is not None else cancel, cancel)
                 self._waiting.setdefault(ticket.owner, collections.deque()).append(ticket)
                 self._n_waiting += 1
@@ -143,6 +164,7 @@ class ChatPool:
                             self._in_use[cancel] += 1
                             return True
                         if not waiting:
+                            self._check_room()
                             waiting = True
                             self._n_waiting += 1
                             if on_wait is not None:

@@ -77,7 +77,7 @@ class Shelf:
     room_wait = 2.0
 
     def __init__(self, start_worker=None, dirs=(), preset=None, models_max=0, memory=0,
-                 autoload=True, sleep_idle=None, fallback=True, announce=None):
+                 autoload=True, sleep_idle=None, fallback=True, announce=None, max_queue=None):
         self.start_worker = start_worker    # entry -> started WorkerClient (raises ModelLoadError)
         self.dirs = [os.path.abspath(d) for d in dirs]
         self.preset = preset                # (defaults, {name: settings}) or None
@@ -85,6 +85,7 @@ class Shelf:
         self.memory = max(0, int(memory or 0))             # bytes; 0: no budget
         self.autoload = autoload
         self.sleep_idle = sleep_idle        # seconds, or None: never
+        self.max_queue = max_queue          # jobs each model's pool lets wait (None: no bound)
         # an unknown name is served by the default model (no --models-dir)
         self.fallback = fallback
         self.announce = announce or (lambda line: sys.stderr.write("offgrid: %s\n" % line))

@@ -269,6 +269,7 @@ class Service:
             raise Unavailable("server is shutting down")
         if entry.pool is None or entry.worker is None:
             raise Unavailable("model %s was unloaded" % entry.id)
+        entry.pool.check_room()     # --max-queue: a stream still gets its 503 as a status
         for tokens in prompts:
             if tokens is not None and len(tokens) >= entry.n_ctx:
                 # the same error as the worker's for a prompt it made itself
@@ -326,13 +327,17 @@ class Service:
         return n_jobs == 1 and not stream and pool is not None and len(pool.sessions) == 1
 
     # -- shutdown -----------------------------------------------------------
+    def stop_taking(self):
+        """New requests get 503 from now on (/health too); nothing else changes yet."""
+        self.state = "shutting_down"
+
     def shutdown(self):
         """Stop taking work: queued requests get 503, running ones get the grace period.
 
         Returns once every session is back in its pool (or after cancelling
         the stragglers and waiting a little more).
         """
-        self.state = "shutting_down"
+        self.stop_taking()
         pools = [e.pool for e in self.entries if e.pool is not None]
         for pool in pools:
             pool.close()
