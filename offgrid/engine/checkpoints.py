@@ -34,7 +34,7 @@ class Checkpoint:
 class Checkpoints:
     """A session's checkpoints, newest last."""
 
-    def __init__(self, max_count=8, max_bytes=256 << 20, step=1024):
+    def __init__(self, max_count=8, max_bytes=256 << 20, step=256):
         self.max_count = max_count
         self.max_bytes = max_bytes
         self.step = step            # tokens between checkpoints inside a long prompt
