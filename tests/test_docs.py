@@ -211,6 +211,10 @@ def turns_help(out):
     assert out.startswith("usage:") and "--turns" in out and "--tokens" in out, out
 
 
+def memory_help(out):
+    assert out.startswith("usage:") and "--archs" in out and "--llama-server" in out, out
+
+
 def wake_help(out):
     assert out.startswith("usage:") and "--sleep" in out and "--rounds" in out, out
 
@@ -476,6 +480,7 @@ DOCS = {
     r"^python3 bench/run\.py --help$": Run(bench_help),
     r"^python3 bench/turns\.py --help$": Run(turns_help),
     r"^python3 bench/wake\.py --help$": Run(wake_help),
+    r"^python3 bench/memory\.py --help$": Run(memory_help),
     # docs/testing.md
     r"^make test-fast$": SUITE,
 }
