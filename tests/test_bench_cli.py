@@ -24,10 +24,16 @@ def _bench_module(name, filename):
     spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / filename)
     mod = importlib.util.module_from_spec(spec)
     sys.path.insert(0, str(ROOT / "bench"))
+    # a bench script's `from run import ...` means bench/run.py, not another
+    # test's module of that name (tests/conformance/run.py) in this process
+    other = sys.modules.pop("run", None)
     try:
         spec.loader.exec_module(mod)
     finally:
         sys.path.remove(str(ROOT / "bench"))
+        sys.modules.pop("run", None)
+        if other is not None:
+            sys.modules["run"] = other
     return mod
 
 

@@ -301,3 +301,27 @@ def test_kept_prompt_states_stay_on_with_every_layer_local(rpc_servers, rpc_lib)
             assert status == 200, body
         saves = split.metrics()['offgrid_state_cache_saves_total{model="%s"}' % SMOL.name]
         assert saves >= 1
+
+
+@pytest.mark.slow
+def test_a_hybrid_on_rpc_layers_copies_no_state_and_serves(rpc_servers, rpc_lib, tiny_dir):
+    """A hybrid model's checkpoints and draft replays copy its recurrent state out, which
+    llama.cpp cannot do from RPC layers: with layers on rpc-servers it makes none (/props
+    says so), and a conversation whose turns diverge, with drafts asked for, goes through
+    with no worker death and the text of the same model all local."""
+    import archmodels
+    model = archmodels.build("granitehybrid", tiny_dir)
+    endpoints = ",".join(s.endpoint for s in rpc_servers)
+    words = " ".join("word%d" % (i % 17) for i in range(120))
+    prompts = [words, words[:300] + " changed", words + " more"]
+    with offgrid(rpc_lib, model, "--rpc", endpoints, "-md", model, ctx=2048) as split, \
+            offgrid(rpc_lib, model, "--spec-type", "none", ctx=2048) as local:
+        memory = split.get("/props")[2]["memory"]
+        assert memory["checkpoints"] is False and memory["draft_rollback"] == "none"
+        for prompt in prompts:
+            got = [s.post("/completion", {"prompt": prompt, "n_predict": 12, "temperature": 0},
+                          timeout=120) for s in (split, local)]
+            assert got[0][0] == 200, got[0][2]
+            assert got[0][2]["content"] == got[1][2]["content"]
+        m = split.metrics()
+        assert m['offgrid_worker_deaths_total{model="%s"}' % model.name] == 0

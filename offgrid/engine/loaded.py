@@ -71,7 +71,8 @@ class Loaded:
                                      # decoding in one step they gave wrong tokens (1-2
                                      # of 32 batched requests, lfm2 and qwen35); several
                                      # sessions take a draft back by checkpoint and replay
-                                     n_rs_seq=draft_max if n_sessions == 1 else 0)
+                                     n_rs_seq=draft_max if n_sessions == 1 else 0,
+                                     state_copies=not on_rpc(model))
             if args.spec_type == "draft-simple" and args.model_draft:
                 draft_model = DraftModel.load(
                     args.model_draft, model, n_sessions, decoder.n_ctx_session,
@@ -150,7 +151,7 @@ def make_states(args, model, session):
     copying a sequence's state out of RPC layers (llama.cpp #26128, #26529), and an
     abort here would end the worker in the middle of a request."""
     mib = getattr(args, "cache_ram", 0) or 0
-    if any(d.get("endpoint") and d.get("layers") for d in model.devices or ()):
+    if on_rpc(model):
         if mib or args.cache_dir:
             logging.getLogger("offgrid.statecache").warning(
                 "prompt states kept off for %s (--cache-ram, --cache-dir): its layers are "
@@ -177,6 +178,12 @@ def make_states(args, model, session):
     states = StateCache(-1 if mib < 0 else mib << 20, disk)
     states.adopt_disk()
     return states
+
+
+def on_rpc(model):
+    """Whether some of the model's layers are on --rpc devices, from whose memory
+    llama.cpp cannot copy a sequence's state (llama.cpp #26128, #26529)."""
+    return any(d.get("endpoint") and d.get("layers") for d in model.devices or ())
 
 
 def kv_bytes_of(meta, n_cells):

@@ -40,7 +40,7 @@ class MemoryClass:
     """The memory of one model (and, after with_context, of its contexts)."""
 
     def __init__(self, kind, n_swa=0, rope_type=0, n_expert=0, n_expert_used=0,
-                 can_shift=True, rollback=0):
+                 can_shift=True, rollback=0, copies=True):
         self.kind = kind                # "dense", "swa", "hybrid" or "recurrent"
         self.n_swa = n_swa              # the attention window, 0 for none
         self.rope_type = rope_type      # enum llama_rope_type
@@ -48,6 +48,9 @@ class MemoryClass:
         self.n_expert_used = n_expert_used
         self.can_shift = can_shift      # libllama moves keys (llama_memory_can_shift)
         self.rollback = rollback        # tokens a recurrent state can be taken back
+        # a sequence's state can be copied out (not from --rpc devices' layers:
+        # llama.cpp aborts there), which checkpoints and replays need
+        self.copies = copies
 
     @classmethod
     def of(cls, handle, meta=None):
@@ -66,12 +69,13 @@ class MemoryClass:
                    n_expert=_int(meta.get("%s.expert_count" % arch)),
                    n_expert_used=_int(meta.get("%s.expert_used_count" % arch)))
 
-    def with_context(self, ctx):
+    def with_context(self, ctx, copies=True):
         """This class as a made context has it: whether its memory moves keys,
-        and how many tokens its recurrent state can be taken back."""
+        how many tokens its recurrent state can be taken back, and whether a
+        state can be copied out of it (``copies``)."""
         return MemoryClass(self.kind, self.n_swa, self.rope_type, self.n_expert,
                            self.n_expert_used, can_shift=ctx.memory.can_shift(),
-                           rollback=ctx.n_rs_seq if self.has_state else 0)
+                           rollback=ctx.n_rs_seq if self.has_state else 0, copies=copies)
 
     # -- what the memory can do ------------------------------------------------
     @property
@@ -97,21 +101,23 @@ class MemoryClass:
     def drafts(self):
         """The longest draft a wrong guess of which can be taken back: any
         length (None) where cells are cut or the state is checkpointed before
-        each check (``replays``), else the snapshots kept."""
-        return self.rollback if self.rollback else None
+        each check (``replays``), else the snapshots kept (0: no drafts)."""
+        if self.rollback:
+            return self.rollback
+        return None if self.cuts_anywhere or self.copies else 0
 
     @property
     def replays(self):
         """A recurrent state with no snapshots: a draft is checked after a
         checkpoint of the state, and a wrong one restores it and decodes the
         accepted tokens again (llama-server's speculative checkpoints)."""
-        return self.has_state and not self.rollback
+        return self.has_state and not self.rollback and self.copies
 
     @property
     def needs_checkpoints(self):
         """A prompt that diverges from the cache inside what a cut cannot give
         back restarts from a checkpoint (or from nothing)."""
-        return self.has_state
+        return self.has_state and self.copies
 
     @property
     def rope_name(self):
@@ -126,11 +132,15 @@ class MemoryClass:
         if self.n_expert:
             parts.append("MoE %d of %d experts" % (self.n_expert_used, self.n_expert))
         if self.has_state:
-            parts.append("prompt reuse from its prefix and checkpoints")
+            parts.append("prompt reuse from its prefix and checkpoints" if self.copies else
+                         "prompt reuse where a prompt goes on from the cache (no checkpoints: "
+                         "a state cannot be copied from --rpc devices)")
             if self.rollback:
                 parts.append("drafts rolled back natively up to %d tokens" % self.rollback)
-            else:
+            elif self.copies:
                 parts.append("drafts checked from a checkpoint, the accepted part replayed")
+            else:
+                parts.append("no drafts")
         else:
             parts.append("prompt reuse anywhere" if self.moves_keys else "prompt reuse of a prefix")
         return "%s: %s" % (self.kind, ", ".join(parts))
@@ -141,8 +151,9 @@ class MemoryClass:
                 "n_expert": self.n_expert, "n_expert_used": self.n_expert_used,
                 "rollback": self.rollback, "chunk_reuse": self.moves_keys,
                 "checkpoints": self.needs_checkpoints,
-                "speculation": True, "draft_rollback": "cut" if self.cuts_anywhere
-                else "native" if self.rollback else "checkpoint and replay",
+                "speculation": self.drafts != 0, "draft_rollback": "cut" if self.cuts_anywhere
+                else "native" if self.rollback else "checkpoint and replay" if self.copies
+                else "none",
                 "description": self.describe()}
 
 

@@ -126,7 +126,7 @@ def context_size(model, n_ctx):
 
 def shared_decoder(model, n_sessions, n_ctx=4096, n_batch=512, n_ubatch=None, swa_full=True,
                    threads=None, n_threads=None, n_threads_batch=None, flash_attn=None,
-                   kv_unified=True, n_rs_seq=0):
+                   kv_unified=True, n_rs_seq=0, state_copies=True):
     """The BatchDecoder of ``n_sessions`` sessions of ``n_ctx`` tokens each: one
     context whose unified cache holds n_sessions * n_ctx cells, which its
     sessions (ChatSession(..., decoder=it)) share.
@@ -150,7 +150,8 @@ def shared_decoder(model, n_sessions, n_ctx=4096, n_batch=512, n_ubatch=None, sw
     last n_rs_seq states, so that a wrong draft of up to that many tokens is
     taken back natively (libllama keeps it 0 where the architecture cannot;
     ``decoder.memory.rollback`` says what it kept).  Each costs a copy of the
-    recurrent state per sequence.
+    recurrent state per sequence.  ``state_copies``: False where a sequence's
+    state cannot be copied out (layers on --rpc devices): no checkpoints.
     """
     if model.vocab_only:
         # libllama makes the context, then aborts the process at the first decode
@@ -170,7 +171,7 @@ def shared_decoder(model, n_sessions, n_ctx=4096, n_batch=512, n_ubatch=None, sw
         raise ContextError("libllama could not create a context of %d tokens "
                            "(not enough memory?)" % (n_ctx * n_sessions))
     ctx.attach_threadpool(shared_pool(model.lib, n_gen), shared_pool(model.lib, n_batch_threads))
-    memory = model.memory.with_context(ctx)
+    memory = model.memory.with_context(ctx, copies=state_copies)
     decoder = BatchDecoder(ctx, threads, decode_turn, streams=not kv_unified and n_sessions > 1,
                            has_state=memory.has_state)
     decoder.memory = memory
