@@ -65,7 +65,7 @@ class RecurrentCache:
     def _restore_checkpoint(self, tokens, limit):
         """Bring the sequence back to the latest checkpoint that ``tokens`` start
         with, at most ``limit`` tokens in; how many tokens it holds (0: none)."""
-        c = self.checkpoints.best(tokens, limit)
+        c = self.checkpoints.best(tokens, limit) if self.checkpoints is not None else None
         if c is None:
             return 0
         n = len(c.tokens)
@@ -89,7 +89,7 @@ class RecurrentCache:
         n = min(self.common_prefix(tokens), last)
         if n == len(self.cached):
             return n
-        c = self.checkpoints.best(tokens, n)
+        c = self.checkpoints.best(tokens, n) if self.checkpoints is not None else None
         return len(c.tokens) if c is not None else 0
 
     def _checkpoint_before_check(self, pos):
