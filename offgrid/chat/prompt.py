@@ -56,8 +56,9 @@ def prepare_chat(model, template, messages, tools=(), tool_choice="auto", schema
                  parallel_tool_calls=None, reasoning_format="auto", rescue=True, check=True):
     """Render ``messages`` with ``template`` and settle the reply's grammar; a ChatPlan.
 
-    ``check``: hold the grammars to the GBNF checks (a request that will
-    generate; /apply-template renders only).
+    ``check``: hold the grammars to the GBNF checks and find the preserved
+    tokens (a request that will generate; /apply-template renders only, and
+    ``model`` may then be None).
     """
     if tools and tool_choice != "none" and grammar:
         raise ChatTemplateError("cannot use custom grammar constraints with tools")
@@ -85,8 +86,10 @@ def prepare_chat(model, template, messages, tools=(), tool_choice="auto", schema
     if watch is not None:
         fmt = dataclasses.replace(fmt, bare_calls=True, tool_args=tool_args(tools))
     id_length = 9 if getattr(template, "tool_syntax", "") == "mistral" else 32
-    return ChatPlan(prompt.text, fmt, g, tuple(triggers), preserved_tokens(model, fmt), id_length,
-                    watch)
+    # only a request that will generate needs them (the worker sends them with
+    # its tokens); a render alone, or a reader's test, has no model to ask
+    keep = preserved_tokens(model, fmt) if check else frozenset()
+    return ChatPlan(prompt.text, fmt, g, tuple(triggers), keep, id_length, watch)
 
 
 def _checked_tool_grammar(model, prompt, template, tools, tool_choice, parallel):
