@@ -33,7 +33,7 @@ from typing import FrozenSet, Optional
 
 from .gbnf import GrammarError, check_grammar
 from .jsonschema import schema_to_grammar
-from .rescue import rescue_of, tool_args
+from .rescue import finished_calls, rescue_of, tool_args
 from .template import ChatTemplateError, ReplyFormat, tool_call_grammar
 
 log = logging.getLogger("offgrid.chat")
@@ -84,7 +84,11 @@ def prepare_chat(model, template, messages, tools=(), tool_choice="auto", schema
             log.debug("tool-call rescue off for this request: %s", e)
             watch = None
     if watch is not None:
-        fmt = dataclasses.replace(fmt, bare_calls=True, tool_args=tool_args(tools))
+        # where bare JSON is the template's own call form (Llama 3, generic) a
+        # repeated call is the model's to make; elsewhere only the rescue reads it
+        native = getattr(template, "tool_syntax", "generic") in ("llama3", "generic")
+        fmt = dataclasses.replace(fmt, bare_calls=True, tool_args=tool_args(tools),
+                                  finished_calls=() if native else finished_calls(messages))
     id_length = 9 if getattr(template, "tool_syntax", "") == "mistral" else 32
     # only a request that will generate needs them (the worker sends them with
     # its tokens); a render alone, or a reader's test, has no model to ask

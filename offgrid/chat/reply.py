@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
 from .. import jsonlimit
-from .rescue import copied_arguments, tool_by_arguments
+from .rescue import call_key, copied_arguments, tool_by_arguments
 from .template import ToolCall, new_tool_call_id
 
 _WS = " \t\n\r\v\f"
@@ -461,6 +461,11 @@ def _bare_calls(text, fmt, partial):
         return _HOLD                        # sent at the end: nothing may follow a bare call
     if fmt.bare_calls and fmt.tool_args:
         calls = [_without_copies(c, fmt) for c in calls]
+    if fmt.finished_calls and any(call_key(c.name, c.arguments) in fmt.finished_calls
+                                  for c in calls):
+        log.debug("tool-call rescue: %s repeats a finished call; left as text",
+                  ", ".join(c.name for c in calls))
+        return None                         # the model's text: an agent's loop ends here
     return calls
 
 

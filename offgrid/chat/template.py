@@ -449,6 +449,9 @@ class ReplyFormat:
     # with bare_calls: per tool [name, required keys, property keys], to read a
     # call whose "name" is no tool's by its arguments (chat/rescue.py)
     tool_args: tuple = ()
+    # with bare_calls: rescue.call_key of each call the conversation already
+    # has a result for; a rescued call identical to one stays text (rescue.py)
+    finished_calls: tuple = ()
 
 
 # What opens a call (ECMAScript regexes), for the syntaxes whose call grammar
