@@ -51,6 +51,7 @@ from typing import List, Optional, Tuple
 
 from .. import jsonlimit
 from .rescue import call_key, copied_arguments, tool_by_arguments
+from .shapes import read_calls
 from .template import ToolCall, new_tool_call_id
 
 _WS = " \t\n\r\v\f"
@@ -522,6 +523,8 @@ def split_tool_calls(text, fmt, partial=False):
             return "", [], True
         if bare:
             return "", bare, False
+    if fmt.call_shape:
+        return read_calls(text, fmt.call_shape, partial, fmt.tool_schemas)
     parse = _SYNTAXES.get(fmt.tool_syntax)
     return parse(text, partial) if parse else (text, [], False)
 

@@ -35,6 +35,7 @@ from .. import jsonlimit
 from ..errors import InvalidRequest
 from ..request import Message, Tool, ToolCall  # noqa: F401  (the typed chat request)
 from .jsonschema import Grammar, json_literal, literal
+from .shapes import shape_of
 
 
 class ChatTemplateError(InvalidRequest):
@@ -452,6 +453,10 @@ class ReplyFormat:
     # with bare_calls: rescue.call_key of each call the conversation already
     # has a result for; a rescued call identical to one stays text (rescue.py)
     finished_calls: tuple = ()
+    # the family's call shape (shapes.SHAPES), read instead of tool_syntax's reader
+    call_shape: str = ""
+    # each tool's parameters' schema by its name: tagged argument values are typed by it
+    tool_schemas: dict = field(default_factory=dict)
 
 
 # What opens a call (ECMAScript regexes), for the syntaxes whose call grammar
@@ -550,6 +555,7 @@ class ChatTemplate:
         self.family = template_family(self.source)
         self.tool_syntax = tool_syntax_of(self.source)
         self.call_form = call_form_of(self.source, self.tool_syntax)
+        self.call_shape = shape_of(self.source, self.family)
         self.reasoning_markers = reasoning_markers_of(self.source)
         self.supports_thinking, self.reasoning_start, self.reasoning_end = \
             self._analyze_reasoning(budget)
@@ -628,7 +634,9 @@ class ChatTemplate:
                           parse_tools=bool(tools) and tool_choice != "none",
                           extract_reasoning=reasoning_format != "none",
                           keep_reasoning_inline=reasoning_format == "deepseek-legacy",
-                          tool_names=tuple(t.name for t in tools))
+                          tool_names=tuple(t.name for t in tools),
+                          call_shape=self.call_shape,
+                          tool_schemas={t.name: t.parameters for t in tools})
         for start, end in fmt.reasoning_markers:
             s = generation_prompt.rfind(start)
             if s >= 0 and s > generation_prompt.rfind(end):
