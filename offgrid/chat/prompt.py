@@ -74,6 +74,8 @@ def prepare_chat(model, template, messages, tools=(), tool_choice="auto", schema
     if check and g is not None and g is not prompt.grammar:
         check_grammar(model, g)         # a response format's or the client's: a 400 if bad
     fmt = prompt.reply_format
+    if schema is not None:
+        fmt = dataclasses.replace(fmt, json_fence=True)
     watch = None
     if schema is None and grammar is None:
         watch = rescue_of(tools, tool_choice, rescue)

@@ -51,7 +51,7 @@ from typing import List, Optional, Tuple
 
 from .. import jsonlimit
 from .rescue import call_key, copied_arguments, tool_by_arguments
-from .shapes import read_calls
+from .shapes import SHAPES, read_calls
 from .template import ToolCall, new_tool_call_id
 
 _WS = " \t\n\r\v\f"
@@ -109,8 +109,17 @@ def split_reasoning(text, fmt, partial=False):
     if end is None:
         return "", text, False
     k = s.find(end)
+    openers = call_openers(fmt) if fmt.parse_tools else ()
+    if k < 0 and openers:
+        # a call ends the reasoning the prompt opened, closed or not (Qwen3.5
+        # goes from thinking straight to <tool_call>); while the end marker may
+        # still come it may be a call the model is only thinking about, so it
+        # is held until the end marker or the reply's end decides
+        o = min([o for o in (s.find(m) for m in openers) if o >= 0], default=-1)
+        if o >= 0:
+            return s[:o].strip(_WS), ("" if partial else s[o:]), True
     if k < 0:
-        body = _held_back(s, [end]) if partial else s
+        body = _held_back(s, [end] + list(openers)) if partial else s
         return body.strip(_WS), "", True
     return s[:k].strip(_WS), s[k + len(end):].lstrip(_WS), True
 
@@ -514,6 +523,17 @@ def _calls_of(obj, nested):
     return found if found and None not in found else None
 
 
+_OPENERS = {"hermes": ("<tool_call>",), "mistral": ("[TOOL_CALLS]",),
+            "llama3": ("<|python_tag|>",)}
+
+
+def call_openers(fmt):
+    """The markers that open a call in this reply's syntax."""
+    if fmt.call_shape:
+        return tuple(SHAPES[fmt.call_shape].openers)
+    return _OPENERS.get(fmt.tool_syntax, ())
+
+
 def split_tool_calls(text, fmt, partial=False):
     """(content, calls, pending): calls in the template's syntax (or, for Llama 3
     and generic templates, the whole reply one bare call)."""
@@ -562,7 +582,8 @@ def _harmony_reply(text, fmt, partial):
         if not sep:
             plain = header.strip(_WS)
             if i == 0 and plain and not plain.startswith(("<|", "to=")) \
-                    and not "<|channel|>".startswith(plain):
+                    and not "<|channel|>".startswith(plain) \
+                    and not (partial and "to=".startswith(plain)):
                 # no channels (a continued message, or a grammar's bare output)
                 content.append(_held_back(plain, _HARMONY_HELD) if partial and last else plain)
             continue                        # else a header, maybe still coming
@@ -603,6 +624,10 @@ def parse_reply(text, fmt, partial=False):
     """A Reply from the generated text.  ``partial``: more text may follow."""
     if fmt.tool_syntax == "harmony":
         return _harmony_reply(text, fmt, partial)
+    if fmt.reopened and not fmt.extract_reasoning:
+        # reasoning_format none: the block the prompt opened is the reply's
+        # text as the model sees it, so it is given back as written (llama-server)
+        text = fmt.reopened + text
     reasoning, rest, found = split_reasoning(text, fmt, partial)
     if fmt.parse_tools:
         content, calls, _ = split_tool_calls(rest, fmt, partial)
@@ -612,7 +637,40 @@ def parse_reply(text, fmt, partial=False):
     if found and fmt.keep_reasoning_inline and not calls:
         content = text if not partial else _held_back(text, [m for p in fmt.reasoning_markers
                                                              for m in p])
+    if fmt.stray_markers:
+        content = _without_markers(content, fmt.stray_markers, partial)
+    if fmt.json_fence:
+        content = _unfenced(content, partial)
     return Reply(content, reasoning, calls)
+
+
+def _without_markers(text, markers, partial):
+    """``text`` less the family's markup that is no part of the answer
+    (<|START_RESPONSE|>, a stray <channel|>), and, streamed, less a suffix
+    that may still become one."""
+    if partial:
+        text = _held_back(text, markers)
+    for m in markers:
+        text = text.replace(m, "")
+    return text
+
+
+def _unfenced(text, partial):
+    """An answer held to a JSON schema less the ```json fence a model may put
+    around it (llama-server strips it too)."""
+    head = text.lstrip(_WS)
+    if partial and head and "```json".startswith(head):
+        return ""                           # may still open a fence
+    if not head.startswith("```"):
+        return text
+    nl = head.find("\n")
+    if nl < 0:
+        return "" if partial else text
+    body = head[nl + 1:]
+    tail = body.rstrip(_WS)
+    if tail.endswith("```"):
+        return tail[:-3]
+    return _held_back(body, ["\n```"]) if partial else body
 
 
 class ReplyStream:

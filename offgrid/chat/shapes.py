@@ -59,10 +59,18 @@ class Shape:
     indexed_name: bool = False
     # name-json: the JSON may sit in a ```json fence (DeepSeek R1)
     fenced: bool = False
+    # a call may come without its call markers (Qwen3-Coder writes <function=...>
+    # alone at times)
+    loose_call: bool = False
+    # name-tagged: the template writes each value on lines of its own, so the
+    # newline after its opening tag and the one before its closing tag are markup
+    value_lines: bool = False
 
     @property
     def openers(self):
-        return [m for m in (self.section[0], self.call[0], self.name[0]) if m][:1]
+        """What may open the calls of a reply, the first one the usual."""
+        first = [m for m in (self.section[0], self.call[0], self.name[0]) if m][:1]
+        return first + ([self.name[0]] if self.loose_call else [])
 
 
 # What the source of a template cannot tell: its family's markers and encodings.
@@ -81,11 +89,11 @@ SHAPES = {
                          name=("function<｜tool▁sep｜>", "\n"), fenced=True),
     "dsml-v3.2": Shape("name-tagged", section=("<｜DSML｜function_calls>", "</｜DSML｜function_calls>"),
                        name=('<｜DSML｜invoke name="', '">'),
-                       key=('<｜DSML｜parameter name="', '"'),
+                       key=('<｜DSML｜parameter name="', '>'),
                        value=("", "</｜DSML｜parameter>"), close="</｜DSML｜invoke>"),
     "dsml-v4": Shape("name-tagged", section=("<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>"),
                      name=('<｜DSML｜invoke name="', '">'),
-                     key=('<｜DSML｜parameter name="', '"'),
+                     key=('<｜DSML｜parameter name="', '>'),
                      value=("", "</｜DSML｜parameter>"), close="</｜DSML｜invoke>"),
     "glm": Shape("name-tagged", call=("<tool_call>", "</tool_call>"),
                  key=("<arg_key>", "</arg_key>"), value=("<arg_value>", "</arg_value>")),
@@ -98,6 +106,10 @@ SHAPES = {
     "muse": Shape("name-tagged", section=("<atem:function_calls>", "</atem:function_calls>"),
                   name=('<atem:invoke name="', '">'), key=('<atem:parameter name="', '">'),
                   value=("", "</atem:parameter>"), close="</atem:invoke>"),
+    "qwen3-coder": Shape("name-tagged", call=("<tool_call>", "</tool_call>"),
+                         name=("<function=", ">"), key=("<parameter=", ">"),
+                         value=("", "</parameter>"), close="</function>", loose_call=True,
+                         value_lines=True),
     "seed-oss": Shape("name-tagged", call=("<seed:tool_call>", "</seed:tool_call>"),
                       name=("<function=", ">"), key=("<parameter=", ">"),
                       value=("", "</parameter>"), close="</function>"),
@@ -126,6 +138,8 @@ def shape_of(src, family):
         return "minicpm5"
     if family == "muse-glimmer":
         return "muse"
+    if family == "qwen3-coder":
+        return "qwen3-coder"
     if has("<｜tool▁calls▁begin｜>") or has("<｜tool▁call▁begin｜>"):
         return "deepseek-r1" if has("```json") else "deepseek-v3.1"
     if has("<arg_key>") and has("<arg_value>"):
@@ -149,6 +163,18 @@ def shape_of(src, family):
     if has("<|function_call|>"):
         return "gigachat3.1"
     return ""
+
+
+def stray_markers_of(src, family):
+    """Markup some families put around an answer, which is no part of it."""
+    if "<|START_RESPONSE|>" in src:
+        return ("<|START_RESPONSE|>", "<|END_RESPONSE|>")       # Command-R7B
+    if family == "cohere2moe":
+        return ("<|START_TEXT|>", "<|END_TEXT|>")
+    if family == "gemma4":
+        # an empty thought block, and the channel markers left of one
+        return ("<|channel>thought\n<channel|>", "<|channel>", "<channel|>")
+    return ()
 
 
 # ---------------------------------------------------------------------------
@@ -297,7 +323,12 @@ class _Reader:
     def one(self, i):
         """One call (json bodies: maybe a list of them) at i: ([ToolCall], end)."""
         sh = self.shape
-        i = self.lit(i, sh.call[0], ws=bool(sh.section[0]))
+        marked = True
+        if sh.loose_call and not self.s.startswith(sh.call[0], self.ws(i)) \
+                and not sh.call[0].startswith(self.s[self.ws(i):]):
+            marked = False                  # <function=...> without <tool_call>
+        else:
+            i = self.lit(i, sh.call[0], ws=bool(sh.section[0]))
         j = self.ws(i)
         if j >= len(self.s):
             raise _Incomplete()
@@ -311,8 +342,10 @@ class _Reader:
             calls, i = self.python(j)
         else:
             calls, i = self.gemma4(j)
-        if sh.call[1]:
+        if sh.call[1] and marked:
             i = self.lit(i, sh.call[1])
+        elif sh.call[1]:
+            i = self.opt(i, sh.call[1]) or i   # its closing marker may still be written
         return calls, i
 
     def json_calls(self, i):
@@ -376,8 +409,9 @@ class _Reader:
             if sh.value[0]:
                 i = self.lit(i, sh.value[0])
             raw, i = self.until(i, sh.value[1])
-            raw = raw[1:] if raw.startswith("\n") else raw
-            raw = raw[:-1] if raw.endswith("\n") else raw
+            if sh.value_lines:
+                raw = raw[1:] if raw.startswith("\n") else raw
+                raw = raw[:-1] if raw.endswith("\n") else raw
             if string is True:
                 args[key] = raw
             elif string is False:
@@ -566,14 +600,16 @@ def read_calls(text, shape_name, partial, schemas=None):
     and everything from its opening marker is held.
     """
     shape = SHAPES[shape_name]
-    opener = shape.openers[0]
+    openers = shape.openers
     parts, calls, pos = [], [], 0
     while True:
-        k = text.find(opener, pos)
-        if k < 0:
+        found_at = [(text.find(o, pos), o) for o in openers]
+        found_at = [f for f in found_at if f[0] >= 0]
+        if not found_at:
             tail = text[pos:]
-            parts.append(held_back(tail, [opener]) if partial else tail)
+            parts.append(held_back(tail, openers) if partial else tail)
             return "".join(parts), calls, False
+        k, opener = min(found_at)
         parts.append(text[pos:k])
         r = _Reader(text, shape, schemas or {}, partial)
         try:

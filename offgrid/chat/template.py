@@ -35,7 +35,7 @@ from .. import jsonlimit
 from ..errors import InvalidRequest
 from ..request import Message, Tool, ToolCall  # noqa: F401  (the typed chat request)
 from .jsonschema import Grammar, json_literal, literal
-from .shapes import shape_of
+from .shapes import shape_of, stray_markers_of
 
 
 class ChatTemplateError(InvalidRequest):
@@ -457,6 +457,13 @@ class ReplyFormat:
     call_shape: str = ""
     # each tool's parameters' schema by its name: tagged argument values are typed by it
     tool_schemas: dict = field(default_factory=dict)
+    # the reasoning block the prompt opened, as written ("<think>\n"): given back
+    # in the content with reasoning_format none
+    reopened: str = ""
+    # the family's markup around its answers, dropped from the content
+    stray_markers: tuple = ()
+    # a response format's JSON: a ```json fence around it is dropped
+    json_fence: bool = False
 
 
 # What opens a call (ECMAScript regexes), for the syntaxes whose call grammar
@@ -636,11 +643,13 @@ class ChatTemplate:
                           keep_reasoning_inline=reasoning_format == "deepseek-legacy",
                           tool_names=tuple(t.name for t in tools),
                           call_shape=self.call_shape,
+                          stray_markers=stray_markers_of(self.source, self.family),
                           tool_schemas={t.name: t.parameters for t in tools})
         for start, end in fmt.reasoning_markers:
             s = generation_prompt.rfind(start)
             if s >= 0 and s > generation_prompt.rfind(end):
                 fmt.starts_in_reasoning, fmt.reasoning_end = True, end
+                fmt.reopened = generation_prompt[s:]
                 break
         return fmt
 
