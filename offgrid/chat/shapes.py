@@ -65,6 +65,8 @@ class Shape:
     # name-tagged: the template writes each value on lines of its own, so the
     # newline after its opening tag and the one before its closing tag are markup
     value_lines: bool = False
+    # xml: the namespace token before each tag (MiniMax-M3's "]<]minimax[>[")
+    ns: str = ""
 
     @property
     def openers(self):
@@ -72,6 +74,8 @@ class Shape:
         first = [m for m in (self.section[0], self.call[0], self.name[0]) if m][:1]
         return first + ([self.name[0]] if self.loose_call else [])
 
+
+_MM = "]<]minimax[>["
 
 # What the source of a template cannot tell: its family's markers and encodings.
 SHAPES = {
@@ -110,6 +114,14 @@ SHAPES = {
                          name=("<function=", ">"), key=("<parameter=", ">"),
                          value=("", "</parameter>"), close="</function>", loose_call=True,
                          value_lines=True),
+    # <invoke name="NAME"> then <KEY>VALUE</KEY>, a value nested elements
+    # (an object) or <item>s (a list), every tag after the namespace token
+    "minimax-m3": Shape("xml", section=(_MM + "<tool_call>", _MM + "</tool_call>"),
+                        name=(_MM + '<invoke name="', '">'), close=_MM + "</invoke>", ns=_MM),
+    "kimi-k3": Shape("name-tagged", section=("<|open|>tools<|sep|>", "<|close|>tools<|sep|>"),
+                     name=('<|open|>call tool="', "<|sep|>"),
+                     key=('<|open|>argument key="', "<|sep|>"),
+                     value=("", "<|close|>argument<|sep|>"), close="<|close|>call<|sep|>"),
     "seed-oss": Shape("name-tagged", call=("<seed:tool_call>", "</seed:tool_call>"),
                       name=("<function=", ">"), key=("<parameter=", ">"),
                       value=("", "</parameter>"), close="</function>"),
@@ -140,6 +152,8 @@ def shape_of(src, family):
         return "muse"
     if family == "qwen3-coder":
         return "qwen3-coder"
+    if family in ("minimax-m3", "kimi-k3"):
+        return family
     if has("<｜tool▁calls▁begin｜>") or has("<｜tool▁call▁begin｜>"):
         return "deepseek-r1" if has("```json") else "deepseek-v3.1"
     if has("<arg_key>") and has("<arg_value>"):
@@ -174,6 +188,13 @@ def stray_markers_of(src, family):
     if family == "gemma4":
         # an empty thought block, and the channel markers left of one
         return ("<|channel>thought\n<channel|>", "<|channel>", "<channel|>")
+    if family == "kimi-k3":
+        return ("<|open|>response<|sep|>", "<|close|>response<|sep|>",
+                "<|close|>message<|sep|>")
+    if family == "ling3":
+        return ("<|role_end|>",)
+    if "<|CHATBOT_TOKEN|>" in src:
+        return ("<|CHATBOT_TOKEN|>", "<|END_OF_TURN_TOKEN|>")     # Command-R+
     return ()
 
 
@@ -338,6 +359,8 @@ class _Reader:
             calls, i = self.name_json(i)
         elif sh.body == "name-tagged":
             calls, i = self.name_tagged(i)
+        elif sh.body == "xml":
+            calls, i = self.xml_call(i)
         elif sh.body == "python":
             calls, i = self.python(j)
         else:
@@ -363,7 +386,8 @@ class _Reader:
             name, i = self.until(i, sh.name[1])
             if "\n" in name.strip(_WS) or len(name) > 256:
                 raise _Broken()
-            return name.strip(_WS), i
+            # the name's own attributes may follow it (Kimi K3's index="1")
+            return name.split('"', 1)[0].strip(_WS), i
         m = re.compile(r"[^\s<>{}\[\]()]+").match(self.s, i)
         if not m or m.end() == len(self.s):
             raise _Incomplete() if self.partial or not m else _Broken()
@@ -419,6 +443,59 @@ class _Reader:
             else:
                 args[key] = typed_value(raw, props.get(key))
         return [ToolCall(name, json.dumps(args, ensure_ascii=False))], i
+
+    def xml_call(self, i):
+        """<invoke name="NAME"> <KEY>VALUE</KEY>... </invoke>, after the namespace token."""
+        sh = self.shape
+        name, i = self.read_name(i)
+        props = _properties(self.schemas.get(name))
+        args = self.xml_children(i, sh.close, props, {})[0]
+        value, i = args
+        return [ToolCall(name, json.dumps(value, ensure_ascii=False))], i
+
+    _TAG = re.compile(r"<([A-Za-z_][\w.:-]*)>")
+
+    def xml_children(self, i, close, props, items_schema):
+        """Elements up to ``close``: ((a dict, or a list for <item>s), end), []."""
+        obj, items = {}, []
+        ns = self.shape.ns
+        while True:
+            j = self.ws(i)
+            if self.s.startswith(close, j):
+                return ((items if items and not obj else obj), j + len(close)), []
+            rest = self.s[j:j + 64]
+            if close.startswith(rest) or (ns + "<").startswith(rest):
+                raise _Incomplete()
+            if not self.s.startswith(ns, j):
+                raise _Broken()
+            m = self._TAG.match(self.s, j + len(ns))
+            if not m:
+                raise _Incomplete() if ">" not in self.s[j + len(ns):j + 200] else _Broken()
+            tag = m.group(1)
+            schema = items_schema if tag == "item" else props.get(tag)
+            v, i = self.xml_value(m.end(), tag, schema)
+            if tag == "item":
+                items.append(v)
+            else:
+                obj[tag] = v
+
+    def xml_value(self, i, tag, schema):
+        ns = self.shape.ns
+        close = ns + "</" + tag + ">"
+        j = self.ws(i)
+        nested = self.s.startswith(ns + "<", j) and not self.s.startswith(close, j)
+        if nested:
+            sub = schema if isinstance(schema, dict) else {}
+            for alt in [sub] + list(sub.get("anyOf") or ()) + list(sub.get("oneOf") or ()):
+                if isinstance(alt, dict) and ("properties" in alt or "items" in alt):
+                    sub = alt
+                    break
+            return self.xml_children(i, close, _properties(sub),
+                                     sub.get("items") if isinstance(sub, dict) else {})[0]
+        if (ns + "<").startswith(self.s[j:j + 64]) and j < len(self.s):
+            raise _Incomplete()
+        raw, i = self.until(i, close)
+        return typed_value(raw, schema), i
 
     def python(self, i):
         """[NAME(key=value, ...), ...] (LFM2): Python's own parser reads it."""
@@ -539,13 +616,17 @@ def _literal(node):
 
 
 def _attributes(key):
-    """A tagged key's name, and whether its value is declared a string
-    (DSML's ``name="x" string="true"``): (name, True/False/None)."""
-    m = re.fullmatch(r'([^"]*)"?(?:\s+string="(true|false)")?\s*>?', key)
-    if not m:
-        return key.strip(_WS), None
-    string = None if m.group(2) is None else m.group(2) == "true"
-    return m.group(1).strip(_WS), string
+    """A tagged key's name, and whether its value is declared a string (DSML's
+    ``name="x" string="true"``, Kimi K3's ``key="x" type="string"``):
+    (name, True/False/None)."""
+    name = key.split('"', 1)[0].strip(_WS)
+    m = re.search(r'\bstring="(true|false)"', key)
+    if m:
+        return name, m.group(1) == "true"
+    m = re.search(r'\btype="([a-z]+)"', key)
+    if m:
+        return name, m.group(1) == "string"
+    return name, None
 
 
 def _properties(schema):

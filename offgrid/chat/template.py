@@ -427,6 +427,8 @@ REASONING_MARKERS = [
     ("<|START_THINKING|>", "<|END_THINKING|>"),
     ("<|channel>thought", "<channel|>"),
     ("◁think▷", "◁/think▷"),
+    ("<mm:think>", "</mm:think>"),
+    ("<|open|>think<|sep|>", "<|close|>think<|sep|>"),
 ]
 
 
@@ -501,7 +503,10 @@ def call_form_of(src, syntax):
 
 
 def reasoning_markers_of(src):
-    found = [m for m in REASONING_MARKERS if m[0] in src or m[1] in src]
+    # Kimi K3 builds its markers from parts ('<|open|>' ~ 'think' ~ '<|sep|>')
+    k3 = "<|open|>" in src and "<|close|>" in src and "'think'" in src
+    found = [m for m in REASONING_MARKERS if m[0] in src or m[1] in src
+             or (k3 and m[0] == "<|open|>think<|sep|>")]
     if REASONING_MARKERS[0] not in found:
         found.append(REASONING_MARKERS[0])
     return found
