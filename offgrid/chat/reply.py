@@ -51,7 +51,7 @@ from typing import List, Optional, Tuple
 
 from .. import jsonlimit
 from .rescue import call_key, copied_arguments, tool_by_arguments
-from .shapes import SHAPES, read_calls
+from .calls import as_shape, read_calls
 from .template import ToolCall, new_tool_call_id
 
 _WS = " \t\n\r\v\f"
@@ -530,7 +530,7 @@ _OPENERS = {"hermes": ("<tool_call>",), "mistral": ("[TOOL_CALLS]",),
 def call_openers(fmt):
     """The markers that open a call in this reply's syntax."""
     if fmt.call_shape:
-        return tuple(SHAPES[fmt.call_shape].openers)
+        return tuple(as_shape(fmt.call_shape).openers)
     return _OPENERS.get(fmt.tool_syntax, ())
 
 
