@@ -96,14 +96,15 @@ def _template(llama_src, name):
     return _templates[name]
 
 
-def reply_format(llama_src, case):
-    """The ReplyFormat the worker would read this case's reply with."""
+def reply_format(llama_src, case, template=None):
+    """The ReplyFormat the worker would read this case's reply with (with
+    ``template`` rather than the case's own ChatTemplate, if given)."""
     p = case["params"]
     user = {"role": "user", "content": "Hey there!", "reasoning_content": "", "tool_calls": [],
             "content_parts": [], "tool_name": "", "tool_call_id": ""}
     messages = [_message(m) for m in p.get("messages") or [user]]
     schema = json.loads(p["json_schema"]) if p.get("json_schema") else None
-    plan = prepare_chat(None, _template(llama_src, case["template"]), messages,
+    plan = prepare_chat(None, template or _template(llama_src, case["template"]), messages,
                         [_tool(t) for t in p.get("tools", [])], p.get("tool_choice", "auto"),
                         schema, None, p.get("add_generation_prompt", True),
                         p.get("enable_thinking", True), None, p.get("parallel_tool_calls", False),
@@ -175,10 +176,10 @@ def ways(case):
     return ["cut-off"] if case["id"] in DELIBERATE else ["whole", "streamed"]
 
 
-def outcome(llama_src, case, way):
+def outcome(llama_src, case, way, template=None):
     """[] when offgrid reads the case as llama.cpp does, else what differs."""
     try:
-        fmt = reply_format(llama_src, case)
+        fmt = reply_format(llama_src, case, template)
     except Exception as e:              # a template offgrid cannot render for this request
         return ["prepare_chat failed: %s: %s" % (type(e).__name__, e)]
     return WAYS[way](fmt, case)

@@ -114,7 +114,7 @@ SHAPES = {
     "apertus": Shape("json", section=("<|tools_prefix|>", "<|tools_suffix|>")),
     "nemotron-v2": Shape("json", section=("<TOOLCALL>", "</TOOLCALL>")),
     "apriel": Shape("json", section=("<tool_calls>", "</tool_calls>")),
-    "firefunction": Shape("json", section=(" functools", "")),
+    "firefunction": Shape("json", section=("functools", "")),
     "gigachat3.1": Shape("json", call=("<|function_call|>", "")),
 }
 

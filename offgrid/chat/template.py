@@ -22,6 +22,7 @@ module decides the format from the template (``ReplyFormat``) and builds the
 grammar that forces a tool call when ``tool_choice`` requires one.
 """
 
+import dataclasses
 import json
 import random
 import re
@@ -35,6 +36,7 @@ from .. import jsonlimit
 from ..errors import InvalidRequest
 from ..request import Message, Tool, ToolCall  # noqa: F401  (the typed chat request)
 from .jsonschema import Grammar, json_literal, literal
+from .derive import derive_shape
 from .shapes import shape_of, stray_markers_of
 
 
@@ -455,8 +457,9 @@ class ReplyFormat:
     # with bare_calls: rescue.call_key of each call the conversation already
     # has a result for; a rescued call identical to one stays text (rescue.py)
     finished_calls: tuple = ()
-    # the family's call shape (shapes.SHAPES), read instead of tool_syntax's reader
-    call_shape: str = ""
+    # the family's call shape (a name in shapes.SHAPES, or a derived Shape's
+    # fields), read instead of tool_syntax's reader
+    call_shape: object = ""
     # each tool's parameters' schema by its name: tagged argument values are typed by it
     tool_schemas: dict = field(default_factory=dict)
     # the reasoning block the prompt opened, as written ("<think>\n"): given back
@@ -567,10 +570,15 @@ class ChatTemplate:
         self.family = template_family(self.source)
         self.tool_syntax = tool_syntax_of(self.source)
         self.call_form = call_form_of(self.source, self.tool_syntax)
-        self.call_shape = shape_of(self.source, self.family)
         self.reasoning_markers = reasoning_markers_of(self.source)
         self.supports_thinking, self.reasoning_start, self.reasoning_end = \
             self._analyze_reasoning(budget)
+        # the family's declared shape; a template in no entry whose calls no
+        # other reader knows gets the shape its own renderings show (derive.py)
+        self.call_shape = shape_of(self.source, self.family)
+        if not self.call_shape and self.tool_syntax == "generic":
+            derived = derive_shape(self.probe_renderer(budget))
+            self.call_shape = dataclasses.asdict(derived) if derived else ""
 
     # -- rendering -------------------------------------------------------------
     def render(self, messages, tools=(), add_generation_prompt=True, enable_thinking=None,
@@ -660,6 +668,19 @@ class ChatTemplate:
 
     def _render_probe(self, budget, *args):
         return self._render(*args, budget=budget)
+
+    def probe_renderer(self, budget=None):
+        """render(messages, tools, add_generation_prompt) for the probes of
+        derive.py: the prompt, or None where the template refuses them."""
+        def render(messages, tools, add_generation_prompt):
+            try:
+                return self._render_probe(budget, messages, tools, add_generation_prompt,
+                                          None, None, None, None)
+            except TemplateBudgetError:
+                raise
+            except ChatTemplateError:
+                return None
+        return render
 
     def _render(self, messages, tools, add_generation_prompt, enable_thinking, kwargs, now,
                 json_schema, budget=None):
