@@ -259,7 +259,12 @@ class _Reader:
             key, string = _attributes(key)
             if sh.value[0]:
                 i = self.lit(i, sh.value[0])
-            raw, i = self.until(i, sh.value[1])
+            cdata = self.opt(i, "<![CDATA[")
+            if cdata:                       # MiniCPM5: a value holding markup
+                raw, i = self.until(cdata, "]]>")
+                i = self.lit(i, sh.value[1])
+            else:
+                raw, i = self.until(i, sh.value[1])
             if sh.value_lines:
                 raw = raw[1:] if raw.startswith("\n") else raw
                 raw = raw[:-1] if raw.endswith("\n") else raw

@@ -105,9 +105,12 @@ def split_reasoning(text, fmt, partial=False):
             if head.startswith(start):
                 s, end = head[len(start):], e
                 break
+            if head.startswith(e):
+                # an empty block whose start the prompt wrote (MiniMax-M3's </mm:think>)
+                return "", head[len(e):].lstrip(_WS), True
         else:
-            if partial and head and any(start.startswith(head)
-                                        for start, _ in fmt.reasoning_markers):
+            if partial and head and any(m.startswith(head)
+                                        for pair in fmt.reasoning_markers for m in pair):
                 return "", "", False        # may still become a reasoning block
     if end is None:
         return "", text, False
@@ -300,6 +303,7 @@ _HARMONY_ENDS = ("<|end|>", "<|call|>", "<|return|>")
 _HARMONY_HELD = _HARMONY_ENDS + ("<|start|>",)
 _CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
 _RECIPIENT = re.compile(r"\bto=functions\.([^\s<]+)")
+_ANY_RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 
 
 def _harmony_reply(text, fmt, partial):
@@ -336,9 +340,13 @@ def _harmony_reply(text, fmt, partial):
             body = body[:min(ends)]
         elif partial and last:
             body = _held_back(body, _HARMONY_HELD)
-        channel = _CHANNEL.search(header)
-        channel = channel.group(1) if channel else ""
+        # the last channel named is the message's (a header may carry two)
+        channels = _CHANNEL.findall(header)
+        channel = channels[-1] if channels else ""
         recipient = _RECIPIENT.search(header)
+        other = _ANY_RECIPIENT.search(header)
+        if other and not recipient and other.group(1) not in ("assistant", "user", "all"):
+            continue                        # a call to a built-in tool (python, container.*)
         if recipient:
             if not fmt.parse_tools or (partial and not closed):
                 continue                    # unsolicited, or not whole yet
@@ -351,12 +359,21 @@ def _harmony_reply(text, fmt, partial):
         elif channel == "analysis" and fmt.extract_reasoning:
             reasoning.append(body.strip(_WS))
         elif channel == "analysis":         # reasoning_format none: shown as written
-            content.append("<|channel|>analysis<|message|>" + body
-                           + ("<|end|>" if closed else ""))
+            content.append(_AsWritten("<|channel|>analysis<|message|>" + body
+                                      + ("<|end|>" if closed else "")))
         else:
             content.append(body.strip(_WS))
-    return Reply("\n\n".join(c for c in content if c),
-                 "\n\n".join(r for r in reasoning if r), calls)
+    # messages' texts are joined by a blank line; what follows an analysis
+    # shown as written follows its own <|end|> directly (llama.cpp)
+    out = ""
+    for k, c in enumerate(c for c in content if c):
+        out += ("" if k == 0 or isinstance(prev, _AsWritten) else "\n\n") + c
+        prev = c
+    return Reply(out, "\n\n".join(r for r in reasoning if r), calls)
+
+
+class _AsWritten(str):
+    """A message's text given with its markup (reasoning_format none)."""
 
 
 # ---------------------------------------------------------------------------

@@ -614,6 +614,10 @@ class ChatTemplate:
             generation_prompt = self._continued(generation_prompt, prefill)
             text = without_gp + generation_prompt
         fmt = self.reply_format(generation_prompt, tools, tool_choice, reasoning_format)
+        if prefill is not None and (prefill.content or prefill.parts):
+            # the reply goes on with the message's text, past any reasoning the
+            # turn opened (DeepSeek's <think> in the header)
+            fmt.starts_in_reasoning, fmt.reopened = False, ""
         grammar, triggers = None, ()
         if tools and tool_choice not in ("auto", "none"):
             # one forced call unless asked for more: a model that does not stop
@@ -662,7 +666,10 @@ class ChatTemplate:
             s = generation_prompt.rfind(start)
             if s >= 0 and s > generation_prompt.rfind(end):
                 fmt.starts_in_reasoning, fmt.reasoning_end = True, end
-                fmt.reopened = generation_prompt[s:]
+                # given back with reasoning_format none, except where llama.cpp's
+                # reader for the family does not (Kimi K3, Ling 3)
+                if self.family not in ("kimi-k3", "ling3"):
+                    fmt.reopened = generation_prompt[s:]
                 break
         return fmt
 
