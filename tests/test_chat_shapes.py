@@ -172,3 +172,31 @@ def test_a_marker_that_opens_no_call_is_given_back_as_content():
     text = "Use <tool_call> tags like this: <tool_call>{not json}</tool_call>"
     content, calls, _ = read_calls(text, "glm", False)
     assert calls == [] and content == text
+
+
+# -- a forced call reads back ------------------------------------------------------------
+
+# (gpt-oss's forced form, a message to functions.NAME, is test_chat_tools.py's:
+# unprompted, gemma-3-270m fills its JSON with blanks past any short budget.)
+FORCED = ["google-gemma-4-31B-it.jinja", "Qwen3.5-4B.jinja", "LFM2.5-8B-A1B.jinja",
+          "deepseek-ai-DeepSeek-V3.2.jinja", "GLM-4.7-Flash.jinja",
+          "MiniMax-M2.jinja", "moonshotai-Kimi-K2.jinja", "ByteDance-Seed-OSS.jinja"]
+CITY = Tool("get_weather", "Weather in a city", {
+    "type": "object", "required": ["city"],
+    "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo"]}}})
+
+
+@pytest.mark.parametrize("name", FORCED)
+def test_a_forced_call_reads_back_through_the_templates_reader(gemma, llama_src, name):
+    """tool_choice "required": the grammar (the template's call form) makes
+    gemma-3-270m write a call, and the template's reply format reads it."""
+    try:
+        from .test_chat_tools import lazy_run
+    except ImportError:
+        from test_chat_tools import lazy_run
+    prompt = _template(llama_src, name).apply(ASK, [CITY], tool_choice="required")
+    assert prompt.grammar and not prompt.grammar_triggers
+    text = lazy_run(gemma, prompt.grammar, (), "", 80)
+    reply = parse_reply(text, prompt.reply_format)
+    assert [(c.name, sorted(json.loads(c.arguments))) for c in reply.tool_calls] == \
+        [("get_weather", ["city"])], text

@@ -99,6 +99,11 @@ def split_reasoning(text, fmt, partial=False):
     s, end = text, None
     if fmt.starts_in_reasoning:
         end = fmt.reasoning_end
+        if fmt.parse_tools and (fmt.tool_syntax in ("llama3", "generic") or fmt.bare_calls) \
+                and text.lstrip(_WS)[:1] in ("{", "["):
+            # a bare JSON call (a forced call's grammar writes one from the
+            # first token) is no reasoning, though the prompt opened a block
+            return "", text, False
     else:
         head = text.lstrip(_WS)
         for start, e in fmt.reasoning_markers:

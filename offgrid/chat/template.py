@@ -624,6 +624,7 @@ class ChatTemplate:
             # on its own would otherwise repeat calls up to max_tokens
             grammar = tool_call_grammar(tools, self.call_form, tool_choice,
                                         bool(parallel_tool_calls))
+
         elif tools and tool_choice == "auto" and self.tool_syntax in CALL_TRIGGERS:
             # llama-server's lazy grammar: any text until the model opens a
             # call, then only a well-formed call to one of ``tools``
