@@ -200,3 +200,86 @@ def test_a_forced_call_reads_back_through_the_templates_reader(gemma, llama_src,
     reply = parse_reply(text, prompt.reply_format)
     assert [(c.name, sorted(json.loads(c.arguments))) for c in reply.tool_calls] == \
         [("get_weather", ["city"])], text
+
+
+# -- served: a shape family's call through the worker, in each dialect ------------------
+
+try:
+    from .serverproc import ServerProcess
+except ImportError:
+    from serverproc import ServerProcess
+
+CITY_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
+                                                "parameters": CITY.parameters}}]
+ASKED = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def glm(gemma_path, llama_src):
+    """gemma-3-270m behind GLM-4.7's template: its calls are read by the "glm" shape."""
+    with ServerProcess(gemma_path, "--chat-template",
+                       llama_src / "models" / "templates" / "GLM-4.7-Flash.jinja") as s:
+        yield s
+
+
+def _city_call(name, arguments):
+    assert name == "get_weather"
+    args = arguments if isinstance(arguments, dict) else json.loads(arguments)
+    assert set(args) == {"city"} and args["city"] in ("Paris", "Tokyo")
+
+
+def test_a_shape_familys_forced_call_is_served_as_a_tool_call(glm):
+    status, _, body = glm.post("/v1/chat/completions", {
+        "model": "m", "messages": ASKED, "tools": CITY_TOOLS, "tool_choice": "required",
+        "max_tokens": 60, "temperature": 0})
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and not choice["message"].get("content")
+    (call,) = choice["message"]["tool_calls"]
+    _city_call(call["function"]["name"], call["function"]["arguments"])
+
+
+def test_a_shape_familys_call_streams_once_whole(glm):
+    import openai
+    client = openai.OpenAI(base_url=glm.base + "/v1", api_key="none", max_retries=0)
+    stream = client.chat.completions.create(model="m", messages=ASKED, tools=CITY_TOOLS,
+                                            tool_choice="required", max_tokens=60,
+                                            temperature=0, stream=True)
+    chunks = [c for c in stream if c.choices]
+    deltas = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert len(deltas) == 1 and deltas[0].id
+    _city_call(deltas[0].function.name, deltas[0].function.arguments)
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks)
+
+
+def test_a_shape_familys_call_is_a_tool_use_block_in_anthropics_dialect(glm):
+    status, _, body = glm.post("/v1/messages", {
+        "model": "m", "max_tokens": 60, "temperature": 0, "messages": ASKED,
+        "tool_choice": {"type": "any"},
+        "tools": [{"name": "get_weather", "description": "Weather",
+                   "input_schema": CITY.parameters}]})
+    assert status == 200 and body["stop_reason"] == "tool_use", body
+    (use,) = [b for b in body["content"] if b["type"] == "tool_use"]
+    _city_call(use["name"], use["input"])
+
+
+@pytest.mark.parametrize("name, text", [
+    ("GLM-4.7-Flash.jinja",                 # a declared shape, by name (its prompt opens <think>)
+     "Hm.</think>Sure.<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>"),
+    ("tencent-Hy3.jinja",                   # a derived shape, by its fields
+     "Sure.<tool_calls:opensource><tool_call:opensource>get_weather<tool_sep:opensource>"
+     "<arg_key:opensource>city</arg_key:opensource><arg_value:opensource>Paris"
+     "</arg_value:opensource></tool_call:opensource></tool_calls:opensource>"),
+])
+def test_the_reply_format_reads_the_same_after_the_trip_to_the_front_and_back(
+        llama_src, name, text):
+    """The worker sends the ReplyFormat to the front as JSON and gets it back
+    with the generate frame (engine/worker.py): the shape must survive."""
+    from offgrid.engine.worker import _reply_format
+    fmt = _template(llama_src, name).apply(ASK, [CITY]).reply_format
+    back = _reply_format(json.loads(json.dumps(dataclasses.asdict(fmt))))
+    for f in (fmt, back):
+        r = parse_reply(text, f)
+        assert r.content == "Sure." and \
+            [(c.name, json.loads(c.arguments)) for c in r.tool_calls] == \
+            [("get_weather", {"city": "Paris"})]
