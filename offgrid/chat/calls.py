@@ -101,6 +101,16 @@ class _Reader:
         except _Broken:
             return None
 
+    def end_or_none(self, i, word):
+        """Past ``word`` where it follows, else i: an end marker that may be
+        left out (at the reply's end, or before what comes next)."""
+        j = self.ws(i)
+        if self.s.startswith(word, j):
+            return j + len(word)
+        if self.partial and word.startswith(self.s[j:j + len(word)]):
+            raise _Incomplete()         # the text ends in it, or before it
+        return i
+
     def until(self, i, word):
         k = self.s.find(word, i)
         if k < 0:
@@ -143,7 +153,7 @@ class _Reader:
     def calls(self, i):
         """The calls from the opening marker at i: (calls, end)."""
         sh = self.shape
-        if not sh.section[0]:
+        if not sh.section[0] or not self.s.startswith(sh.section[0], i):
             return self.one(i)          # the next call is found as this one was
         i = self.lit(i, sh.section[0], ws=False)
         nxt = sh.call[0] or sh.name[0]
@@ -192,7 +202,9 @@ class _Reader:
             calls, i = self.python(j)
         else:
             calls, i = self.gemma4(j)
-        if sh.call[1] and marked:
+        if sh.call[1] and sh.sectionless:
+            i = self.end_or_none(i, sh.call[1])
+        elif sh.call[1] and marked:
             i = self.lit(i, sh.call[1])
         elif sh.call[1]:
             i = self.opt(i, sh.call[1]) or i   # its closing marker may still be written
@@ -547,3 +559,58 @@ def read_calls(text, shape_name, partial, schemas=None):
             continue
         calls += found
         pos = end
+
+
+# Recipients that are not tools: the user sees the message, the model's own is reasoning.
+_TO_USER = ("all", "user")
+_TO_SELF = ("self",)
+_NAME_LIMIT = 64
+
+
+def read_messages(text, shape, partial, schemas=None):
+    """(content, reasoning, calls) of a reply that is a run of messages to
+    recipients (Shape.recipients: Functionary v3.2, Muse); a message still
+    being written is held, whole, until it is complete (a call) or shows
+    whom it is for (text)."""
+    shape = as_shape(shape)
+    sep, name_end, ends = shape.recipients[0], shape.recipients[1], shape.recipients[2:]
+    content, reasoning, calls = [], [], []
+    chunks = text.split(sep)
+    for k, chunk in enumerate(chunks):
+        last = k == len(chunks) - 1
+        head, found, body = chunk.partition(name_end)
+        recipient = head.strip(_WS)
+        if recipient.startswith("to="):
+            recipient = recipient[3:]
+        if not found:
+            # a recipient's name is short: a longer text without one is plain
+            # text (a reply with no messages), shown as it comes
+            if recipient and (not partial or len(recipient) > _NAME_LIMIT):
+                content.append(head)
+            continue
+        closed = [body.find(e) for e in ends if e in body]
+        if closed:
+            body = body[:min(closed)]
+        elif partial and last:
+            body = held_back(body, list(ends) + [sep])
+        if recipient in _TO_USER:
+            content.append(body)
+        elif recipient in _TO_SELF:
+            reasoning.append(body)
+        elif partial and last and not closed:
+            continue                            # a call, not whole yet
+        elif shape.section[0] or shape.call[0] or shape.name[0]:
+            got, found_calls, _ = read_calls(body, shape, False, schemas)
+            calls += found_calls
+            if got.strip(_WS):
+                content.append(got)
+        else:
+            try:
+                args = json.loads(body)
+            except ValueError:
+                content.append(body)
+                continue
+            calls.append(ToolCall(recipient, json.dumps(args, ensure_ascii=False)))
+    return "".join(content).strip(_WS), \
+        "\n\n".join(r.strip(_WS) for r in reasoning if r.strip(_WS)), calls
+

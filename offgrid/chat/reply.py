@@ -55,7 +55,7 @@ from typing import List, Optional, Tuple
 from .. import jsonlimit
 from .bare import (HOLD, OPENER_LIMIT, arguments_text, bare_calls, call_from_json,  # noqa: F401
                    json_at, skip_ws)
-from .calls import as_shape, read_calls
+from .calls import as_shape, read_calls, read_messages
 from .template import ToolCall, new_tool_call_id
 
 _WS = " \t\n\r\v\f"
@@ -389,6 +389,13 @@ def parse_reply(text, fmt, partial=False):
     """A Reply from the generated text.  ``partial``: more text may follow."""
     if fmt.tool_syntax == "harmony":
         return _harmony_reply(text, fmt, partial)
+    if fmt.call_shape and as_shape(fmt.call_shape).recipients:
+        content, reasoning, calls = read_messages(text, fmt.call_shape, partial,
+                                                  fmt.tool_schemas)
+        if fmt.json_fence:
+            content = _unfenced(content, partial)
+        return Reply(content, reasoning if fmt.extract_reasoning else "",
+                     calls if fmt.parse_tools else [])
     if fmt.reopened and not fmt.extract_reasoning:
         # reasoning_format none: the block the prompt opened is the reply's
         # text as the model sees it, so it is given back as written (llama-server)

@@ -51,12 +51,21 @@ class Shape:
     value_lines: bool = False
     # xml: the namespace token before each tag (MiniMax-M3's "]<]minimax[>[")
     ns: str = ""
+    # a call may come without the section's markers and its own end marker
+    # (Kimi K2 Thinking writes calls so, in its reasoning too)
+    sectionless: bool = False
+    # recipients: the reply is a run of messages, each to a recipient
+    # (separator, what ends the recipient's name, what may end a message):
+    # a message to the user is content, to itself reasoning, to a tool a call
+    # whose body is in this shape (or, with no markers, its JSON arguments)
+    recipients: Tuple[str, ...] = ()
 
     @property
     def openers(self):
         """What may open the calls of a reply, the first one the usual."""
         first = [m for m in (self.section[0], self.call[0], self.name[0]) if m][:1]
-        return first + ([self.name[0]] if self.loose_call else [])
+        return first + ([self.name[0]] if self.loose_call else []) \
+            + ([self.call[0]] if self.sectionless else [])
 
 
 _MM = "]<]minimax[>["
@@ -68,7 +77,8 @@ SHAPES = {
     "kimi-k2": Shape("name-json", section=("<|tool_calls_section_begin|>",
                                            "<|tool_calls_section_end|>"),
                      call=("<|tool_call_begin|>", "<|tool_call_end|>"),
-                     name=("", "<|tool_call_argument_begin|>"), indexed_name=True),
+                     name=("", "<|tool_call_argument_begin|>"), indexed_name=True,
+                     sectionless=True),
     "deepseek-v3.1": Shape("name-json", section=("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"),
                            call=("<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"),
                            name=("", "<｜tool▁sep｜>")),
@@ -91,7 +101,11 @@ SHAPES = {
     "minicpm5": Shape("name-tagged", name=('<function name="', '">'),
                       key=('<param name="', '">'), value=("", "</param>"),
                       close="</function>"),
+    # ">>>NAME\n{...}" messages, "all" the user's (the prompt wrote the first ">>>")
+    "functionary-v3.2": Shape("json", recipients=(">>>", "\n")),
+    # " to=NAME<|message|>...<|eom|>" messages, "<|start|>assistant" between them
     "muse": Shape("name-tagged", section=("<atem:function_calls>", "</atem:function_calls>"),
+                  recipients=("<|start|>assistant", "<|message|>", "<|eom|>", "<|eot|>"),
                   name=('<atem:invoke name="', '">'), key=('<atem:parameter name="', '">'),
                   value=("", "</atem:parameter>"), close="</atem:invoke>"),
     "qwen3-coder": Shape("name-tagged", call=("<tool_call>", "</tool_call>"),
@@ -134,6 +148,8 @@ def shape_of(src, family):
         return "minicpm5"
     if family == "muse-glimmer":
         return "muse"
+    if family == "functionary-v3.2":
+        return "functionary-v3.2"
     if family == "qwen3-coder":
         return "qwen3-coder"
     if family in ("minimax-m3", "kimi-k3"):
