@@ -49,7 +49,6 @@ NO_CALL_TEXT = {     # the template renders an assistant's calls as nothing
 UNALIGNED = {        # a text turn and a call turn do not share their start: no probe text
     "Cohere2MoE.jinja", "NVIDIA-Nemotron-Nano-v2.jinja"}
 UNREAD = {           # the call text is there, and no reader takes it yet
-    "meetkai-functionary-medium-v3.2.jinja",   # ">>>name\n{...}" recipients
     "upstage-Solar-Open-100B.jinja"}           # derived with the call's id in a marker
 
 
