@@ -74,6 +74,11 @@ class _Broken(Exception):
 
 
 class _Reader:
+    """One pass over the calls that start at an opening marker: each method
+    takes the index to read from and returns what it read and the index after
+    it, raising _Incomplete where the text ends first and _Broken where the
+    text can never be what the shape says."""
+
     def __init__(self, text, shape, schemas, partial):
         self.s, self.shape, self.schemas, self.partial = text, shape, schemas, partial
 
