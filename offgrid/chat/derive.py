@@ -166,7 +166,11 @@ def _markers(pre, post, two, first_end):
 
 def _json_shape(one, two, obj):
     s, e, v = obj
-    pre, post = one[:s].strip(_WS), one[e:].strip(_WS)
+    pre = one[:s].strip(_WS)
+    # what closes the calls is the first marker after them; the rest is the
+    # turn's (Command-R+ writes its next instructions there)
+    after = _tokens(one[e:])
+    post = after[0] if after else ""
     if not pre and not post:
         return None                         # a bare JSON call: the generic reader's
     return Shape("json", section=(pre, post))
