@@ -282,3 +282,20 @@ def test_the_reply_format_reads_the_same_after_the_trip_to_the_front_and_back(
         assert r.content == "Sure." and \
             [(c.name, json.loads(c.arguments)) for c in r.tool_calls] == \
             [("get_weather", {"city": "Paris"})]
+
+
+@pytest.mark.parametrize("name, markers", [
+    ("Kimi-K3.jinja", ["<|open|>", "<|sep|>", "<|close|>", '<|open|>call tool="']),
+    ("google-gemma-4-31B-it.jinja", ["<|tool_call>", "<tool_call|>"]),
+    ("deepseek-ai-DeepSeek-V3.1.jinja", ["<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>",
+                                         "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"]),
+    ("moonshotai-Kimi-K2.jinja", ["<|tool_calls_section_begin|>", "<|tool_call_argument_begin|>"]),
+    ("tencent-Hy3.jinja", ["<tool_calls:opensource>", "<arg_key:opensource>"]),
+])
+def test_a_shapes_markers_are_kept_as_text_in_the_reply(llama_src, name, markers):
+    """preserved_tokens asks the vocabulary about each of the shape's markers
+    and their bracketed pieces: where one is a control token, generation then
+    shows its text, so the reader can find it (llama.cpp's preserved tokens)."""
+    from offgrid.chat.prompt import reply_markers
+    fmt = _template(llama_src, name).apply(ASK, [CITY]).reply_format
+    assert set(markers) <= set(reply_markers(fmt))

@@ -31,9 +31,11 @@ import logging
 from dataclasses import dataclass
 from typing import FrozenSet, Optional
 
+from .calls import as_shape
 from .gbnf import GrammarError, check_grammar
 from .jsonschema import schema_to_grammar
 from .rescue import finished_calls, rescue_of, tool_args
+from .shapes import shape_markers
 from .template import ChatTemplateError, ReplyFormat, tool_call_grammar
 
 log = logging.getLogger("offgrid.chat")
@@ -138,13 +140,20 @@ _CALL_MARKERS = ("<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]"
 _HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>")
 
 
-def preserved_tokens(model, fmt):
-    """Control tokens the reply must show as text for the markers to be read."""
+def reply_markers(fmt):
+    """The markers a reply in ``fmt`` is read by."""
     markers = [m for pair in fmt.reasoning_markers for m in pair] + list(_CALL_MARKERS)
     if fmt.tool_syntax == "harmony":
         markers += _HARMONY_MARKERS
+    if fmt.call_shape:
+        markers += shape_markers(as_shape(fmt.call_shape))
+    return markers
+
+
+def preserved_tokens(model, fmt):
+    """Control tokens the reply must show as text for the markers to be read."""
     out = set()
-    for text in markers:
+    for text in reply_markers(fmt):
         toks = model.tokenize(text, add_special=False, parse_special=True)
         if len(toks) == 1 and not model.token_bytes(toks[0]):
             out.add(toks[0])

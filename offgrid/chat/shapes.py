@@ -26,6 +26,7 @@ encodings).  A template in no entry gets its shape derived from its own
 renderings (chat/derive.py), as llama.cpp's auto-parser does.
 """
 
+import re
 from dataclasses import dataclass
 from typing import Tuple
 
@@ -196,3 +197,19 @@ def stray_markers_of(src, family):
     if "<|CHATBOT_TOKEN|>" in src:
         return ("<|CHATBOT_TOKEN|>", "<|END_OF_TURN_TOKEN|>")     # Command-R+
     return ()
+
+
+def shape_markers(shape):
+    """Every marker a reply in ``shape`` is read by, and the bracketed pieces
+    of each (Kimi K3's "<|open|>tools<|sep|>" is three tokens, two of them
+    control tokens): what the reply's text must show (prompt.preserved_tokens)."""
+    found = [shape.close, shape.ns] + [m for pair in (shape.section, shape.call, shape.name,
+                                                      shape.key, shape.value) for m in pair]
+    found += list(shape.recipients)
+    out = []
+    for m in found:
+        if m:
+            out.append(m)
+            out += re.findall(r"<[^<>]*>|\[[^\[\]]*\]", m)
+    return list(dict.fromkeys(out))
+
