@@ -410,7 +410,12 @@ def parse_reply(text, fmt, partial=False):
         content = text if not partial else _held_back(text, [m for p in fmt.reasoning_markers
                                                              for m in p])
     if fmt.stray_markers:
-        content = _without_markers(content, fmt.stray_markers, partial)
+        # with reasoning_format none, reasoning's own markup stays as written
+        keep = () if fmt.extract_reasoning else [m for pair in fmt.reasoning_markers
+                                                 for m in pair]
+        strays = [m for m in fmt.stray_markers
+                  if not any(m in k or k in m or k.startswith(m) for k in keep)]
+        content = _without_markers(content, strays, partial)
     if fmt.json_fence:
         content = _unfenced(content, partial)
     return Reply(content, reasoning, calls)
