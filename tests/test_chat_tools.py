@@ -149,8 +149,10 @@ def test_harmony_reasoning_format_none_keeps_the_analysis_as_written():
     f = ReplyFormat(tool_syntax="harmony", extract_reasoning=False)
     reply = parse_reply(HARMONY_ANSWER, f)
     assert reply.reasoning_content == ""
+    # the answer follows the analysis's own <|end|> directly, as llama.cpp gives it
+    # (its test-chat.cpp: "...thinking<|end|>Hello, world!")
     assert reply.content == ("<|channel|>analysis<|message|>The user greets. Reply briefly."
-                             "<|end|>\n\nHello! How can I help?")
+                             "<|end|>Hello! How can I help?")
 
 
 def test_harmony_calls_need_tools_and_whole_json():

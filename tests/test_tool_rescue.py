@@ -16,11 +16,11 @@ from offgrid import libllama
 from offgrid.chat.gbnf import check_grammar
 from offgrid.chat.prompt import prepare_chat
 from offgrid.chat.reply import ReplyStream, parse_reply
-from offgrid.chat.rescue import bare_call_grammar, rescue_of, tool_args
+from offgrid.chat.rescue import bare_call_grammar, call_key, finished_calls, rescue_of, tool_args
 from offgrid.chat.template import ChatTemplate, ReplyFormat
 from offgrid.engine.sampling import build_sampler
 from offgrid.request import SamplingParams
-from offgrid.request import Message, Tool
+from offgrid.request import Message, Tool, ToolCall
 
 try:
     from .serverproc import ROOT, ServerProcess
@@ -191,6 +191,94 @@ def test_without_the_rescue_a_bare_call_in_a_hermes_template_is_content():
     assert parse_reply(text, fmt).content == text
 
 
+# -- a finished call is never rescued again -------------------------------------------
+
+QWEN25_TEMPLATE = None
+
+
+def _qwen25(llama_src):
+    global QWEN25_TEMPLATE
+    if QWEN25_TEMPLATE is None:
+        src = (llama_src / "models" / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
+        QWEN25_TEMPLATE = ChatTemplate(src)
+    return QWEN25_TEMPLATE
+
+
+def _after_a_read(call_id="call_1", result_id="call_1"):
+    return [Message("user", READ_IT),
+            Message("assistant", "", tool_calls=[
+                ToolCall("Read", '{"file_path": "/tmp/notes.txt"}', call_id)]),
+            Message("tool", "buy milk", tool_call_id=result_id)]
+
+
+def _read_back(llama_src, messages, text, size=None):
+    """The reply to ``messages`` read as the worker reads it: whole, or streamed in pieces."""
+    fmt = prepare_chat(None, _qwen25(llama_src), messages, TOOLS, "auto",
+                       check=False).reply_format
+    if size is None:
+        return parse_reply(text, fmt)
+    s = ReplyStream(fmt)
+    deltas = []
+    for i in range(0, len(text), size):
+        deltas += s.add(text[i:i + size])
+    deltas += s.finish()[0]
+    return deltas
+
+
+SAME_READ = '{"name": "Read", "arguments": {"file_path": "/tmp/notes.txt"}}'
+
+
+@pytest.mark.parametrize("text", [
+    SAME_READ,
+    '```json\n{"name": "Read", "arguments": {"file_path":"/tmp/notes.txt"}}',
+    # the same call once what it copied out of the schema is dropped
+    '{"name": "Read", "arguments": {"file_path": "/tmp/notes.txt", "pages": ""}}',
+])
+def test_a_rescued_call_identical_to_a_finished_one_stays_text(llama_src, text):
+    r = _read_back(llama_src, _after_a_read(), text)
+    assert r.tool_calls == [] and r.content == text.strip()
+
+
+@pytest.mark.parametrize("size", [1, 3, 7])
+def test_a_streamed_repeat_is_sent_as_text_once_whole(llama_src, size):
+    deltas = _read_back(llama_src, _after_a_read(), SAME_READ, size)
+    assert not [d for d in deltas if d.tool_call]
+    assert "".join(d.content for d in deltas if d.content) == SAME_READ
+
+
+def test_a_different_call_after_a_result_is_still_rescued(llama_src):
+    text = '{"name": "Read", "arguments": {"file_path": "/tmp/other.txt"}}'
+    r = _read_back(llama_src, _after_a_read(), text)
+    assert [(c.name, json.loads(c.arguments)) for c in r.tool_calls] == \
+        [("Read", {"file_path": "/tmp/other.txt"})]
+
+
+def test_a_call_whose_result_is_not_there_yet_is_rescued(llama_src):
+    """An assistant call with no tool result after it is not finished (a retry
+    after an edit of the conversation, say)."""
+    r = _read_back(llama_src, _after_a_read()[:2] + [Message("user", "Go on.")], SAME_READ)
+    assert [c.name for c in r.tool_calls] == ["Read"]
+
+
+def test_results_match_their_calls_by_id_or_by_position():
+    calls = [ToolCall("Read", '{"file_path": "/a"}', "c1"), ToolCall("Bash", '{"command": "ls"}', "c2")]
+    ask = Message("assistant", "", tool_calls=calls)
+    by_id = finished_calls([ask, Message("tool", "x", tool_call_id="c2")])
+    assert by_id == (call_key("Bash", '{"command":"ls"}'),)
+    by_position = finished_calls([ask, Message("tool", "x")])
+    assert by_position == (call_key("Read", '{ "file_path" : "/a" }'),)
+    assert finished_calls([ask]) == ()
+    # a result after the next assistant turn answers nothing of this one
+    assert finished_calls([ask, Message("assistant", "ok"), Message("tool", "x")]) == ()
+
+
+def test_a_call_in_the_templates_own_form_is_read_even_when_repeated(llama_src):
+    """Only the rescue holds back: a model that writes its template's own call
+    means it (calls may be meant twice: a poll, a retry)."""
+    text = '<tool_call>\n' + SAME_READ + '\n</tool_call>'
+    assert [c.name for c in _read_back(llama_src, _after_a_read(), text).tool_calls] == ["Read"]
+
+
 def test_a_held_call_keeps_its_optional_arguments_and_drops_copied_ones(qwen):
     """The grammar holds a call to its tool's whole schema; reading it drops only the
     values copied out of the schema (a sentinel maximum, an empty string)."""
@@ -286,6 +374,17 @@ def test_a_fenced_opener_is_held_from_its_object(qwen):
     assert ended and text.startswith('```json\n{"name": "Bash"')
     calls = parse_reply(text, plan.reply_format).tool_calls
     assert [c.name for c in calls] == ["Bash"] and "command" in json.loads(calls[0].arguments)
+
+
+def test_the_models_repeat_of_a_finished_call_comes_back_as_text(qwen):
+    """What loops agents: after Read's result Qwen2.5-Coder-0.5B writes the same
+    Read again (greedy, seen as is); held and read, it is the model's text."""
+    plan = _qwen_plan(qwen, _after_a_read())
+    text, ended = generate(qwen, plan, n=60)
+    assert ended and json.loads(text.strip().strip("`").replace("json\n", "", 1)) == \
+        {"name": "Read", "arguments": {"file_path": "/tmp/notes.txt"}}, text
+    r = parse_reply(text, plan.reply_format)
+    assert r.tool_calls == [] and r.content == text.strip()
 
 
 def test_a_plain_answer_is_untouched(qwen):

@@ -31,9 +31,11 @@ import logging
 from dataclasses import dataclass
 from typing import FrozenSet, Optional
 
+from .calls import as_shape
 from .gbnf import GrammarError, check_grammar
 from .jsonschema import schema_to_grammar
-from .rescue import rescue_of, tool_args
+from .rescue import finished_calls, rescue_of, tool_args
+from .shapes import shape_markers
 from .template import ChatTemplateError, ReplyFormat, tool_call_grammar
 
 log = logging.getLogger("offgrid.chat")
@@ -56,8 +58,9 @@ def prepare_chat(model, template, messages, tools=(), tool_choice="auto", schema
                  parallel_tool_calls=None, reasoning_format="auto", rescue=True, check=True):
     """Render ``messages`` with ``template`` and settle the reply's grammar; a ChatPlan.
 
-    ``check``: hold the grammars to the GBNF checks (a request that will
-    generate; /apply-template renders only).
+    ``check``: hold the grammars to the GBNF checks and find the preserved
+    tokens (a request that will generate; /apply-template renders only, and
+    ``model`` may then be None).
     """
     if tools and tool_choice != "none" and grammar:
         raise ChatTemplateError("cannot use custom grammar constraints with tools")
@@ -73,6 +76,8 @@ def prepare_chat(model, template, messages, tools=(), tool_choice="auto", schema
     if check and g is not None and g is not prompt.grammar:
         check_grammar(model, g)         # a response format's or the client's: a 400 if bad
     fmt = prompt.reply_format
+    if schema is not None:
+        fmt = dataclasses.replace(fmt, json_fence=True)
     watch = None
     if schema is None and grammar is None:
         watch = rescue_of(tools, tool_choice, rescue)
@@ -83,10 +88,16 @@ def prepare_chat(model, template, messages, tools=(), tool_choice="auto", schema
             log.debug("tool-call rescue off for this request: %s", e)
             watch = None
     if watch is not None:
-        fmt = dataclasses.replace(fmt, bare_calls=True, tool_args=tool_args(tools))
+        # where bare JSON is the template's own call form (Llama 3, generic) a
+        # repeated call is the model's to make; elsewhere only the rescue reads it
+        native = getattr(template, "tool_syntax", "generic") in ("llama3", "generic")
+        fmt = dataclasses.replace(fmt, bare_calls=True, tool_args=tool_args(tools),
+                                  finished_calls=() if native else finished_calls(messages))
     id_length = 9 if getattr(template, "tool_syntax", "") == "mistral" else 32
-    return ChatPlan(prompt.text, fmt, g, tuple(triggers), preserved_tokens(model, fmt), id_length,
-                    watch)
+    # only a request that will generate needs them (the worker sends them with
+    # its tokens); a render alone, or a reader's test, has no model to ask
+    keep = preserved_tokens(model, fmt) if check else frozenset()
+    return ChatPlan(prompt.text, fmt, g, tuple(triggers), keep, id_length, watch)
 
 
 def _checked_tool_grammar(model, prompt, template, tools, tool_choice, parallel):
@@ -129,13 +140,20 @@ _CALL_MARKERS = ("<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]"
 _HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>")
 
 
-def preserved_tokens(model, fmt):
-    """Control tokens the reply must show as text for the markers to be read."""
+def reply_markers(fmt):
+    """The markers a reply in ``fmt`` is read by."""
     markers = [m for pair in fmt.reasoning_markers for m in pair] + list(_CALL_MARKERS)
     if fmt.tool_syntax == "harmony":
         markers += _HARMONY_MARKERS
+    if fmt.call_shape:
+        markers += shape_markers(as_shape(fmt.call_shape))
+    return markers
+
+
+def preserved_tokens(model, fmt):
+    """Control tokens the reply must show as text for the markers to be read."""
     out = set()
-    for text in markers:
+    for text in reply_markers(fmt):
         toks = model.tokenize(text, add_special=False, parse_special=True)
         if len(toks) == 1 and not model.token_bytes(toks[0]):
             out.add(toks[0])

@@ -33,6 +33,10 @@ reply with the object)
 
 as llama-server reads them.  Text outside calls is content.
 
+Calls between markers, in every other family's shape, are read by
+chat/calls.py (the shapes: chat/shapes.py); a reply that is one bare JSON
+call by chat/bare.py.
+
 Streaming parses the whole text so far after each piece and sends what grew
 since the last parse.  To never take back what was sent, a partial parse
 holds back only what can still become a marker ("<thi", "<tool_") or a call
@@ -44,18 +48,18 @@ stream from their first pieces.
 """
 
 import json
-import logging
 import re
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
 from .. import jsonlimit
-from .rescue import copied_arguments, tool_by_arguments
+from .bare import (HOLD, OPENER_LIMIT, arguments_text, bare_calls, call_from_json,  # noqa: F401
+                   json_at, skip_ws)
+from .calls import as_shape, read_calls, read_messages
 from .template import ToolCall, new_tool_call_id
 
 _WS = " \t\n\r\v\f"
 
-log = logging.getLogger("offgrid.chat")
 
 
 @dataclass
@@ -95,21 +99,38 @@ def split_reasoning(text, fmt, partial=False):
     s, end = text, None
     if fmt.starts_in_reasoning:
         end = fmt.reasoning_end
+        if fmt.parse_tools and (fmt.tool_syntax in ("llama3", "generic") or fmt.bare_calls) \
+                and text.lstrip(_WS)[:1] in ("{", "["):
+            # a bare JSON call (a forced call's grammar writes one from the
+            # first token) is no reasoning, though the prompt opened a block
+            return "", text, False
     else:
         head = text.lstrip(_WS)
         for start, e in fmt.reasoning_markers:
             if head.startswith(start):
                 s, end = head[len(start):], e
                 break
+            if head.startswith(e):
+                # an empty block whose start the prompt wrote (MiniMax-M3's </mm:think>)
+                return "", head[len(e):].lstrip(_WS), True
         else:
-            if partial and head and any(start.startswith(head)
-                                        for start, _ in fmt.reasoning_markers):
+            if partial and head and any(m.startswith(head)
+                                        for pair in fmt.reasoning_markers for m in pair):
                 return "", "", False        # may still become a reasoning block
     if end is None:
         return "", text, False
     k = s.find(end)
+    openers = call_openers(fmt) if fmt.parse_tools else ()
+    if k < 0 and openers:
+        # a call ends the reasoning the prompt opened, closed or not (Qwen3.5
+        # goes from thinking straight to <tool_call>); while the end marker may
+        # still come it may be a call the model is only thinking about, so it
+        # is held until the end marker or the reply's end decides
+        o = min([o for o in (s.find(m) for m in openers) if o >= 0], default=-1)
+        if o >= 0:
+            return s[:o].strip(_WS), ("" if partial else s[o:]), True
     if k < 0:
-        body = _held_back(s, [end]) if partial else s
+        body = _held_back(s, [end] + list(openers)) if partial else s
         return body.strip(_WS), "", True
     return s[:k].strip(_WS), s[k + len(end):].lstrip(_WS), True
 
@@ -117,58 +138,6 @@ def split_reasoning(text, fmt, partial=False):
 # ---------------------------------------------------------------------------
 # Tool calls
 # ---------------------------------------------------------------------------
-
-_decoder = json.JSONDecoder()
-
-
-def _json_at(text, i):
-    """(value, end) of the JSON value at text[i:], or (None, None) if there is none (yet)."""
-    try:
-        return _decoder.raw_decode(text, i)
-    except ValueError:
-        return None, None
-
-
-def _skip_ws(text, i):
-    while i < len(text) and text[i] in _WS:
-        i += 1
-    return i
-
-
-def _arguments_text(args):
-    if isinstance(args, str):
-        try:
-            jsonlimit.loads(args)
-            return args
-        except ValueError:
-            return json.dumps(args, ensure_ascii=False)
-    return json.dumps({} if args is None else args, ensure_ascii=False)
-
-
-def _call_from_json(obj):
-    """A ToolCall from {"name", "arguments"|"parameters"} (or OpenAI's nested form), else None."""
-    if not isinstance(obj, dict):
-        return None
-    if isinstance(obj.get("function"), dict) and "name" not in obj:
-        inner = obj["function"]
-        call = _call_from_json(inner)
-        if call is not None and isinstance(obj.get("id"), str):
-            call.id = obj["id"]
-        return call
-    name = obj.get("name")
-    if not isinstance(name, str) or not name:
-        return None
-    if "arguments" in obj:
-        args = obj["arguments"]
-    elif "parameters" in obj:
-        args = obj["parameters"]
-    else:
-        args = {}
-    call = ToolCall(name, _arguments_text(args))
-    if isinstance(obj.get("id"), str):
-        call.id = obj["id"]
-    return call
-
 
 def _xml_value(raw):
     v = raw[1:] if raw.startswith("\n") else raw
@@ -190,7 +159,7 @@ def _starts_or_opens(text, i, word):
 def _hermes_call(text, i, partial):
     """The call after ``<tool_call>`` at i: (ToolCall, end), (None, None) while
     it may still come, or (None, -1) when what follows can never be one."""
-    i = _skip_ws(text, i)
+    i = skip_ws(text, i)
     if text[i:i + 1] not in ("", "{", "<") or \
             (text[i:i + 1] == "<" and not _starts_or_opens(text, i, "<function=")):
         return None, -1
@@ -208,13 +177,13 @@ def _hermes_call(text, i, partial):
         call, j = ToolCall(m.group(1).strip(), json.dumps(args, ensure_ascii=False)), \
             close + len("</function>")
     else:
-        obj, j = _json_at(text, i)
+        obj, j = json_at(text, i)
         if j is None:
             return None, None
-        call = _call_from_json(obj)
+        call = call_from_json(obj)
         if call is None:
             return None, -1         # whole JSON, but not a call
-    k = _skip_ws(text, j)
+    k = skip_ws(text, j)
     if text.startswith("</tool_call>", k):
         return call, k + len("</tool_call>")
     if partial and "</tool_call>".startswith(text[k:]):
@@ -249,20 +218,20 @@ def _hermes(text, partial):
 def _json_calls(text, i, sep=";"):
     """Consecutive JSON calls from text[i:] to the end: calls, or None if anything else is there."""
     calls = []
-    i = _skip_ws(text, i)
+    i = skip_ws(text, i)
     while i < len(text):
-        obj, j = _json_at(text, i)
+        obj, j = json_at(text, i)
         if j is None:
             return None
         found = obj if isinstance(obj, list) else [obj]
         for o in found:
-            call = _call_from_json(o)
+            call = call_from_json(o)
             if call is None:
                 return None
             calls.append(call)
-        i = _skip_ws(text, j)
+        i = skip_ws(text, j)
         if i < len(text) and text[i] in sep:
-            i = _skip_ws(text, i + 1)
+            i = skip_ws(text, i + 1)
     return calls or None
 
 
@@ -281,7 +250,7 @@ def _mistral_one(text, i, partial):
     m = re.compile(r"([^\[\]{}\s]+)(?:\[CALL_ID\]([A-Za-z0-9]+))?\[ARGS\]").match(text, i)
     if not m:
         return None, None
-    obj, j = _json_at(text, m.end())
+    obj, j = json_at(text, m.end())
     if j is None or not isinstance(obj, dict):
         return None, None
     return ToolCall(m.group(1), json.dumps(obj, ensure_ascii=False), m.group(2) or ""), j
@@ -292,7 +261,7 @@ def _mistral(text, partial):
     k = text.find(marker)
     if k < 0:
         return (_held_back(text, [marker]) if partial else text), [], False
-    i = _skip_ws(text, k + len(marker))
+    i = skip_ws(text, k + len(marker))
     if text.startswith("[", i):
         calls = _json_calls(text, i)
         if calls is None:
@@ -305,218 +274,28 @@ def _mistral(text, partial):
 _SYNTAXES = {"hermes": _hermes, "llama3": _llama3, "mistral": _mistral}
 
 
-# ---------------------------------------------------------------------------
-# Bare JSON calls: a reply that is nothing but a call object
-# ---------------------------------------------------------------------------
-#
-# Llama 3.x writes a call as bare JSON, and so do models taught the generic
-# form; a reply to them that starts with "{" may be a call or may be an
-# answer in JSON.  llama-server reads such a call only in the shape its
-# grammar writes, {["type": "function",] "name": <a given tool>, "arguments"
-# (or "parameters"): ...}; so a streamed reply is held back only while its
-# start can still become that opener, and released as content the moment it
-# cannot ({"city": ..., a name no tool has, a ```python fence, prose).  The
-# opener is decided within OPENER_LIMIT characters or not at all, which
-# bounds what is held before a call is known; once it is known the call is
-# held whole, as every call is.  Hermes and Mistral templates mark their
-# calls, so bare JSON there is content, as in llama-server.
-
-# Every optional key of the longest generic opener (```json, a list, "type",
-# an "id"), plus a name at OpenAI's 64-character limit, fits well within this.
-OPENER_LIMIT = 200
+_OPENERS = {"hermes": ("<tool_call>",), "mistral": ("[TOOL_CALLS]",),
+            "llama3": ("<|python_tag|>",)}
 
 
-class _More(Exception):
-    """The text ended before the opener was decided."""
-
-
-class _Opener:
-    """A scan of the start of a reply for a bare call's opener.
-
-    ``nested`` allows the generic form's extras: a ```json fence, a list of
-    calls, {"tool_calls": [...]}, {"tool_call": {...}} and {"function": {...}}.
-    """
-
-    def __init__(self, text, names, nested, fence=None):
-        self.s, self.i, self.names, self.nested = text, 0, names, nested
-        self.fence = nested if fence is None else fence
-        self.start = 0          # where the JSON value begins, after any fence
-
-    def ws(self):
-        self.i = _skip_ws(self.s, self.i)
-
-    def lit(self, word, optional=False):
-        got = self.s[self.i:self.i + len(word)]
-        if got == word:
-            self.i += len(word)
-            return True
-        if self.i + len(got) == len(self.s) and word.startswith(got):
-            raise _More()
-        return optional and None
-
-    def string(self, allowed=None):
-        """A JSON string's raw text, or None if there is none or it cannot be in ``allowed``."""
-        if not self.lit('"'):
-            return None
-        m = re.compile(r'(?:[^"\\]|\\.)*').match(self.s, self.i)
-        end = m.end()
-        if end == len(self.s) or self.s[end] == "\\":       # not closed yet
-            if allowed is not None and not any(a.startswith(m.group(0)) for a in allowed):
-                return None
-            raise _More()
-        self.i = end + 1
-        value = m.group(0)
-        return value if allowed is None or value in allowed else None
-
-    def key(self, allowed):
-        self.ws()
-        k = self.string(allowed)
-        if k is None:
-            return None
-        self.ws()
-        return k if self.lit(":") else None
-
-    def reply(self):
-        self.ws()
-        if self.fence and self.lit("```"):
-            # its language: json, or any other a small model writes (markdown, ...)
-            tag = re.compile(r"[A-Za-z0-9_+.-]{0,16}").match(self.s, self.i)
-            if tag.end() == len(self.s):
-                raise _More()
-            self.i = tag.end()
-            self.ws()
-        self.start = self.i
-        if self.nested and self.lit("[", optional=True):
-            self.ws()
-        return self.call()
-
-    def call(self):
-        if not self.lit("{"):
-            return False
-        keys = ["name", "type", "id"] + (["function", "tool_call", "tool_calls"]
-                                         if self.nested else [])
-        for _ in range(3):          # "type" and "id" may come before the name
-            k = self.key(keys)
-            if k is None:
-                return False
-            self.ws()
-            if k == "name":
-                if self.string(self.names or None) is None:
-                    return False
-                self.ws()
-                return bool(self.lit(",") and self.key(["arguments", "parameters"]))
-            if k in ("function", "tool_call"):
-                return self.call()
-            if k == "tool_calls":
-                if not self.lit("["):
-                    return False
-                self.ws()
-                return self.call()
-            if k == "type" and self.string(["function"]) is None:
-                return False
-            if k == "id" and self.string() is None:
-                return False
-            self.ws()
-            if not self.lit(","):
-                return False
-            keys = [x for x in keys if x != k]
-        return False
-
-
-_HOLD = "hold"      # _bare_calls: not decided yet, send nothing of it
-
-
-def _bare_calls(text, fmt, partial):
-    """The calls when the whole of ``text`` is a bare call in the template's
-    form; _HOLD while (partial) it may still become one; else None."""
-    # the generic form's extras where it is the template's form; the rescue's
-    # (fmt.bare_calls) writes only {"name", "arguments"}, maybe in a fence
-    nested = fmt.tool_syntax not in ("llama3", "hermes", "mistral")
-    s = text.strip(_WS)
-    # a rescued reply may name no tool and still be one's call by its arguments
-    names = () if fmt.bare_calls and fmt.tool_args else fmt.tool_names
-    scan = _Opener(s[:OPENER_LIMIT], names, nested, nested or fmt.bare_calls)
-    try:
-        if not scan.reply():
-            return None
-    except _More:
-        return _HOLD if partial and len(text.lstrip(_WS)) < OPENER_LIMIT else None
-    obj, j = _json_at(s, scan.start)
-    if j is None:
-        return _HOLD if partial else None       # the call is still being written
-    tail = s[j:].strip(_WS)
-    fenced = s.startswith("```")
-    if tail not in (("```", "") if fenced else ("",)):
-        # only the closing fence may follow, and only while it is coming (a
-        # rescued call ends at its object: its fence is never closed)
-        return _HOLD if partial and fenced and "```".startswith(tail) else None
-    calls = _calls_of(obj, nested)
-    if calls and fmt.bare_calls and fmt.tool_args:
-        calls = [c if c.name in fmt.tool_names else _by_arguments(c, obj, fmt) for c in calls]
-        if None in calls:
-            return None
-    if not calls or (fmt.tool_names and any(c.name not in fmt.tool_names for c in calls)):
-        return None
-    if partial:
-        return _HOLD                        # sent at the end: nothing may follow a bare call
-    if fmt.bare_calls and fmt.tool_args:
-        calls = [_without_copies(c, fmt) for c in calls]
-    return calls
-
-
-def _without_copies(call, fmt):
-    """A rescued call less the optional arguments copied out of its schema (rescue.py)."""
-    try:
-        args = json.loads(call.arguments)
-    except ValueError:
-        return call
-    drop = copied_arguments(call.name, args, fmt.tool_args)
-    if not drop:
-        return call
-    log.debug("tool-call rescue: %s's %s dropped (copied out of its schema)",
-              call.name, ", ".join("%s=%s" % (k, json.dumps(args[k])[:60]) for k in drop))
-    kept = {k: v for k, v in args.items() if k not in drop}
-    return ToolCall(call.name, json.dumps(kept, ensure_ascii=False), call.id)
-
-
-def _by_arguments(call, obj, fmt):
-    """A call naming no tool, read as the one tool its arguments fit (rescue.py),
-    or None.  Only an object with "name" and an "arguments" object qualifies
-    (other keys beside them are the model's chatter)."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("arguments"), dict):
-        return None
-    try:
-        args = json.loads(call.arguments)
-    except ValueError:
-        return None
-    found = tool_by_arguments(args, fmt.tool_args)
-    if found is None:
-        return None
-    return ToolCall(found[0], json.dumps(found[1], ensure_ascii=False), call.id)
-
-
-def _calls_of(obj, nested):
-    """The calls a bare JSON value holds: one object, or (generic) a list or a wrapper."""
-    if nested and isinstance(obj, list):
-        found = [_call_from_json(o) for o in obj]
-    elif nested and isinstance(obj, dict) and isinstance(obj.get("tool_calls"), list):
-        found = [_call_from_json(o) for o in obj["tool_calls"]]
-    elif nested and isinstance(obj, dict) and isinstance(obj.get("tool_call"), dict):
-        found = [_call_from_json(obj["tool_call"])]
-    else:
-        found = [_call_from_json(obj)]
-    return found if found and None not in found else None
+def call_openers(fmt):
+    """The markers that open a call in this reply's syntax."""
+    if fmt.call_shape:
+        return tuple(as_shape(fmt.call_shape).openers)
+    return _OPENERS.get(fmt.tool_syntax, ())
 
 
 def split_tool_calls(text, fmt, partial=False):
     """(content, calls, pending): calls in the template's syntax (or, for Llama 3
     and generic templates, the whole reply one bare call)."""
     if fmt.tool_syntax in ("llama3", "generic") or fmt.bare_calls:
-        bare = _bare_calls(text, fmt, partial)
-        if bare == _HOLD:
+        bare = bare_calls(text, fmt, partial)
+        if bare == HOLD:
             return "", [], True
         if bare:
             return "", bare, False
+    if fmt.call_shape:
+        return read_calls(text, fmt.call_shape, partial, fmt.tool_schemas)
     parse = _SYNTAXES.get(fmt.tool_syntax)
     return parse(text, partial) if parse else (text, [], False)
 
@@ -529,6 +308,7 @@ _HARMONY_ENDS = ("<|end|>", "<|call|>", "<|return|>")
 _HARMONY_HELD = _HARMONY_ENDS + ("<|start|>",)
 _CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
 _RECIPIENT = re.compile(r"\bto=functions\.([^\s<]+)")
+_ANY_RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 
 
 def _harmony_reply(text, fmt, partial):
@@ -541,8 +321,8 @@ def _harmony_reply(text, fmt, partial):
     ends generation on <|call|> and <|return|>, so they rarely reach the text).
     """
     if fmt.parse_tools and "<|message|>" not in text:
-        bare = _bare_calls(text, fmt, partial)     # a call with the channels left out
-        if bare == _HOLD:
+        bare = bare_calls(text, fmt, partial)     # a call with the channels left out
+        if bare == HOLD:
             return Reply()
         if bare:
             return Reply("", "", bare)
@@ -554,7 +334,8 @@ def _harmony_reply(text, fmt, partial):
         if not sep:
             plain = header.strip(_WS)
             if i == 0 and plain and not plain.startswith(("<|", "to=")) \
-                    and not "<|channel|>".startswith(plain):
+                    and not "<|channel|>".startswith(plain) \
+                    and not (partial and "to=".startswith(plain)):
                 # no channels (a continued message, or a grammar's bare output)
                 content.append(_held_back(plain, _HARMONY_HELD) if partial and last else plain)
             continue                        # else a header, maybe still coming
@@ -564,27 +345,40 @@ def _harmony_reply(text, fmt, partial):
             body = body[:min(ends)]
         elif partial and last:
             body = _held_back(body, _HARMONY_HELD)
-        channel = _CHANNEL.search(header)
-        channel = channel.group(1) if channel else ""
+        # the last channel named is the message's (a header may carry two)
+        channels = _CHANNEL.findall(header)
+        channel = channels[-1] if channels else ""
         recipient = _RECIPIENT.search(header)
+        other = _ANY_RECIPIENT.search(header)
+        if other and not recipient and other.group(1) not in ("assistant", "user", "all"):
+            continue                        # a call to a built-in tool (python, container.*)
         if recipient:
             if not fmt.parse_tools or (partial and not closed):
                 continue                    # unsolicited, or not whole yet
             args = body.strip(_WS)
-            obj, j = _json_at(args, 0)
+            obj, j = json_at(args, 0)
             if j is not None and not args[j:].strip(_WS) and isinstance(obj, dict):
-                calls.append(ToolCall(recipient.group(1), _arguments_text(obj)))
+                calls.append(ToolCall(recipient.group(1), arguments_text(obj)))
             else:
                 content.append(args)        # a broken call stays content
         elif channel == "analysis" and fmt.extract_reasoning:
             reasoning.append(body.strip(_WS))
         elif channel == "analysis":         # reasoning_format none: shown as written
-            content.append("<|channel|>analysis<|message|>" + body
-                           + ("<|end|>" if closed else ""))
+            content.append(_AsWritten("<|channel|>analysis<|message|>" + body
+                                      + ("<|end|>" if closed else "")))
         else:
             content.append(body.strip(_WS))
-    return Reply("\n\n".join(c for c in content if c),
-                 "\n\n".join(r for r in reasoning if r), calls)
+    # messages' texts are joined by a blank line; what follows an analysis
+    # shown as written follows its own <|end|> directly (llama.cpp)
+    out = ""
+    for k, c in enumerate(c for c in content if c):
+        out += ("" if k == 0 or isinstance(prev, _AsWritten) else "\n\n") + c
+        prev = c
+    return Reply(out, "\n\n".join(r for r in reasoning if r), calls)
+
+
+class _AsWritten(str):
+    """A message's text given with its markup (reasoning_format none)."""
 
 
 # ---------------------------------------------------------------------------
@@ -595,6 +389,17 @@ def parse_reply(text, fmt, partial=False):
     """A Reply from the generated text.  ``partial``: more text may follow."""
     if fmt.tool_syntax == "harmony":
         return _harmony_reply(text, fmt, partial)
+    if fmt.call_shape and as_shape(fmt.call_shape).recipients:
+        content, reasoning, calls = read_messages(text, fmt.call_shape, partial,
+                                                  fmt.tool_schemas)
+        if fmt.json_fence:
+            content = _unfenced(content, partial)
+        return Reply(content, reasoning if fmt.extract_reasoning else "",
+                     calls if fmt.parse_tools else [])
+    if fmt.reopened and not fmt.extract_reasoning:
+        # reasoning_format none: the block the prompt opened is the reply's
+        # text as the model sees it, so it is given back as written (llama-server)
+        text = fmt.reopened + text
     reasoning, rest, found = split_reasoning(text, fmt, partial)
     if fmt.parse_tools:
         content, calls, _ = split_tool_calls(rest, fmt, partial)
@@ -604,7 +409,45 @@ def parse_reply(text, fmt, partial=False):
     if found and fmt.keep_reasoning_inline and not calls:
         content = text if not partial else _held_back(text, [m for p in fmt.reasoning_markers
                                                              for m in p])
+    if fmt.stray_markers:
+        # with reasoning_format none, reasoning's own markup stays as written
+        keep = () if fmt.extract_reasoning else [m for pair in fmt.reasoning_markers
+                                                 for m in pair]
+        strays = [m for m in fmt.stray_markers
+                  if not any(m in k or k in m or k.startswith(m) for k in keep)]
+        content = _without_markers(content, strays, partial)
+    if fmt.json_fence:
+        content = _unfenced(content, partial)
     return Reply(content, reasoning, calls)
+
+
+def _without_markers(text, markers, partial):
+    """``text`` less the family's markup that is no part of the answer
+    (<|START_RESPONSE|>, a stray <channel|>), and, streamed, less a suffix
+    that may still become one."""
+    if partial:
+        text = _held_back(text, markers)
+    for m in markers:
+        text = text.replace(m, "")
+    return text
+
+
+def _unfenced(text, partial):
+    """An answer held to a JSON schema less the ```json fence a model may put
+    around it (llama-server strips it too)."""
+    head = text.lstrip(_WS)
+    if partial and head and "```json".startswith(head):
+        return ""                           # may still open a fence
+    if not head.startswith("```"):
+        return text
+    nl = head.find("\n")
+    if nl < 0:
+        return "" if partial else text
+    body = head[nl + 1:]
+    tail = body.rstrip(_WS)
+    if tail.endswith("```"):
+        return tail[:-3]
+    return _held_back(body, ["\n```"]) if partial else body
 
 
 class ReplyStream:

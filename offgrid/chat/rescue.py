@@ -54,6 +54,14 @@ keeps it (dropping every optional argument would run a command in the
 wrong folder or read the wrong part of a file, silently).  The calls a
 model writes in its template's own form are left as written.
 
+A rescued call never repeats a finished one: a reply that would be a call
+identical (name and arguments, as JSON values) to one whose result the
+conversation already holds stays the model's text (``finished_calls``).
+After a tool result, Qwen2.5-Coder-0.5B often writes the very call it just
+made; read as a call again, the agent runs it again and gets the same
+reply, forever (openai-agents stops at its turn limit, `llm` and the
+LangChain and Node follow-ups never get an answer).  As text, the turn ends.
+
 ``--no-tool-call-rescue`` turns it off (the worker passes ``enabled``).
 """
 
@@ -182,3 +190,35 @@ def copied_arguments(name, args, candidates):
         return []
     return [k for k, v in args.items()
             if k in hints and _copied(v, hints[k][0], hints[k][1])]
+
+
+def call_key(name, arguments):
+    """A call as one string that two identical calls share: the name and the
+    arguments as canonical JSON (their text as written when it is not JSON)."""
+    try:
+        args = json.dumps(json.loads(arguments), sort_keys=True, ensure_ascii=False,
+                          separators=(",", ":"))
+    except (TypeError, ValueError):
+        args = arguments
+    return "%s\n%s" % (name, args)
+
+
+def finished_calls(messages):
+    """call_key of every assistant call whose result a later tool message holds:
+    by its id, or, where the results carry no ids, by position (the k-th
+    result after the calls answers the k-th call)."""
+    out = []
+    for i, m in enumerate(messages):
+        if m.role != "assistant" or not m.tool_calls:
+            continue
+        results = []
+        for later in messages[i + 1:]:
+            if later.role == "assistant":
+                break
+            if later.role == "tool":
+                results.append(later)
+        ids = {r.tool_call_id for r in results if r.tool_call_id}
+        for k, c in enumerate(m.tool_calls):
+            if (c.id and c.id in ids) or (k < len(results) and not results[k].tool_call_id):
+                out.append(call_key(c.name, c.arguments))
+    return tuple(out)

@@ -22,6 +22,7 @@ module decides the format from the template (``ReplyFormat``) and builds the
 grammar that forces a tool call when ``tool_choice`` requires one.
 """
 
+import dataclasses
 import json
 import random
 import re
@@ -35,6 +36,8 @@ from .. import jsonlimit
 from ..errors import InvalidRequest
 from ..request import Message, Tool, ToolCall  # noqa: F401  (the typed chat request)
 from .jsonschema import Grammar, json_literal, literal
+from .derive import derive_shape
+from .shapes import shape_of, stray_markers_of
 
 
 class ChatTemplateError(InvalidRequest):
@@ -426,6 +429,8 @@ REASONING_MARKERS = [
     ("<|START_THINKING|>", "<|END_THINKING|>"),
     ("<|channel>thought", "<channel|>"),
     ("◁think▷", "◁/think▷"),
+    ("<mm:think>", "</mm:think>"),
+    ("<|open|>think<|sep|>", "<|close|>think<|sep|>"),
 ]
 
 
@@ -449,6 +454,21 @@ class ReplyFormat:
     # with bare_calls: per tool [name, required keys, property keys], to read a
     # call whose "name" is no tool's by its arguments (chat/rescue.py)
     tool_args: tuple = ()
+    # with bare_calls: rescue.call_key of each call the conversation already
+    # has a result for; a rescued call identical to one stays text (rescue.py)
+    finished_calls: tuple = ()
+    # the family's call shape (a name in shapes.SHAPES, or a derived Shape's
+    # fields), read instead of tool_syntax's reader
+    call_shape: object = ""
+    # each tool's parameters' schema by its name: tagged argument values are typed by it
+    tool_schemas: dict = field(default_factory=dict)
+    # the reasoning block the prompt opened, as written ("<think>\n"): given back
+    # in the content with reasoning_format none
+    reopened: str = ""
+    # the family's markup around its answers, dropped from the content
+    stray_markers: tuple = ()
+    # a response format's JSON: a ```json fence around it is dropped
+    json_fence: bool = False
 
 
 # What opens a call (ECMAScript regexes), for the syntaxes whose call grammar
@@ -486,7 +506,10 @@ def call_form_of(src, syntax):
 
 
 def reasoning_markers_of(src):
-    found = [m for m in REASONING_MARKERS if m[0] in src or m[1] in src]
+    # Kimi K3 builds its markers from parts ('<|open|>' ~ 'think' ~ '<|sep|>')
+    k3 = "<|open|>" in src and "<|close|>" in src and "'think'" in src
+    found = [m for m in REASONING_MARKERS if m[0] in src or m[1] in src
+             or (k3 and m[0] == "<|open|>think<|sep|>")]
     if REASONING_MARKERS[0] not in found:
         found.append(REASONING_MARKERS[0])
     return found
@@ -550,6 +573,12 @@ class ChatTemplate:
         self.reasoning_markers = reasoning_markers_of(self.source)
         self.supports_thinking, self.reasoning_start, self.reasoning_end = \
             self._analyze_reasoning(budget)
+        # the family's declared shape; a template in no entry whose calls no
+        # other reader knows gets the shape its own renderings show (derive.py)
+        self.call_shape = shape_of(self.source, self.family)
+        if not self.call_shape and self.tool_syntax == "generic":
+            derived = derive_shape(self.probe_renderer(budget))
+            self.call_shape = dataclasses.asdict(derived) if derived else ""
 
     # -- rendering -------------------------------------------------------------
     def render(self, messages, tools=(), add_generation_prompt=True, enable_thinking=None,
@@ -585,12 +614,17 @@ class ChatTemplate:
             generation_prompt = self._continued(generation_prompt, prefill)
             text = without_gp + generation_prompt
         fmt = self.reply_format(generation_prompt, tools, tool_choice, reasoning_format)
+        if prefill is not None and (prefill.content or prefill.parts):
+            # the reply goes on with the message's text, past any reasoning the
+            # turn opened (DeepSeek's <think> in the header)
+            fmt.starts_in_reasoning, fmt.reopened = False, ""
         grammar, triggers = None, ()
         if tools and tool_choice not in ("auto", "none"):
             # one forced call unless asked for more: a model that does not stop
             # on its own would otherwise repeat calls up to max_tokens
             grammar = tool_call_grammar(tools, self.call_form, tool_choice,
                                         bool(parallel_tool_calls))
+
         elif tools and tool_choice == "auto" and self.tool_syntax in CALL_TRIGGERS:
             # llama-server's lazy grammar: any text until the model opens a
             # call, then only a well-formed call to one of ``tools``
@@ -625,16 +659,36 @@ class ChatTemplate:
                           parse_tools=bool(tools) and tool_choice != "none",
                           extract_reasoning=reasoning_format != "none",
                           keep_reasoning_inline=reasoning_format == "deepseek-legacy",
-                          tool_names=tuple(t.name for t in tools))
+                          tool_names=tuple(t.name for t in tools),
+                          call_shape=self.call_shape,
+                          stray_markers=stray_markers_of(self.source, self.family),
+                          tool_schemas={t.name: t.parameters for t in tools})
         for start, end in fmt.reasoning_markers:
             s = generation_prompt.rfind(start)
             if s >= 0 and s > generation_prompt.rfind(end):
                 fmt.starts_in_reasoning, fmt.reasoning_end = True, end
+                # given back with reasoning_format none, except where llama.cpp's
+                # reader for the family does not (Kimi K3, Ling 3)
+                if self.family not in ("kimi-k3", "ling3"):
+                    fmt.reopened = generation_prompt[s:]
                 break
         return fmt
 
     def _render_probe(self, budget, *args):
         return self._render(*args, budget=budget)
+
+    def probe_renderer(self, budget=None):
+        """render(messages, tools, add_generation_prompt) for the probes of
+        derive.py: the prompt, or None where the template refuses them."""
+        def render(messages, tools, add_generation_prompt):
+            try:
+                return self._render_probe(budget, messages, tools, add_generation_prompt,
+                                          None, None, None, None)
+            except TemplateBudgetError:
+                raise
+            except ChatTemplateError:
+                return None
+        return render
 
     def _render(self, messages, tools, add_generation_prompt, enable_thinking, kwargs, now,
                 json_schema, budget=None):
