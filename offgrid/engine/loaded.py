@@ -167,8 +167,7 @@ def make_states(args, model, session):
                 "cache_type": "f16",
                 # a stream per session lays states out by stream (only named where
                 # on, so that the default's states keep their identity)
-                **({} if session.decoder.kv_unified else {"kv_unified": False})},
-                root=args.cache_dir)
+                **({} if session.decoder.kv_unified else {"kv_unified": False})})
             disk = statedisk.StateDisk(args.cache_dir, ident, args.cache_disk_max << 20)
         except OSError as e:
             logging.getLogger("offgrid.statedisk").warning(

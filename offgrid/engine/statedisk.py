@@ -47,9 +47,18 @@ def file_identity(path, head=HEAD_BYTES):
     return {"size": size, "head_sha256": h.hexdigest()}
 
 
-def content_sha256(path, root):
-    """The SHA-256 of a whole file, computed once and kept in ``root`` by the file's
-    device, inode, size and modification time.
+def hash_book():
+    """Where file hashes are kept: offgrid's cache ($OFFGRID_CACHE, else
+    ~/.cache/offgrid), the same for every --cache-dir, so a model is hashed
+    once per machine, not once per folder of states."""
+    root = os.environ.get("OFFGRID_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                           "offgrid")
+    return os.path.join(root, "file-hashes.json")
+
+
+def content_sha256(path, book=None):
+    """The SHA-256 of a whole file, computed once and kept in ``book`` (hash_book())
+    by the file's device, inode, size and modification time.
 
     Two fine-tunes of one base, converted alike, have the same size and often
     the same header; only their tensor data differs, so a state is matched to
@@ -57,7 +66,7 @@ def content_sha256(path, root):
     GB here); a file replaced or touched is hashed again."""
     st = os.stat(path)
     key = "%d:%d:%d:%d" % (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-    book = os.path.join(root, "file-hashes.json")
+    book = book or hash_book()
     known = _read_json(book)
     if isinstance(known.get(key), str):
         return known[key]
@@ -70,7 +79,7 @@ def content_sha256(path, root):
             h.update(block)
     digest = h.hexdigest()
     try:
-        os.makedirs(root, exist_ok=True)
+        os.makedirs(os.path.dirname(book), exist_ok=True)
         known = _read_json(book)
         known[key] = digest
         tmp = "%s.tmp-%d" % (book, os.getpid())
@@ -91,13 +100,13 @@ def _read_json(path):
         return {}
 
 
-def identity(model_path, lib_path, context, root=None):
-    """What a state depends on: the model file (with ``root``, a --cache-dir, its
-    whole content's hash too), the libllama build (its file's identity), and
-    the context's settings (``context``: a dict of them)."""
+def identity(model_path, lib_path, context, content=True):
+    """What a state depends on: the model file (with ``content``, its whole
+    content's hash too), the libllama build (its file's identity), and the
+    context's settings (``context``: a dict of them)."""
     model = file_identity(model_path)
-    if root is not None:
-        model["sha256"] = content_sha256(model_path, root)
+    if content:
+        model["sha256"] = content_sha256(model_path)
     return {"format": FORMAT, "model": model,
             "build": file_identity(lib_path) if lib_path else None, "context": context}
 
