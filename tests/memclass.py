@@ -5,6 +5,8 @@ tests/test_memory_classes.py, test_memory_states.py and test_memory_cuts.py
 (three files, so that the suite's workers share them out) use it.
 """
 
+from serverproc import ServerProcess
+
 CLASSES = {
     "llama": "dense", "qwen3moe": "dense", "gemma3": "swa", "gpt-oss": "swa",
     "lfm2": "hybrid", "granitehybrid": "hybrid", "qwen3next": "hybrid",
@@ -23,6 +25,13 @@ def text(n, seed):
 
 
 BASE = text(180, 1)
+
+
+def reference_server(model, ctx=4096):
+    """A server of ``model`` that caches nothing and drafts nothing: every answer
+    computed from scratch (use as a context manager)."""
+    return ServerProcess(model, "--spec-type", "none", "-cram", "0", "--no-cache-disk",
+                         ctx=ctx)
 
 
 def complete(srv, prompt, n=16, **extra):

@@ -18,7 +18,7 @@ import concurrent.futures
 import pytest
 
 import archmodels
-from memclass import BASE, CLASSES, complete, fresh, text
+from memclass import BASE, CLASSES, complete, fresh, reference_server, text
 from serverproc import ServerProcess
 
 
@@ -45,8 +45,7 @@ def drafter(arch, arch_dir):
 
 @pytest.fixture(scope="module")
 def reference(model):
-    with ServerProcess(model, "--spec-type", "none", "-cram", "0", "--no-cache-disk",
-                       ctx=4096) as s:
+    with reference_server(model, ctx=4096) as s:
         yield s
 
 

@@ -8,7 +8,7 @@ import concurrent.futures
 import pytest
 
 import archmodels
-from memclass import BASE, ROLLBACK, complete, fresh, text
+from memclass import BASE, ROLLBACK, complete, fresh, reference_server, text
 from serverproc import ServerProcess
 
 
@@ -18,8 +18,7 @@ def test_one_session_takes_drafts_back_natively(native, tiny_dir):
     draft is taken back by llama_memory_seq_rm within the snapshots."""
     path, drafter = archmodels.build(native, tiny_dir), archmodels.build("llama", tiny_dir)
     with ServerProcess(path, "-md", drafter, ctx=4096) as srv, \
-            ServerProcess(path, "--spec-type", "none", "-cram", "0", "--no-cache-disk",
-                          ctx=4096) as ref:
+            reference_server(path, ctx=4096) as ref:
         memory = srv.get("/props")[2]["memory"]
         assert memory["draft_rollback"] == "native" and memory["rollback"] == 8
         for seed in (15, 16):
@@ -37,8 +36,7 @@ def test_no_swa_full_gives_the_default_text(swa_arch, tiny_dir):
     edits = [BASE, " ".join(words[:100]), " ".join(words[:100] + ["granite"] + words[101:]),
              BASE + " " + text(10, 3)]
     with ServerProcess(path, "--no-swa-full", ctx=4096) as windowed, \
-            ServerProcess(path, "--spec-type", "none", "-cram", "0", "--no-cache-disk",
-                          ctx=4096) as ref:
+            reference_server(path, ctx=4096) as ref:
         for prompt in edits:
             assert complete(windowed, prompt) == fresh(ref, prompt)
 
@@ -50,8 +48,7 @@ def test_a_hybrid_with_no_kv_unified_shares_one_cache_and_serves(tiny_dir):
     path = archmodels.build("qwen35", tiny_dir)
     prompts = [text(50, 20), text(60, 21)]
     with ServerProcess(path, "-np", "2", "--no-kv-unified", ctx=2048) as srv, \
-            ServerProcess(path, "--spec-type", "none", "-cram", "0", "--no-cache-disk",
-                          ctx=2048) as ref:
+            reference_server(path, ctx=2048) as ref:
         assert any("--no-kv-unified" in line and "share one cache" in line
                    for line in srv.output)
         with concurrent.futures.ThreadPoolExecutor(2) as pool:

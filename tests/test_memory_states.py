@@ -10,7 +10,8 @@ import os
 import pytest
 
 import archmodels
-from memclass import CLASSES, answered, complete, fresh, text, tokens_of
+from memclass import (CLASSES, answered, complete, fresh, reference_server, text,
+                      tokens_of)
 from serverproc import ServerProcess
 
 
@@ -26,8 +27,7 @@ def model(arch, tiny_dir):
 
 @pytest.fixture(scope="module")
 def reference(model):
-    with ServerProcess(model, "--spec-type", "none", "-cram", "0", "--no-cache-disk",
-                       ctx=4096) as s:
+    with reference_server(model, ctx=4096) as s:
         yield s
 
 

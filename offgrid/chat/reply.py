@@ -55,7 +55,7 @@ from typing import List, Optional, Tuple
 from .. import jsonlimit
 from .bare import (HOLD, OPENER_LIMIT, arguments_text, bare_calls, call_from_json,  # noqa: F401
                    json_at, skip_ws)
-from .calls import as_shape, read_calls, read_messages
+from .calls import as_shape, held_back, read_calls, read_messages
 from .template import ToolCall, new_tool_call_id
 
 _WS = " \t\n\r\v\f"
@@ -75,17 +75,6 @@ class Delta:
     content: Optional[str] = None
     reasoning_content: Optional[str] = None
     tool_call: Optional[Tuple[int, ToolCall]] = None
-
-
-def _held_back(text, markers):
-    """``text`` without a suffix that is the beginning of one of ``markers``."""
-    cut = len(text)
-    for m in markers:
-        for n in range(min(len(m) - 1, len(text)), 0, -1):
-            if text.endswith(m[:n]):
-                cut = min(cut, len(text) - n)
-                break
-    return text[:cut]
 
 
 # ---------------------------------------------------------------------------
@@ -130,7 +119,7 @@ def split_reasoning(text, fmt, partial=False):
         if o >= 0:
             return s[:o].strip(_WS), ("" if partial else s[o:]), True
     if k < 0:
-        body = _held_back(s, [end] + list(openers)) if partial else s
+        body = held_back(s, [end] + list(openers)) if partial else s
         return body.strip(_WS), "", True
     return s[:k].strip(_WS), s[k + len(end):].lstrip(_WS), True
 
@@ -198,7 +187,7 @@ def _tagged_calls(text, partial, marker, parse_one):
         k = text.find(marker, pos)
         if k < 0:
             tail = text[pos:]
-            parts.append(_held_back(tail, [marker]) if partial else tail)
+            parts.append(held_back(tail, [marker]) if partial else tail)
             return "".join(parts), calls, False
         parts.append(text[pos:k])
         call, end = parse_one(text, k + len(marker), partial)
@@ -238,7 +227,7 @@ def _json_calls(text, i, sep=";"):
 def _llama3(text, partial):
     k = text.find("<|python_tag|>")
     if k < 0:
-        return (_held_back(text, ["<|python_tag|>"]) if partial else text), [], False
+        return (held_back(text, ["<|python_tag|>"]) if partial else text), [], False
     calls = _json_calls(text, k + len("<|python_tag|>"))
     if calls is None:
         return (text[:k], [], True) if partial else (text, [], False)
@@ -260,7 +249,7 @@ def _mistral(text, partial):
     marker = "[TOOL_CALLS]"
     k = text.find(marker)
     if k < 0:
-        return (_held_back(text, [marker]) if partial else text), [], False
+        return (held_back(text, [marker]) if partial else text), [], False
     i = skip_ws(text, k + len(marker))
     if text.startswith("[", i):
         calls = _json_calls(text, i)
@@ -337,14 +326,14 @@ def _harmony_reply(text, fmt, partial):
                     and not "<|channel|>".startswith(plain) \
                     and not (partial and "to=".startswith(plain)):
                 # no channels (a continued message, or a grammar's bare output)
-                content.append(_held_back(plain, _HARMONY_HELD) if partial and last else plain)
+                content.append(held_back(plain, _HARMONY_HELD) if partial and last else plain)
             continue                        # else a header, maybe still coming
         ends = [k for k in (body.find(e) for e in _HARMONY_ENDS) if k >= 0]
         closed = bool(ends)
         if closed:
             body = body[:min(ends)]
         elif partial and last:
-            body = _held_back(body, _HARMONY_HELD)
+            body = held_back(body, _HARMONY_HELD)
         # the last channel named is the message's (a header may carry two)
         channels = _CHANNEL.findall(header)
         channel = channels[-1] if channels else ""
@@ -407,7 +396,7 @@ def parse_reply(text, fmt, partial=False):
     else:
         content, calls = rest, []
     if found and fmt.keep_reasoning_inline and not calls:
-        content = text if not partial else _held_back(text, [m for p in fmt.reasoning_markers
+        content = text if not partial else held_back(text, [m for p in fmt.reasoning_markers
                                                              for m in p])
     if fmt.stray_markers:
         # with reasoning_format none, reasoning's own markup stays as written
@@ -426,7 +415,7 @@ def _without_markers(text, markers, partial):
     (<|START_RESPONSE|>, a stray <channel|>), and, streamed, less a suffix
     that may still become one."""
     if partial:
-        text = _held_back(text, markers)
+        text = held_back(text, markers)
     for m in markers:
         text = text.replace(m, "")
     return text
@@ -447,7 +436,7 @@ def _unfenced(text, partial):
     tail = body.rstrip(_WS)
     if tail.endswith("```"):
         return tail[:-3]
-    return _held_back(body, ["\n```"]) if partial else body
+    return held_back(body, ["\n```"]) if partial else body
 
 
 class ReplyStream:
