@@ -25,6 +25,12 @@
 # and llama.cpp's ggml-rpc-server with it (docs/rpc.md); RPC=0
 # leaves both out.
 #
+# libmtmd (tools/mtmd: the image and audio encoders of an mmproj, and its
+# helper's decoding of image and audio files) is built beside libllama
+# always, without video (MTMD_VIDEO=OFF: no ffmpeg); offgrid loads it only
+# for --mmproj (offgrid/libmtmd.py).  Its name is in the build key, so a
+# cached build from before it does not hide it.
+#
 # usage: scripts/build_lib.sh [DEST]
 #        scripts/build_lib.sh --rpc-server [DEST]
 #                                            the same, and ggml-rpc-server beside
@@ -82,7 +88,7 @@ elif [ "$CPU_VARIANTS" = all ]; then
 else
     FLAVOUR=portable-$(echo "$CPU_VARIANTS" | sha256sum | cut -c1-6)
 fi
-FLAVOUR=$FLAVOUR$([ "$RPC" = 1 ] && echo -rpc || true)
+FLAVOUR=$FLAVOUR$([ "$RPC" = 1 ] && echo -rpc || true)-mtmd
 
 SDIST_DIR=$CACHE/llama-cpp-python-$PKG_VERSION-$SHORT
 SDIST=$SDIST_DIR/llama_cpp_python-$PKG_VERSION.tar.gz
@@ -169,7 +175,7 @@ build() {
     # ggml's RPC backend (ggml-rpc.h) and its ggml-rpc-server, which lives
     # under tools/: configuring tools needs common, but only the targets
     # named below are built
-    local rpc_flags targets=(llama)
+    local rpc_flags targets=(llama mtmd)
     if [ "$RPC" = 1 ]; then
         rpc_flags="-DGGML_RPC=ON -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TOOLS=ON"
         targets+=(ggml-rpc-server)
@@ -182,6 +188,7 @@ build() {
         -DBUILD_SHARED_LIBS=ON -DLLAMA_BUILD_TESTS=OFF $rpc_flags \
         -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
         -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DGGML_OPENMP=OFF \
+        -DLLAMA_BUILD_MTMD=ON -DMTMD_VIDEO=OFF \
         -DCMAKE_INSTALL_RPATH='$ORIGIN' -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON \
         $cpu_flags "${native[@]}" >"$BUILD.configure.log" 2>&1 \
       || { tail -30 "$BUILD.configure.log"; exit 1; }
@@ -190,7 +197,7 @@ build() {
     cmake --build "$BUILD/cmake" --target "${targets[@]}" -j "$(nproc)" >"$BUILD.build.log" 2>&1 \
       || { tail -30 "$BUILD.build.log"; exit 1; }
     rm -rf "$INSTALLED"; mkdir -p "$INSTALLED"
-    find "$BUILD/cmake/bin" -maxdepth 1 \( -name 'libllama.so*' -o -name 'libggml*.so*' \) \
+    find "$BUILD/cmake/bin" -maxdepth 1 \( -name 'libllama.so*' -o -name 'libggml*.so*' -o -name 'libmtmd.so*' \) \
         -exec cp -a {} "$INSTALLED/" \;
     if [ "$RPC" = 1 ]; then
         mkdir -p "$INSTALLED/bin"
@@ -236,7 +243,7 @@ if [ "$MODE" = server ]; then
 fi
 build
 mkdir -p "$DEST"
-rm -f "$DEST"/libllama.so* "$DEST"/libggml*.so* "$DEST"/ggml-rpc-server
+rm -f "$DEST"/libllama.so* "$DEST"/libggml*.so* "$DEST"/libmtmd.so* "$DEST"/ggml-rpc-server
 cp -a "$INSTALLED"/lib*.so* "$DEST/"
 if [ "$MODE" = rpc-server ]; then
     [ -x "$INSTALLED/bin/ggml-rpc-server" ] || { log "no ggml-rpc-server in a build with RPC=0"; exit 1; }
