@@ -165,6 +165,8 @@ _PROTOTYPES = {
                                          [const_mtmd_input_chunk_p, POINTER(c_size_t)]),
     # size_t mtmd_input_chunk_get_n_tokens(const mtmd_input_chunk * chunk);
     "mtmd_input_chunk_get_n_tokens": (c_size_t, [const_mtmd_input_chunk_p]),
+    # const char * mtmd_input_chunk_get_id(const mtmd_input_chunk * chunk);
+    "mtmd_input_chunk_get_id": (c_char_p, [const_mtmd_input_chunk_p]),
     # llama_pos mtmd_input_chunk_get_n_pos(const mtmd_input_chunk * chunk);
     "mtmd_input_chunk_get_n_pos": (llama_pos, [const_mtmd_input_chunk_p]),
     # mtmd_input_chunk * mtmd_input_chunk_copy(const mtmd_input_chunk * chunk);
@@ -292,6 +294,10 @@ class MtmdContext:
 
     def tokenize(self, text, bitmaps, add_special, parse_special):
         """Chunks of ``text`` whose media markers stand for ``bitmaps`` in order."""
+        if text.count(self.marker) != len(bitmaps):
+            # (libmtmd throws, and says only "2")
+            raise InvalidRequest("the prompt has %d media markers (%s) for %d images and audio "
+                                 "clips" % (text.count(self.marker), self.marker, len(bitmaps)))
         chunks = Chunks(self.lib)
         data = text.encode("utf-8", "surrogatepass")
         inp = mtmd_input_text(data, len(data), add_special, parse_special)
@@ -300,13 +306,21 @@ class MtmdContext:
                                         ctypes.addressof(arr), len(bitmaps))
         if status != 0:
             chunks.close()
-            if status == 1:
-                raise InvalidRequest("the prompt has a different number of media markers "
-                                     "(%s) than images and audio clips (%d)"
-                                     % (self.marker, len(bitmaps)))
             raise InvalidRequest("an image or audio clip could not be preprocessed "
                                  "(mtmd_tokenize: %d)" % status)
         return chunks
+
+    def chunk_id(self, chunk_ptr):
+        """The id of the bitmap a media chunk came from (what bitmap() set), or None."""
+        cid = self.lib.mtmd_input_chunk_get_id(chunk_ptr)
+        return cid.decode() if cid else None
+
+    def copy_chunk(self, chunk_ptr):
+        """An owned copy of one chunk of a Chunks, outliving it (free_chunk frees it)."""
+        return self.lib.mtmd_input_chunk_copy(chunk_ptr)
+
+    def free_chunk(self, chunk_ptr):
+        self.lib.mtmd_input_chunk_free(chunk_ptr)
 
     def non_causal(self, chunk_ptr):
         return bool(self.lib.mtmd_decode_use_non_causal(self.ptr, chunk_ptr))
@@ -383,13 +397,6 @@ class Chunks:
                 out.append(("image" if kind == MTMD_INPUT_CHUNK_TYPE_IMAGE else "audio", None,
                             lib.mtmd_input_chunk_get_n_tokens(c), c))
         return out
-
-    def copy(self, chunk_ptr):
-        """An owned copy of one chunk (freed with free_chunk), outliving these Chunks."""
-        return self.lib.mtmd_input_chunk_copy(chunk_ptr)
-
-    def free_chunk(self, chunk_ptr):
-        self.lib.mtmd_input_chunk_free(chunk_ptr)
 
     def close(self):
         if self.ptr:

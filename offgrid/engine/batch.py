@@ -49,7 +49,7 @@ class _Part:
     """One member's tokens waiting for (or in) a decode step."""
 
     __slots__ = ("member", "tokens", "pos", "seqs", "outputs", "prompt", "done_n",
-                 "status", "offset", "done")
+                 "status", "offset", "done", "run")
 
     def __init__(self, member, tokens, pos, seqs, outputs, prompt):
         self.member = member
@@ -62,6 +62,7 @@ class _Part:
         self.status = 0
         self.offset = -1            # batch index of the part's first output
         self.done = False
+        self.run = None             # a decode of its own (run_alone), instead of tokens
 
 
 class Member:
@@ -85,6 +86,15 @@ class Member:
         request is cancelled gets status 2, as an aborted decode.
         """
         return self.decoder._decode(_Part(self, tokens, pos, seqs, outputs, prompt))
+
+    def run_alone(self, run, n, pos, seqs):
+        """Make ``run()`` a step of its own: a decode offgrid does not lay out, of
+        ``n`` positions from ``pos`` into ``seqs`` (an image's embeddings, through
+        libmtmd's helper, engine/media.py).  Returns its status; an aborted one's
+        cells are dropped as a token part's are.  No logits are kept."""
+        part = _Part(self, range(n), pos, seqs, OUT_NONE, True)
+        part.run = run
+        return self.decoder._decode(part)[0]
 
     def release(self):
         """Done reading the last decode's logits (the next step may start)."""
@@ -217,8 +227,10 @@ class BatchDecoder:
         status = -1000          # an exception out of the decode: every part fails
         self._cond.release()
         try:
-            layout = [(p.tokens[a:b], p.pos + a, p.seqs,
-                       p.outputs if b == len(p.tokens) else OUT_NONE) for p, a, b in step]
+            run = step[0][0].run
+            layout = None if run else [(p.tokens[a:b], p.pos + a, p.seqs,
+                                        p.outputs if b == len(p.tokens) else OUT_NONE)
+                                       for p, a, b in step]
             n = sum(b - a for _, a, b in step)
             with self._turn(), self.lock:
                 shifted = self._shift       # read under the lock moved() is called in
@@ -226,7 +238,7 @@ class BatchDecoder:
                 if shifted:
                     self.ctx.set_abortable(False)
                 try:
-                    status = self.ctx.decode_parts(layout)
+                    status = run() if run else self.ctx.decode_parts(layout)
                 finally:
                     if shifted:
                         self.ctx.set_abortable(True)
@@ -265,6 +277,9 @@ class BatchDecoder:
         member's tokens that fit, then a share of the prompt work."""
         cap = self.ctx.n_batch
         step = []
+        for p in self._pending:
+            if p.run is not None and not p.member.cancelled:
+                return [(p, 0, len(p.tokens))]      # alone, whole
         if self.has_state:
             # one member a step: sequences of recurrent state decoded in one
             # llama_decode beside others gave wrong tokens now and then

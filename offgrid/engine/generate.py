@@ -202,6 +202,9 @@ class Generation:
                 # this draft (a draft model's decodes take a while)
                 self._member.release()
                 draft = lookup.draft(min(draft_cap, room))
+                if draft and min(draft) < 0:
+                    # an image's media id (engine/media.py) is no token to decode
+                    draft = draft[:[t < 0 for t in draft].index(True)]
             status = self._decode_one(token, n_past, draft)
             if status == 2:
                 finish, stop_type = FinishReason.CANCELLED, "none"

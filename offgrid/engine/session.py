@@ -34,6 +34,7 @@ from ..request import (Completion, FinishReason, GenerationParams, RequestCancel
 from .batch import OUT_ALL, OUT_LAST, OUT_NONE, SEQS_PER_SESSION, BatchDecoder
 from .checkpoints import Checkpoints
 from .generate import Generation
+from .media import floor_to_media
 from .recurrent import RecurrentCache
 from .threads import DecodeThreads
 from .statecache import SAVE_BELOW
@@ -247,6 +248,8 @@ class ChatSession(Generation, RecurrentCache):
         self.usage = None
         self._out = -1                  # batch index of the last decode's (first) output
         self.states = None              # the worker's StateCache (use_states)
+        self.media = None               # the worker's MediaStore (--mmproj; engine/media.py)
+        self._spans = ()                # the media runs of the prompt being evaluated
         self.closed = False
 
     # -- lifetime ------------------------------------------------------------
@@ -546,14 +549,19 @@ class ChatSession(Generation, RecurrentCache):
         batch and after each.
         """
         self._check_open()
-        self.model.check_tokens(tokens)
+        spans = self._check_prompt(tokens, need_logits)
         if not tokens:
             raise InvalidRequest("the prompt is empty")
         if len(tokens) >= self.n_ctx:
             raise ContextFull("the prompt has %d tokens but the context holds %d; "
                               "shorten the prompt or start the server with a larger -c"
                               % (len(tokens), self.n_ctx))
-        plan = self._prepare_cache(tokens, cache_prompt, cache_reuse, need_logits)
+        # a media run is decoded whole, in place: no runs moved around one
+        plan = self._prepare_cache(tokens, cache_prompt, 0 if spans else cache_reuse,
+                                   need_logits)
+        if spans:
+            plan = self._media_plan(plan, spans)
+        self._spans = spans
         gaps = plan.gaps(len(tokens))
         self._progress = _Progress(on_progress, len(tokens), plan.reused) if on_progress else None
         t0 = time.perf_counter()
@@ -569,11 +577,52 @@ class ChatSession(Generation, RecurrentCache):
                     return plan.reused
         finally:
             self._progress = None
+            self._spans = ()
         self.cached = list(tokens)
         if self.states is not None:
             # the prompt speed a restore is weighed against
             self.states.observe_prompt(len(tokens) - plan.reused, time.perf_counter() - t0)
         return plan.reused
+
+    # -- media (engine/media.py) -----------------------------------------------------
+    def _check_prompt(self, tokens, need_logits):
+        """Check a prompt's ids (InvalidToken before libllama sees one); returns its
+        media runs, [(start, end, Span)], where the worker holds media."""
+        spans = self.media.layout(tokens) if self.media is not None else []
+        if not spans:
+            self.model.check_tokens(tokens)
+            return []
+        self.model.check_tokens([t for t in tokens if t >= 0])
+        if need_logits and spans[-1][1] == len(tokens):
+            raise InvalidRequest("the prompt ends with an image or audio clip: put some "
+                                 "text after it")
+        return spans
+
+    def _media_plan(self, plan, spans):
+        """``plan`` with its kept prefix cut back to the start of a media run it
+        ends inside (a run's tokens are decoded together, or not at all)."""
+        keep = floor_to_media(spans, plan.keep)
+        if keep == plan.keep:
+            return plan
+        if self.memory.has_state or not self._mem.rm(keep, -1):
+            return self._clear_plan()
+        self.cached = self.cached[:keep]
+        return cachereuse.ReusePlan(keep)
+
+    def _decode_media(self, start, end, span):
+        """Decode a media run's embeddings at positions start..end-1 (a step alone);
+        returns the status.  Encoding, when its embeddings are not kept, comes first,
+        outside the step."""
+        embd = self.media.embeddings(span)
+        self.n_decodes += 1
+        self._rollback_ok = 0
+        ctx = self._ctx
+        status = self._member.run_alone(
+            lambda: self.media.decode(ctx.ptr, span, embd, start, self._seq),
+            end - start, start, (self._seq,))
+        if status == 0 and self._pin in self._prompt_seqs:
+            self._mem.seq_cp(self._seq, self._pin, start, end)
+        return status
 
     def _decode(self, chunk, pos, want_logits, seq=None):
         """A prompt chunk's decode into the prompt sequences (or ``seq`` alone);
@@ -639,6 +688,23 @@ class ChatSession(Generation, RecurrentCache):
                 self.cached = list(tokens[:pos])
                 return False
             end = min(pos + self.n_batch, len(tokens))
+            media = [s for s in self._spans if s[1] > pos]
+            if media and media[0][0] <= pos:
+                start, stop, span = media[0]
+                status = self._decode_media(pos, stop, span)
+                if status != 0:
+                    self._mem.rm(pos, -1)
+                    self.cached = list(tokens[:pos])
+                    if status == 2:
+                        return False
+                    self._fail(status)
+                pos = stop
+                self.cached = list(tokens[:pos])
+                if self._progress is not None:
+                    self._progress.advance(stop - start)
+                continue
+            if media:
+                end = min(end, media[0][0])     # text up to the next media run
             while marks and marks[0] <= pos:
                 marks.pop(0)
             if marks and marks[0] < end:

@@ -1,0 +1,208 @@
+"""Images and audio in a prompt: the worker's side of --mmproj.
+
+A prompt with media is a token list like any other, in which each media
+chunk (an image, or a slice of one, or an audio clip, as libmtmd splits it)
+stands as ``n_tokens`` copies of one negative id, its *media id*: derived
+from the SHA-256 of the file's bytes and the chunk's place among that
+file's chunks.  Everything that compares prompts (the session's prefix, the
+front's choice of session, kept states, slot and state files) compares
+these ids as tokens, so a second turn about the same image reuses its
+cache, and a different image at the same place does not.  Media ids fit in
+int32 (state files store tokens so) and never reach libllama as tokens:
+the session decodes a run of one as its chunk's embeddings (``decode``),
+a step of its own in the BatchDecoder.
+
+MediaStore (one per worker, owner of the MtmdContext) turns a prompt's text
+and files into those tokens (``tokenize``), keeps the chunks of the last
+prompts (their media ids' meaning) and the embeddings of the last encoded
+chunks, both bounded, and checks a token list that comes back from the
+front (``layout``).
+
+Caps: MAX_MEDIA files a request, MAX_MEDIA_BYTES each (the front checks
+these first, server/api/media.py); an image is scaled by libmtmd to its
+projector's size, so its tokens are bounded by the mmproj (and
+--image-max-tokens).
+"""
+
+import hashlib
+import threading
+from collections import OrderedDict
+
+from ..errors import InvalidRequest, InvalidToken
+from ..request import MAX_MEDIA, MAX_MEDIA_BYTES
+
+
+def media_id(key):
+    """The negative token id of a media chunk's ``key`` (a str): in [-2^31, -2],
+    -1 being libllama's LLAMA_TOKEN_NULL."""
+    h = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little")
+    return -2 - h % (2 ** 31 - 2)
+
+
+class Span:
+    """One media chunk of a prompt: its owned mtmd_input_chunk copy and what it costs."""
+
+    __slots__ = ("id", "kind", "n_tokens", "chunk", "non_causal")
+
+    def __init__(self, id, kind, n_tokens, chunk, non_causal):
+        self.id, self.kind, self.n_tokens = id, kind, n_tokens
+        self.chunk, self.non_causal = chunk, non_causal
+
+
+class MediaStore:
+    """The media of a worker's recent prompts, by media id, and their embeddings."""
+
+    max_spans = 64                        # chunks whose meaning is kept (each holds its
+                                          # preprocessed image: ~10 MB for gemma-3's 896 px)
+    max_embd_bytes = 256 * 1024 * 1024    # embeddings kept for the next turn's prefix miss
+
+    def __init__(self, mtmd, n_embd, n_ubatch, turn):
+        """``mtmd``: the MtmdContext (owned from here on); ``n_embd``: the text
+        model's input width; ``n_ubatch``: the context's, which a non-causal chunk
+        must fit; ``turn()``: the decode turn an encode takes (session.decode_turn)."""
+        self.mtmd = mtmd
+        self.n_embd = n_embd
+        self.n_ubatch = n_ubatch
+        self._turn = turn
+        self._spans = OrderedDict()       # media id -> Span
+        self._embd = OrderedDict()        # media id -> bytes
+        self._embd_bytes = 0
+        self._lock = threading.Lock()
+        self.vision, self.audio = mtmd.vision, mtmd.audio
+        self.n_encoded = 0                # chunks encoded (for tests and /metrics)
+
+    # -- a prompt's tokens -----------------------------------------------------
+    def tokenize(self, text, files, add_special=True, parse_special=True):
+        """Token ids of ``text``, whose media markers stand for ``files`` (bytes) in order."""
+        if len(files) > MAX_MEDIA:
+            raise InvalidRequest("a request may hold at most %d images and audio clips, "
+                                 "not %d" % (MAX_MEDIA, len(files)))
+        bitmaps, keys = [], []
+        try:
+            for data in files:
+                if len(data) > MAX_MEDIA_BYTES:
+                    raise InvalidRequest("an image or audio clip may be at most %d MiB"
+                                         % (MAX_MEDIA_BYTES >> 20))
+                key = hashlib.sha256(data).hexdigest()
+                bm = self.mtmd.bitmap(data, key)
+                bitmaps.append(bm)
+                keys.append(key)
+                if bm.is_audio and not self.audio:
+                    raise InvalidRequest("this model's mmproj has no audio encoder")
+                if not bm.is_audio and not self.vision:
+                    raise InvalidRequest("this model's mmproj has no image encoder")
+            chunks = self.mtmd.tokenize(text, bitmaps, add_special, parse_special)
+        finally:
+            for bm in bitmaps:
+                bm.close()
+        try:
+            return self._tokens_of(chunks, keys)
+        finally:
+            chunks.close()
+
+    def _tokens_of(self, chunks, keys):
+        tokens, k, seen = [], 0, {}
+        for kind, text_tokens, n, ptr in chunks.items():
+            if kind == "text":
+                tokens += text_tokens
+                continue
+            # which file: chunks come in the order of their markers; a file cut
+            # into several chunks (slices) has them one after another
+            key = self.mtmd.chunk_id(ptr) or (keys[k] if k < len(keys) else "?")
+            part = seen.get(key, 0)
+            seen[key] = part + 1
+            if part == 0:
+                k += 1
+            mid = media_id("%s:%d:%d" % (key, part, n))
+            non_causal = self.mtmd.non_causal(ptr)
+            if non_causal and n > self.n_ubatch:
+                raise InvalidRequest("an image here takes %d tokens, decoded together, but a "
+                                     "batch holds %d: start the server with -ub %d or more"
+                                     % (n, self.n_ubatch, n))
+            with self._lock:
+                span = self._spans.get(mid)
+                if span is None:
+                    span = Span(mid, kind, n, self.mtmd.copy_chunk(ptr), non_causal)
+                    self._spans[mid] = span
+                    self._trim_spans()
+                else:
+                    self._spans.move_to_end(mid)
+            tokens += [mid] * n
+        return tokens
+
+    def _trim_spans(self):
+        while len(self._spans) > self.max_spans:
+            mid, old = self._spans.popitem(last=False)
+            self.mtmd.free_chunk(old.chunk)
+            self._drop_embd(mid)
+
+    def layout(self, tokens):
+        """[(start, end, Span)] of the media runs of ``tokens``; InvalidToken where a
+        negative id is no media this worker knows, or a run is not whole."""
+        if not tokens or min(tokens) >= 0:
+            return []
+        out, i, n = [], 0, len(tokens)
+        with self._lock:
+            while i < n:
+                t = tokens[i]
+                if t >= 0:
+                    i += 1
+                    continue
+                span = self._spans.get(t)
+                if span is None:
+                    raise InvalidToken("token id %d is no image or audio this worker holds "
+                                       "(send the request with its media again)" % t)
+                end = i + span.n_tokens
+                if end > n or any(x != t for x in tokens[i:end]):
+                    raise InvalidToken("an image's tokens (%d) are not whole in the prompt" % t)
+                out.append((i, end, span))
+                i = end
+        return out
+
+    # -- evaluation ---------------------------------------------------------------
+    def embeddings(self, span):
+        """The chunk's embeddings, (n_tokens, n_embd) float32 as bytes: kept ones, or
+        encoded now (taking the decode turn: the encoder computes on the same cores)."""
+        with self._lock:
+            data = self._embd.get(span.id)
+            if data is not None:
+                self._embd.move_to_end(span.id)
+                return data
+        with self._turn():
+            data = self.mtmd.encode(span.chunk, span.n_tokens, self.n_embd)
+        if data is None:
+            raise InvalidRequest("the image or audio could not be encoded")
+        with self._lock:
+            self.n_encoded += 1
+            if span.id not in self._embd:
+                self._embd[span.id] = data
+                self._embd_bytes += len(data)
+                while self._embd_bytes > self.max_embd_bytes and len(self._embd) > 1:
+                    self._drop_embd(next(iter(self._embd)))
+        return data
+
+    def _drop_embd(self, mid):
+        data = self._embd.pop(mid, None)
+        if data is not None:
+            self._embd_bytes -= len(data)
+
+    def decode(self, ctx_ptr, span, embd, pos, seq):
+        """Decode a chunk's embeddings into ``seq`` at ``pos``: libmtmd's helper,
+        which sets non-causal attention around it where the projector asks."""
+        return self.mtmd.decode(ctx_ptr, span.chunk, embd, pos, seq, self.n_ubatch)
+
+    def close(self):
+        with self._lock:
+            for span in self._spans.values():
+                self.mtmd.free_chunk(span.chunk)
+            self._spans.clear()
+            self._embd.clear()
+        self.mtmd.close()
+
+
+def floor_to_media(spans, k):
+    """``k``, or the start of the media run it falls inside (a run is decoded whole)."""
+    for start, end, _ in spans:
+        if start < k < end:
+            return start
+    return k

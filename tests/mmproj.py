@@ -1,0 +1,132 @@
+"""An mmproj made by the tests: plain colours become chosen tokens' embeddings, exactly.
+
+No registry ships a vision model or an mmproj, so the tests write one with
+hand-set weights, for llama.cpp's ``gemma3`` projector (tools/mtmd/models/
+siglip.cpp, read for this): a patch embedding (a convolution with patch
+size P), the vision transformer's layers (none here: block_count 0), an
+average pool of n_merge x n_merge patches, an RMS norm times
+``mm.soft_emb_norm.weight``, and a projection ``mm.input_projection.weight``
+into the text model's embeddings.
+
+The vision width is 4.  A pixel, normalised by mean 0.5 and std 0.5, is
+x in [-1, 1] per channel; the convolution gives
+
+    v = (r', g', b', 1 - r' - g' - b')      where c' = (x_c + 1) / 2
+
+for a patch of one colour (weights 0.5 / P^2 per pixel, bias 0.5; the
+fourth channel's weights -0.5 / P^2, bias -0.5; every product and sum exact
+in float32).  Pure red, green, blue and black give the one-hot vectors
+e0..e3; their RMS is 1/2 (eps 0), the norm's weight 0.5 undoes the 2, and
+the projection's row k is the embedding of ``tokens[k]``: the image becomes
+that token's embedding, bit for bit, and a prompt with it gives the greedy
+text of the same prompt with that token.  Other images (a photo) give some
+mix of the four rows: real tokens' worth of numbers, never all zero.
+
+Each image becomes ``(image_size / P / n_merge)^2`` tokens; libmtmd resizes
+any image to image_size x image_size first.  The gemma3 projector wraps an
+image in ``<start_of_image>`` ... ``<end_of_image>`` text and decodes its
+tokens with non-causal attention, as gemma-3 does.
+"""
+
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+
+try:
+    from . import gguf
+except ImportError:  # tests/ on sys.path
+    import gguf
+
+FORMAT_VERSION = 1
+COLOURS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "black": (0, 0, 0)}
+ORDER = ("red", "green", "blue", "black")
+PATCH = 2
+N_MERGE = 2
+WIDTH = 4
+
+
+def token_embeddings(model_path, token_ids):
+    """The rows of ``token_embd.weight`` (F16 or F32) of a GGUF for ``token_ids``, as floats."""
+    f = gguf.read(model_path)
+    info = f.tensor("token_embd.weight")
+    n_embd = info.shape[0]
+    size = {gguf.TensorType.F32: 4, gguf.TensorType.F16: 2}[gguf.TensorType(info.type)]
+    fmt = "<%d%s" % (n_embd, "f" if size == 4 else "e")
+    rows = []
+    with open(f.path, "rb") as fh:
+        for t in token_ids:
+            fh.seek(f.data_offset + info.offset + t * n_embd * size)
+            rows.append(list(struct.unpack(fmt, fh.read(n_embd * size))))
+    return n_embd, rows
+
+
+def write(directory, model_path, tokens, tokens_per_side=1):
+    """An mmproj for the text model at ``model_path`` in which red, green, blue and
+    black images become ``tokens`` (four ids, in that order); cached by recipe."""
+    assert len(tokens) == 4
+    model_path = Path(model_path)
+    recipe = {"format": FORMAT_VERSION, "tokens": list(tokens), "side": tokens_per_side,
+              "model": hashlib.sha256(model_path.read_bytes()).hexdigest()}
+    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+    path = Path(directory) / ("mmproj-%s.gguf" % key)
+    if path.exists():
+        return path
+    n_embd, rows = token_embeddings(model_path, tokens)
+    image_size = PATCH * N_MERGE * tokens_per_side
+
+    w = gguf.Writer()
+    w.add("general.architecture", gguf.string("clip"))
+    w.add("general.name", gguf.string("offgrid-test-mmproj"))
+    w.add("clip.projector_type", gguf.string("gemma3"))
+    w.add("clip.has_vision_encoder", gguf.boolean(True))
+    w.add("clip.vision.embedding_length", gguf.uint32(WIDTH))
+    w.add("clip.vision.attention.head_count", gguf.uint32(1))
+    w.add("clip.vision.feed_forward_length", gguf.uint32(WIDTH))
+    w.add("clip.vision.block_count", gguf.uint32(0))
+    w.add("clip.vision.projection_dim", gguf.uint32(n_embd))
+    w.add("clip.vision.attention.layer_norm_epsilon", gguf.float32(0.0))
+    w.add("clip.vision.image_size", gguf.uint32(image_size))
+    w.add("clip.vision.patch_size", gguf.uint32(PATCH))
+    w.add("clip.vision.projector.scale_factor", gguf.uint32(N_MERGE))
+    w.add("clip.vision.image_mean", gguf.array_of(gguf.ValueType.FLOAT32, [0.5] * 3))
+    w.add("clip.vision.image_std", gguf.array_of(gguf.ValueType.FLOAT32, [0.5] * 3))
+
+    F32 = gguf.TensorType.F32
+    k = 0.5 / (PATCH * PATCH)
+    kernel = []                          # ggml order [P, P, 3, WIDTH]: out, in, y, x
+    for out in range(WIDTH):
+        for c in range(3):
+            weight = (k if c == out else 0.0) if out < 3 else -k
+            kernel += [weight] * (PATCH * PATCH)
+    w.add_tensor("v.patch_embd.weight", (PATCH, PATCH, 3, WIDTH), F32, gguf.f32_bytes(kernel))
+    w.add_tensor("v.patch_embd.bias", (WIDTH,), F32, gguf.f32_bytes([0.5, 0.5, 0.5, -0.5]))
+    w.add_tensor("mm.soft_emb_norm.weight", (WIDTH,), F32, gguf.f32_bytes([0.5] * WIDTH))
+    # ne[0] = the text model's n_embd: row k is what e_k becomes
+    w.add_tensor("mm.input_projection.weight", (n_embd, WIDTH), F32,
+                 gguf.f32_bytes([x for row in rows for x in row]))
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name("%s.tmp-%d" % (path.name, os.getpid()))
+    try:
+        w.write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def png(rgb, width=8, height=8):
+    """A PNG of one colour, written with the standard library."""
+    import zlib
+    raw = b"".join(b"\x00" + bytes(rgb) * width for _ in range(height))
+
+    def chunk(kind, data):
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    return (b"\x89PNG\r\n\x1a\n"
+            + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
