@@ -271,6 +271,21 @@ def parse_args(argv=None):
     p.add_argument("-nr", "--no-repack", action="store_true",
                    help="keep the CPU's weights as the file has them, not repacked for "
                    "faster kernels (which sum in another order than an rpc-server's)")
+    # images and audio (engine/media.py, server/api/media.py): llama-server's flags
+    p.add_argument("-mm", "--mmproj", metavar="FILE",
+                   help="the -m model's multimodal projector (an mmproj GGUF): images (and "
+                   "audio, where it has an audio encoder) in every dialect (docs/api.md)")
+    p.add_argument("--no-mmproj-offload", action="store_true",
+                   help="run the projector's encoder on the CPU even where a GPU is there")
+    p.add_argument("--image-min-tokens", type=int, default=None, metavar="N",
+                   help="fewest tokens an image becomes, for projectors of dynamic size "
+                   "(default: the mmproj's)")
+    p.add_argument("--image-max-tokens", type=int, default=None, metavar="N",
+                   help="most tokens an image becomes, for projectors of dynamic size "
+                   "(default: the mmproj's)")
+    p.add_argument("--media-path", metavar="DIR",
+                   help="let requests name images by file:// URLs under this folder "
+                   "(refused otherwise; http(s) URLs always are: offgrid fetches nothing)")
     p.add_argument("--lib", help="path to libllama.so or its folder (default: $OFFGRID_LIB, "
                    "then lib/, then the system's)")
     p.add_argument("--worker-max-rss", type=float, default=None, metavar="MIB",
@@ -292,6 +307,15 @@ def parse_args(argv=None):
     if not (args.model or args.models_dir or args.models_preset):
         p.error("give a model (-m FILE) or a shelf of them (--models-dir DIR, "
                 "--models-preset FILE)")
+    if args.mmproj and not os.path.isfile(args.mmproj):
+        p.error("--mmproj %s: no such file" % args.mmproj)
+    if args.mmproj and not args.model:
+        p.error("--mmproj is the projector of -m's model: give -m too")
+    if args.media_path and not os.path.isdir(args.media_path):
+        p.error("--media-path %s: no such folder" % args.media_path)
+    for flag in ("image_min_tokens", "image_max_tokens"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            p.error("--%s must be 1 or more" % flag.replace("_", "-"))
     if args.max_queue is not None and args.max_queue < 0:
         p.error("--max-queue must be 0 or more")
     if args.instance_name is not None and not re.fullmatch(r"[\x21-\x7e]{1,64}",
@@ -456,6 +480,8 @@ def main(argv=None):
                                                 ("embeddings", args.embeddings)) if not on],
                       shelf=shelf, fim_given=fim is not None)
     service.slot_save_path = args.slot_save_path
+    from .server.api import media
+    media.allow_files_under(args.media_path)    # file:// images (refused without it)
     httpd.RequestHandlerClass.service = service
     shelf.start_reaper()
     # preset models marked load-on-startup, and --pin ones, load meanwhile

@@ -202,6 +202,10 @@ class WorkerSettings:
     cache_disk_max: int = 4096      # MiB of them on disk, for this model
     slot_save_path: Optional[str] = None    # POST /slots/ID?action=save|restore's folder
     kv_unified: bool = True         # False: a KV cache stream per session (--no-kv-unified)
+    mmproj: Optional[str] = None    # -mm: the model's image/audio projector (engine/media.py)
+    mmproj_offload: bool = True     # False: --no-mmproj-offload (the encoder on the CPU)
+    image_min_tokens: int = -1      # --image-min-tokens; -1: the mmproj's own
+    image_max_tokens: int = -1      # --image-max-tokens; -1: the mmproj's own
 
 
 @dataclasses.dataclass
@@ -274,6 +278,7 @@ class ModelInfo:
     draft_bytes: int                # its file and KV cache, held beside the model's
     flash_attn: str                 # -fa as it was resolved, in words for the load line
     memory: dict                    # its memory class and what it enables (engine/memory.py)
+    modalities: list = dataclasses.field(default_factory=list)  # "vision", "audio" (--mmproj)
 
 
 def encode_info(info):

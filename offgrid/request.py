@@ -340,6 +340,12 @@ class ToolCall:
     id: str = ""
 
 
+# Images and audio clips a request may hold, and the bytes of each file
+# (server/api/media.py checks them at the edge; engine/media.py again)
+MAX_MEDIA = 16
+MAX_MEDIA_BYTES = 20 * 1024 * 1024
+
+
 @dataclass
 class Message:
     """One chat message.  ``parts`` holds text parts when content came as an array."""
@@ -350,6 +356,9 @@ class Message:
     tool_calls: List[ToolCall] = field(default_factory=list)
     tool_call_id: str = ""
     name: str = ""
+    # images and audio clips (base64 of their files), one per media marker in
+    # parts, in order (server/api/media.py; engine/media.py)
+    media: List[str] = field(default_factory=list)
 
     def text(self):
         return self.content if self.parts is None else "\n".join(self.parts)

@@ -9,6 +9,7 @@ import logging
 import os
 
 from .. import protocol
+from ..errors import ModelLoadError
 from ..chat.select import template_for
 from . import rpc, statedisk
 from .draftmodel import DraftModel
@@ -33,6 +34,7 @@ class Loaded:
         template_for(self)      # a template that cannot be used fails the load
         self.embedder = embedder or Embedder.for_model(model, n_ctx=sessions[0].n_ctx)
         self.states = None          # the sessions' StateCache (engine/statecache.py)
+        self.media = None           # --mmproj's MediaStore (engine/media.py), or None
         self.flash_attn = "libllama's choice (-fa auto)"    # Loaded.load says which
 
     @classmethod
@@ -48,7 +50,7 @@ class Loaded:
         if on_sized is not None:
             on_sized(kv_bytes_of(model.meta, context_size(model, args.ctx_size) * n_sessions))
         sessions = []
-        decoder = draft_model = None
+        decoder = draft_model = media = None
         threads = decode_threads(model, args.threads, args.threads_batch)
         flash_attn, flash_attn_words = model.flash_attn(args.flash_attn)
         draft_max = 0 if args.spec_type == "none" else args.spec_draft_n_max or 8
@@ -95,8 +97,13 @@ class Loaded:
             loaded.states = make_states(args, model, sessions[0])
             for s in sessions:
                 s.use_states(loaded.states)
+            loaded.media = media = make_media(args, model, decoder)
+            for s in sessions:
+                s.media = media
             return loaded
         except BaseException:
+            if media is not None:
+                media.close()
             for s in sessions:
                 s.close()
             if draft_model is not None:
@@ -107,6 +114,8 @@ class Loaded:
             raise
 
     def close(self):
+        if self.media is not None:
+            self.media.close()          # before the model its projector was made for
         self.embedder.close()
         for s in self.sessions:
             s.close()
@@ -130,7 +139,9 @@ class Loaded:
             and self.sessions[0].memory.drafts != 0,
             draft=self.draft_model.model.name if self.draft_model is not None else "",
             draft_bytes=self.draft_bytes(), flash_attn=self.flash_attn,
-            memory=self.sessions[0].memory.as_dict())
+            memory=self.sessions[0].memory.as_dict(),
+            modalities=[k for k in ("vision", "audio")
+                        if self.media is not None and getattr(self.media, k)])
 
     def draft_bytes(self):
         """The draft model's file and KV cache (-md), 0 without one."""
@@ -167,7 +178,10 @@ def make_states(args, model, session):
                 "cache_type": "f16",
                 # a stream per session lays states out by stream (only named where
                 # on, so that the default's states keep their identity)
-                **({} if session.decoder.kv_unified else {"kv_unified": False})})
+                **({} if session.decoder.kv_unified else {"kv_unified": False}),
+                # images' cells are the projector's: another mmproj, other states
+                **({"mmproj": [args.mmproj, os.path.getsize(args.mmproj)]}
+                   if getattr(args, "mmproj", None) else {})})
             disk = statedisk.StateDisk(args.cache_dir, ident, args.cache_disk_max << 20)
         except OSError as e:
             logging.getLogger("offgrid.statedisk").warning(
@@ -177,6 +191,26 @@ def make_states(args, model, session):
     states = StateCache(-1 if mib < 0 else mib << 20, disk)
     states.adopt_disk()
     return states
+
+
+def make_media(args, model, decoder):
+    """--mmproj's MediaStore: libmtmd loaded (only here) and the projector made for
+    ``model``; None without --mmproj."""
+    if not getattr(args, "mmproj", None):
+        return None
+    from .. import libmtmd
+    from .media import MediaStore
+    from .session import decode_turn
+    mtmd = libmtmd.MtmdContext(
+        libmtmd.load(), args.mmproj, model.handle.ptr,
+        n_threads=decoder.threads.batch.max_threads, use_gpu=args.mmproj_offload,
+        image_min_tokens=args.image_min_tokens, image_max_tokens=args.image_max_tokens)
+    if mtmd.mrope:
+        mtmd.close()
+        raise ModelLoadError("%s places image tokens by M-RoPE positions (Qwen2-VL and "
+                             "its kin), which offgrid does not serve yet"
+                             % os.path.basename(args.mmproj))
+    return MediaStore(mtmd, model.n_embd, decoder.ctx.n_ubatch, decode_turn)
 
 
 def on_rpc(model):

@@ -23,6 +23,7 @@ group reaches the front, whose shutdown lets running requests finish first.
 """
 
 import argparse
+import base64
 import dataclasses
 import fcntl
 import functools
@@ -354,9 +355,17 @@ class Worker:
                 tokens += part
         return tokens
 
-    def call_prepare_completion(self, parts, add_special=True, schema=None, grammar=None):
-        """Token ids of a prompt given as text and token-id parts; BOS only before text."""
-        tokens = self._tokens_of(parts, add_special)
+    def call_prepare_completion(self, parts, add_special=True, schema=None, grammar=None,
+                                media=()):
+        """Token ids of a prompt given as text and token-id parts; BOS only before text.
+        ``media``: images and audio (base64) for the text's media markers, in order."""
+        if media:
+            if not all(isinstance(p, str) for p in parts):
+                raise InvalidRequest("a prompt with images or audio must be text, "
+                                     "not token ids")
+            tokens = self._media_tokens("".join(parts), media, add_special)
+        else:
+            tokens = self._tokens_of(parts, add_special)
         if not tokens:
             raise InvalidRequest("the prompt is empty: send some text or token ids")
         return {"tokens": tokens, "grammar": self._constraint(schema, grammar)}
@@ -477,15 +486,26 @@ class Worker:
                             enable_thinking, kwargs, parallel_tool_calls, reasoning_format,
                             rescue=self.tool_call_rescue, check=tokenize)
         out = {"text": plan.text}
+        files = [f for m in messages for f in m.get("media") or ()]
         if tokenize:
             # the grammars were checked by prepare_chat (check=tokenize)
             out.update(
-                tokens=self.model.tokenize(plan.text, add_special=True, parse_special=True),
+                tokens=self._media_tokens(plan.text, files, True) if files else
+                self.model.tokenize(plan.text, add_special=True, parse_special=True),
                 grammar=plan.grammar, grammar_triggers=list(plan.grammar_triggers),
                 preserved_tokens=sorted(plan.preserved_tokens),
                 chat={"fmt": dataclasses.asdict(plan.reply_format),
                       "id_length": plan.id_length, "rescue": plan.rescue})
         return out
+
+    def _media_tokens(self, text, files, add_special):
+        """Token ids of a prompt whose media markers stand for ``files`` (base64):
+        each image or audio clip a run of its media id (engine/media.py)."""
+        media = self.loaded.media
+        if media is None:
+            raise InvalidRequest("%s cannot take images or audio: it was not started with "
+                                 "an mmproj (--mmproj)" % self.model.name)
+        return media.tokenize(text, [base64.b64decode(f) for f in files], add_special)
 
     # -- generation -------------------------------------------------------------------
     def _generate(self, frame, cancel):
@@ -539,7 +559,9 @@ class Worker:
         if gen.speculate and tokens:
             gen.drafter = drafter_for(self.spec_type, chat is not None,
                                       gen.fim_suffix is not None,
-                                      lambda: self.model.detokenize(tokens, special=True))
+                                      # (an image's media ids are no text)
+                                      lambda: self.model.detokenize(
+                                          [t for t in tokens if t >= 0], special=True))
         if chat is not None:
             rescue = chat.get("rescue")
             if rescue is not None:

@@ -41,7 +41,7 @@ import logging
 
 from ... import jsonlimit
 from ...request import FinishReason, Message, ToolCall
-from . import formats, openai_chat as chat, pipeline
+from . import formats, media, openai_chat as chat, pipeline
 from ..httpd.httperrors import BadRequest
 from .chat_fields import tool_of
 from .fields import MAX_N_PREDICT, Fields, generation_from, id_slot_from
@@ -152,14 +152,18 @@ def messages_from(system, messages, referenced=None):
                 thinking.append(b["thinking"])
             elif kind == "redacted_thinking" and role == "assistant":
                 pass        # opaque to offgrid: nothing to render
+            elif kind == "image" and role == "user":
+                msg.media.append(media.anthropic_image(b, bw))   # its marker among the text
+                texts.append(media.MARKER)
             else:
                 raise BadRequest("%s: content blocks of type %r are not supported in a %s "
-                                 "message (text, tool_use, tool_result and thinking are)"
-                                 % (bw, kind, role))
+                                 "message (text, image, tool_use, tool_result and thinking "
+                                 "are)" % (bw, kind, role))
         msg.content = "\n".join(texts)
         msg.reasoning_content = "\n".join(thinking)
         if texts or msg.tool_calls or thinking or role == "assistant":
             out.append(msg)
+    media.count_check(out)
     return out
 
 

@@ -8,6 +8,7 @@ import json
 
 from ...request import Message, Tool, ToolCall
 from ..httpd.httperrors import BadRequest
+from . import media
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
@@ -46,13 +47,21 @@ def chat_messages_from(v):
         elif isinstance(content, list):
             msg.parts = []
             for j, part in enumerate(content):
+                # an image or audio part: its marker among the text (api/media.py)
+                data = media.openai_part(part, "%s.content[%d]" % (where, j)) \
+                    if isinstance(part, dict) else None
+                if data is not None:
+                    msg.parts.append(media.MARKER)
+                    msg.media.append(data)
+                    continue
                 if not isinstance(part, dict) or part.get("type") != "text" \
                         or not isinstance(part.get("text"), str):
                     raise BadRequest("%s.content[%d] must be a text part ({\"type\": \"text\", "
-                                     "\"text\": ...}); only text is supported" % (where, j))
+                                     "\"text\": ...}), an image_url or an input_audio part"
+                                     % (where, j))
                 msg.parts.append(part["text"])
         elif content is not None:
-            raise BadRequest("%s.content must be a string, null or an array of text parts"
+            raise BadRequest("%s.content must be a string, null or an array of content parts"
                              % where)
         calls = m.get("tool_calls")
         if calls is not None:
@@ -79,6 +88,7 @@ def chat_messages_from(v):
                     raise BadRequest("%s.%s must be a string" % (where, name))
                 setattr(msg, name, val)
         out.append(msg)
+    media.count_check(out)
     return out
 
 

@@ -351,12 +351,12 @@ def prompt_from(v, where="prompt"):
     Returns a Prompt.  A list of several strings is several prompts
     (prompts_from), refused here.  llama-server's JSON prompt
     ``{"prompt_string": "..."}`` is the string; with ``multimodal_data`` it is
-    refused (no model here takes images or audio).
+    refused here (/completion reads it first: api/media.py).
     """
     if isinstance(v, dict):
         if v.get("multimodal_data"):
-            raise BadRequest("'%s' has multimodal_data, but this server has no multimodal "
-                             "model" % where)
+            raise BadRequest("'%s' has multimodal_data, which /completion takes (images "
+                             "elsewhere go in chat messages)" % where)
         v = v.get("prompt_string")
         if not isinstance(v, str):
             raise BadRequest("'%s' as an object needs a string 'prompt_string'" % where)

@@ -1,7 +1,7 @@
 """llama-server's own API: /tokenize, /detokenize, /completion and /infill."""
 
 from ..httpd.httperrors import BadRequest
-from . import formats, pipeline
+from . import formats, media, pipeline
 from .fields import (Fields, choices_from, generation_from, id_slot_from, infill_from,
                      native_probs_from, output_schema_from, prompts_from, response_fields_from,
                      text_tokenizer)
@@ -47,7 +47,8 @@ def completion(h, body):
     entry = svc.entry_for(f.raw("model"))
     if not f.has("prompt"):
         raise BadRequest('"prompt" must be provided')
-    prompts = prompts_from(f.raw("prompt"))
+    raw, files = media.native_prompts(f.raw("prompt"))
+    prompts = prompts_from(raw)
     n = choices_from(f)
     gen = generation_from(f, entry.n_vocab, svc.n_predict_default,
                           sampling_default=svc.sampling_default, tokenize=text_tokenizer(entry))
@@ -57,8 +58,10 @@ def completion(h, body):
     ready = []
     # the worker makes a lone prompt as it starts: one round trip, not two
     deferred = svc.deferred_prepare(entry, len(prompts) * n, stream)
-    for prompt in prompts:
+    for i, prompt in enumerate(prompts):
         args = dict(parts=prompt.parts, add_special=True, schema=schema, grammar=grammar)
+        if i < len(files) and files[i]:
+            args["media"] = files[i]
         text = prompt.parts[0] if prompt.is_text else ""
         if deferred:
             ready.append(Prompt(None, text, ("prepare_completion", args)))

@@ -46,8 +46,11 @@ What differs from Ollama, on purpose:
   * (not a difference) ``keep_alive`` keeps the model loaded that long after
     the request, as Ollama's does: 0 unloads it as soon as the request ends,
     a negative value never (``Service.request_scope``, ``models/shelf.py``);
-  * ``template`` (a Go template), ``context`` (deprecated token memory) and
-    ``images`` are refused with 400 rather than silently dropped.
+  * ``template`` (a Go template) and ``context`` (deprecated token memory)
+    are refused with 400 rather than silently dropped;
+  * (not a difference) ``images`` (base64) go before the message's text, as
+    Ollama puts them; a model served without --mmproj answers them with a
+    400 (server/api/media.py).
 """
 
 import array
@@ -56,8 +59,8 @@ import json
 import time
 
 from ... import jsonlimit
-from ...request import FinishReason, InfillRequest, Message
-from . import embeddings, openai_chat as chat, pipeline
+from ...request import MAX_MEDIA, FinishReason, InfillRequest, Message
+from . import embeddings, media, openai_chat as chat, pipeline
 from ..httpd.httperrors import BadRequest, NotImplementedByModel
 from .chat_fields import chat_messages_from, tool_choice_from, tools_from
 from .fields import Fields, generation_from, id_slot_from, output_schema_from
@@ -215,8 +218,11 @@ def generate(h, body):
                          "template; send \"raw\": true with a prompt already formatted")
     if f.raw("context"):
         raise BadRequest("'context' is not supported: send the conversation to /api/chat")
-    if f.raw("images"):
-        raise BadRequest("'images' is not supported: offgrid serves text models only")
+    images = _images(f.raw("images"), "images")
+    if images and suffix:
+        raise BadRequest("'images' cannot go with 'suffix' (fill-in-the-middle is text)")
+    # as Ollama: a message's images go before its text
+    prompt = media.MARKER * len(images) + prompt
     if raw and system:
         raise BadRequest("raw mode does not support template, system, or context")
     schema, grammar = _output_schema(f)
@@ -240,12 +246,13 @@ def generate(h, body):
     elif raw:
         gen = _generation(f, entry, svc)
         out = entry.call("prepare_completion", what, parts=[prompt], add_special=True,
-                         schema=schema, grammar=grammar)
+                         schema=schema, grammar=grammar, **({"media": images} if images else {}))
         gen.sampling.grammar = out["grammar"]
         tokens = out["tokens"]
     else:
         # as Ollama: the prompt is one user message (after the system one) in the template
-        messages = ([Message("system", system)] if system else []) + [Message("user", prompt)]
+        messages = ([Message("system", system)] if system else []) \
+            + [Message("user", prompt, media=images)]
         plan = chat.prepare(entry, messages, schema=schema, grammar=grammar,
                             enable_thinking=enable_thinking, kwargs=kwargs, what=what)
         gen = _generation(f, entry, svc)
@@ -294,21 +301,34 @@ class GenerateFormat(_OllamaFormat):
 
 # -- /api/chat -----------------------------------------------------------------------
 
+def _images(v, where):
+    """Ollama's ``images``: an array of base64 strings (each checked), or none."""
+    if v is None:
+        return []
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise BadRequest("'%s' must be an array of base64 strings" % where)
+    if len(v) > MAX_MEDIA:
+        raise BadRequest("a request may hold at most %d images, not %d" % (MAX_MEDIA, len(v)))
+    return [media.checked_b64(x, "%s[%d]" % (where, j)) for j, x in enumerate(v)]
+
+
 def _messages_from(v):
     """Ollama's messages as Messages (through the OpenAI reader's checks)."""
     if not isinstance(v, list):
         raise BadRequest("'messages' must be an array")
-    out = []
+    out, files = [], []
     for i, m in enumerate(v):
         if not isinstance(m, dict):
             raise BadRequest("messages[%d] must be an object" % i)
-        if m.get("images"):
-            raise BadRequest("messages[%d] has images: offgrid serves text models only" % i)
+        images = _images(m.get("images"), "messages[%d].images" % i)
+        files.append(images)
         o = {"role": m.get("role"), "content": m.get("content")}
         if o["content"] is None:
             o["content"] = ""           # Ollama's content may be absent (a tool call only)
         elif not isinstance(o["content"], str):
             raise BadRequest("messages[%d].content must be a string" % i)
+        # as Ollama: a message's images go before its text
+        o["content"] = media.MARKER * len(images) + o["content"]
         for ours, theirs in (("reasoning_content", "thinking"), ("name", "tool_name"),
                              ("tool_call_id", "tool_call_id")):
             if m.get(theirs) is not None:
@@ -320,7 +340,11 @@ def _messages_from(v):
             o["tool_calls"] = [dict(tc, type="function") if isinstance(tc, dict) else tc
                                for tc in calls]
         out.append(o)
-    return chat_messages_from(out)
+    messages = chat_messages_from(out)      # one Message per item, in order
+    for msg, images in zip(messages, files):
+        msg.media = images
+    media.count_check(messages)
+    return messages
 
 
 def _tools_from(v):

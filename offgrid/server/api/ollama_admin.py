@@ -201,6 +201,8 @@ def _capabilities(entry):
         caps.append("tools")
     if entry.has_fim:
         caps.append("insert")
+    if "vision" in (entry.info.modalities or ()):
+        caps.append("vision")       # Ollama's word for a model that takes images
     return caps
 
 

@@ -37,7 +37,7 @@ import json
 import logging
 
 from ...request import FinishReason, Message, ToolCall
-from . import formats, openai_chat as chat, pipeline
+from . import formats, media, openai_chat as chat, pipeline
 from .errormap import to_http_error
 from ..httpd.httperrors import BadRequest
 from .pipeline import Format, Generation, Prompt
@@ -62,13 +62,22 @@ _SKIPPED_ITEMS = ("web_search_call", "file_search_call", "computer_call",
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-def _text_of(content, where):
+def _text_of(content, where, files=None):
+    """The text of a string or of text parts; with ``files`` (a list) input_image parts
+    too, each its media marker in the text and its base64 appended to ``files``."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise BadRequest("'%s' must be a string or an array of text parts" % where)
     out = []
     for i, p in enumerate(content):
+        if files is not None and isinstance(p, dict) and p.get("type") == "input_image":
+            if p.get("image_url") is None:
+                raise BadRequest("'%s[%d].image_url' is required: a data: URI (file ids are "
+                                 "not kept by offgrid)" % (where, i))
+            files.append(media.from_url(p.get("image_url"), "%s[%d].image_url" % (where, i)))
+            out.append(media.MARKER)
+            continue
         if not isinstance(p, dict) or p.get("type") not in _TEXT_PARTS \
                 or not isinstance(p.get("text"), str):
             raise BadRequest("'%s[%d]' must be an input_text part; only text is supported"
@@ -120,11 +129,12 @@ def messages_from(instructions, items, spaces=None):
             role = it.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise BadRequest("'%s.role' must be user, assistant, system or developer" % where)
-            text = _text_of(it.get("content"), where + ".content")
+            files = [] if role == "user" else None
+            text = _text_of(it.get("content"), where + ".content", files)
             if role == "assistant":
                 assistant(lambda m: not m.content and not m.tool_calls).content = text
             else:
-                out.append(Message(role, text))
+                out.append(Message(role, text, media=files or []))
         elif kind == "function_call":
             name, args, call_id = it.get("name"), it.get("arguments", "{}"), it.get("call_id")
             if not isinstance(name, str) or not isinstance(args, str) \
@@ -159,6 +169,7 @@ def messages_from(instructions, items, spaces=None):
         else:
             raise BadRequest("'%s': items of type %r are not supported (message, function_call, "
                              "function_call_output and reasoning are)" % (where, kind))
+    media.count_check(out)
     return out
 
 

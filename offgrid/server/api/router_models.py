@@ -83,6 +83,9 @@ def model_object(shelf, e, created):
                        "n_embd": info.n_embd, "n_params": info.n_params,
                        "size": info.size, "n_ctx": info.n_ctx, "fim": info.has_fim}
         out["capabilities"] = capabilities(info)     # offgrid's: known once it has loaded
+        # --mmproj: images ("vision") and audio, as llama-server's router names them
+        out["architecture"]["input_modalities"] = ["text"] + [
+            {"vision": "image", "audio": "audio"}[m] for m in info.modalities]
     return out
 
 

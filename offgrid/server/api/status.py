@@ -102,7 +102,8 @@ def props(h, _body):
         "model_path": e.path,
         "chat_template": info.chat_template,
         "chat_template_caps": info.caps,
-        "modalities": {"vision": False, "audio": False},
+        # --mmproj's encoders (engine/media.py)
+        "modalities": {"vision": "vision" in info.modalities, "audio": "audio" in info.modalities},
         "build_info": formats.FINGERPRINT,
         # unloaded by --sleep-idle-seconds (or since): the next request wakes it
         "is_sleeping": e.worker is None,

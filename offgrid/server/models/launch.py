@@ -27,6 +27,10 @@ def worker_settings(path, args, chat_template=None, decode_lock=None):
     if draft and not (model and os.path.realpath(model) == os.path.realpath(path)):
         draft = None
     spec_type = args.spec_type if draft or args.spec_type != "draft-simple" else "none"
+    # --mmproj is -m's projector, as -md is its draft model
+    mmproj = getattr(args, "mmproj", None)
+    if mmproj and not (model and os.path.realpath(model) == os.path.realpath(path)):
+        mmproj = None
     return protocol.WorkerSettings(
         model=path, ctx_size=args.ctx_size, batch_size=args.batch_size,
         ubatch_size=args.ubatch_size, parallel=max(1, args.parallel), threads=args.threads,
@@ -46,7 +50,11 @@ def worker_settings(path, args, chat_template=None, decode_lock=None):
         verbose=args.verbose, flash_attn=args.flash_attn, cache_ram=cache_ram_mib(args),
         cache_dir=None if getattr(args, "no_cache_disk", False) else cache_dir(args),
         cache_disk_max=getattr(args, "cache_disk_max", 4096),
-        slot_save_path=getattr(args, "slot_save_path", None))
+        slot_save_path=getattr(args, "slot_save_path", None),
+        mmproj=os.path.abspath(mmproj) if mmproj else None,
+        mmproj_offload=not getattr(args, "no_mmproj_offload", False),
+        image_min_tokens=getattr(args, "image_min_tokens", None) or -1,
+        image_max_tokens=getattr(args, "image_max_tokens", None) or -1)
 
 
 def cache_ram_mib(args):
