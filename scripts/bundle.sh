@@ -70,6 +70,7 @@ variants=$(cd "$STAGE/lib" && for f in libggml-cpu-*.so; do [ ! -e "$f" ] || ech
     | sed 's/^libggml-cpu-//; s/\.so$//' | tr '\n' ' ')
 [ -n "$variants" ] || die "the portable build has no libggml-cpu-*.so variants"
 [ ! -e "$STAGE/lib/libggml-cpu.so" ] || die "the portable build has a fixed libggml-cpu.so"
+[ -e "$STAGE/lib/libmtmd.so" ] || die "the build has no libmtmd.so (images and audio, --mmproj)"
 readelf -d "$STAGE/lib/libllama.so" | grep -q 'R.*PATH.*\$ORIGIN' \
     || die "libllama.so has no \$ORIGIN run path; lib/ would not find its own ggml"
 # Symbol tables are for debuggers; the dynamic symbols ggml looks up stay.
@@ -152,6 +153,20 @@ cp "$SRC/LICENSE" "$STAGE/LICENSES/llama.cpp-LICENSE.txt"
     echo
     grep -h -o 'MIT licensed\. Copyright.*' "$SRC/ggml/src/ggml-cpu/ops.cpp" | head -1
 } >"$STAGE/LICENSES/ggml-cpu-third-party-notices.txt"
+# libmtmd (--mmproj) compiles llama.cpp's vendored image, audio and hash code in.
+{
+    echo "Third-party code compiled into libmtmd.so, with the notices it carries in"
+    echo "the pinned llama.cpp source (vendor/)."
+    for f in stb/stb_image.h miniaudio/miniaudio.h; do
+        echo; echo "== vendor/$f"; echo
+        sed -n '/^This software is available/,$p' "$SRC/vendor/$f" | grep -v '^\*/'
+    done
+    for f in hash/sha256/LICENSE hash/xxhash/LICENSE hash/rotate-bits/LICENSE.md; do
+        echo; echo "== vendor/$f"; echo
+        cat "$SRC/vendor/$f"
+    done
+    echo; echo "== vendor/hash/sha1, vendor/sheredom/subprocess.h: public domain (their headers)"
+} >"$STAGE/LICENSES/libmtmd-third-party-notices.txt"
 
 # --- README ------------------------------------------------------------------
 if [ -n "$MODEL_NAME" ]; then
@@ -205,7 +220,7 @@ Contents
 --------
 offgrid/      the Python package
 __main__.py   lets \`python3 -I <this folder>\` run the package
-lib/          libllama and ggml, built portable (no -march=native) with glibc $HOST_GLIBC$RPC_NOTE
+lib/          libllama, libmtmd (--mmproj) and ggml, built portable (no -march=native) with glibc $HOST_GLIBC$RPC_NOTE
               from llama.cpp as vendored in the llama-cpp-python 0.3.36 sdist, with
               offgrid's patches (scripts/patches in its source; one aligns a buffer)
 LICENSES/     llama.cpp's MIT license (it covers ggml) and the notices of code in lib/

@@ -147,6 +147,7 @@ def test_bundle_holds_package_portable_libraries_licenses_and_model(unpacked, pl
     assert unpacked.name == "offgrid-%s-linux-%s" % (__version__, platform.machine())
     assert (unpacked / "offgrid" / "server" / "httpd" / "handler.py").is_file()
     assert (unpacked / "lib" / "libllama.so").exists()
+    assert (unpacked / "lib" / "libmtmd.so").exists(), "no libmtmd for --mmproj"
     variants = sorted(p.name for p in (unpacked / "lib").glob("libggml-cpu-*.so"))
     assert len(variants) >= 2, variants
     assert not (unpacked / "lib" / "libggml-cpu.so").exists(), "a CPU backend fixed at build time"
