@@ -13,6 +13,7 @@ docs/webui-narrow.png, the pictures README.md and docs/webui.md show (else to
 a temporary folder, so a test run leaves the checkout as it was).
 """
 
+import base64
 import http.client
 import json
 import os
@@ -33,9 +34,15 @@ from selenium.webdriver.common.keys import Keys         # noqa: E402
 from selenium.webdriver.support.ui import Select        # noqa: E402
 
 try:
+    from . import mmproj
     from .serverproc import ServerProcess
+    from .test_vision import N, chat_reference
+    from .test_vision_engine import TOKENS
 except ImportError:
+    import mmproj
     from serverproc import ServerProcess
+    from test_vision import N, chat_reference
+    from test_vision_engine import TOKENS
 
 ROOT = Path(__file__).resolve().parent.parent
 WEBUI = ROOT / "offgrid" / "webui"
@@ -633,3 +640,33 @@ def test_streamed_reasoning_lands_in_a_collapsed_block(gemma_path, browser):
         assert b.el(".reasoning .thought").text == "I should greet."
         msg = b.stored()[0]["messages"][1]
         assert (msg["reasoning"], msg["content"]) == ("I should greet.", "Hello there.")
+
+
+def test_an_image_attached_in_the_page_is_answered_as_its_token(plain_model_path, tiny_dir,
+                                                                browser, tmp_path):
+    # tests/mmproj.py: a red image is exactly the embedding of TOKENS[0]
+    png = tmp_path / "red.png"
+    png.write_bytes(mmproj.png((255, 0, 0)))
+    path = mmproj.write(tiny_dir, plain_model_path, TOKENS)
+    with ServerProcess(plain_model_path, "--mmproj", path, ctx=512) as s:
+        b = browser.open(s.base)
+        b.models_listed()
+        b.wait(lambda: b.js("return !document.getElementById('attach-label').hidden"), 30,
+               "the Image button of a model with vision")
+        b.setting("temperature", 0)
+        b.setting("max_tokens", N)
+        b.el("#attach").send_keys(str(png))
+        b.wait(lambda: b.js("return document.querySelectorAll('#attached img').length") == 1,
+               10, "the attached image's thumbnail")
+        b.type_and_send("What is in this picture?")
+        b.finished()
+        user, answer = b.stored()[0]["messages"]
+        assert user["images"] == ["data:image/png;base64," + base64.b64encode(
+            png.read_bytes()).decode()]
+        expected = chat_reference(s, [{"role": "user", "content": [
+            {"type": "text", "text": "What is in this picture?"},
+            {"type": "image_url", "image_url": {"url": user["images"][0]}}]}])
+        assert answer["content"] == expected
+        assert b.js("return document.querySelectorAll('.msg.user .bubble img').length") == 1
+        assert b.js("return document.querySelectorAll('#attached img').length") == 0
+        assert b.errors() == []

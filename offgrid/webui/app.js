@@ -361,6 +361,10 @@ function normalize(c) {
   out.messages = (Array.isArray(c.messages) ? c.messages : []).filter((m) => m && (m.role === "user" || m.role === "assistant"))
     .map((m) => {
       const msg = {role: m.role, content: typeof m.content === "string" ? m.content : String(m.content == null ? "" : m.content)};
+      if (m.role === "user" && Array.isArray(m.images)) {
+        const imgs = m.images.filter((u) => typeof u === "string" && /^data:image\/[a-z0-9.+-]+;base64,[A-Za-z0-9+/=]+$/i.test(u));
+        if (imgs.length) msg.images = imgs.slice(0, 16);
+      }
       if (typeof m.reasoning === "string" && m.reasoning) msg.reasoning = m.reasoning;
       if (typeof m.error === "string" && m.error) msg.error = m.error;
       if (typeof m.model === "string") msg.model = m.model;
@@ -551,6 +555,7 @@ function renderModels() {
   const why = st === "error" && m.status.error ? ": " + m.status.error : "";
   setModelState(m ? describe(m) + why : "", st === "error", st === "loading");
   updateContext();
+  updateAttach();
 }
 
 function setModelState(text, error, loading) {
@@ -749,7 +754,11 @@ function messageNode(c, m, i) {
 
 function fillBubble(bubble, m, live) {
   bubble.replaceChildren();
-  if (m.role === "user") { bubble.textContent = m.content; return; }
+  if (m.role === "user") {
+    bubble.textContent = m.content;
+    (m.images || []).forEach((u, i) => bubble.append(el("img", {class: "attached-image", src: u, alt: "image " + (i + 1)})));
+    return;
+  }
   if (m.reasoning) {
     const d = el("details", {class: "reasoning"}, el("summary", {text: live && !m.content ? "Thinking\u2026" : "Reasoning"}),
       el("div", {class: "thought", text: m.reasoning}));
@@ -805,19 +814,81 @@ function apiMessages(c, upto) {
   if (c.settings.system) out.push({role: "system", content: c.settings.system});
   for (const m of c.messages.slice(0, upto)) {
     if (m.role === "assistant" && !m.content) continue;    // an error or an empty stop
-    out.push({role: m.role, content: m.content});
+    const images = m.role === "user" && m.images ? m.images : [];
+    // an image goes as OpenAI's image_url part, after the text it came with
+    out.push({role: m.role, content: images.length ? [{type: "text", text: m.content}].concat(
+      images.map((url) => ({type: "image_url", image_url: {url}}))) : m.content});
   }
   return out;
 }
 
 function sendPrompt() {
   const text = $("prompt").value;
-  if (!text.trim() || state.busy) return;
+  if ((!text.trim() && !attached.length) || state.busy) return;
   const c = state.current;
-  c.messages.push({role: "user", content: text});
-  if (c.title === "New chat" || !c.title) c.title = text.trim().split("\n")[0].slice(0, 60);
+  const msg = {role: "user", content: text};
+  if (attached.length) msg.images = attached;
+  c.messages.push(msg);
+  if (c.title === "New chat" || !c.title) c.title = text.trim().split("\n")[0].slice(0, 60) || "Image";
   $("prompt").value = "";
+  attached = [];
+  renderAttached();
   generate(c);
+}
+
+// ---------------------------------------------------------------------------
+// Images: attached or pasted when the chosen model takes them (its /v1/models
+// input_modalities name "image", an mmproj's), sent as image_url parts and kept
+// with the conversation as data: URIs, each drawn smaller where it is larger
+// than IMAGE_MAX_CHARS, so that a picture leaves room in the stored bound
+// ---------------------------------------------------------------------------
+
+const IMAGE_MAX_CHARS = 300000, IMAGE_MAX_SIDE = 1024;
+let attached = [];      // data: URIs for the next message
+
+const visionOk = (m) => !!(m && m.architecture && Array.isArray(m.architecture.input_modalities) &&
+  m.architecture.input_modalities.includes("image"));
+
+function updateAttach() {
+  const ok = state.tab === "chat" && visionOk(state.models.find((m) => m.id === $("model").value));
+  $("attach-label").hidden = !ok;
+  if (!ok && attached.length) { attached = []; renderAttached(); }
+}
+
+function renderAttached() {
+  $("attached").replaceChildren(...attached.map((u, i) => el("span", {class: "thumb"},
+    el("img", {src: u, alt: "attached image " + (i + 1)}),
+    el("button", {type: "button", class: "remove", text: "\u00d7", "aria-label": "Remove image " + (i + 1),
+      onclick: () => { attached.splice(i, 1); renderAttached(); }}))));
+}
+
+function attachFile(file) {
+  if (!file || !/^image\//.test(file.type) || attached.length >= 16) return;
+  const r = new FileReader();
+  r.onload = () => fitImage(String(r.result)).then((u) => { if (u) { attached.push(u); renderAttached(); } });
+  r.readAsDataURL(file);
+}
+
+// small enough: as it is (its own bytes and format); larger: drawn smaller, as a JPEG
+function fitImage(uri) {
+  if (uri.length <= IMAGE_MAX_CHARS) return Promise.resolve(uri);
+  return new Promise((resolve) => {
+    const img = new Image();
+    img.onload = () => {
+      let k = Math.min(1, IMAGE_MAX_SIDE / Math.max(img.width, img.height, 1));
+      for (;;) {
+        const cv = document.createElement("canvas");
+        cv.width = Math.max(1, Math.round(img.width * k));
+        cv.height = Math.max(1, Math.round(img.height * k));
+        cv.getContext("2d").drawImage(img, 0, 0, cv.width, cv.height);
+        const out = cv.toDataURL("image/jpeg", 0.85);
+        if (out.length <= IMAGE_MAX_CHARS || cv.width <= 16) { resolve(out); return; }
+        k *= 0.7;
+      }
+    };
+    img.onerror = () => resolve(null);
+    img.src = uri;
+  });
 }
 
 function regenerate(c) {
@@ -831,8 +902,9 @@ function startEdit(c, i, node) {
   box.value = c.messages[i].content;
   const go = () => {
     if (!box.value.trim() || state.busy) return;
+    const images = c.messages[i].images;
     c.messages = c.messages.slice(0, i);
-    c.messages.push({role: "user", content: box.value});
+    c.messages.push(images ? {role: "user", content: box.value, images} : {role: "user", content: box.value});
     generate(c);
   };
   box.addEventListener("keydown", (e) => {
@@ -1014,6 +1086,12 @@ function init() {
     if (e.key === "Escape" && state.busy && !$("key-dialog").open) state.busy.ctl.abort();
   });
   $("model").addEventListener("change", pickModel);
+  $("model").addEventListener("change", updateAttach);
+  $("attach").addEventListener("change", (e) => { [...e.target.files].forEach(attachFile); e.target.value = ""; });
+  $("prompt").addEventListener("paste", (e) => {
+    const files = [...((e.clipboardData && e.clipboardData.files) || [])].filter((f) => /^image\//.test(f.type));
+    if (files.length && !$("attach-label").hidden) { e.preventDefault(); files.forEach(attachFile); }
+  });
   $("new-chat").addEventListener("click", newChat);
   $("export").addEventListener("click", exportAll);
   $("import-file").addEventListener("change", (e) => { if (e.target.files[0]) importFile(e.target.files[0]); e.target.value = ""; });

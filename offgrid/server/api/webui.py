@@ -38,9 +38,10 @@ ICON = ('<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 16 16">'
         '<path d="M4 5h8M4 8h6M4 11h4" stroke="#fff" stroke-width="1.6"/></svg>\n')
 
 # The browser's own guard: nothing from another origin (fonts, scripts, images,
-# connections), no inline script or style, no framing of the page elsewhere.
+# connections), no inline script or style, no framing of the page elsewhere;
+# images also from data: URIs (the pictures a person attaches, kept in the page).
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
-       "img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+       "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 
 _HEADERS = {
     "Content-Security-Policy": CSP,
