@@ -28,6 +28,7 @@ cores.  The servers decode on one thread: with two threads on two busy cores
 ggml's spinning workers wait for each other and run several times slower.
 """
 
+import base64
 import json
 import os
 import re
@@ -40,11 +41,16 @@ from pathlib import Path
 import pytest
 
 try:
-    from . import doctext
+    from . import doctext, mmproj
     from .serverproc import ROOT, ServerProcess, free_port, parse_sse
+    from .test_vision import chat_reference
+    from .test_vision_engine import TOKENS
 except ImportError:  # tests/ is on sys.path rather than a package
     import doctext
+    import mmproj
     from serverproc import ROOT, ServerProcess, free_port, parse_sse
+    from test_vision import chat_reference
+    from test_vision_engine import TOKENS
 
 from offgrid import __version__
 
@@ -61,8 +67,11 @@ KEY = "docs-test-key"           # what ~/.offgrid-keys holds for docs/security.m
 # --------------------------------------------------------------------------
 
 class Curl:
-    def __init__(self, check, address=DEFAULT):
-        self.check, self.address = check, address
+    """``server``: the fixture serving ``address`` (``make_run``); another's check also
+    gets that server, to ask it for the answer it expects."""
+
+    def __init__(self, check, address=DEFAULT, server="make_run"):
+        self.check, self.address, self.server = check, address, server
 
 
 class Server:
@@ -197,6 +206,18 @@ def embeddings(out):
     a, b = (d["embedding"] for d in body["data"])
     assert len(a) == len(b) == 896 and abs(sum(x * x for x in a) - 1) < 1e-4, body["usage"]
     assert sum(x * y for x, y in zip(a, b)) > 0.5       # two paraphrases
+
+
+def image_chat(out, server):
+    """docs/api.md's image: a picture of one red square, to the tests' own mmproj
+    (tests/mmproj.py), where red is exactly one token's embedding: the answer is the
+    greedy text of the same question with that token in the picture's place."""
+    body = _json(out)
+    image = "data:image/png;base64," + base64.b64encode(mmproj.png((255, 0, 0))).decode()
+    expected = chat_reference(server, [{"role": "user", "content": [
+        {"type": "text", "text": "What is in this picture?"},
+        {"type": "image_url", "image_url": {"url": image}}]}])
+    assert body["choices"][0]["message"]["content"] == expected, body
 
 
 def version(out):
@@ -427,6 +448,11 @@ DOCS = {
     # docs/api.md
     r'8080/completion .*"n_probs"': Curl(token_probabilities),
     r"8080/apply-template ": Curl(apply_template),
+    r"^python3 -m offgrid -m gemma-3-4b-it\S* --mmproj ": NotRun(
+        "no vision model or mmproj can be had offline; tests/test_vision.py serves --mmproj "
+        "with a projector the tests write (tests/mmproj.py); offgrid's parser checks the flags",
+        offgrid_parses),
+    r'8080/v1/chat/completions .*"image_url"': Curl(image_chat, server="vision"),
     # docs/dialects.md
     r"8080/api/generate ": Curl(ollama_fim),
     r"8080/api/chat ": Curl(ollama_chat),
@@ -567,6 +593,16 @@ def run_curl(command, servers, scratch):
 
 
 @pytest.fixture(scope="module")
+def vision(lib, scratch, plain_model_path, tiny_dir):
+    """docs/api.md's server with an mmproj: the tiny model with the tests' own projector
+    (no vision model can be had offline), and the page's picture.png: one red square."""
+    (scratch / "picture.png").write_bytes(mmproj.png((255, 0, 0)))
+    path = mmproj.write(tiny_dir, plain_model_path, TOKENS)
+    with ServerProcess(plain_model_path, "--mmproj", path, ctx=512, threads=1) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
 def make_run(lib, scratch):
     """The README's `make run`, on a free port: the server of the 127.0.0.1:8080 examples."""
     assert shutil.which("curl"), "the docs' examples use curl; install it"
@@ -606,6 +642,9 @@ def test_docs_command(command, scratch, request):
     _, entry = entry_for(command)
     if entry == "make_run":
         serves_the_default(request.getfixturevalue("make_run"))
+    elif isinstance(entry, Curl) and entry.server != "make_run":
+        server = request.getfixturevalue(entry.server)
+        entry.check(run_curl(command.text, {entry.address: server}, scratch), server)
     elif isinstance(entry, Curl):
         entry.check(run_curl(command.text, {DEFAULT: request.getfixturevalue("make_run")},
                              scratch))
