@@ -96,6 +96,14 @@ def default_max_rss(info, cache_bytes=0):
             + draft_ceiling(info.draft_bytes))
 
 
+def media_ceiling(path, args):
+    """What --mmproj adds to a worker's memory: the projector's weights, as much again
+    for its encoder's buffers, and the images' embeddings its MediaStore keeps (256 MiB,
+    engine/media.py); 0 without one."""
+    mmproj = worker_settings(path, args).mmproj
+    return 2 * os.path.getsize(mmproj) + (256 << 20) if mmproj else 0
+
+
 def ceiling_of(file_size, kv_bytes):
     """default_max_rss of a model file of ``file_size`` bytes and KV caches of ``kv_bytes``."""
     return file_size + kv_bytes + max(1 << 30, file_size // 2)
@@ -154,6 +162,7 @@ def start_worker(entry, args, decode_lock=None):
     cache_mib = cache_ram_mib(a)
     cache_bytes = max(0, cache_mib) << 20 if cache_mib >= 0 else 0
     a.cache_ram = cache_mib
+    cache_bytes += media_ceiling(path, a)
     if args.worker_max_rss is None:
         file_size = os.path.getsize(path)
         max_rss = ceiling_of(file_size, cache_bytes)
