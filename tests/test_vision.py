@@ -181,7 +181,8 @@ def _wav():
                                          + base64.b64encode(RED[:40]).decode()}}, "decoded"),
     ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}, "base64"),
     ({"type": "image_url", "image_url": {"url": "data:text/plain;base64,aGk="}}, "text/plain"),
-    ({"type": "input_audio", "input_audio": {"data": _wav(), "format": "wav"}}, "audio"),
+    ({"type": "input_audio", "input_audio": {"data": _wav(), "format": "wav"}},
+     "no audio encoder"),
 ], ids=["http", "file", "truncated", "not-base64", "wrong-type", "audio-to-vision-only"])
 def test_bad_images_are_a_clear_400_and_the_server_goes_on(srv, part, says):
     st, _, out = srv.post("/v1/chat/completions", {"messages": openai_messages(part),

@@ -83,14 +83,16 @@ class MediaStore:
                 if len(data) > MAX_MEDIA_BYTES:
                     raise InvalidRequest("an image or audio clip may be at most %d MiB"
                                          % (MAX_MEDIA_BYTES >> 20))
+                # (libmtmd would only fail to decode it, and say why in its log)
+                if is_audio(data) and not self.audio:
+                    raise InvalidRequest("this model's mmproj has no audio encoder: it takes "
+                                         "images only")
+                if not is_audio(data) and not self.vision:
+                    raise InvalidRequest("this model's mmproj has no image encoder: it takes "
+                                         "audio only")
                 key = hashlib.sha256(data).hexdigest()
-                bm = self.mtmd.bitmap(data, key)
-                bitmaps.append(bm)
+                bitmaps.append(self.mtmd.bitmap(data, key))
                 keys.append(key)
-                if bm.is_audio and not self.audio:
-                    raise InvalidRequest("this model's mmproj has no audio encoder")
-                if not bm.is_audio and not self.vision:
-                    raise InvalidRequest("this model's mmproj has no image encoder")
             chunks = self.mtmd.tokenize(text, bitmaps, add_special, parse_special)
         finally:
             for bm in bitmaps:
@@ -198,6 +200,14 @@ class MediaStore:
             self._spans.clear()
             self._embd.clear()
         self.mtmd.close()
+
+
+def is_audio(data):
+    """Whether a file's first bytes are WAV, FLAC or MP3 (as libmtmd's helper tells audio
+    from images)."""
+    return len(data) >= 12 and (
+        (data[:4] == b"RIFF" and data[8:12] == b"WAVE") or data[:4] == b"fLaC"
+        or data[:3] == b"ID3" or (data[0] == 0xFF and data[1] & 0xE0 == 0xE0))
 
 
 def floor_to_media(spans, k):
