@@ -130,3 +130,13 @@ def png(rgb, width=8, height=8):
     return (b"\x89PNG\r\n\x1a\n"
             + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
             + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+
+
+def bmp(rgb, width=8, height=8):
+    """A 24-bit BMP of one colour (rows bottom up, each padded to 4 bytes)."""
+    row = bytes(rgb[::-1]) * width
+    row += b"\0" * (-len(row) % 4)
+    pixels = row * height
+    return (b"BM" + struct.pack("<IHHI", 54 + len(pixels), 0, 0, 54)
+            + struct.pack("<IiiHHIIiiII", 40, width, height, 1, 24, 0, len(pixels), 2835, 2835,
+                          0, 0) + pixels)

@@ -11,6 +11,7 @@ projector's ``<start_of_image>`` and ``<end_of_image>`` are text of their own).
 
 import base64
 import io
+import struct
 import wave
 
 import pytest
@@ -183,7 +184,10 @@ def _wav():
     ({"type": "image_url", "image_url": {"url": "data:text/plain;base64,aGk="}}, "text/plain"),
     ({"type": "input_audio", "input_audio": {"data": _wav(), "format": "wav"}},
      "no audio encoder"),
-], ids=["http", "file", "truncated", "not-base64", "wrong-type", "audio-to-vision-only"])
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(
+        RED[:16] + struct.pack(">II", 100000, 100000) + RED[24:]).decode()}}, "megapixels"),
+], ids=["http", "file", "truncated", "not-base64", "wrong-type", "audio-to-vision-only",
+        "huge"])
 def test_bad_images_are_a_clear_400_and_the_server_goes_on(srv, part, says):
     st, _, out = srv.post("/v1/chat/completions", {"messages": openai_messages(part),
                                                    "max_tokens": 4})

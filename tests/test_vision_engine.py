@@ -137,9 +137,26 @@ def test_a_cut_inside_an_image_falls_back_to_its_start(session, store, tiny_dir,
 
 def test_undecodable_files_are_a_clear_invalid_request(store):
     png = mmproj.png((255, 0, 0))
-    for bad in (png[:len(png) // 2], b"not an image at all", b"\x00" * 64):
-        with pytest.raises(InvalidRequest, match="could not be decoded"):
+    with pytest.raises(InvalidRequest, match="could not be decoded"):
+        store.tokenize(marker_prompt(), [png[:len(png) // 2]])      # its header is whole
+    for bad in (b"not an image at all", b"\x00" * 64, b"GIF8"):
+        with pytest.raises(InvalidRequest, match="not an image offgrid takes"):
             store.tokenize(marker_prompt(), [bad])
+
+
+def test_an_image_too_large_is_refused_from_its_header_before_decoding(store):
+    png = bytearray(mmproj.png((255, 0, 0)))
+    png[16:24] = struct.pack(">II", 100000, 100000)     # 10 gigapixels, 30 GB decoded
+    with pytest.raises(InvalidRequest, match="100000 x 100000 pixels"):
+        store.tokenize(marker_prompt(), [bytes(png)])
+
+
+def test_a_bmp_becomes_what_the_same_png_becomes(store):
+    embeddings = []
+    for data in (mmproj.png((0, 0, 255), 5, 3), mmproj.bmp((0, 0, 255), 5, 3)):
+        (_, _, span), = store.layout(store.tokenize(marker_prompt(), [data]))
+        embeddings.append(store.embeddings(span))
+    assert embeddings[0] == embeddings[1]
 
 
 def test_markers_and_files_must_agree_in_number(store):

@@ -19,17 +19,23 @@ chunks, both bounded, and checks a token list that comes back from the
 front (``layout``).
 
 Caps: MAX_MEDIA files a request, MAX_MEDIA_BYTES each (the front checks
-these first, server/api/media.py); an image is scaled by libmtmd to its
+these first, server/api/media.py), MAX_IMAGE_PIXELS an image (read from its
+header before it is decoded); an image is scaled by libmtmd to its
 projector's size, so its tokens are bounded by the mmproj (and
 --image-max-tokens).
 """
 
 import hashlib
+import struct
 import threading
 from collections import OrderedDict
 
 from ..errors import InvalidRequest, InvalidToken
 from ..request import MAX_MEDIA, MAX_MEDIA_BYTES
+
+# pixels of one image: stb_image holds them all, 3 bytes each, before libmtmd
+# scales the image to its projector's size (16 of 16.7 megapixels: 800 MB)
+MAX_IMAGE_PIXELS = 4096 * 4096
 
 
 def media_id(key):
@@ -90,6 +96,8 @@ class MediaStore:
                 if not is_audio(data) and not self.vision:
                     raise InvalidRequest("this model's mmproj has no image encoder: it takes "
                                          "audio only")
+                if not is_audio(data):
+                    check_image(data)
                 key = hashlib.sha256(data).hexdigest()
                 bitmaps.append(self.mtmd.bitmap(data, key))
                 keys.append(key)
@@ -200,6 +208,48 @@ class MediaStore:
             self._spans.clear()
             self._embd.clear()
         self.mtmd.close()
+
+
+def check_image(data):
+    """Refuse, before libmtmd decodes it, an image it would spend too much memory on (its
+    header's size past MAX_IMAGE_PIXELS: stb_image holds every pixel) or of a format
+    offgrid does not take."""
+    size = image_size(data)
+    if size is None:
+        raise InvalidRequest("not an image offgrid takes (JPEG, PNG, BMP or GIF), nor audio "
+                             "(WAV, MP3 or FLAC)")
+    w, h = size
+    if w <= 0 or h <= 0 or w * h > MAX_IMAGE_PIXELS:
+        raise InvalidRequest("an image of %d x %d pixels: at most %d megapixels are taken"
+                             % (w, h, MAX_IMAGE_PIXELS // 1000000))
+
+
+def image_size(data):
+    """(width, height) from a JPEG, PNG, BMP or GIF header; None for anything else."""
+    if data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) >= 24:
+        return struct.unpack(">II", data[16:24])
+    if data[:6] in (b"GIF87a", b"GIF89a") and len(data) >= 10:
+        return struct.unpack("<HH", data[6:10])
+    if data[:2] == b"BM" and len(data) >= 26:
+        w, h = struct.unpack("<ii", data[18:26])
+        return w, abs(h)            # a negative height is a top-down bitmap
+    if data[:2] == b"\xff\xd8":
+        i = 2
+        while i + 9 <= len(data):
+            if data[i] != 0xFF:
+                return None
+            marker = data[i + 1]
+            if marker == 0xFF:              # fill byte
+                i += 1
+                continue
+            if marker in (0x01,) or 0xD0 <= marker <= 0xD9:
+                i += 2                      # no length
+                continue
+            if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+                h, w = struct.unpack(">HH", data[i + 5:i + 9])
+                return w, h
+            i += 2 + struct.unpack(">H", data[i + 2:i + 4])[0]
+    return None
 
 
 def is_audio(data):
