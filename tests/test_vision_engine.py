@@ -12,7 +12,7 @@ import pytest
 from offgrid import libmtmd
 from offgrid.engine.media import MediaStore
 from offgrid.engine.session import ChatSession, decode_turn
-from offgrid.errors import InvalidRequest, InvalidToken
+from offgrid.errors import InvalidRequest, InvalidToken, LibraryError
 from offgrid.request import GenerationParams, SamplingParams
 
 try:
@@ -176,3 +176,13 @@ def test_a_prompt_may_not_end_with_its_image(session, store):
             session().evaluate(tokens)
     else:       # gemma3's projector puts <end_of_image> after it
         assert session().evaluate(tokens) == 0
+
+
+def test_a_file_that_is_no_mmproj_for_this_model_is_refused_not_aborted(plain_model, tmp_path,
+                                                                        plain_model_path):
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"GGUF" + bytes(range(256)) * 4)
+    for path in (junk, plain_model_path):       # noise; a text model, not a projector
+        with pytest.raises(LibraryError, match="could not load the mmproj"):
+            libmtmd.MtmdContext(libmtmd.load(), path, plain_model.handle.ptr,
+                                n_threads=TEST_THREADS, use_gpu=False)
