@@ -18,11 +18,11 @@ import pytest
 
 try:
     from . import mmproj
-    from .serverproc import ServerProcess
+    from .serverproc import Call, ServerProcess
     from .test_vision_engine import TOKENS
 except ImportError:  # tests/ on sys.path
     import mmproj
-    from serverproc import ServerProcess
+    from serverproc import Call, ServerProcess
     from test_vision_engine import TOKENS
 
 MARKER = "<__media__>"
@@ -231,3 +231,60 @@ def test_a_second_turn_about_the_same_image_reuses_its_cache_and_another_image_d
     assert st == 200
     # the slot held the red conversation: only the text before the image is reused
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] < n_first - 10
+
+
+def test_images_and_text_at_once_on_several_sessions_each_get_their_solo_answer(
+        plain_model_path, tiny_dir):
+    # an image's decode is a step of its own beside the other sessions' steps
+    path = mmproj.write(tiny_dir, plain_model_path, TOKENS)
+    colours = [(255, 0, 0), (0, 255, 0), None, (0, 0, 255)]
+
+    def body(colour):
+        content = [{"type": "text", "text": QUESTION}]
+        if colour is not None:
+            content.append({"type": "image_url", "image_url": {
+                "url": "data:image/png;base64," + base64.b64encode(mmproj.png(colour)).decode()}})
+        return {"messages": [{"role": "user", "content": content}], "max_tokens": 12,
+                "temperature": 0}
+
+    with ServerProcess(plain_model_path, "--mmproj", path, "-np", 4, "--no-kv-unified",
+                       ctx=256) as s:
+        solo = []
+        for colour in colours:
+            st, _, out = s.post("/v1/chat/completions", body(colour))
+            assert st == 200, out
+            solo.append(out["choices"][0]["message"]["content"])
+        calls = [Call(s, "/v1/chat/completions", dict(body(c), cache_prompt=False))
+                 for c in colours]
+        for c in calls:
+            c.start()
+        for c in calls:
+            c.join(120)
+        together = [c.result[1]["choices"][0]["message"]["content"] for c in calls]
+    assert together == solo
+    assert len(set(solo)) == 4
+
+
+def test_a_slot_file_holds_the_image_for_another_server_and_only_that_image(
+        plain_model_path, tiny_dir, tmp_path):
+    # the media ids in a slot file's tokens come from the image's bytes, so a server
+    # started later reuses the file for the same picture, and not for another
+    path = mmproj.write(tiny_dir, plain_model_path, TOKENS)
+    blue = "data:image/png;base64," + base64.b64encode(mmproj.png((0, 0, 255))).decode()
+
+    def ask(s, uri):
+        st, _, out = s.post("/v1/chat/completions", {
+            "messages": openai_messages({"type": "image_url", "image_url": {"url": uri}}),
+            "max_tokens": 4, "temperature": 0, "id_slot": 0})
+        assert st == 200, out
+        return out["usage"]["prompt_tokens"], out["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    flags = ("--mmproj", path, "--slot-save-path", tmp_path, "--cache-ram", 0, "--no-cache-disk")
+    with ServerProcess(plain_model_path, *flags, ctx=256) as s:
+        n_prompt, _ = ask(s, RED_URI)
+        assert s.post("/slots/0?action=save", {"filename": "red.bin"})[0] == 200
+    with ServerProcess(plain_model_path, *flags, ctx=256) as s:
+        assert s.post("/slots/0?action=restore", {"filename": "red.bin"})[0] == 200
+        assert ask(s, RED_URI)[1] == n_prompt - 1      # all but the last, for its logits
+        assert s.post("/slots/0?action=restore", {"filename": "red.bin"})[0] == 200
+        assert ask(s, blue)[1] < n_prompt - 10         # the text before the picture only

@@ -63,9 +63,10 @@ def write(path, tokens, state):
     return len(head) + len(state) - len(IO_HEADER)
 
 
-def read(path, n_vocab):
+def read(path, n_vocab, media=False):
     """(tokens, state for ContextHandle.set_seq_state, bytes read) of a slot file;
-    SlotFileError if it is not one (or names a token outside the vocabulary),
+    SlotFileError if it is not one (or names a token outside the vocabulary; with
+    ``media``, a worker's of --mmproj, an image's media id too: engine/media.py),
     OSError if it cannot be read."""
     with open(path, "rb") as f:
         data = f.read()
@@ -83,7 +84,7 @@ def read(path, n_vocab):
         packed.byteswap()
     tokens = _unpack(list(packed))
     for t in tokens:
-        if not 0 <= t < n_vocab:
+        if not (0 <= t < n_vocab or (media and t <= -2)):
             raise SlotFileError("Invalid tokens in slot save file")
     state = data[12 + 4 * n:]
     if not state:

@@ -313,7 +313,8 @@ class Worker:
                     "n_written": n_bytes,
                     "timings": {"save_ms": (time.perf_counter() - t0) * 1000.0}}
         try:
-            tokens, state, n_read = slotfile.read(path, self.model.n_vocab)
+            tokens, state, n_read = slotfile.read(path, self.model.n_vocab,
+                                                  media=self.loaded.media is not None)
             if len(tokens) > session.n_ctx:
                 raise slotfile.SlotFileError("Restored prompt does not fit in the slot context")
             if not session.load_state(tokens, state):
