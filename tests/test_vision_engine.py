@@ -186,3 +186,25 @@ def test_a_file_that_is_no_mmproj_for_this_model_is_refused_not_aborted(plain_mo
         with pytest.raises(LibraryError, match="could not load the mmproj"):
             libmtmd.MtmdContext(libmtmd.load(), path, plain_model.handle.ptr,
                                 n_threads=TEST_THREADS, use_gpu=False)
+
+
+def test_an_image_in_use_outlives_its_trim_from_the_store(plain_model, plain_model_path,
+                                                          tiny_dir):
+    path = mmproj.write(tiny_dir, plain_model_path, TOKENS)
+    ctx = libmtmd.MtmdContext(libmtmd.load(), path, plain_model.handle.ptr,
+                              n_threads=TEST_THREADS, use_gpu=False)
+    small = MediaStore(ctx, plain_model.n_embd, 64, decode_turn)
+    small.max_spans = 1
+    try:
+        red = small.tokenize(marker_prompt(), [mmproj.png((255, 0, 0))])
+        spans = small.layout(red, hold=True)        # as a session evaluating it
+        small.tokenize(marker_prompt(), [mmproj.png((0, 0, 255))])     # trims red's
+        span = spans[0][2]
+        _, rows = mmproj.token_embeddings(plain_model_path, TOKENS[:1])
+        assert small.embeddings(span) == struct.pack("<%df" % len(rows[0]), *rows[0])
+        small.release(spans)
+        assert span.chunk is None                   # freed once no one used it
+        with pytest.raises(InvalidToken):
+            small.layout(red)                       # and no longer known
+    finally:
+        small.close()

@@ -48,11 +48,13 @@ def media_id(key):
 class Span:
     """One media chunk of a prompt: its owned mtmd_input_chunk copy and what it costs."""
 
-    __slots__ = ("id", "kind", "n_tokens", "chunk", "non_causal")
+    __slots__ = ("id", "kind", "n_tokens", "chunk", "non_causal", "users", "retired")
 
     def __init__(self, id, kind, n_tokens, chunk, non_causal):
         self.id, self.kind, self.n_tokens = id, kind, n_tokens
         self.chunk, self.non_causal = chunk, non_causal
+        self.users = 0              # evaluations using its chunk now (layout's hold)
+        self.retired = False        # dropped from the store: freed when the last is done
 
 
 class MediaStore:
@@ -143,12 +145,31 @@ class MediaStore:
     def _trim_spans(self):
         while len(self._spans) > self.max_spans:
             mid, old = self._spans.popitem(last=False)
-            self.mtmd.free_chunk(old.chunk)
             self._drop_embd(mid)
+            if old.users:
+                old.retired = True          # a session is encoding or decoding it
+            else:
+                self._free(old)
 
-    def layout(self, tokens):
+    def _free(self, span):
+        if span.chunk:
+            self.mtmd.free_chunk(span.chunk)
+            span.chunk = None
+
+    def release(self, spans):
+        """Done with the chunks of ``spans`` (a layout(..., hold=True)): a chunk a trim
+        dropped meanwhile is freed now."""
+        with self._lock:
+            for _, _, span in spans:
+                span.users -= 1
+                if span.users == 0 and span.retired:
+                    self._free(span)
+
+    def layout(self, tokens, hold=False):
         """[(start, end, Span)] of the media runs of ``tokens``; InvalidToken where a
-        negative id is no media this worker knows, or a run is not whole."""
+        negative id is no media this worker knows, or a run is not whole.  ``hold``:
+        the spans' chunks stay alive (a trim while other prompts come in does not
+        free them) until release(spans): a session's evaluation."""
         if not tokens or min(tokens) >= 0:
             return []
         out, i, n = [], 0, len(tokens)
@@ -167,6 +188,9 @@ class MediaStore:
                     raise InvalidToken("an image's tokens (%d) are not whole in the prompt" % t)
                 out.append((i, end, span))
                 i = end
+            if hold:
+                for _, _, span in out:
+                    span.users += 1
         return out
 
     # -- evaluation ---------------------------------------------------------------
@@ -204,7 +228,7 @@ class MediaStore:
     def close(self):
         with self._lock:
             for span in self._spans.values():
-                self.mtmd.free_chunk(span.chunk)
+                self._free(span)
             self._spans.clear()
             self._embd.clear()
         self.mtmd.close()

@@ -549,7 +549,17 @@ class ChatSession(Generation, RecurrentCache):
         batch and after each.
         """
         self._check_open()
-        spans = self._check_prompt(tokens, need_logits)
+        spans = self._check_prompt(tokens, need_logits)     # their chunks held
+        try:
+            return self._evaluate_prompt(tokens, spans, cancel, cache_prompt, cache_reuse,
+                                         need_logits, on_progress)
+        finally:
+            if spans:
+                self.media.release(spans)
+
+    def _evaluate_prompt(self, tokens, spans, cancel, cache_prompt, cache_reuse, need_logits,
+                         on_progress):
+        """_evaluate's work, with the prompt's media runs ``spans`` (checked)."""
         if not tokens:
             raise InvalidRequest("the prompt is empty")
         if len(tokens) >= self.n_ctx:
@@ -587,13 +597,15 @@ class ChatSession(Generation, RecurrentCache):
     # -- media (engine/media.py) -----------------------------------------------------
     def _check_prompt(self, tokens, need_logits):
         """Check a prompt's ids (InvalidToken before libllama sees one); returns its
-        media runs, [(start, end, Span)], where the worker holds media."""
-        spans = self.media.layout(tokens) if self.media is not None else []
-        if not spans:
+        media runs, [(start, end, Span)], where the worker holds media: their chunks
+        held until the caller's media.release(spans)."""
+        if self.media is None or not tokens or min(tokens) >= 0:
             self.model.check_tokens(tokens)
             return []
         self.model.check_tokens([t for t in tokens if t >= 0])
+        spans = self.media.layout(tokens, hold=True)
         if need_logits and spans[-1][1] == len(tokens):
+            self.media.release(spans)
             raise InvalidRequest("the prompt ends with an image or audio clip: put some "
                                  "text after it")
         return spans
