@@ -140,3 +140,81 @@ def bmp(rgb, width=8, height=8):
     return (b"BM" + struct.pack("<IHHI", 54 + len(pixels), 0, 0, 54)
             + struct.pack("<IiiHHIIiiII", 40, width, height, 1, 24, 0, len(pixels), 2835, 2835,
                           0, 0) + pixels)
+
+
+def write_audio(directory, model_path):
+    """An mmproj with an audio encoder only (llama.cpp's ``qwen2a``: whisper's encoder,
+    one layer 8 wide, then a projection into the text model's embeddings), seeded
+    weights: not a chosen answer, but a real encoder libmtmd runs on a real clip
+    (whisper's log-mel of 30 s chunks: 750 tokens each)."""
+    import random
+    model_path = Path(model_path)
+    recipe = {"format": FORMAT_VERSION, "audio": "qwen2a",
+              "model": hashlib.sha256(model_path.read_bytes()).hexdigest()}
+    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+    path = Path(directory) / ("mmproj-audio-%s.gguf" % key)
+    if path.exists():
+        return path
+    n_embd = gguf.read(model_path).tensor("token_embd.weight").shape[0]
+    rng = random.Random(7)
+    width, n_mel, n_pos = 8, 8, 1500
+
+    def rand(*shape):
+        n = 1
+        for d in shape:
+            n *= d
+        return gguf.f32_bytes([rng.uniform(-0.3, 0.3) for _ in range(n)])
+
+    w = gguf.Writer()
+    w.add("general.architecture", gguf.string("clip"))
+    w.add("general.name", gguf.string("offgrid-test-mmproj-audio"))
+    w.add("clip.projector_type", gguf.string("qwen2a"))
+    w.add("clip.has_audio_encoder", gguf.boolean(True))
+    w.add("clip.audio.embedding_length", gguf.uint32(width))
+    w.add("clip.audio.attention.head_count", gguf.uint32(1))
+    w.add("clip.audio.feed_forward_length", gguf.uint32(width))
+    w.add("clip.audio.block_count", gguf.uint32(1))
+    w.add("clip.audio.projection_dim", gguf.uint32(n_embd))
+    w.add("clip.audio.attention.layer_norm_epsilon", gguf.float32(1e-5))
+    w.add("clip.audio.num_mel_bins", gguf.uint32(n_mel))
+    F32 = gguf.TensorType.F32
+    w.add_tensor("a.conv1d.1.weight", (3, n_mel, width), F32, rand(3, n_mel, width))
+    w.add_tensor("a.conv1d.1.bias", (1, width), F32, rand(width))
+    w.add_tensor("a.conv1d.2.weight", (3, width, width), F32, rand(3, width, width))
+    w.add_tensor("a.conv1d.2.bias", (1, width), F32, rand(width))
+    w.add_tensor("a.position_embd.weight", (width, n_pos), F32, rand(width, n_pos))
+    blk = "a.blk.0."
+    for norm in ("ln1", "ln2"):
+        w.add_tensor(blk + norm + ".weight", (width,), F32, gguf.f32_bytes([1.0] * width))
+        w.add_tensor(blk + norm + ".bias", (width,), F32, gguf.f32_bytes([0.0] * width))
+    for name, bias in (("attn_q", True), ("attn_k", False), ("attn_v", True),
+                       ("attn_out", True), ("ffn_up", True), ("ffn_down", True)):
+        w.add_tensor(blk + name + ".weight", (width, width), F32, rand(width, width))
+        if bias:
+            w.add_tensor(blk + name + ".bias", (width,), F32, rand(width))
+    w.add_tensor("mm.a.fc.weight", (width, n_embd), F32, rand(width, n_embd))
+    w.add_tensor("mm.a.fc.bias", (n_embd,), F32, rand(n_embd))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name("%s.tmp-%d" % (path.name, os.getpid()))
+    try:
+        w.write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def wav(seconds=1.0, rate=16000):
+    """A WAV of a 440 Hz tone, written with the standard library."""
+    import io
+    import math
+    import wave
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as f:
+        f.setnchannels(1)
+        f.setsampwidth(2)
+        f.setframerate(rate)
+        f.writeframes(b"".join(struct.pack("<h", int(8000 * math.sin(2 * math.pi * 440 * i / rate)))
+                               for i in range(int(seconds * rate))))
+    return buf.getvalue()

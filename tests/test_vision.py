@@ -288,3 +288,28 @@ def test_a_slot_file_holds_the_image_for_another_server_and_only_that_image(
         assert ask(s, RED_URI)[1] == n_prompt - 1      # all but the last, for its logits
         assert s.post("/slots/0?action=restore", {"filename": "red.bin"})[0] == 200
         assert ask(s, blue)[1] < n_prompt - 10         # the text before the picture only
+
+
+def test_audio_in_openai_chat_and_completion_to_an_audio_encoder(plain_model_path, tiny_dir):
+    # tests/mmproj.py's qwen2a encoder (seeded weights): a clip is 750 tokens a 30 s chunk
+    path = mmproj.write_audio(tiny_dir, plain_model_path)
+    clip = base64.b64encode(mmproj.wav(1.0)).decode()
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "Listen:"},
+        {"type": "input_audio", "input_audio": {"data": clip, "format": "wav"}}]}]
+    with ServerProcess(plain_model_path, "--mmproj", path, ctx=1024) as s:
+        assert s.get("/props")[2]["modalities"] == {"vision": False, "audio": True}
+        st, _, out = s.post("/v1/chat/completions", {"messages": messages, "max_tokens": N,
+                                                     "temperature": 0})
+        assert st == 200, out
+        assert out["usage"]["prompt_tokens"] > 750
+        # the same prompt through llama.cpp's /completion gives the same text
+        prompt = s.post("/apply-template", {"messages": messages})[2]["prompt"]
+        st, _, raw = s.post("/completion", {
+            "prompt": {"prompt_string": prompt, "multimodal_data": [clip]},
+            "n_predict": N, "temperature": 0})
+        assert st == 200 and raw["content"] == out["choices"][0]["message"]["content"]
+        # a picture to an encoder of sound
+        st, _, out = s.post("/v1/chat/completions", {"messages": openai_messages(
+            {"type": "image_url", "image_url": {"url": RED_URI}}), "max_tokens": 2})
+        assert st == 400 and "no image encoder" in out["error"]["message"]

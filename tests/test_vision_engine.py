@@ -208,3 +208,19 @@ def test_an_image_in_use_outlives_its_trim_from_the_store(plain_model, plain_mod
             small.layout(red)                       # and no longer known
     finally:
         small.close()
+
+
+def test_a_wav_clip_becomes_one_whisper_chunk_of_750_tokens(plain_model, plain_model_path,
+                                                            tiny_dir):
+    path = mmproj.write_audio(tiny_dir, plain_model_path)
+    ctx = libmtmd.MtmdContext(libmtmd.load(), path, plain_model.handle.ptr,
+                              n_threads=TEST_THREADS, use_gpu=False)
+    audio = MediaStore(ctx, plain_model.n_embd, 512, decode_turn)
+    try:
+        assert (audio.vision, audio.audio) == (False, True)
+        tokens = audio.tokenize("Listen: <__media__> now", [mmproj.wav(2.5)])
+        (start, end, span), = audio.layout(tokens)
+        assert (end - start, span.kind) == (750, "audio")      # 30 s of log-mel, halved twice
+        assert len(audio.embeddings(span)) == 4 * 750 * plain_model.n_embd
+    finally:
+        audio.close()
