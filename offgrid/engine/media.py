@@ -60,8 +60,9 @@ class Span:
 class MediaStore:
     """The media of a worker's recent prompts, by media id, and their embeddings."""
 
-    max_spans = 64                        # chunks whose meaning is kept (each holds its
-                                          # preprocessed image: ~10 MB for gemma-3's 896 px)
+    max_spans = 32                        # chunks whose meaning is kept (each holds its
+                                          # preprocessed image: ~10 MB for gemma-3's 896 px;
+                                          # two requests' worth of MAX_MEDIA)
     max_embd_bytes = 256 * 1024 * 1024    # embeddings kept for the next turn's prefix miss
 
     def __init__(self, mtmd, n_embd, n_ubatch, turn):

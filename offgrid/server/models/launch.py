@@ -98,10 +98,11 @@ def default_max_rss(info, cache_bytes=0):
 
 def media_ceiling(path, args):
     """What --mmproj adds to a worker's memory: the projector's weights, as much again
-    for its encoder's buffers, and the images' embeddings its MediaStore keeps (256 MiB,
-    engine/media.py); 0 without one."""
+    for its encoder's buffers, and what its MediaStore keeps (engine/media.py): 256 MiB
+    of embeddings and 32 preprocessed images (~10 MB each at gemma-3's 896 pixels);
+    0 without one."""
     mmproj = worker_settings(path, args).mmproj
-    return 2 * os.path.getsize(mmproj) + (256 << 20) if mmproj else 0
+    return 2 * os.path.getsize(mmproj) + (576 << 20) if mmproj else 0
 
 
 def ceiling_of(file_size, kv_bytes):
