@@ -13,6 +13,7 @@ What maps to what:
                                           mid-conversation system turns; the template
                                           renders it there, or joins it to the first)
     text blocks                           a Message's content (joined by newlines)
+    image blocks (base64 source)          a media marker in it, the file on Message.media
     assistant tool_use {id,name,input}    a ToolCall (input as JSON text)
     user tool_result {tool_use_id,...}    a "tool" Message, before the user's own text
     assistant thinking {thinking}         reasoning_content

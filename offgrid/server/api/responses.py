@@ -10,6 +10,7 @@ What maps to what:
     instructions                         a "system" Message first
     input: a string                      one "user" Message
     input: message items (input_text / output_text / text parts)   Messages
+    input_image parts (data: URIs)       a media marker, the file on Message.media
     function_call {call_id,name,arguments}   a ToolCall of the assistant Message
     function_call_output {call_id,output}    a "tool" Message
     reasoning {content: reasoning_text}      the next assistant Message's reasoning_content
