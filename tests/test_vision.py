@@ -35,9 +35,18 @@ QUESTION = "What is in this picture?"
 
 
 @pytest.fixture(scope="module")
-def srv(plain_model_path, tiny_dir):
+def media_dir(tmp_path_factory):
+    """--media-path: a folder with red.png in it."""
+    folder = tmp_path_factory.mktemp("media")
+    (folder / "red.png").write_bytes(RED)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def srv(plain_model_path, tiny_dir, media_dir):
     path = mmproj.write(tiny_dir, plain_model_path, TOKENS)
-    with ServerProcess(plain_model_path, "--mmproj", path, ctx=512) as s:
+    with ServerProcess(plain_model_path, "--mmproj", path, "--media-path", media_dir,
+                       ctx=512) as s:
         yield s
 
 
@@ -82,6 +91,20 @@ def test_the_openai_client_streams_an_image_answer(srv):
     text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
         model="x", messages=messages, max_tokens=N, temperature=0, stream=True))
     assert text == chat_reference(srv, messages)
+
+
+def test_a_file_url_under_media_path_answers_as_the_same_image_inline(srv, media_dir):
+    def answer(url):
+        st, _, out = srv.post("/v1/chat/completions", {"messages": openai_messages(
+            {"type": "image_url", "image_url": {"url": url}}), "max_tokens": N, "temperature": 0})
+        return st, out
+    st, out = answer("file://%s" % (media_dir / "red.png"))
+    assert st == 200, out
+    assert out["choices"][0]["message"]["content"] == answer(RED_URI)[1]["choices"][0][
+        "message"]["content"]
+    for outside in ("file://%s/../red.png" % media_dir, "file://%s" % media_dir):
+        st, out = answer(outside)
+        assert st == 400 and "no such file under --media-path" in out["error"]["message"]
 
 
 def test_a_different_image_gives_a_different_answer(srv):
@@ -163,6 +186,12 @@ def test_a_model_without_an_mmproj_refuses_an_image_saying_so(text_only):
     st, _, out = text_only.post("/api/chat", {"model": "x", "stream": False, "messages": [
         {"role": "user", "content": "hi", "images": [RED_B64]}]})
     assert st == 400 and "mmproj" in out["error"]
+    # and without --media-path, no file:// URL at all
+    st, _, out = text_only.post("/v1/chat/completions", {
+        "messages": openai_messages({"type": "image_url", "image_url": {
+            "url": "file:///etc/hostname"}}), "max_tokens": 4})
+    assert st == 400 and "unless the server was started with --media-path" in \
+        out["error"]["message"]
 
 
 def _wav():
