@@ -187,8 +187,9 @@ _PROTOTYPES = {
     "mtmd_helper_init_opt_default": (mtmd_helper_init_opt, []),
     # void mtmd_helper_log_set(ggml_log_callback log_callback, void * user_data);
     "mtmd_helper_log_set": (None, [libllama.ggml_log_callback, c_void_p]),
-    # struct mtmd_helper_bitmap_wrapper mtmd_helper_bitmap_init_from_buf(const mtmd_context * ctx,
-    #         const unsigned char * buf, size_t len, bool placeholder, struct mtmd_helper_init_opt opt);
+    # struct mtmd_helper_bitmap_wrapper mtmd_helper_bitmap_init_from_buf(
+    #         const mtmd_context * ctx, const unsigned char * buf, size_t len,
+    #         bool placeholder, struct mtmd_helper_init_opt opt);
     "mtmd_helper_bitmap_init_from_buf": (mtmd_helper_bitmap_wrapper,
                                          [const_mtmd_context_p, const_uchar_p, c_size_t, c_bool,
                                           mtmd_helper_init_opt]),
