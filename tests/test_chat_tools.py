@@ -20,9 +20,9 @@ from offgrid.chat.template import (CALL_TRIGGERS, ChatTemplate, Message, Tool, T
 from offgrid.chat.reply import ReplyStream, parse_reply
 
 try:
-    from .serverproc import ServerProcess
+    from .serverproc import TEST_THREADS, ServerProcess
 except ImportError:
-    from serverproc import ServerProcess
+    from serverproc import TEST_THREADS, ServerProcess
 
 
 def fmt(syntax, **kw):
@@ -282,7 +282,8 @@ def lazy_run(model, grammar, triggers, forced, n):
     from offgrid.engine.sampling import build_sampler
     from offgrid.request import SamplingParams
     params = SamplingParams(temperature=0.0, grammar=grammar, grammar_triggers=triggers)
-    ctx = libllama.ContextHandle(model.lib, model.handle, 512, 512, 512, 2, 2)
+    ctx = libllama.ContextHandle(model.lib, model.handle, 512, 512, 512, TEST_THREADS,
+                                 TEST_THREADS)
     sampler = build_sampler(model.lib, params, model.n_vocab, 512, vocab=model.handle.vocab)
     try:
         prompt = model.tokenize("Question: what is the weather in Paris?\nAnswer:")

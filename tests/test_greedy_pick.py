@@ -18,6 +18,11 @@ import pytest
 from offgrid import libllama
 from offgrid.libllama import Candidates, ContextHandle
 
+try:
+    from .serverproc import TEST_THREADS
+except ImportError:
+    from serverproc import TEST_THREADS
+
 Sampler = libllama.SamplerHandle
 
 
@@ -59,7 +64,7 @@ def _picks(lib, ctx, idx, n_vocab, biases=()):
 def decoded(gemma):
     """A context after one decode of a prompt with every position's logits kept."""
     lib, n_vocab = gemma.lib, gemma.n_vocab
-    ctx = ContextHandle(lib, gemma.handle, 256, 64, 64, 2, 2)
+    ctx = ContextHandle(lib, gemma.handle, 256, 64, 64, TEST_THREADS, TEST_THREADS)
     tokens = gemma.tokenize("The capital of France is Paris, and the capital of Italy is",
                             add_special=True)
     assert ctx.decode_parts([(tokens, 0, (0,), ctx.OUT_ALL)]) == 0

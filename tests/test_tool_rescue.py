@@ -23,9 +23,9 @@ from offgrid.request import SamplingParams
 from offgrid.request import Message, Tool, ToolCall
 
 try:
-    from .serverproc import ROOT, ServerProcess
+    from .serverproc import ROOT, TEST_THREADS, ServerProcess
 except ImportError:
-    from serverproc import ROOT, ServerProcess
+    from serverproc import ROOT, TEST_THREADS, ServerProcess
 
 QWEN = ROOT / "models" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 READ = Tool("Read", "Read a file from the local filesystem.", {
@@ -321,7 +321,8 @@ def generate(model, plan, forced="", n=80, rescue=True):
         params.rescue_watch_chars = plan.rescue["watch_chars"]
     prompt = model.tokenize(plan.text, add_special=True, parse_special=True)
     n_ctx = len(prompt) + n + 64
-    ctx = libllama.ContextHandle(model.lib, model.handle, n_ctx, 512, 512, 2, 2)
+    ctx = libllama.ContextHandle(model.lib, model.handle, n_ctx, 512, 512, TEST_THREADS,
+                                 TEST_THREADS)
     sampler = build_sampler(model.lib, params, model.n_vocab, n_ctx, vocab=model.handle.vocab,
                             piece_of=model.token_bytes)
     try:
