@@ -42,18 +42,27 @@ def disk_of(model, root, context=CONTEXT):
     return statedisk.StateDisk(str(root), ident, 64 << 20)
 
 
-@pytest.fixture
-def written(qwen, tmp_path):
-    """A folder holding the state of prompt_of(qwen) + its greedy reply, as a worker
-    leaves it when it goes; and the reply evaluated from nothing."""
+@pytest.fixture(scope="module")
+def evaluated(qwen):
+    """The tokens and state of prompt_of(qwen) + its greedy reply, a prompt that
+    goes on from them, and that prompt's reply evaluated from nothing (once: each
+    test writes the state into a folder of its own)."""
     prompt = prompt_of(qwen)
     with session_of(qwen) as s:
         first = s.complete(prompt, GREEDY)
-        disk = disk_of(qwen, tmp_path)
-        assert disk.write_all([(list(s.cached), s.copy_state(), None)]) == 1
+        cached, state = list(s.cached), s.copy_state()
     follow = prompt + first.tokens + qwen.tokenize("\ndef triple(x):", add_special=False)
     with session_of(qwen) as ref:
         want = ref.complete(follow, GREEDY).text
+    return cached, state, follow, want
+
+
+@pytest.fixture
+def written(qwen, tmp_path, evaluated):
+    """A folder holding that state as a worker leaves it when it goes."""
+    cached, state, follow, want = evaluated
+    disk = disk_of(qwen, tmp_path)
+    assert disk.write_all([(cached, state, None)]) == 1
     return tmp_path, disk.dir, follow, want
 
 
