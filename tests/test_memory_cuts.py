@@ -9,7 +9,7 @@ import pytest
 
 import archmodels
 from memclass import BASE, ROLLBACK, complete, fresh, reference_server, text
-from serverproc import ServerProcess
+from serverproc import TEST_THREADS, ServerProcess
 
 
 @pytest.mark.parametrize("native", sorted(ROLLBACK))
@@ -69,7 +69,8 @@ def test_a_turn_whose_reply_renders_otherwise_restarts_from_a_checkpoint(hybrid,
     try:
         first = model.tokenize(text(100, 13), add_special=True)
         second = first + model.tokenize(" " + text(30, 14), add_special=False)
-        with ChatSession(model, n_ctx=2048) as s, ChatSession(model, n_ctx=2048) as ref:
+        with ChatSession(model, n_ctx=2048, n_threads=TEST_THREADS) as s, \
+                ChatSession(model, n_ctx=2048, n_threads=TEST_THREADS) as ref:
             s.complete(first, greedy)
             before = s.checkpoints.restored
             got = s.complete(second, greedy)
