@@ -160,15 +160,16 @@ def srv(smollm_path):
 
 def test_a_greedy_prompt_sent_several_ways_at_once_reads_the_same(srv):
     """llama-server's test_completion_with_tokens_input, in rounds: the single
-    completion leaves the first session's cache warm, the lists run on both."""
+    completion leaves the first session's cache warm, the lists run on both
+    (64 tokens each, as that test's server's --n-predict)."""
     status, _, body = srv.post("/tokenize", {"content": PROMPT, "add_special": True})
     assert status == 200
     tokens = body["tokens"]
     for _ in range(4):
-        status, _, body = srv.post("/completion", {"prompt": tokens})
+        status, _, body = srv.post("/completion", {"prompt": tokens, "n_predict": 64})
         assert status == 200 and body["content"]
         for prompt in ([tokens, tokens], [tokens, PROMPT], [tokens, {"prompt_string": PROMPT}]):
-            status, _, body = srv.post("/completion", {"prompt": prompt})
+            status, _, body = srv.post("/completion", {"prompt": prompt, "n_predict": 64})
             assert status == 200 and len(body) == 2
             assert body[0]["content"] == body[1]["content"], prompt
 
