@@ -113,10 +113,13 @@ agent-clients:
 
 # Files go to workers whole (--dist loadfile), so a file's module-scoped server
 # serves all its tests; both runs report, and either failing fails the target
-# (pytest's 5, nothing selected, is no failure).
+# (pytest's 5, nothing selected, is no failure).  The serial run collects only
+# the files that mark a test serial (collecting the whole suite takes ~10 s).
+SERIAL_FILES = $(or $(shell grep -l "mark\.serial" tests/test_*.py),tests)
 test: lib/libllama.so lib/libmtmd.so $(MODELS) $(VENV)/.ready $(VENV)/.conformance-ready browser
 	@r=0; $(PYTEST) $(XDIST) -m "not serial and not agents and not fleet" $(PYTEST_ARGS) tests || r=1; \
-	$(PYTEST) -m "serial and not agents and not fleet" $(PYTEST_ARGS) tests; s=$$?; [ $$s -eq 0 -o $$s -eq 5 ] || r=1; exit $$r
+	$(PYTEST) -m "serial and not agents and not fleet" $(PYTEST_ARGS) $(SERIAL_FILES); s=$$?; \
+	[ $$s -eq 0 -o $$s -eq 5 ] || r=1; exit $$r
 
 # Claude Code and Codex against a real server (tests/test_agents.py): apart from
 # `make test`, whose 15 minutes on a fresh machine have no room for it (their
@@ -128,7 +131,7 @@ test-agents: lib/libllama.so $(MODELS) $(VENV)/.ready agent-clients
 # debugger runs): a few minutes once the cache is warm.
 test-fast: lib/libllama.so lib/libmtmd.so $(MODELS) $(VENV)/.ready browser
 	@r=0; $(PYTEST) $(XDIST) -m "not slow and not serial and not fleet" $(PYTEST_ARGS) tests \
-	|| r=1; $(PYTEST) -m "serial and not slow and not fleet" $(PYTEST_ARGS) tests; s=$$?; \
+	|| r=1; $(PYTEST) -m "serial and not slow and not fleet" $(PYTEST_ARGS) $(SERIAL_FILES); s=$$?; \
 	[ $$s -eq 0 -o $$s -eq 5 ] || r=1; exit $$r
 
 # Air-gapped tarball dist/offgrid-<version>-linux-<arch>.tar.gz: offgrid, a
