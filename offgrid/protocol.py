@@ -202,6 +202,7 @@ class WorkerSettings:
     cache_disk_max: int = 4096      # MiB of them on disk, for this model
     slot_save_path: Optional[str] = None    # POST /slots/ID?action=save|restore's folder
     kv_unified: bool = True         # False: a KV cache stream per session (--no-kv-unified)
+    lora: Optional[list] = None     # -m's LoRA adapters: [path, start-up scale] (engine/adapters.py)
 
 
 @dataclasses.dataclass
@@ -274,6 +275,8 @@ class ModelInfo:
     draft_bytes: int                # its file and KV cache, held beside the model's
     flash_attn: str                 # -fa as it was resolved, in words for the load line
     memory: dict                    # its memory class and what it enables (engine/memory.py)
+    # its LoRA adapters (--lora): id, path, scale, task_name, prompt_prefix each
+    lora: list = dataclasses.field(default_factory=list)
 
 
 def encode_info(info):
