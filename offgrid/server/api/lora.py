@@ -24,6 +24,7 @@ prompt gets the base model's text.  ``?model=NAME`` picks the model on a
 server of several (an adapter belongs to ``-m``'s model).
 """
 
+import argparse
 import math
 import os
 from urllib.parse import parse_qs
@@ -33,12 +34,22 @@ from ..httpd.httperrors import BadRequest
 
 # -- the flags ---------------------------------------------------------------------------
 
+class _InOrder(argparse.Action):
+    """Both flags append to one list, so adapters are numbered in the order given
+    (llama-server's common_params.lora_adapters)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        items = list(getattr(namespace, self.dest, None) or [])
+        items.append((option_string, values))
+        setattr(namespace, self.dest, items)
+
+
 def add_flags(p):
     """llama-server's adapter flags, on the argparse parser ``p``."""
-    p.add_argument("--lora", action="append", default=[], metavar="FNAME",
+    p.add_argument("--lora", action=_InOrder, dest="lora_flags", default=[], metavar="FNAME",
                    help="a LoRA adapter for -m's model, at scale 1 (a comma list, or the "
                    "flag again, for several; docs/cli.md, \"LoRA adapters\")")
-    p.add_argument("--lora-scaled", action="append", default=[], nargs="+",
+    p.add_argument("--lora-scaled", action=_InOrder, dest="lora_flags", default=[], nargs="+",
                    metavar="FNAME:SCALE",
                    help="a LoRA adapter at a scale of its own: FNAME:SCALE (a comma list "
                    "for several), or FNAME SCALE")
@@ -48,12 +59,13 @@ def add_flags(p):
 
 
 def specs_from(args):
-    """[(path, scale)] of the flags, in order (--lora first, as llama-server reads
-    them); ValueError saying what is wrong with one."""
+    """[(path, scale)] of the flags, in the order given; ValueError saying what is
+    wrong with one."""
     out = []
-    for value in args.lora or ():
-        out += [(item, 1.0) for item in _csv(value)]
-    for values in args.lora_scaled or ():
+    for flag, values in args.lora_flags or ():
+        if flag == "--lora":
+            out += [(item, 1.0) for item in _csv(values)]
+            continue
         if len(values) == 2 and ":" not in values[1]:
             out.append((values[0], _scale(values[1], values[0])))
             continue
