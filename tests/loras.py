@@ -121,3 +121,19 @@ def embd_rank_mismatch(directory):
                      gguf.f32_bytes([0.01] * (3 * n_embd)))
         w.write(path)
     return _cached(directory, "lora-embd-rank", {"v": FORMAT_VERSION}, make)
+
+
+def for_model(model_path, out_path, seed=1, target="blk.0.attn_q.weight"):
+    """A rank-2 adapter of small seeded weights on ``target`` of any model file
+    (its architecture and that tensor's shape read from its header), written to
+    ``out_path``: what the docs' example serves beside Qwen2.5-Coder."""
+    from offgrid.engine.adapters import read_header
+    meta, tensors = read_header(str(model_path))
+    n_in, n_out = tensors[target][1][:2]
+    rng = random.Random(seed)
+    w = gguf.adapter_writer(meta["general.architecture"])
+    gguf.add_lora_pair(w, target, [rng.uniform(-0.05, 0.05) for _ in range(RANK * n_in)],
+                       [rng.uniform(-0.05, 0.05) for _ in range(n_out * RANK)], n_in, n_out,
+                       RANK)
+    w.write(out_path)
+    return Path(out_path)
