@@ -240,7 +240,7 @@ def test_ollama_show_names_the_adapters(srv, files):
     (loras.wrong_arch, "it is for architecture 'qwen2', the model is 'llama'"),
     # libllama's own checks pass this one, and ggml aborts at the first decode
     (loras.embd_rank_mismatch, "tensor token_embd.weight: lora_a [2, 49152] and lora_b "
-                               "[3, 64] do not fit"),
+                               "[3, 64] are of different ranks"),
 ])
 def test_an_adapter_for_another_model_is_refused_at_load(files, tiny_dir, make, why):
     bad = make(tiny_dir)
@@ -252,3 +252,37 @@ def test_an_adapter_for_another_model_is_refused_at_load(files, tiny_dir, make, 
     assert p.returncode == 1, out
     assert "LoRA adapter %s cannot be used with this model: %s" % (bad.name, why) in out
     assert "SIGABRT" not in out and "Aborted" not in out
+
+
+def _three_dimensional(path):
+    w = loras.gguf.adapter_writer("llama")
+    w.add_tensor("blk.0.attn_q.weight.lora_a", (64, 2, 2), loras.gguf.TensorType.F32,
+                 loras.gguf.f32_bytes([0.0] * 256))
+    w.add_tensor("blk.0.attn_q.weight.lora_b", (2, 64), loras.gguf.TensorType.F32,
+                 loras.gguf.f32_bytes([0.0] * 128))
+    w.write(path)
+
+
+def _truncated(path, tiny_dir):
+    path.write_bytes(loras.adapter(tiny_dir, 1).read_bytes()[:100])
+
+
+@pytest.mark.parametrize("case, why", [
+    ("model", "it is not an adapter (general.type is '', not 'adapter')"),
+    ("truncated", "the GGUF file ends inside its header"),
+    ("3d", "tensor blk.0.attn_q.weight.lora_a has 3 dimensions, a pair 2"),
+])
+def test_the_check_says_what_is_wrong_before_libllama_sees_the_file(files, tiny_dir, tmp_path,
+                                                                    case, why):
+    from offgrid.engine.adapters import check
+    from offgrid.errors import ModelLoadError
+    path = tmp_path / "bad.gguf"
+    if case == "model":
+        path = files["base"]
+    elif case == "truncated":
+        _truncated(path, tiny_dir)
+    else:
+        _three_dimensional(path)
+    with pytest.raises(ModelLoadError) as e:
+        check(str(path), str(files["base"]), "llama")
+    assert why in str(e.value)

@@ -170,8 +170,10 @@ def check(path, model_path, model_arch):
                 refuse("tensor %s is neither a lora_a nor a lora_b" % tname)
     if not pairs:
         refuse("it holds no lora_a/lora_b pair")
-    _, model_tensors = read_header(model_path)
-    split = len(model_tensors) == 0
+    model_meta, model_tensors = read_header(model_path)
+    # a model split in several files (split.count): its other tensors are in the
+    # others, where libllama finds (and checks) them
+    split = (model_meta.get("split.count") or 1) > 1
     for base, ab in sorted(pairs.items()):
         if "a" not in ab or "b" not in ab:
             refuse("tensor %s has no %s" % (base, "lora_b" if "a" in ab else "lora_a"))
@@ -184,6 +186,12 @@ def check(path, model_path, model_arch):
         a, b = ab["a"][1][:2], ab["b"][1][:2]
         if a[0] == 0 or b[0] == 0 or a[1] == 0 or b[1] == 0:
             refuse("tensor %s has an empty pair" % base)
+        embd = base.endswith("token_embd.weight")
+        # the ranks must agree whatever the model: libllama checks them only for
+        # the other weights (and a token_embd pair of unequal ranks aborts)
+        if (a[0] != b[0]) if embd else (a[1] != b[0]):
+            refuse("tensor %s: lora_a %s and lora_b %s are of different ranks"
+                   % (base, list(a), list(b)))
         model = model_tensors.get(base)
         if model is None:
             if split:
@@ -193,11 +201,11 @@ def check(path, model_path, model_arch):
         if len(w) != 2:
             refuse("tensor %s of the model has %d dimensions; adapters here take "
                    "matrices" % (base, len(w)))
-        if base.endswith("token_embd.weight"):
+        if embd:
             # libllama: B not transposed, A and B swapped (llm_build_inp_embd)
-            ok = w[0] == b[1] and w[1] == a[1] and a[0] == b[0]
+            ok = w[0] == b[1] and w[1] == a[1]
         else:
-            ok = w[0] == a[0] and w[1] == b[1] and a[1] == b[0]
+            ok = w[0] == a[0] and w[1] == b[1]
         if not ok:
             refuse("tensor %s: lora_a %s and lora_b %s do not fit the model's %s"
                    % (base, list(a), list(b), list(w)))
