@@ -286,3 +286,16 @@ def test_the_check_says_what_is_wrong_before_libllama_sees_the_file(files, tiny_
     with pytest.raises(ModelLoadError) as e:
         check(str(path), str(files["base"]), "llama")
     assert why in str(e.value)
+
+
+def test_only_the_base_models_states_go_to_disk(tmp_path):
+    from offgrid.engine.statedisk import StateDisk
+    ident = {"format": 1, "model": {"file": "test"}, "build": "b", "context": {"n_ctx": 64}}
+    disk = StateDisk(str(tmp_path), ident, 1 << 20)
+    states = statecache.StateCache(1 << 20, disk)
+    base = list(range(100, 100 + 2 * statecache.MIN_TOKENS))
+    adapted = list(range(500, 500 + 2 * statecache.MIN_TOKENS))
+    assert states.put(base, bytearray(b"b" * 64))
+    assert states.put(adapted, bytearray(b"a" * 64), adapters=((0, 0.5),))
+    assert states.to_disk() == 1
+    assert [tokens for _, tokens, _ in disk.index()] == [base]
