@@ -9,7 +9,6 @@ starting at 0) serves every test; a test that changes the global scales sets
 them back.
 """
 
-import json
 import os
 import subprocess
 import sys
