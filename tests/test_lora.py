@@ -128,7 +128,11 @@ def test_both_forms_of_lora_scaled_parse(files):
 # -- what an adapter does to the text -------------------------------------------------------
 
 def test_an_adapter_gives_the_text_of_its_weights_merged(srv, ref):
-    assert text(srv, SHORT, lora=A) == expected(ref, SHORT, "a")
+    out = complete(srv, SHORT, lora=A)
+    assert out["content"] == expected(ref, SHORT, "a")
+    # the scales it ran with, every adapter's, as llama-server's generation_settings
+    assert out["generation_settings"]["lora"] == [{"id": 0, "scale": 0.5},
+                                                  {"id": 1, "scale": 0.0}]
     assert text(srv, SHORT, lora=B) == expected(ref, SHORT, "b")
     # the adapters change the text at all (else the test above proves nothing)
     assert expected(ref, SHORT, "a") != expected(ref, SHORT, "base")
