@@ -303,7 +303,15 @@ def parse_args(argv=None):
                    "restarted, and its requests get a 500 naming the model (default: 30)")
     p.add_argument("-v", "--verbose", action="store_true", help="log requests and libllama")
     p.add_argument("--version", action="version", version="offgrid " + __version__)
+    from .server.api import lora
+    lora.add_flags(p)
     args = p.parse_args(argv)
+    try:
+        args.lora_specs = lora.specs_from(args)
+    except ValueError as e:
+        p.error(str(e))
+    if args.lora_specs and not args.model:
+        p.error("--lora adapters are for -m's model: give one")
     if not (args.model or args.models_dir or args.models_preset):
         p.error("give a model (-m FILE) or a shelf of them (--models-dir DIR, "
                 "--models-preset FILE)")

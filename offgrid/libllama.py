@@ -82,6 +82,8 @@ llama_context_p = _spelled(c_void_p, "struct llama_context *")
 const_llama_context_p = _spelled(c_void_p, "const struct llama_context *")
 llama_memory_t = _spelled(c_void_p, "llama_memory_t")
 llama_sampler_p = _spelled(c_void_p, "struct llama_sampler *")
+llama_adapter_lora_p = _spelled(c_void_p, "struct llama_adapter_lora *")
+const_llama_adapter_lora_p = _spelled(c_void_p, "const struct llama_adapter_lora *")
 char_buf = _spelled(c_char_p, "char *")             # an output buffer; c_char_p is const char *
 float_p = _spelled(c_void_p, "float *")             # read with from_address, not a POINTER
 uint8_p = _spelled(c_void_p, "uint8_t *")           # a buffer's address (ctypes.addressof)
@@ -344,6 +346,19 @@ _PROTOTYPES = {
                                                     c_size_t]),
     # const char * llama_model_chat_template(const struct llama_model * model, const char * name);
     "llama_model_chat_template": (c_char_p, [const_llama_model_p, c_char_p]),
+
+    # --- LoRA adapters (engine/adapters.py) ----------------------------------
+    # struct llama_adapter_lora * llama_adapter_lora_init(struct llama_model * model, const char * path_lora);
+    "llama_adapter_lora_init": (llama_adapter_lora_p, [llama_model_p, c_char_p]),
+    # void llama_adapter_lora_free(struct llama_adapter_lora * adapter);
+    "llama_adapter_lora_free": (None, [llama_adapter_lora_p]),
+    # int32_t llama_adapter_meta_val_str(const struct llama_adapter_lora * adapter, const char * key, char * buf, size_t buf_size);
+    "llama_adapter_meta_val_str": (c_int32, [const_llama_adapter_lora_p, c_char_p, char_buf,
+                                             c_size_t]),
+    # int32_t llama_set_adapters_lora(struct llama_context * ctx, struct llama_adapter_lora ** adapters, size_t n_adapters, float * scales);
+    "llama_set_adapters_lora": (c_int32, [llama_context_p,
+                                          _spelled(c_void_p, "struct llama_adapter_lora **"),
+                                          c_size_t, float_p]),
 
     # --- vocab ---------------------------------------------------------------
     # int32_t llama_vocab_n_tokens(const struct llama_vocab * vocab);
@@ -975,6 +990,28 @@ class ModelHandle:
             size = -n
 
 
+class AdapterHandle:
+    """Owns one ``struct llama_adapter_lora *`` of a model; close() frees it once
+    (before its model: libllama frees what is left with the model, and a
+    pointer freed twice would crash)."""
+
+    def __init__(self, lib, model_ptr, path):
+        """Load the adapter file ``path`` for the model (``ptr`` None where
+        libllama refuses it: its reason goes to the log)."""
+        self.lib = lib
+        self.ptr = lib.llama_adapter_lora_init(model_ptr, os.fsencode(path))
+
+    def meta(self, key):
+        """A scalar GGUF metadata value of the adapter as a string, or None."""
+        return read_string(self.lib.llama_adapter_meta_val_str, self.ptr, key.encode(),
+                           size=1024)
+
+    def close(self):
+        ptr, self.ptr = self.ptr, None
+        if ptr:
+            self.lib.llama_adapter_lora_free(ptr)
+
+
 class ThreadPool:
     """Owns one ``struct ggml_threadpool *``: n worker threads that persist.
 
@@ -1223,6 +1260,19 @@ class ContextHandle:
                                               ctypes.addressof(self._abort_flag))
         else:
             self.lib.llama_set_abort_callback(self.ptr, None, None)
+
+    # -- LoRA adapters (engine/adapters.py) --------------------------------
+    def set_adapters(self, ptrs, scales):
+        """Apply the adapters ``ptrs`` (AdapterHandle.ptr) at ``scales`` to the
+        decodes from now on, none where both are empty; libllama rebuilds its
+        graph only when the set differs.  Under the lock of every decode."""
+        n = len(ptrs)
+        arr = (c_void_p * max(n, 1))(*ptrs)
+        sc = (c_float * max(n, 1))(*scales)
+        status = self.lib.llama_set_adapters_lora(self.ptr, ctypes.addressof(arr), n,
+                                                  ctypes.addressof(sc))
+        if status != 0:
+            raise LibraryError("libllama refused the LoRA adapters (status %d)" % status)
 
     # -- one sequence's state (engine/statecache.py) -----------------------
     def seq_state(self, seq, buf=None, partial=False):

@@ -206,6 +206,7 @@ class WorkerSettings:
     mmproj_offload: bool = True     # False: --no-mmproj-offload (the encoder on the CPU)
     image_min_tokens: int = -1      # --image-min-tokens; -1: the mmproj's own
     image_max_tokens: int = -1      # --image-max-tokens; -1: the mmproj's own
+    lora: Optional[list] = None     # -m's LoRA adapters: [path, start-up scale] (engine/adapters.py)
 
 
 @dataclasses.dataclass
@@ -279,6 +280,8 @@ class ModelInfo:
     flash_attn: str                 # -fa as it was resolved, in words for the load line
     memory: dict                    # its memory class and what it enables (engine/memory.py)
     modalities: list = dataclasses.field(default_factory=list)  # "vision", "audio" (--mmproj)
+    # its LoRA adapters (--lora): id, path, scale, task_name, prompt_prefix each
+    lora: list = dataclasses.field(default_factory=list)
 
 
 def encode_info(info):

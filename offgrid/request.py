@@ -263,6 +263,10 @@ class GenerationParams:
     # timings_per_token the counts and times so far (its "timings")
     piece_tokens: bool = False
     timings_per_token: bool = False
+    # LoRA adapters: the request's own [id, scale] pairs (llama-server's "lora";
+    # None: the server's global scales, which the front puts here before it
+    # sends the request on: server/api/lora.py, engine/adapters.py)
+    lora: Optional[list] = None
 
     def copy(self):
         """A copy whose fields, and whose sampling's, can be set apart from this one's.

@@ -363,3 +363,61 @@ class Writer:
             for _, _, _, data in self._tensors:
                 f.write(data)
                 f.write(b"\0" * (pad(len(data), alignment) - len(data)))
+
+
+# --------------------------------------------------------------------------
+# LoRA adapters, and a model with an adapter merged in
+# --------------------------------------------------------------------------
+
+def f32_values(data: bytes) -> List[float]:
+    """The float32s of little-endian bytes (f32_bytes' inverse)."""
+    return list(struct.unpack("<%df" % (len(data) // 4), data))
+
+
+def adapter_writer(arch: str, alpha: Optional[float] = None) -> Writer:
+    """A Writer with the keys libllama's llama_adapter_lora_init asks of an
+    adapter (src/llama-adapter.cpp): general.type "adapter", the base model's
+    general.architecture, adapter.type "lora" and, if given, its alpha.  Add
+    each adapted weight W as a pair (add_lora_pair)."""
+    w = Writer()
+    w.add("general.type", string("adapter"))
+    w.add("general.architecture", string(arch))
+    w.add("adapter.type", string("lora"))
+    if alpha is not None:
+        w.add("adapter.lora.alpha", float32(alpha))
+    return w
+
+
+def add_lora_pair(w: Writer, name: str, a: Sequence[float], b: Sequence[float],
+                  n_in: int, n_out: int, rank: int) -> None:
+    """The pair of weight ``name`` (ggml shape (n_in, n_out)): ``a`` is rank rows
+    of n_in (ggml shape (n_in, rank)), ``b`` n_out rows of rank (ggml shape
+    (rank, n_out)), so that libllama adds scale * B (A x) to W x."""
+    w.add_tensor(name + ".lora_a", (n_in, rank), TensorType.F32, f32_bytes(a))
+    w.add_tensor(name + ".lora_b", (rank, n_out), TensorType.F32, f32_bytes(b))
+
+
+def merged_weight(weight: Sequence[float], a: Sequence[float], b: Sequence[float],
+                  n_in: int, n_out: int, rank: int, scale: float) -> List[float]:
+    """W + scale * B A, row by row in ggml's layout (row o of W holds the n_in
+    weights of output o): what the model with the adapter computes."""
+    out = list(weight)
+    for o in range(n_out):
+        row = b[o * rank:(o + 1) * rank]
+        for i in range(n_in):
+            out[o * n_in + i] += scale * sum(row[k] * a[k * n_in + i] for k in range(rank))
+    return out
+
+
+def rewrite(src: PathLike, dst: PathLike, tensors: Dict[str, bytes]) -> None:
+    """Write a copy of the F32/F16 GGUF file ``src`` to ``dst`` with the data of
+    the tensors named in ``tensors`` replaced (same shape and type)."""
+    f = read(src)
+    w = Writer()
+    for key, value in f.metadata.items():
+        w.add(key, value)
+    for info in f.tensors:
+        data = tensors.get(info.name)
+        w.add_tensor(info.name, info.shape, TensorType(info.type),
+                     data if data is not None else f.tensor_bytes(info))
+    w.write(dst)

@@ -41,12 +41,13 @@ from pathlib import Path
 import pytest
 
 try:
-    from . import doctext, mmproj
+    from . import doctext, loras, mmproj
     from .serverproc import ROOT, ServerProcess, free_port, parse_sse
     from .test_vision import chat_reference
     from .test_vision_engine import TOKENS
 except ImportError:  # tests/ is on sys.path rather than a package
     import doctext
+    import loras
     import mmproj
     from serverproc import ROOT, ServerProcess, free_port, parse_sse
     from test_vision import chat_reference
@@ -56,6 +57,7 @@ from offgrid import __version__
 
 DEFAULT = "127.0.0.1:8080"      # make run's address in the examples
 SHELF = "127.0.0.1:8081"        # the shelf of docs/models.md
+ADAPTER = "127.0.0.1:8082"      # the README's server with a LoRA adapter
 QWEN = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 GEMMA = "gemma-3-270m-q4_k_m.gguf"
 SMOLLM = "smollm2-135m-instruct-q4_1.gguf"
@@ -445,6 +447,8 @@ DOCS = {
     r'8080/v1/chat/completions .*"Say hi"': Curl(openai_chat),
     r'8080/v1/chat/completions .*"tools"': Curl(openai_tool_call),
     r"8080/tokenize ": Curl(tokenize),
+    r"--lora-scaled my-adapter\.gguf:0\.5 ": "adapter",     # the server of the 8082 example
+    r"8082/completion ": "adapter_base_text",
     # docs/api.md
     r'8080/completion .*"n_probs"': Curl(token_probabilities),
     r"8080/apply-template ": Curl(apply_template),
@@ -523,7 +527,8 @@ def entry_for(command):
 
 COMMANDS = doctext.all_commands()
 SHELF_COMMANDS = [c for c in COMMANDS if SHELF in c.text or "--models-dir models " in c.text]
-OTHERS = [c for c in COMMANDS if c not in SHELF_COMMANDS]
+ADAPTER_COMMANDS = [c for c in COMMANDS if ADAPTER in c.text or "my-adapter.gguf" in c.text]
+OTHERS = [c for c in COMMANDS if c not in SHELF_COMMANDS and c not in ADAPTER_COMMANDS]
 
 
 def command_id(command):
@@ -676,6 +681,25 @@ def test_the_shelf_example_in_its_order(lib, scratch):
     with DocServer(start.text, scratch) as server:
         for step in steps:
             entry_for(step)[1].check(run_curl(step.text, {SHELF: server}, scratch))
+
+
+def test_the_adapter_example(lib, scratch, make_run):
+    """The README's LoRA example: the server with an adapter (one the test writes for
+    Qwen2.5-Coder: tests/loras.py), then its curl, whose request at scale 0 must
+    get the text the default server (no adapter) gives the same request."""
+    assert shutil.which("curl"), "the docs' examples use curl; install it"
+    (start,) = [c for c in ADAPTER_COMMANDS if entry_for(c)[1] == "adapter"]
+    (step,) = [c for c in ADAPTER_COMMANDS if c is not start]
+    loras.for_model(ROOT / "models" / QWEN, scratch / "my-adapter.gguf")
+    with DocServer(start.text, scratch) as server:
+        status, _, listed = server.get("/lora-adapters")
+        assert status == 200 and [(a["id"], a["path"], a["scale"]) for a in listed] == \
+            [(0, "my-adapter.gguf", 0.5)], listed
+        out = _json(run_curl(step.text, {ADAPTER: server}, scratch))
+    body = json.loads(re.search(r"-d '(.*)'", step.text).group(1))
+    body.pop("lora")
+    status, _, base = make_run.post("/completion", body)
+    assert status == 200 and out["content"] == base["content"], (out, base)
 
 
 # -- what the pages say about the code ------------------------------------------------

@@ -387,11 +387,12 @@ def test_no_request_reads_or_writes_files_or_loads_a_model(open_srv, fim_model_p
                                      "model": str(fim_model_path)})[0] == 501
     # llama-server's slot save/restore take file names: refused without
     # --slot-save-path (its 501), and a path is never a file name with it
-    # (tests/test_slot_actions.py); lora loading is not here at all
+    # (tests/test_slot_actions.py); POST /lora-adapters sets scales of the adapters
+    # loaded at start (--lora), never loads a file: an object is a 400
     for path in ("/slots/0?action=save", "/slots/0?action=restore", "/slots/0",
                  "/lora-adapters"):
         status, _, body = open_srv.post(path, {"filename": str(target), "id_slot": 0})
-        assert status == (404 if path == "/lora-adapters" else 501), (path, body)
+        assert status == (400 if path == "/lora-adapters" else 501), (path, body)
     # OpenAI's model retrieve names models, never files: a path is no model here
     path = "/v1/models/" + str(fim_model_path)
     assert open_srv.post(path, {"filename": str(target)})[0] == 405

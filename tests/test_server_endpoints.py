@@ -47,7 +47,7 @@ def editor_body(prefix, **extra):
         "n_indent": 4,
         "response_fields": VSCODE_FIELDS,
         "time": {"unused": True},
-        "lora": "ignored",
+        "lora": [],         # no adapters of its own: the server's (none here)
     }
     body.update(extra)
     return body

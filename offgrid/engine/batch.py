@@ -32,6 +32,9 @@ The rules that keep libllama safe and the batches full:
 - A decode that applies moved keys' rotation must not be cut short (see
   ContextHandle.set_abortable); a session that moved keys says so with
   ``moved()``, and the next step runs without the abort callback.
+- The context applies one set of LoRA adapters at a time: a step holds only
+  parts of one adapter key (``Member.adapters``, engine/adapters.py), that
+  of the oldest part waiting, and applies it before its decode.
 """
 
 import threading
@@ -49,7 +52,7 @@ class _Part:
     """One member's tokens waiting for (or in) a decode step."""
 
     __slots__ = ("member", "tokens", "pos", "seqs", "outputs", "prompt", "done_n",
-                 "status", "offset", "done", "run")
+                 "status", "offset", "done", "run", "adapters")
 
     def __init__(self, member, tokens, pos, seqs, outputs, prompt):
         self.member = member
@@ -63,6 +66,7 @@ class _Part:
         self.offset = -1            # batch index of the part's first output
         self.done = False
         self.run = None             # a decode of its own (run_alone), instead of tokens
+        self.adapters = member.adapters     # its LoRA adapter key
 
 
 class Member:
@@ -74,6 +78,7 @@ class Member:
         self.holding = False        # reads the logits of its last decode
         self.cancelled = False
         self._cancel = None
+        self.adapters = ()          # the LoRA adapter key its decodes run with
 
     def decode(self, tokens, pos, seqs, outputs, prompt=False):
         """Decode ``tokens`` at positions pos... into ``seqs`` in the next step(s).
@@ -151,6 +156,7 @@ class BatchDecoder:
         self.streams = streams
         self.has_state = has_state
         self.memory = None          # its MemoryClass (session.shared_decoder sets it)
+        self.adapters = None        # its model's engine.adapters.Adapters (Loaded sets it)
         self.kv_unified = not streams
         self.threads = threads
         self._turn = turn
@@ -234,6 +240,8 @@ class BatchDecoder:
             n = sum(b - a for _, a, b in step)
             with self._turn(), self.lock:
                 shifted = self._shift       # read under the lock moved() is called in
+                if self.adapters is not None:
+                    self.adapters.apply(self.ctx, step[0][0].adapters)
                 started = self.threads.before(self.ctx, n)
                 if shifted:
                     self.ctx.set_abortable(False)
@@ -277,26 +285,29 @@ class BatchDecoder:
         member's tokens that fit, then a share of the prompt work."""
         cap = self.ctx.n_batch
         step = []
-        for p in self._pending:
-            if p.run is not None and not p.member.cancelled:
-                return [(p, 0, len(p.tokens))]      # alone, whole
+        # one adapter key a step: the oldest waiting part's
+        live = [p for p in self._pending if not p.member.cancelled]
+        pending = [p for p in live if p.adapters == live[0].adapters] if live else []
+        for p in pending:
+            if p.run is not None:
+                return [(p, 0, len(p.tokens))]      # alone, whole, with its adapters
         if self.has_state:
             # one member a step: sequences of recurrent state decoded in one
             # llama_decode beside others gave wrong tokens now and then
             # (1 in 32 batched requests on lfm2, under load; 0 alone)
-            for p in self._pending:
+            for p in pending:
                 if not p.member.cancelled:
                     k = min(len(p.tokens) - p.done_n, cap) if p.prompt else len(p.tokens)
                     return [(p, p.done_n if p.prompt else 0, (p.done_n if p.prompt else 0) + k)]
             return step
-        gen = [p for p in self._pending if not p.prompt and not p.member.cancelled]
+        gen = [p for p in pending if not p.prompt]
         for p in gen:
             if len(p.tokens) <= cap:
                 step.append((p, 0, len(p.tokens)))
                 cap -= len(p.tokens)
         share = cap if not step else min(cap, self._prompt_share(self.ctx.n_batch - cap))
-        for p in self._pending:
-            if p.prompt and not p.member.cancelled and share > 0:
+        for p in pending:
+            if p.prompt and share > 0:
                 k = min(len(p.tokens) - p.done_n, share)
                 step.append((p, p.done_n, p.done_n + k))
                 share -= k

@@ -76,6 +76,11 @@ class Checkpoints:
         return [c for c in self._list
                 if cachereuse.common_prefix(c.tokens, tokens) == len(c.tokens)]
 
+    def clear(self):
+        """Forget them all (the cache they lie on is gone: another adapter set)."""
+        self._list = []
+        self._recount()
+
     def forget(self, checkpoint):
         """A checkpoint libllama refused to restore."""
         self._list = [c for c in self._list if c is not checkpoint]

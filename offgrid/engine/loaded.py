@@ -12,6 +12,7 @@ from .. import protocol
 from ..errors import ModelLoadError
 from ..chat.select import template_for
 from . import rpc, statedisk
+from .adapters import Adapters
 from .draftmodel import DraftModel
 from .embed import POOLING, Embedder, model_pooling
 from .model import Model
@@ -35,6 +36,7 @@ class Loaded:
         self.embedder = embedder or Embedder.for_model(model, n_ctx=sessions[0].n_ctx)
         self.states = None          # the sessions' StateCache (engine/statecache.py)
         self.media = None           # --mmproj's MediaStore (engine/media.py), or None
+        self.adapters = Adapters()  # its LoRA adapters (--lora: engine/adapters.py)
         self.flash_attn = "libllama's choice (-fa auto)"    # Loaded.load says which
 
     @classmethod
@@ -51,6 +53,11 @@ class Loaded:
             on_sized(kv_bytes_of(model.meta, context_size(model, args.ctx_size) * n_sessions))
         sessions = []
         decoder = draft_model = media = None
+        try:
+            adapters = Adapters.load(model, getattr(args, "lora", None) or ())
+        except BaseException:
+            model.close()
+            raise
         threads = decode_threads(model, args.threads, args.threads_batch)
         flash_attn, flash_attn_words = model.flash_attn(args.flash_attn)
         draft_max = 0 if args.spec_type == "none" else args.spec_draft_n_max or 8
@@ -94,6 +101,7 @@ class Loaded:
                 threads=decode_threads(model, args.threads, args.threads_batch))
             loaded = cls(model, sessions, args.chat_template, embedder, decoder, draft_model)
             loaded.flash_attn = flash_attn_words
+            loaded.adapters = decoder.adapters = adapters
             loaded.states = make_states(args, model, sessions[0])
             for s in sessions:
                 s.use_states(loaded.states)
@@ -110,6 +118,7 @@ class Loaded:
                 draft_model.close()
             if decoder is not None:
                 decoder.close()
+            adapters.close()
             model.close()
             raise
 
@@ -123,6 +132,7 @@ class Loaded:
             self.draft_model.close()
         if self.decoder is not None:
             self.decoder.close()
+        self.adapters.close()       # after the context that applies them, before the model
         self.model.close()
 
     def info(self):
@@ -139,7 +149,7 @@ class Loaded:
             and self.sessions[0].memory.drafts != 0,
             draft=self.draft_model.model.name if self.draft_model is not None else "",
             draft_bytes=self.draft_bytes(), flash_attn=self.flash_attn,
-            memory=self.sessions[0].memory.as_dict(),
+            memory=self.sessions[0].memory.as_dict(), lora=self.adapters.info(),
             modalities=[k for k in ("vision", "audio")
                         if self.media is not None and getattr(self.media, k)])
 

@@ -250,6 +250,8 @@ class ChatSession(Generation, RecurrentCache):
         self.states = None              # the worker's StateCache (use_states)
         self.media = None               # the worker's MediaStore (--mmproj; engine/media.py)
         self._spans = ()                # the media runs of the prompt being evaluated
+        # the LoRA adapter key its cache was computed with (engine/adapters.py)
+        self.adapters = ()
         self.closed = False
 
     # -- lifetime ------------------------------------------------------------
@@ -334,6 +336,27 @@ class ChatSession(Generation, RecurrentCache):
         self.cached = list(tokens[:plan.keep])
         return plan
 
+    def use_adapters(self, key):
+        """Run from now on with the LoRA adapter key ``key`` (engine/adapters.py).
+        A cache of another key is kept as a state of that key (where the
+        StateCache wants it), then dropped: its keys and values are not this
+        set's, so no prefix of it may serve the next prompt."""
+        if key == self.adapters:
+            return
+        self._check_open()
+        if self.cached and self.states is not None:
+            self._save_state()
+        self._clear_plan()
+        if self.checkpoints is not None:
+            self.checkpoints.clear()
+        self.adapters = key
+        self._member.adapters = key
+
+    def restored_adapters(self, key):
+        """The cache just loaded (a slot file) was computed with adapter key ``key``."""
+        self.adapters = key
+        self._member.adapters = key
+
     # -- states kept beside the sessions (statecache.py) ------------------------
     def use_states(self, states):
         """Keep states in ``states`` (a StateCache shared by the worker's sessions)
@@ -360,7 +383,8 @@ class ChatSession(Generation, RecurrentCache):
         want = len(tokens) - (1 if need_logits else 0)
         found, n = (None, own) if own >= want else \
             states.best(tokens, min_run, need_logits, own, whole=self.memory.has_state,
-                        exact_tail=self.model.n_swa > 0 and not self.memory.has_state)
+                        exact_tail=self.model.n_swa > 0 and not self.memory.has_state,
+                        adapters=self.adapters)
         restore = found is not None and states.worth_restoring(n - own, found[1].nbytes)
         if restore or (self.cached and own < SAVE_BELOW * len(self.cached)):
             self._save_state()
@@ -382,12 +406,13 @@ class ChatSession(Generation, RecurrentCache):
     def _save_state(self):
         """Copy this session's prompt sequence into the StateCache (if it wants it)."""
         tokens = self.cached
-        if not self.states.wants(tokens):
+        key = self.adapters
+        if not self.states.wants(tokens, key):
             return
-        data = self.copy_state(reuse=self.states.reclaim)
+        data = self.copy_state(reuse=lambda t: self.states.reclaim(t, key))
         if data is not None:
             self.states.put(list(tokens), data, self.checkpoints.on(tokens)
-                            if self.checkpoints is not None else ())
+                            if self.checkpoints is not None else (), adapters=key)
 
     def copy_state(self, reuse=None):
         """A copy of this session's cache (ContextHandle.seq_state) that holds exactly

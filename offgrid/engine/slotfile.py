@@ -16,6 +16,7 @@ file's before anything is allocated or handed to libllama.
 """
 
 import array
+import json
 import os
 import struct
 import sys
@@ -90,6 +91,44 @@ def read(path, n_vocab, media=False):
     if not state:
         raise SlotFileError("the file holds no sequence state")
     return tokens, bytearray(IO_HEADER + state), len(data)
+
+
+# The LoRA adapter key a slot's cache was computed with (engine/adapters.py), which
+# llama-server's format has no room for: in a file beside it, named so, only where
+# the key is not empty.  A slot file without one is the base model's.
+ADAPTERS_SUFFIX = ".lora.json"
+
+
+def write_adapters(path, key):
+    """Write (or, for the base model's empty key, remove) the adapter key of the
+    slot file ``path``."""
+    side = path + ADAPTERS_SUFFIX
+    if not key:
+        try:
+            os.unlink(side)
+        except FileNotFoundError:
+            pass
+        return
+    with open(side + ".tmp%d" % os.getpid(), "w") as f:
+        json.dump([[i, s] for i, s in key], f)
+    os.replace(side + ".tmp%d" % os.getpid(), side)
+
+
+def read_adapters(path, n_adapters):
+    """The adapter key of the slot file ``path`` (() without a file beside it);
+    SlotFileError where it names adapters this model does not have."""
+    try:
+        with open(path + ADAPTERS_SUFFIX) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        return ()
+    except (OSError, ValueError) as e:
+        raise SlotFileError("unreadable LoRA adapter list beside the slot file: %s" % e)
+    if not isinstance(raw, list) or not all(
+            isinstance(x, list) and len(x) == 2 and isinstance(x[0], int)
+            and isinstance(x[1], (int, float)) and 0 <= x[0] < n_adapters for x in raw):
+        raise SlotFileError("the slot was saved with LoRA adapters this server has not loaded")
+    return tuple(sorted((i, float(s)) for i, s in raw if s != 0))
 
 
 def _unpack(packed):

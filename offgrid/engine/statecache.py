@@ -12,6 +12,11 @@ request's prompt shares more with a kept state than with the session's own
 cache, the session restores that state first (``llama_state_seq_set_data``)
 and then goes on as usual: prefix, chunk reuse, the new tail.
 
+A state is of one LoRA adapter set (``adapters``, its key: engine/adapters.py)
+and serves only a request of that set: the same tokens under another set
+have other keys and values.  States of an adapter set stay in memory; only
+the base model's go to disk (their files name no adapter).
+
 A state is only ever restored into a context of the worker that saved it
 (same model, same ``-c``, same cache types: one ``llama_context`` for all
 its sessions), into whichever session asks.  The states on disk
@@ -96,9 +101,10 @@ class SavedState:
     session checkpoints (engine/checkpoints.py) that lie on its tokens, which
     go with it, so that a prompt diverging inside it can still use it."""
 
-    __slots__ = ("tokens", "data", "nbytes", "key", "checkpoints")
+    __slots__ = ("tokens", "data", "nbytes", "key", "checkpoints", "adapters")
 
-    def __init__(self, tokens, data, nbytes=None, key=None, checkpoints=()):
+    def __init__(self, tokens, data, nbytes=None, key=None, checkpoints=(), adapters=()):
+        self.adapters = adapters        # the LoRA adapter key it was computed with
         self.tokens = tokens
         self.data = data
         self.nbytes = len(data) if data is not None else nbytes
@@ -171,19 +177,19 @@ class StateCache:
         return gain_tokens * self.s_per_token > nbytes * self.s_per_byte
 
     # -- the table ------------------------------------------------------------
-    def wants(self, tokens):
-        """Whether a state of ``tokens`` would be kept (not one already kept, nor
-        contained in one kept, nor too small)."""
+    def wants(self, tokens, adapters=()):
+        """Whether a state of ``tokens`` (under the adapter key ``adapters``) would be
+        kept (not one already kept, nor contained in one kept, nor too small)."""
         if len(tokens) < MIN_TOKENS or None in tokens:
             return False
         with self._lock:
             for s in self._states.values():
-                if len(s.tokens) >= len(tokens) and \
+                if s.adapters == adapters and len(s.tokens) >= len(tokens) and \
                         cachereuse.common_prefix(s.tokens, tokens) == len(tokens):
                     return False
         return True
 
-    def reclaim(self, tokens):
+    def reclaim(self, tokens, adapters=()):
         """The buffer of a kept state that a state of ``tokens`` replaces (put()
         would drop it), taken out of the cache for the new copy to be written
         into; None if there is none.  A fresh buffer of a
@@ -192,13 +198,14 @@ class StateCache:
         turns replaces its own older state every turn."""
         with self._lock:
             for k, s in self._states.items():
-                if isinstance(s.data, bytearray) and replaces(tokens, s.tokens):
+                if isinstance(s.data, bytearray) and s.adapters == adapters \
+                        and replaces(tokens, s.tokens):
                     self._drop(k)
                     self.reclaims += 1
                     return s.data
         return None
 
-    def put(self, tokens, data, checkpoints=()):
+    def put(self, tokens, data, checkpoints=(), adapters=()):
         """Keep ``data``, the state of ``tokens`` (with a recurrent model's
         ``checkpoints`` on them); states it replaces go, then the least
         recently used ones until it fits.  False if it does not fit at all."""
@@ -208,27 +215,30 @@ class StateCache:
         tokens = list(tokens)
         with self._lock:
             for k, s in list(self._states.items()):
-                if replaces(tokens, s.tokens):
+                if s.adapters == adapters and replaces(tokens, s.tokens):
                     self._drop(k)
             if self.limit >= 0:
                 while self.bytes + n > self.limit and self._evict_oldest():
                     pass
-            self._states[self._next] = SavedState(tokens, data, checkpoints=checkpoints)
+            self._states[self._next] = SavedState(tokens, data, checkpoints=checkpoints,
+                                                  adapters=adapters)
             self._next += 1
             self.bytes += n
             self.saves += 1
         return True
 
-    def best(self, tokens, min_run, need_logits, have, exact_tail=False, whole=False):
+    def best(self, tokens, min_run, need_logits, have, exact_tail=False, whole=False,
+             adapters=()):
         """The kept state that would give ``tokens`` the most from the cache, and
         how many (its cachereuse plan's ``reused``), if more than ``have`` (what
         the session's own cache gives); else (None, have).  ``exact_tail``: a
         state helps only where ``tokens`` go on from its last token or the one
         before (a model whose window cache keeps only the state's last window).
         ``whole``: only where ``tokens`` go on past its last token (a recurrent
-        state is its last token's: engine/memory.py)."""
+        state is its last token's: engine/memory.py).  Only states of the adapter
+        key ``adapters``."""
         with self._lock:
-            states = list(self._states.items())
+            states = [(k, s) for k, s in self._states.items() if s.adapters == adapters]
         # the common prefix first (slices compared in C); a chunk-reuse plan, which
         # indexes a state's every position, only for the few that share the most
         last = len(tokens) - (1 if need_logits else 0)
@@ -324,7 +334,8 @@ class StateCache:
         if self.disk is None:
             return 0
         with self._lock:
-            kept = [(s.tokens, s.data, s.key) for s in reversed(self._states.values())]
+            kept = [(s.tokens, s.data, s.key) for s in reversed(self._states.values())
+                    if not s.adapters]
         return self.disk.write_all([(t, d, None) for t, d in live] + kept)
 
     def stats(self):

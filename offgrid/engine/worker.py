@@ -280,7 +280,8 @@ class Worker:
             running = bool(self._cancels)
         if not running:
             for s in self.loaded.sessions:
-                data = s.copy_state()
+                # a cache of an adapter set stays off disk (statecache.py)
+                data = None if s.adapters else s.copy_state()
                 if data is not None:
                     live.append((list(s.cached), data))
         return {"written": st.to_disk(live)}
@@ -307,6 +308,7 @@ class Worker:
                                    if not tokens else "Unable to save slot")
             try:
                 n_bytes = slotfile.write(path, tokens, state)
+                slotfile.write_adapters(path, session.adapters)
             except OSError as e:
                 raise OffgridError("Unable to save slot: %s" % e.strerror)
             return {"id_slot": a.id_slot, "filename": a.filename, "n_saved": len(tokens),
@@ -315,11 +317,13 @@ class Worker:
         try:
             tokens, state, n_read = slotfile.read(path, self.model.n_vocab,
                                                   media=self.loaded.media is not None)
+            key = slotfile.read_adapters(path, len(self.loaded.adapters))
             if len(tokens) > session.n_ctx:
                 raise slotfile.SlotFileError("Restored prompt does not fit in the slot context")
             if not session.load_state(tokens, state):
                 raise slotfile.SlotFileError("No available space in KV cache or invalid slot "
                                              "save file")
+            session.restored_adapters(key)
         except (OSError, slotfile.SlotFileError) as e:
             session.reset()
             raise InvalidRequest("Unable to restore slot: %s"
@@ -540,6 +544,8 @@ class Worker:
         rid = frame["id"]
         session = self.loaded.sessions[frame["session"]]
         gen = protocol.decode_gen(frame["gen"])
+        # its cache must be of the request's adapter set (engine/adapters.py)
+        session.use_adapters(self.loaded.adapters.key(gen.lora))
         tokens = frame.get("tokens")
         if frame.get("prepare") is not None:
             tokens = self._prepared(frame["prepare"], gen, session)

@@ -16,6 +16,7 @@ from typing import List, Union
 from ...request import (DEFAULT_SAMPLERS, SAMPLER_ALIASES, GenerationParams, InfillRequest,
                         SamplingParams)
 from ..httpd.httperrors import BadRequest
+from .lora import request_lora
 
 # Limits on what a request may ask for; beyond them it is refused, not clamped,
 # so a client learns its request was odd.
@@ -278,6 +279,7 @@ def generation_from(f, n_vocab, n_predict_default=-1, max_tokens_names=MAX_TOKEN
     g.n_indent = f.int("n_indent", 0, lo=0, hi=MAX_N_PREDICT)
     g.n_keep = f.int("n_keep", 0, lo=-1, hi=MAX_N_PREDICT)
     g.n_discard = f.int("n_discard", 0, lo=0, hi=MAX_N_PREDICT)
+    g.lora = request_lora(f.raw("lora"))      # llama-server's per-request adapters
     return g
 
 

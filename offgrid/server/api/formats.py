@@ -84,7 +84,8 @@ def generation_settings(gen, n_ctx, model_name, stream=False):
         "cache_prompt": gen.cache_prompt,
         "logit_bias": [[t, b if b != float("-inf") else False] for t, b in s.logit_bias],
         "timings_per_token": False,
-        "lora": [],
+        # the adapter scales it ran with (api/lora.py); [] with no --lora
+        "lora": [{"id": i, "scale": sc} for i, sc in (gen.lora or ())],
     }
 
 

@@ -222,9 +222,11 @@ def show(h, body):
     model_info.setdefault("general.parameter_count", info.n_params)
     # one "name value" a line: Continue reads num_ctx from here and fails on any other form
     parameters = "num_ctx %d" % entry.n_ctx
+    # a LoRA adapter (--lora) as Ollama's Modelfile names one: ADAPTER <file>
+    adapters = "".join("ADAPTER %s\n" % p for p in entry.lora_paths)
     h.send_json(200, {
-        "modelfile": "# Served by offgrid %s\nFROM %s\nPARAMETER %s\n"
-                     % (__version__, entry.path, parameters),
+        "modelfile": "# Served by offgrid %s\nFROM %s\n%sPARAMETER %s\n"
+                     % (__version__, entry.path, adapters, parameters),
         "parameters": parameters,
         "template": _template(entry),
         "details": _details(entry),

@@ -37,7 +37,7 @@ from typing import List, Optional
 
 from ...request import GenerationParams, PromptProgress
 from ..httpd.httperrors import BadRequest
-from . import budget
+from . import budget, lora
 
 # Jobs (prompts x choices) one request may create.  Each waits for a session
 # of its own, so one request could otherwise fill a model's queue (64 prompts
@@ -144,6 +144,8 @@ def jobs_of(g):
 def run(h, g, fmt):
     """Run Generation ``g`` for the request on handler ``h``, answering in ``fmt``'s shapes."""
     svc = h.service
+    # the adapter scales it runs with: its own, else the global ones now (api/lora.py)
+    g.gen.lora = lora.resolve(g.entry, g.gen.lora)
     jobs = jobs_of(g)
     svc.metrics.request(g.endpoint)
     out = None

@@ -10,7 +10,7 @@ from collections import namedtuple
 from ..httpd.httperrors import Unavailable
 from .errormap import respond
 from . import anthropic, embeddings, ollama, ollama_admin, openai_chat, responses, router_models
-from . import slot_actions, status, webui
+from . import lora, slot_actions, status, webui
 from .status import health, metrics, models, props, slots
 from .native import completion, detokenize, infill, tokenize
 from .openai_completions import v1_completions
@@ -18,8 +18,9 @@ from .openai_completions import v1_completions
 # dialect: the shape of the route's error bodies (errormap.error_body) and stream
 # error events (errormap.error_event)
 # body_optional: a POST that may come without a body (the handler gets None)
-Route = namedtuple("Route", "handler methods auth needs_service dialect body_optional",
-                   defaults=("openai", False))
+# body_array: a JSON array is a body too (POST /lora-adapters), not only an object
+Route = namedtuple("Route", "handler methods auth needs_service dialect body_optional "
+                   "body_array", defaults=("openai", False, False))
 
 
 # -- the table ------------------------------------------------------------------------
@@ -35,6 +36,8 @@ ROUTES = {
     "/models/load": Route(router_models.load, _POST, True, True),
     "/models/unload": Route(router_models.unload, _POST, True, True),
     "/slots": Route(slots, _GET, True, True),
+    # LoRA adapters (api/lora.py): GET lists them, POST sets their global scales
+    "/lora-adapters": Route(lora.adapters, ("GET", "POST"), True, True, body_array=True),
     "/metrics": Route(metrics, _GET, True, True),
     "/tokenize": Route(tokenize, _POST, True, True),
     "/detokenize": Route(detokenize, _POST, True, True),

@@ -265,7 +265,8 @@ class Handler(BaseHTTPRequestHandler):
             if method == "POST" and route.needs_service and self.front_memory is not None:
                 # before its body takes any room
                 self.front_memory.check(self.server.requests_in_flight() - 1)
-            body = self._read_json(getattr(route, "body_optional", False)) \
+            body = self._read_json(getattr(route, "body_optional", False),
+                                   getattr(route, "body_array", False)) \
                 if method == "POST" else None
             self.app.dispatch(self, route, body)
         except Exception as exc:           # the one exit for errors
@@ -367,9 +368,10 @@ class Handler(BaseHTTPRequestHandler):
                         type="permission_error")
 
     # -- request bodies ----------------------------------------------------------
-    def _read_json(self, optional=False):
+    def _read_json(self, optional=False, array=False):
         """The body as a JSON object; with ``optional`` None for a POST that sends
-        none (no length, or 0: llama-server's POST /slots/ID?action=erase)."""
+        none (no length, or 0: llama-server's POST /slots/ID?action=erase); with
+        ``array`` a JSON array too (POST /lora-adapters)."""
         try:
             if optional and reader.framing(self.headers, self.request_version) in (None, 0):
                 self._body_pending = False
@@ -377,7 +379,7 @@ class Handler(BaseHTTPRequestHandler):
             data = reader.read_body(self.rfile, self.headers, self.max_body, self.read_timeout,
                                     self.request_version)
             self._body_pending = False
-            return reader.parse_json_object(data)
+            return reader.parse_json_object(data, array)
         except HTTPError:
             # a body that is not what it claimed (a Content-Length that lies, no
             # length at all) leaves the connection out of step: end it

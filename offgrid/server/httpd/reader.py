@@ -301,8 +301,9 @@ def _no_constant(name):
     raise ValueError("%s is not a JSON value" % name)
 
 
-def parse_json_object(data):
-    """A request body as a dict, or BadRequest saying what is wrong with it.
+def parse_json_object(data, array=False):
+    """A request body as a dict (or, with ``array``, a list), or BadRequest saying
+    what is wrong with it.
 
     Stricter than ``json.loads``: ``NaN`` and ``Infinity`` are refused (they
     are not JSON), and so are strings with a lone surrogate such as
@@ -326,7 +327,7 @@ def parse_json_object(data):
         raise BadRequest("the request body is nested too deeply")
     except ValueError as e:
         raise BadRequest("invalid JSON in the request body: %s" % e)
-    if not isinstance(body, dict):
+    if not isinstance(body, dict) and not (array and isinstance(body, list)):
         raise BadRequest("the request body must be a JSON object")
     if _SURROGATE_ESCAPE.search(text):
         try:

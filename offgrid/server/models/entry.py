@@ -28,6 +28,10 @@ class ModelEntry:
         self.pinned = pinned            # never evicted nor put to sleep (--fim-model, --pin)
         self.settings = dict(settings or {})    # from the command line (chat_template)
         self.preset = None              # from --models-preset: [*] then [name]
+        # its LoRA adapters (-m's: --lora), as given, and their global scales
+        # (POST /lora-adapters; server/api/lora.py)
+        self.lora_paths = []
+        self.lora = []
         self.shelf = None
         self.worker = worker            # server.workers.WorkerClient, None while unloaded
         self.loading = None             # the WorkerClient starting, while it loads

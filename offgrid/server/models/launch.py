@@ -54,7 +54,10 @@ def worker_settings(path, args, chat_template=None, decode_lock=None):
         mmproj=os.path.abspath(mmproj) if mmproj else None,
         mmproj_offload=not getattr(args, "no_mmproj_offload", False),
         image_min_tokens=getattr(args, "image_min_tokens", None) or -1,
-        image_max_tokens=getattr(args, "image_max_tokens", None) or -1)
+        image_max_tokens=getattr(args, "image_max_tokens", None) or -1,
+        # --lora adapters are -m's model's alone (server/api/lora.py)
+        lora=[[os.path.abspath(p), s] for p, s in getattr(args, "lora_specs", ())]
+        if model and os.path.realpath(model) == os.path.realpath(path) else None)
 
 
 def cache_ram_mib(args):
@@ -249,6 +252,9 @@ def build_shelf(args, decode_lock):
         # /models lists them as llama-server's sets do: sorted, once each
         text.listed_aliases = sorted(set(given))
         text.tags = sorted(set(comma_list(getattr(args, "tags", []))))
+        specs = getattr(args, "lora_specs", ())
+        text.lora_paths = [p for p, _ in specs]
+        text.lora = [0.0 if args.lora_init_without_apply else s for _, s in specs]
     if args.fim_model and not (args.model and os.path.abspath(args.fim_model)
                                == os.path.abspath(args.model)):
         stem = os.path.basename(args.fim_model)

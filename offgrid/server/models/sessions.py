@@ -39,6 +39,8 @@ class SessionSlot:
         # only in a pool of several sessions, where they pick the warm one
         self.cached = []
         self.n_cached = 0       # how many tokens its cache holds
+        # the LoRA adapter key its cache was computed with (engine/adapters.py)
+        self.adapters = ()
 
     def common_prefix(self, tokens):
         """How many leading tokens of ``tokens`` the session has cached."""
@@ -101,13 +103,15 @@ class ChatPool:
                             % (len(self.sessions), self._n_waiting, self.max_queue))
 
     # -- acquire / release ----------------------------------------------------
-    def acquire(self, tokens, cancel, on_wait=None, owner=None):
+    def acquire(self, tokens, cancel, on_wait=None, owner=None, adapters=()):
         """Wait for a session; returns it, or None if ``cancel`` fired first.
 
         ``owner`` is what the job belongs to, for the turns between requests
         (None: its ``cancel``, which every job of one request shares).  ``on_wait()`` is called
         once if no session is free at once (the disconnect watcher starts
         looking then).  Raises Unavailable once the pool is shutting down.
+        A session whose cache is of the request's LoRA adapter key
+        (``adapters``) is preferred: the worker drops a cache of another key.
         """
         wake = self._notify
         cancel.attach(wake)     # outside the condition: see the lock order above
@@ -126,7 +130,8 @@ class ChatPool:
                         if cancel.cancelled:
                             return None
                         if self._free and self._next() is ticket:
-                            session = max(self._free, key=lambda s: s.common_prefix(tokens))
+                            session = max(self._free, key=lambda s: (
+                                s.adapters == adapters, s.common_prefix(tokens)))
                             self._free.remove(session)
                             self._held[session] = ticket.owner
                             self._in_use[ticket.owner] += 1

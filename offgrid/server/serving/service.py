@@ -247,7 +247,8 @@ class Service:
             named = pool.sessions[id_slot]
             session = named if pool.hold(named, cancel, on_wait=look) else None
         else:
-            session = pool.acquire(tokens or [], cancel, on_wait=look)
+            session = pool.acquire(tokens or [], cancel, on_wait=look,
+                                   adapters=_adapter_key(gen))
         if session is None:
             c = Completion("", [], FinishReason.CANCELLED, "none", "",
                            Usage(prompt_tokens=len(tokens or [])))
@@ -308,6 +309,7 @@ class Service:
             # the worker's cache is unknown now (reset, or a new worker)
             session.cached, session.n_cached = [], 0
             raise
+        session.adapters = _adapter_key(gen)
         if want_cached:
             k = out["cached_prefix"]
             session.cached = (tokens[:k] if k else []) + out["cached"]
@@ -355,3 +357,9 @@ class Service:
     def close(self):
         """End every model's worker (after shutdown)."""
         self.shelf.close()
+
+
+def _adapter_key(gen):
+    """The LoRA adapter key the worker gives a generation (engine/adapters.key_of,
+    which the front may not import): its scales' non-zero pairs, by id."""
+    return tuple(sorted((int(i), float(s)) for i, s in (gen.lora or ()) if s != 0))
