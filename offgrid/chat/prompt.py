@@ -36,7 +36,9 @@ from .gbnf import GrammarError, check_grammar
 from .jsonschema import schema_to_grammar
 from .rescue import finished_calls, rescue_of, tool_args
 from .shapes import shape_markers
-from .template import ChatTemplateError, ReplyFormat, tool_call_grammar
+from .caps import ChatTemplateError
+from .forced import tool_call_grammar
+from .replyformat import ReplyFormat
 
 log = logging.getLogger("offgrid.chat")
 
