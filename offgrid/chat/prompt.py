@@ -112,9 +112,11 @@ def _checked_tool_grammar(model, prompt, template, tools, tool_choice, parallel)
         log.debug("tool schemas make too costly a grammar (%s); arguments held to any "
                   "object", e)
     loose = [dataclasses.replace(t, parameters={"type": "object"}) for t in tools]
-    form = getattr(template, "call_form", "generic")
     choice = "required" if prompt.grammar_triggers else tool_choice
-    g = tool_call_grammar(loose, form, choice, bool(parallel))
+    if hasattr(template, "call_grammar"):
+        g = template.call_grammar(loose, choice, bool(parallel))
+    else:                           # a built-in template: bare JSON calls
+        g = tool_call_grammar(loose, "generic", choice, bool(parallel))
     check_grammar(model, g, prompt.grammar_triggers)
     return g
 

@@ -39,8 +39,9 @@ from .adjust import (adjust_for_family, as_text, leading_system, system_before_l
                      template_family, trimmed)
 from .caps import (Caps, ChatTemplateError, TemplateBudgetError, detect_caps,  # noqa: F401
                    load_budget, preserve_reasoning_vars, renders_later_system)
-from .derive import derive_shape
-from .forced import generic_tool_prompt, tool_call_grammar  # noqa: F401
+from .calls import as_shape
+from .derive import derive_shape, json_call_of
+from .forced import generic_tool_prompt, shape_grammar, tool_call_grammar  # noqa: F401
 from .replyformat import (CALL_TRIGGERS, ReplyFormat, call_form_of, reasoning_markers_of,
                           tool_syntax_of)
 from .shapes import shape_of, stray_markers_of
@@ -116,6 +117,13 @@ class ChatTemplate:
         if not self.call_shape and self.tool_syntax == "generic":
             derived = derive_shape(self.probe_renderer(budget))
             self.call_shape = dataclasses.asdict(derived) if derived else ""
+        # how its JSON calls look, where the shape writes JSON (forced calls write the same)
+        self.call_json, self.call_json_list = None, False
+        if self.call_shape and as_shape(self.call_shape).body == "json" \
+                and not as_shape(self.call_shape).recipients:
+            found = json_call_of(self.probe_renderer(budget))
+            if found:
+                self.call_json, self.call_json_list = found
 
     # -- rendering -------------------------------------------------------------
     def render(self, messages, tools=(), add_generation_prompt=True, enable_thinking=None,
@@ -159,16 +167,32 @@ class ChatTemplate:
         if tools and tool_choice not in ("auto", "none"):
             # one forced call unless asked for more: a model that does not stop
             # on its own would otherwise repeat calls up to max_tokens
-            grammar = tool_call_grammar(tools, self.call_form, tool_choice,
-                                        bool(parallel_tool_calls))
-
-        elif tools and tool_choice == "auto" and self.tool_syntax in CALL_TRIGGERS:
+            grammar = self.call_grammar(tools, tool_choice, bool(parallel_tool_calls))
+        elif tools and tool_choice == "auto" and self.call_trigger:
             # llama-server's lazy grammar: any text until the model opens a
             # call, then only a well-formed call to one of ``tools``
-            grammar = tool_call_grammar(tools, self.call_form, "required",
-                                        bool(parallel_tool_calls))
-            triggers = (CALL_TRIGGERS[self.tool_syntax],)
+            grammar = self.call_grammar(tools, "required", bool(parallel_tool_calls))
+            triggers = (self.call_trigger,)
         return ChatPrompt(text, generation_prompt, fmt, grammar, triggers)
+
+    @property
+    def call_trigger(self):
+        """What opens a call (an ECMAScript regex), where a lazy grammar can start
+        there: the shape's first opener, or the syntax's (CALL_TRIGGERS); "" where
+        none (a call written as bare JSON, or as a message to a recipient)."""
+        if self.call_shape:
+            shape = as_shape(self.call_shape)
+            return "" if shape.recipients else re.escape(shape.openers[0])
+        return CALL_TRIGGERS.get(self.tool_syntax, "")
+
+    def call_grammar(self, tools, tool_choice="required", parallel=False):
+        """GBNF for a call to one of ``tools`` (or the one ``tool_choice`` names)
+        as this template writes it: in its family's shape where it has one
+        (chat/shapes.py, read back by chat/calls.py), else in its syntax."""
+        if self.call_shape:
+            return shape_grammar(tools, as_shape(self.call_shape), tool_choice, parallel,
+                                 self.call_json, self.call_json_list)
+        return tool_call_grammar(tools, self.call_form, tool_choice, parallel)
 
     def _continued(self, generation_prompt, msg):
         """The start of the assistant's turn followed by the message being continued.

@@ -1,0 +1,124 @@
+"""Forced calls in each family's own shape (chat/forced.py).
+
+``tool_choice`` "required" (or a named function, or Anthropic's any/tool)
+holds the reply to a grammar; for a family with a call shape
+(chat/shapes.py) that grammar writes the call as the family's template
+renders one, so what is forced is what the model was taught and what its
+reader (chat/calls.py) reads back:
+
+- the template's own rendering of a call is a text the grammar takes,
+  through libllama's grammar sampler, to its end;
+- the grammar passes the GBNF checks a request's grammar must pass;
+- sampled under the grammar (gemma-3-270m: a real model, not of these
+  families), the reply opens with the family's own marker and reads back as
+  the call, whole and streamed.
+"""
+
+import json
+
+import pytest
+
+from offgrid import libllama
+from offgrid.chat.calls import as_shape
+from offgrid.chat.gbnf import check_grammar
+from offgrid.chat.reply import ReplyStream, parse_reply
+from offgrid.chat.template import ChatTemplate, Message, Tool, ToolCall
+
+WEATHER = Tool("get_weather", "Weather in a city", {
+    "type": "object", "required": ["city"],
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}})
+CALL = ToolCall("get_weather", json.dumps({"city": "Paris", "days": 3}), "call00001")
+ASK = [Message("user", "Weather in Paris for three days?")]
+
+
+def _template(llama_src, name):
+    return ChatTemplate((llama_src / "models" / "templates" / name).read_text(encoding="utf-8"))
+
+
+def _shaped():
+    from offgrid.chat.shapes import shape_of
+    from offgrid.chat.adjust import template_family
+    from tinymodels import llama_cpp_source
+    out = []
+    for p in sorted((llama_cpp_source() / "models" / "templates").glob("*.jinja")):
+        src = p.read_text(encoding="utf-8")
+        if shape_of(src, template_family(src)) or p.name in DERIVED:
+            out.append(p.name)
+    return out
+
+
+DERIVED = {"tencent-Hy3.jinja", "GigaChat3-10B-A1.8B.jinja",
+           "CohereForAI-c4ai-command-r-plus-tool_use.jinja"}
+# Shaped templates that render no call text to compare with (chat/shapes.py's
+# tests say why): their grammar is still checked and sampled below.
+NO_RENDERING = {"LFM2-8B-A1B.jinja", "LFM2.5-Instruct.jinja", "Cohere2MoE.jinja",
+                "NVIDIA-Nemotron-Nano-v2.jinja", "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja"}
+
+
+def rendered_call(t, calls=(CALL,), tools=(WEATHER,)):
+    """What the template writes after the generation prompt for an assistant
+    message of ``calls``, from the shape's first marker to its last."""
+    render = t.probe_renderer()
+    gp = render(ASK, list(tools), True)
+    turn = render(ASK + [Message("assistant", "", tool_calls=list(calls))], list(tools), False)
+    shape = as_shape(t.call_shape)
+    k = len(gp) if turn.startswith(gp) else len(turn) - len(turn.lstrip())
+    if not shape.recipients:
+        k = turn.find(shape.openers[0], turn.rfind(ASK[0].content))
+    anchor = max(turn.rfind("Paris"), turn.rfind("Rome"))
+    ends = [turn.find(m, anchor) + len(m) for m in (shape.section[1], shape.call[1], shape.close)
+            if m and turn.find(m, anchor) >= 0]
+    if shape.body == "python":
+        ends = [turn.find("]" + shape.section[1], anchor) + 1 + len(shape.section[1])]
+    if not ends:                    # the calls end where their JSON does
+        start = min(i for i in (turn.find("{", k), turn.find("[", k)) if i >= 0)
+        ends = [json.JSONDecoder().raw_decode(turn, start)[1]]
+    end = max(ends)
+    return turn[k:end]
+
+
+def takes(model, grammar, text):
+    """The part of ``text`` libllama's grammar sampler takes, token by token,
+    and whether the grammar may end there (an end of generation allowed)."""
+    ptr = libllama.init_grammar_sampler(model.lib, model.handle.vocab, grammar)
+    assert ptr, "libllama refused the grammar"
+    g = libllama.SamplerHandle(model.lib, ptr, "grammar")
+    try:
+        taken = []
+        for tok in model.tokenize(text, add_special=False):
+            if not g.allows(tok):
+                return model.detokenize(taken), False
+            g.accept(tok)
+            taken.append(tok)
+        eog = [t for t in range(model.n_vocab) if model.is_eog(t)][:1]
+        return model.detokenize(taken), bool(eog) and g.allows(eog[0])
+    finally:
+        g.close()
+
+
+@pytest.mark.parametrize("name", sorted(set(_shaped()) - NO_RENDERING))
+def test_the_forced_grammar_takes_the_templates_own_call(qwen, llama_src, name):
+    t = _template(llama_src, name)
+    grammar = t.call_grammar([WEATHER], "required", False)
+    check_grammar(qwen, grammar)
+    text = rendered_call(t)
+    taken, complete = takes(qwen, grammar, text)
+    assert taken == text and complete, "%s: the grammar stops at %r of %r" % (
+        name, text[len(taken):len(taken) + 40], text)
+    # and what the grammar takes, the family's reader reads as the call
+    fmt = t.apply(ASK, [WEATHER], tool_choice="required").reply_format
+    got = [(c.name, json.loads(c.arguments)) for c in parse_reply(text, fmt).tool_calls]
+    assert got == [("get_weather", {"city": "Paris", "days": 3})]
+
+
+@pytest.mark.parametrize("name", sorted(set(_shaped()) - NO_RENDERING))
+def test_parallel_forced_calls_take_the_templates_two_calls(qwen, llama_src, name):
+    t = _template(llama_src, name)
+    shape = as_shape(t.call_shape)
+    if shape.recipients and len(shape.recipients) > 2:
+        pytest.skip("Muse ends each message to a tool with an end of generation")
+    second = ToolCall("get_weather", json.dumps({"city": "Rome"}), "call00002")
+    text = rendered_call(t, (CALL, second))
+    taken, complete = takes(qwen, t.call_grammar([WEATHER], "required", True), text)
+    assert taken == text and complete, "%s: the grammar stops at %r of %r" % (
+        name, text[len(taken):len(taken) + 40], text)
