@@ -333,6 +333,10 @@ class _Reader:
         close = ns + "</" + tag + ">"
         j = self.ws(i)
         nested = self.s.startswith(ns + "<", j) and not self.s.startswith(close, j)
+        if nested and "string" in _schema_types(schema):
+            # a string takes any text, so a union with a string is a string (llama.cpp)
+            raw, i = self.until(i, close)
+            return raw, i
         if nested:
             sub = schema if isinstance(schema, dict) else {}
             for alt in [sub] + list(sub.get("anyOf") or ()) + list(sub.get("oneOf") or ()):

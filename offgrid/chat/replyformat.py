@@ -20,6 +20,8 @@ REASONING_MARKERS = [
     ("◁think▷", "◁/think▷"),
     ("<mm:think>", "</mm:think>"),
     ("<|open|>think<|sep|>", "<|close|>think<|sep|>"),
+    # Apriel: the prompt opens the reasoning with these words, no marker
+    ("Here are my reasoning steps:\n", "[BEGIN FINAL RESPONSE]"),
 ]
 
 
@@ -54,6 +56,9 @@ class ReplyFormat:
     # the reasoning block the prompt opened, as written ("<think>\n"): given back
     # in the content with reasoning_format none
     reopened: str = ""
+    # the words (no markup) the prompt opened the reasoning with: part of the
+    # reasoning, as llama.cpp reads Apriel's "Here are my reasoning steps:"
+    reasoning_lead: str = ""
     # the family's markup around its answers, dropped from the content
     stray_markers: tuple = ()
     # a response format's JSON: a ```json fence around it is dropped

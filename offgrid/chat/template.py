@@ -163,6 +163,14 @@ class ChatTemplate:
             # the reply goes on with the message's text, past any reasoning the
             # turn opened (DeepSeek's <think> in the header)
             fmt.starts_in_reasoning, fmt.reopened = False, ""
+        if prefill is not None:
+            fmt.reasoning_lead = ""         # llama.cpp's continued reasoning has none
+            if prefill.reasoning_content and not (prefill.content or prefill.parts) \
+                    and not fmt.starts_in_reasoning and self.reasoning_end.strip(_SPACES):
+                # a continued reasoning goes on as reasoning, whatever marks it
+                # (Apriel 1.6's block opens with its turn's header)
+                fmt.starts_in_reasoning = True
+                fmt.reasoning_end = self.reasoning_end.strip(_SPACES)
         grammar, triggers = None, ()
         if tools and tool_choice not in ("auto", "none"):
             # one forced call unless asked for more: a model that does not stop
@@ -205,6 +213,10 @@ class ChatTemplate:
         content = msg.content if msg.parts is None else "\n\n".join(msg.parts)
         reasoning_only = bool(msg.reasoning_content) and not content
         start, end = self.reasoning_start, self.reasoning_end
+        if not start:
+            # a block the generation prompt opens with words (Apriel's), not markup
+            start, end = next(((a, b) for a, b in self.reasoning_markers
+                               if a in generation_prompt and a[:1] not in "<[◁"), ("", ""))
         out = generation_prompt
         if start:
             k = out.find(start)
@@ -232,6 +244,8 @@ class ChatTemplate:
                 # reader for the family does not (Kimi K3, Ling 3)
                 if self.family not in ("kimi-k3", "ling3"):
                     fmt.reopened = generation_prompt[s:]
+                if start[:1] not in "<[◁":
+                    fmt.reasoning_lead = generation_prompt[s:]
                 break
         return fmt
 
