@@ -122,3 +122,83 @@ def test_parallel_forced_calls_take_the_templates_two_calls(qwen, llama_src, nam
     taken, complete = takes(qwen, t.call_grammar([WEATHER], "required", True), text)
     assert taken == text and complete, "%s: the grammar stops at %r of %r" % (
         name, text[len(taken):len(taken) + 40], text)
+
+
+# -- end to end: a real family's vocabulary, its template, over HTTP ---------------------
+
+try:
+    from . import archmodels
+    from .serverproc import ServerProcess
+except ImportError:
+    import archmodels
+    from serverproc import ServerProcess
+
+CITY = {"type": "object", "required": ["city"],
+        "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo"]}}}
+ASKED = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def gemma4_tiny_path(tiny_dir):
+    return archmodels.build("gemma3", tiny_dir, vocab="gemma-4",
+                            template="google-gemma-4-31B-it.jinja")
+
+
+def test_a_forced_call_asks_for_the_vocabularys_own_marker_tokens(lib, gemma4_tiny_path,
+                                                                   llama_src):
+    """Where a marker is one token of the model's vocabulary, the forced
+    grammar asks for that token (not its text in pieces), as the model writes it."""
+    from offgrid.chat.prompt import prepare_chat
+    from offgrid.engine.model import Model
+    model = Model.load(str(gemma4_tiny_path), progress=False)
+    try:
+        t = _template(llama_src, "google-gemma-4-31B-it.jinja")
+        plan = prepare_chat(model, t, ASK, [WEATHER], "required")
+        marks = [model.tokenize(m, add_special=False)[0] for m in ("<|tool_call>", "<tool_call|>",
+                                                                   '<|"|>')]
+        assert all("<[%d]>" % k in plan.grammar for k in marks), plan.grammar
+        # the call as gemma-4 writes it, its markers as those tokens, is what it takes
+        text = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:3}<tool_call|>'
+        assert takes(model, plan.grammar, text) == (text, True)
+        # and the lazy grammar of tool_choice auto stays text (it is fed its trigger as text)
+        lazy = prepare_chat(model, t, ASK, [WEATHER], "auto")
+        assert lazy.grammar_triggers and "<[" not in lazy.grammar
+    finally:
+        model.close()
+
+
+@pytest.fixture(scope="module")
+def gemma4_tiny(gemma4_tiny_path, llama_src):
+    """A tiny model with gemma-4's own vocabulary (the pinned ggml-vocab-gemma-4.gguf:
+    <|tool_call>, <tool_call|> and <|"|> are tokens of it) behind gemma-4's
+    template: forced, it writes gemma-4's call syntax with those tokens."""
+    with ServerProcess(gemma4_tiny_path, "--chat-template",
+                       llama_src / "models" / "templates" / "google-gemma-4-31B-it.jinja") as s:
+        yield s
+
+
+def _is_city_call(name, arguments):
+    args = arguments if isinstance(arguments, dict) else json.loads(arguments)
+    return name == "get_weather" and set(args) == {"city"} and args["city"] in ("Paris", "Tokyo")
+
+
+def test_a_forced_call_in_a_real_vocabulary_is_an_openai_tool_call(gemma4_tiny):
+    status, _, body = gemma4_tiny.post("/v1/chat/completions", {
+        "model": "m", "messages": ASKED, "tool_choice": "required", "max_tokens": 40,
+        "temperature": 0, "tools": [{"type": "function", "function": {
+            "name": "get_weather", "description": "Weather", "parameters": CITY}}]})
+    assert status == 200, body
+    choice = body["choices"][0]
+    (call,) = choice["message"]["tool_calls"]
+    assert choice["finish_reason"] == "tool_calls" and not choice["message"]["content"]
+    assert _is_city_call(call["function"]["name"], call["function"]["arguments"]), call
+
+
+def test_a_forced_call_in_a_real_vocabulary_is_an_anthropic_tool_use(gemma4_tiny):
+    status, _, body = gemma4_tiny.post("/v1/messages", {
+        "model": "m", "max_tokens": 40, "temperature": 0, "messages": ASKED,
+        "tool_choice": {"type": "tool", "name": "get_weather"},
+        "tools": [{"name": "get_weather", "description": "Weather", "input_schema": CITY}]})
+    assert status == 200 and body["stop_reason"] == "tool_use", body
+    (use,) = [b for b in body["content"] if b["type"] == "tool_use"]
+    assert _is_city_call(use["name"], use["input"]), use

@@ -95,7 +95,7 @@ _GAP = '("\\n" | " ")?'
 
 
 def shape_grammar(tools, shape, tool_choice="required", parallel=False, json_call=None,
-                  json_list=False):
+                  json_list=False, tokens=None):
     """GBNF for one (or, with ``parallel``, several) calls written in ``shape``
     (a chat/shapes.Shape), as the family's template renders a call, so the
     family's own reader (chat/calls.py) reads it back.
@@ -108,6 +108,7 @@ def shape_grammar(tools, shape, tool_choice="required", parallel=False, json_cal
     """
     tools = _chosen(tools, tool_choice)
     g = Grammar(strict=False)           # a tool's schema never fails the request
+    g.tokens = dict(tokens or {})
     g.rules["gap"] = _GAP
     alts = []
     for i, t in enumerate(tools):
@@ -130,8 +131,13 @@ def _chosen(tools, tool_choice):
     return chosen
 
 
-def _lit(text):
-    return literal(text) if text else ""
+def _lit(text, g=None):
+    """A marker: the vocabulary's own token where it is one (``g.tokens``),
+    so a forced call writes it as the model was taught; else its text."""
+    if not text:
+        return ""
+    tok = getattr(g, "tokens", {}).get(text)
+    return "<[%d]>" % tok if tok is not None else literal(text)
 
 
 def _seq(*parts):
@@ -145,20 +151,20 @@ def _shape_root(g, shape, call, parallel, json_list):
         # Functionary v3.2; Muse's "<|start|>assistant"), the rest open their
         # own -- where no end of generation must come between (Muse's <|eom|> is one)
         more = parallel and len(shape.recipients) == 2
-        return call + (' (%s %s)*' % (literal(shape.recipients[0]), call) if more else "")
+        return call + (' (%s %s)*' % (_lit(shape.recipients[0], g), call) if more else "")
     if shape.body == "python":
         one = call
         calls = '%s (", " %s)*' % (one, one) if parallel else one
-        return _seq(_lit(shape.section[0]), '"["', calls, '"]"', _lit(shape.section[1]))
-    one = g.add("wrapped-call", _seq(_lit(shape.call[0]), "gap" if shape.call[0] else "", call,
-                                     "gap" if shape.call[1] else "", _lit(shape.call[1])))
+        return _seq(_lit(shape.section[0], g), '"["', calls, '"]"', _lit(shape.section[1], g))
+    one = g.add("wrapped-call", _seq(_lit(shape.call[0], g), "gap" if shape.call[0] else "", call,
+                                     "gap" if shape.call[1] else "", _lit(shape.call[1], g)))
     if json_list:
         calls = '"[" space %s ("," space %s)* "]"' % (one, one) if parallel \
             else '"[" space %s "]"' % one
     else:
         calls = "%s (gap %s)*" % (one, one) if parallel else one
     if shape.section[0]:
-        return _seq(literal(shape.section[0]), "gap", calls, "gap", _lit(shape.section[1]))
+        return _seq(_lit(shape.section[0], g), "gap", calls, "gap", _lit(shape.section[1], g))
     return calls
 
 
@@ -176,13 +182,13 @@ class _ShapeCall:
         rule = getattr(self, "_" + body.replace("-", "_"))(tool, params, json_call)
         if sh.recipients and sh.section[0]:
             rule = g.add(self.name + "-section", _seq(
-                literal(sh.section[0]), "gap", rule, "gap", _lit(sh.section[1])))
+                _lit(sh.section[0], g), "gap", rule, "gap", _lit(sh.section[1], g)))
         if sh.recipients:
             # " to=NAME<|message|>" (Muse) or "NAME\n" (Functionary v3.2) heads the message
             head = literal(tool) if sh.recipients[1] == "\n" else \
                 '" to=" %s' % literal(tool)
             rule = g.add(self.name + "-message", "%s %s %s" % (
-                head, literal(sh.recipients[1]), rule))
+                head, _lit(sh.recipients[1], g), rule))
         return rule
 
     # -- the bodies, one method each (Shape.body)
@@ -216,23 +222,23 @@ class _ShapeCall:
     def _name(self, tool, attrs=""):
         """The name between its markers; where the opening marker opens an
         attribute (name="), its quote closed after the family's attributes."""
-        sh = self.shape
+        sh, g = self.shape, self.g
         text = tool
         if sh.name[0].endswith('"') and not sh.name[1].startswith('"'):
             text += '"'
-        return _seq(_lit(sh.name[0]), literal(text) + (" " + attrs if attrs else ""),
-                    _lit(sh.name[1]))
+        return _seq(_lit(sh.name[0], g), literal(text) + (" " + attrs if attrs else ""),
+                    _lit(sh.name[1], g))
 
     def _name_json(self, tool, params, json_call):
         sh, g = self.shape, self.g
         name = literal(tool)
         if sh.indexed_name:
             name = '"functions." %s ":" [0-9]{1,3}' % literal(tool)    # Kimi K2's id is its name
-        head = _seq(_lit(sh.name[0]), name, _lit(sh.name[1]))
+        head = _seq(_lit(sh.name[0], g), name, _lit(sh.name[1], g))
         args = g.schema(params, self.name + "-args")
         if sh.fenced:
             args = '"```json\\n" %s "```"' % args
-        return g.add(self.name + "-call", _seq(head, args, _lit(sh.close)))
+        return g.add(self.name + "-call", _seq(head, args, _lit(sh.close, g)))
 
     def _name_tagged(self, tool, params, json_call):
         sh, g = self.shape, self.g
@@ -250,16 +256,16 @@ class _ShapeCall:
             if sh.value_lines:
                 value = '"\\n" %s "\\n"' % value
             arg = g.add("%s-%s-arg" % (self.name, key), _seq(
-                "gap", _lit(sh.key[0]), literal(k), _lit(sh.key[1]),
-                "gap " + literal(sh.value[0]) if sh.value[0] else "", value,
-                literal(sh.value[1])))
+                "gap", _lit(sh.key[0], g), literal(k), _lit(sh.key[1], g),
+                "gap " + _lit(sh.value[0], g) if sh.value[0] else "", value,
+                _lit(sh.value[1], g)))
             args.append(arg if required else "%s?" % arg)
         if not _has_properties(params):
             args.append(self._any_tagged() + "*")      # any object: any keys, text values
-        return g.add(self.name + "-call", _seq(head, " ".join(args), "gap", _lit(sh.close)))
+        return g.add(self.name + "-call", _seq(head, " ".join(args), "gap", _lit(sh.close, g)))
 
     def _any_tagged(self):
-        sh = self.shape
+        sh, g = self.shape, self.g
         key = '[a-zA-Z_] [a-zA-Z0-9_.-]{0,63}'
         if sh.key[0].endswith('"') and not sh.key[1].startswith('"'):
             key += ' "\\""' + (" " + literal(sh.key_attr.format(string="true", type="string"))
@@ -268,8 +274,8 @@ class _ShapeCall:
         if sh.value_lines:
             value = '"\\n" %s "\\n"' % value
         return self.g.add(self.name + "-any-arg", _seq(
-            "gap", _lit(sh.key[0]), key, _lit(sh.key[1]),
-            "gap " + literal(sh.value[0]) if sh.value[0] else "", value, literal(sh.value[1])))
+            "gap", _lit(sh.key[0], g), key, _lit(sh.key[1], g),
+            "gap " + _lit(sh.value[0], g) if sh.value[0] else "", value, _lit(sh.value[1], g)))
 
     def _text_value(self, schema, end, lines=False):
         """A value written as text: one of the schema's words, else any text
@@ -286,7 +292,7 @@ class _ShapeCall:
         nested elements, a list <item>s."""
         sh, g = self.shape, self.g
         body = self._xml_members(params, self.name, 0)
-        return g.add(self.name + "-call", _seq(self._name(tool), body, "gap", _lit(sh.close)))
+        return g.add(self.name + "-call", _seq(self._name(tool), body, "gap", _lit(sh.close, g)))
 
     def _xml_members(self, schema, name, depth):
         out = []
@@ -473,7 +479,8 @@ def _python_string(g, schema):
 def _gemma_string(g, schema):
     enum = schema.get("enum") if isinstance(schema, dict) else None
     if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
-        return "(%s)" % " | ".join(literal('<|"|>' + v + '<|"|>') for v in enum)
+        q = _lit('<|"|>', g)
+        return "(%s)" % " | ".join("%s %s %s" % (q, literal(v), q) for v in enum)
     return "gemma-string"
 
 
@@ -481,7 +488,8 @@ def _gemma_generic(g):
     """gemma-4's notation for any value (llama.cpp's gemma4 rules)."""
     if "gemma-value" in g.rules:
         return
-    g.rules["gemma-string"] = '"<|\\"|>" %s "<|\\"|>"' % excluding(g, '<|"|>')
+    q = _lit('<|"|>', g)
+    g.rules["gemma-string"] = "%s %s %s" % (q, excluding(g, '<|"|>'), q)
     g.rules["gemma-key"] = '[a-zA-Z_] [a-zA-Z0-9_.-]{0,63}'
     g.rules["gemma-dict"] = ('"{" ( gemma-key ":" gemma-value ("," gemma-key ":" gemma-value)* )? '
                              '"}"')

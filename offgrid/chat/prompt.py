@@ -71,6 +71,14 @@ def prepare_chat(model, template, messages, tools=(), tool_choice="auto", schema
                             json_schema=schema, tool_choice=tool_choice,
                             parallel_tool_calls=parallel_tool_calls,
                             reasoning_format=reasoning_format)
+    if check and prompt.grammar is not None and not prompt.grammar_triggers \
+            and getattr(template, "call_shape", ""):
+        # a forced call asks for the vocabulary's own tokens where its markers
+        # are tokens (a lazy grammar cannot: it is fed its trigger as text)
+        tokens = marker_tokens(model, shape_markers(as_shape(template.call_shape)))
+        if tokens:
+            prompt.grammar = template.call_grammar(tools, tool_choice, bool(parallel_tool_calls),
+                                                   tokens)
     if check and prompt.grammar is not None:
         prompt.grammar = _checked_tool_grammar(model, prompt, template, tools, tool_choice,
                                                parallel_tool_calls)
@@ -152,6 +160,18 @@ def reply_markers(fmt):
     if fmt.call_shape:
         markers += shape_markers(as_shape(fmt.call_shape))
     return markers
+
+
+def marker_tokens(model, markers):
+    """{marker: token} for each of ``markers`` that is one token of the
+    model's vocabulary (a control token, or one of its own words such as
+    gemma-4's <|tool_call>)."""
+    out = {}
+    for text in markers:
+        toks = model.tokenize(text, add_special=False, parse_special=True)
+        if len(toks) == 1 and model.token_bytes(toks[0]) in (b"", text.encode("utf-8")):
+            out[text] = toks[0]
+    return out
 
 
 def preserved_tokens(model, fmt):

@@ -215,6 +215,8 @@ def shape_markers(shape):
     found = [shape.close, shape.ns] + [m for pair in (shape.section, shape.call, shape.name,
                                                       shape.key, shape.value) for m in pair]
     found += list(shape.recipients)
+    if shape.body == "gemma4":
+        found.append('<|"|>')               # its strings' quote
     out = []
     for m in found:
         if m:

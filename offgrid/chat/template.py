@@ -193,13 +193,15 @@ class ChatTemplate:
             return "" if shape.recipients else re.escape(shape.openers[0])
         return CALL_TRIGGERS.get(self.tool_syntax, "")
 
-    def call_grammar(self, tools, tool_choice="required", parallel=False):
+    def call_grammar(self, tools, tool_choice="required", parallel=False, tokens=None):
         """GBNF for a call to one of ``tools`` (or the one ``tool_choice`` names)
         as this template writes it: in its family's shape where it has one
-        (chat/shapes.py, read back by chat/calls.py), else in its syntax."""
+        (chat/shapes.py, read back by chat/calls.py), else in its syntax.
+        ``tokens``: the shape's markers that are one token of the model's
+        vocabulary, asked for as that token (chat/forced.py)."""
         if self.call_shape:
             return shape_grammar(tools, as_shape(self.call_shape), tool_choice, parallel,
-                                 self.call_json, self.call_json_list)
+                                 self.call_json, self.call_json_list, tokens)
         return tool_call_grammar(tools, self.call_form, tool_choice, parallel)
 
     def _continued(self, generation_prompt, msg):
