@@ -6,12 +6,15 @@ holds the reply to a grammar; for a family with a call shape
 renders one, so what is forced is what the model was taught and what its
 reader (chat/calls.py) reads back:
 
-- the template's own rendering of a call is a text the grammar takes,
-  through libllama's grammar sampler, to its end;
+- the template's own rendering of a call (and of two, for parallel calls) is
+  a text the grammar takes, through libllama's grammar sampler, to its end,
+  and the family's reader reads it back as the call;
 - the grammar passes the GBNF checks a request's grammar must pass;
-- sampled under the grammar (gemma-3-270m: a real model, not of these
-  families), the reply opens with the family's own marker and reads back as
-  the call, whole and streamed.
+- where a marker is one token of the model's vocabulary, the grammar asks
+  for that token; end to end over HTTP, a tiny model with gemma-4's real
+  vocabulary and template, forced, answers with a call in two dialects.
+(Sampled under the grammar by gemma-3-270m and read back whole:
+test_chat_shapes.py.)
 """
 
 import json
@@ -21,7 +24,7 @@ import pytest
 from offgrid import libllama
 from offgrid.chat.calls import as_shape
 from offgrid.chat.gbnf import check_grammar
-from offgrid.chat.reply import ReplyStream, parse_reply
+from offgrid.chat.reply import parse_reply
 from offgrid.chat.template import ChatTemplate, Message, Tool, ToolCall
 
 WEATHER = Tool("get_weather", "Weather in a city", {
