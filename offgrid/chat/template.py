@@ -215,10 +215,6 @@ class ChatTemplate:
         content = msg.content if msg.parts is None else "\n\n".join(msg.parts)
         reasoning_only = bool(msg.reasoning_content) and not content
         start, end = self.reasoning_start, self.reasoning_end
-        if not start:
-            # a block the generation prompt opens with words (Apriel's), not markup
-            start, end = next(((a, b) for a, b in self.reasoning_markers
-                               if a in generation_prompt and a[:1] not in "<[◁"), ("", ""))
         out = generation_prompt
         if start:
             k = out.find(start)
