@@ -205,3 +205,24 @@ def test_a_forced_call_in_a_real_vocabulary_is_an_anthropic_tool_use(gemma4_tiny
     assert status == 200 and body["stop_reason"] == "tool_use", body
     (use,) = [b for b in body["content"] if b["type"] == "tool_use"]
     assert _is_city_call(use["name"], use["input"]), use
+
+
+def test_a_forced_call_in_a_real_vocabulary_is_a_responses_function_call(gemma4_tiny):
+    status, _, body = gemma4_tiny.post("/v1/responses", {
+        "model": "m", "input": ASKED, "tool_choice": "required", "max_output_tokens": 40,
+        "temperature": 0, "tools": [{"type": "function", "name": "get_weather",
+                                     "description": "Weather", "parameters": CITY}]})
+    assert status == 200, body
+    (call,) = [o for o in body["output"] if o["type"] == "function_call"]
+    assert _is_city_call(call["name"], call["arguments"]), call
+
+
+def test_a_forced_call_in_a_real_vocabulary_is_an_ollama_tool_call(gemma4_tiny):
+    status, _, body = gemma4_tiny.post("/api/chat", {
+        "model": "m", "messages": ASKED, "stream": False, "tool_choice": "required",
+        "options": {"temperature": 0, "num_predict": 40},
+        "tools": [{"type": "function", "function": {
+            "name": "get_weather", "description": "Weather", "parameters": CITY}}]})
+    assert status == 200, body
+    (call,) = body["message"]["tool_calls"]
+    assert _is_city_call(call["function"]["name"], call["function"]["arguments"]), call
