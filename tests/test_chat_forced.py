@@ -226,3 +226,37 @@ def test_a_forced_call_in_a_real_vocabulary_is_an_ollama_tool_call(gemma4_tiny):
     assert status == 200, body
     (call,) = body["message"]["tool_calls"]
     assert _is_city_call(call["function"]["name"], call["function"]["arguments"]), call
+
+
+def test_every_shapes_lazy_grammar_and_trigger_are_taken_by_libllama(qwen_path, llama_src):
+    """tool_choice auto: the shape's grammar, lazy from its first marker.  libllama
+    compiles the trigger with std::regex, which throws through the C API on
+    what it cannot read, so this runs in a child process: a crash fails it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    names = sorted(_shaped())
+    child = """if 1:
+        import sys
+        sys.path.insert(0, %r)
+        from offgrid import libllama
+        from offgrid.engine.model import Model
+        from test_chat_forced import WEATHER, ASK, _template
+        from pathlib import Path
+        model = Model.load(%r, progress=False)
+        for name in %r:
+            p = _template(Path(%r), name).apply(ASK, [WEATHER], tool_choice="auto")
+            if not p.grammar_triggers:
+                continue
+            ptr = libllama.init_grammar_sampler(model.lib, model.handle.vocab, p.grammar,
+                                                p.grammar_triggers)
+            assert ptr, name
+            model.lib.llama_sampler_free(ptr)
+            print("ok", name)
+    """ % (str(Path(__file__).parent), str(qwen_path), names, str(llama_src))
+    r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                       timeout=120, cwd=str(Path(__file__).parent.parent))
+    assert r.returncode == 0, r.stderr[-2000:]
+    lazy = [line.split()[1] for line in r.stdout.splitlines()]
+    # every shape with markers that open its calls (not the message-to-recipient ones)
+    assert len(lazy) >= len(names) - 3, (len(lazy), len(names))

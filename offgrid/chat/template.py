@@ -47,6 +47,13 @@ from .replyformat import (CALL_TRIGGERS, ReplyFormat, call_form_of, reasoning_ma
 from .shapes import shape_of, stray_markers_of
 
 
+def regex_literal(text):
+    """An ECMAScript regex matching ``text``: only its syntax characters
+    escaped (libllama compiles a trigger with std::regex, and an escape it
+    does not know would throw through the C API)."""
+    return "".join("\\" + c if c in "^$\\.*+?()[]{}|/" else c for c in text)
+
+
 def new_tool_call_id(length=32):
     """A random id for a tool call (llama-server's form; Mistral templates want 9 characters)."""
     alphabet = string.ascii_letters + string.digits
@@ -190,7 +197,7 @@ class ChatTemplate:
         none (a call written as bare JSON, or as a message to a recipient)."""
         if self.call_shape:
             shape = as_shape(self.call_shape)
-            return "" if shape.recipients else re.escape(shape.openers[0])
+            return "" if shape.recipients else regex_literal(shape.openers[0])
         return CALL_TRIGGERS.get(self.tool_syntax, "")
 
     def call_grammar(self, tools, tool_choice="required", parallel=False, tokens=None):
