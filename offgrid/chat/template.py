@@ -197,7 +197,12 @@ class ChatTemplate:
         none (a call written as bare JSON, or as a message to a recipient)."""
         if self.call_shape:
             shape = as_shape(self.call_shape)
-            return "" if shape.recipients else regex_literal(shape.openers[0])
+            opener = shape.openers[0] if shape.openers and not shape.recipients else ""
+            # a word (FireFunction's "functools") may come in the model's
+            # text too, in code: only markup starts a grammar there
+            if not any(c in opener for c in "<[|｜"):
+                return ""
+            return regex_literal(opener)
         return CALL_TRIGGERS.get(self.tool_syntax, "")
 
     def call_grammar(self, tools, tool_choice="required", parallel=False, tokens=None):
