@@ -66,14 +66,15 @@ run: lib/libllama.so lib/libmtmd.so $(MODEL)
 	@echo "offgrid: the chat page will be at http://$(HOST):$(PORT)/ once it says listening"
 	$(PYTHON) -m offgrid -m $(MODEL) --host $(HOST) --port $(PORT) $(ARGS)
 
-# Test-only tools (pytest; the openai, anthropic, ollama and langchain-ollama clients;
+# Test-only tools (pytest; the openai, anthropic, ollama and langchain-ollama clients,
+# openai-agents and llm;
 # selenium, which drives the chat page's tests) live in a local virtualenv;
 # offgrid itself imports nothing outside the standard library.
 $(VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check "pytest>=7" \
 		"pytest-xdist>=3" "openai>=1.66" "anthropic>=0.50" "ollama>=0.5" "langchain-ollama>=1.0" \
-		"selenium>=4.11"
+		"openai-agents>=0.2" "llm>=0.26" "selenium>=4.11"
 	touch $@
 
 # The browser tests/test_webui.py drives: Debian's chromium and its chromedriver,

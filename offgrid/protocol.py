@@ -267,7 +267,7 @@ class ModelInfo:
     n_sessions: int                 # -np
     has_fim: bool                   # fill-in-the-middle tokens
     chat_template: str              # the template in use ("" where the model has none)
-    caps: dict                      # what the template can do (chat/template.py's TemplateCaps)
+    caps: dict                      # what the template can do (chat/caps.py's Caps)
     meta: dict                      # the GGUF's metadata, as strings
     kv_bytes: int                   # the sessions' KV caches together
     n_embd_out: int                 # the length of an embedding

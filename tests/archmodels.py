@@ -81,12 +81,14 @@ _U32, _F32, _BOOL = 4, 6, 7
 _GGML_F32, _GGML_F16 = 0, 1
 
 
-def build(arch, directory):
-    """The path of a tiny ``arch`` model in ``directory``, built once per recipe."""
+def build(arch, directory, vocab=VOCAB, template=None):
+    """The path of a tiny ``arch`` model in ``directory``, built once per recipe;
+    with another of the pinned source's vocabularies (``ggml-vocab-NAME.gguf``)
+    and template (a file name in models/templates) where given."""
     spec = ARCHS[arch]
     src = tinymodels.llama_cpp_source()
-    vocab = src / "models" / ("ggml-vocab-%s.gguf" % VOCAB)
-    template = (src / "models" / "templates" / spec["template"]).read_text()
+    vocab = src / "models" / ("ggml-vocab-%s.gguf" % vocab)
+    template = (src / "models" / "templates" / (template or spec["template"])).read_text()
     recipe = {"format": FORMAT_VERSION, "arch": arch, "spec": spec, "n_embd": N_EMBD,
               "seed": SEED, "std": [STD_LAYER, STD_EMBD, STD_OUTPUT],
               "vocab": hashlib.sha256(vocab.read_bytes()).hexdigest(),

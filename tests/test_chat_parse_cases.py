@@ -211,3 +211,54 @@ def test_llama_cpp_case(llama_src, case, way):
     else:
         assert not diff, "%s (%s):\n  output %r\n  %s" % (
             case["id"], way, case["input"], "\n  ".join(diff))
+
+
+# -- templates llama.cpp's cases do not cover: offgrid's own -------------------------------
+
+_WEATHER = {"name": "get_weather", "description": "Weather in a city", "parameters": json.dumps(
+    {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}})}
+
+
+def _own(template, output, content, reasoning="", calls=(), **params):
+    cid = "own-%s-%d" % (template.split(".")[0], len(OWN_CASES))
+    OWN_CASES.append({"id": cid, "template": template, "input": output,
+                      "params": dict({"reasoning_format": "auto", "enable_thinking": True},
+                                     **params),
+                      "expect": {"content": content, "reasoning_content": reasoning,
+                                 "tool_calls": [{"name": n, "arguments": json.dumps(a), "id": ""}
+                                                for n, a in calls]}})
+
+
+OWN_CASES = []
+# SmolLM3 (the pinned template renders no tools): it thinks in <think> when
+# thinking is on (the prompt opens no block), and its prompt writes an empty
+# block when it is off; a call, which its template cannot teach, is read in
+# the generic form (a bare JSON object, as the tool-call rescue holds it).
+_own("HuggingFaceTB-SmolLM3-3B.jinja", "<think>\nParis is in France.\n</think>\nIt is sunny.",
+     "It is sunny.", "Paris is in France.")
+_own("HuggingFaceTB-SmolLM3-3B.jinja", "<think>\nParis is in France.\n</think>\nIt is sunny.",
+     "<think>\nParis is in France.\n</think>\nIt is sunny.", reasoning_format="none")
+_own("HuggingFaceTB-SmolLM3-3B.jinja", "It is sunny.", "It is sunny.", enable_thinking=False)
+_own("HuggingFaceTB-SmolLM3-3B.jinja", '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+     "", "", [("get_weather", {"city": "Paris"})], tools=[_WEATHER])
+_own("HuggingFaceTB-SmolLM3-3B.jinja", "<think>\nI need the weather.\n</think>\n"
+     '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+     "", "I need the weather.", [("get_weather", {"city": "Paris"})], tools=[_WEATHER])
+# Phi-3.5-mini: no reasoning, no tools in its template; a <think> it writes
+# is its text, a bare JSON call with tools is read as the call.
+_own("microsoft-Phi-3.5-mini-instruct.jinja", "It is sunny in Paris.", "It is sunny in Paris.")
+_own("microsoft-Phi-3.5-mini-instruct.jinja", "Let me see: <think> is a tag.",
+     "Let me see: <think> is a tag.")
+_own("microsoft-Phi-3.5-mini-instruct.jinja",
+     '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```', "", "",
+     [("get_weather", {"city": "Paris"})], tools=[_WEATHER])
+_own("microsoft-Phi-3.5-mini-instruct.jinja", "It is sunny.", "It is sunny.", tools=[_WEATHER])
+
+
+@pytest.mark.parametrize("case, way", [(c, w) for c in OWN_CASES for w in ("whole", "streamed")],
+                         ids=["%s-%s" % (c["id"], w) for c in OWN_CASES
+                              for w in ("whole", "streamed")])
+def test_own_case(llama_src, case, way):
+    diff = outcome(llama_src, case, way)
+    assert not diff, "%s (%s):\n  output %r\n  %s" % (case["id"], way, case["input"],
+                                                       "\n  ".join(diff))

@@ -9,7 +9,8 @@ write a reasoning block, so the split is checked on real generated tokens
 
 import pytest
 
-from offgrid.chat.template import ChatTemplate, Message, ReplyFormat, REASONING_MARKERS
+from offgrid.chat.replyformat import REASONING_MARKERS
+from offgrid.chat.template import ChatTemplate, Message, ReplyFormat
 from offgrid.chat.reply import ReplyStream, parse_reply
 
 try:

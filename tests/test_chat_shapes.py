@@ -187,7 +187,7 @@ CITY = Tool("get_weather", "Weather in a city", {
 
 @pytest.mark.parametrize("name", FORCED)
 def test_a_forced_call_reads_back_through_the_templates_reader(gemma, llama_src, name):
-    """tool_choice "required": the grammar (the template's call form) makes
+    """tool_choice "required": the grammar (the family's call shape) makes
     gemma-3-270m write a call, and the template's reply format reads it."""
     try:
         from .test_chat_tools import lazy_run
@@ -196,6 +196,9 @@ def test_a_forced_call_reads_back_through_the_templates_reader(gemma, llama_src,
     prompt = _template(llama_src, name).apply(ASK, [CITY], tool_choice="required")
     assert prompt.grammar and not prompt.grammar_triggers
     text = lazy_run(gemma, prompt.grammar, (), "", 80)
+    # written in the family's own syntax (chat/forced.py), from its first marker
+    from offgrid.chat.calls import as_shape
+    assert text.startswith(as_shape(prompt.reply_format.call_shape).openers[0]), text
     reply = parse_reply(text, prompt.reply_format)
     assert [(c.name, sorted(json.loads(c.arguments))) for c in reply.tool_calls] == \
         [("get_weather", ["city"])], text

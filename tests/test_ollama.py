@@ -336,6 +336,22 @@ def test_langchain_bind_tools_gives_tool_calls(srv):
     assert reply.tool_calls[0]["args"] == {"city": "Paris"}
 
 
+def test_langchain_follow_up_after_a_tool_result_ends_with_an_answer(srv):
+    """The agent's loop: the call, its result, then an answer, not the same
+    call again (Qwen2.5-Coder-0.5B writes the call again as bare JSON; the
+    rescue leaves a finished call as text, issue 48)."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_ollama import ChatOllama
+    llm = ChatOllama(model=NAME, base_url=srv.base, temperature=0, num_predict=40)
+    bound = llm.bind_tools([WEATHER])
+    history = [HumanMessage("What is the weather in Paris?")]
+    call = bound.invoke(history)
+    assert [c["name"] for c in call.tool_calls] == ["get_weather"], call
+    history += [call, ToolMessage("Sunny, 21 C", tool_call_id=call.tool_calls[0]["id"] or "0")]
+    answer = bound.invoke(history)
+    assert answer.content.strip() and not answer.tool_calls, answer
+
+
 # -- streams that end early ---------------------------------------------------------
 
 def _open_stream(srv, path, body):

@@ -3,7 +3,7 @@
 A template that writes a later system message where it stands gets it there;
 one that refuses or drops it gets it joined to the leading system text; and a
 system message that ends the conversation after the user's turn goes just
-before that turn, so the reply answers the user (offgrid/chat/template.py).
+before that turn, so the reply answers the user (offgrid/chat/adjust.py).
 """
 
 from offgrid.chat.template import ChatTemplate

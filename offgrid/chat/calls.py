@@ -232,6 +232,9 @@ class _Reader:
                 raise _Broken()
             # the name's own attributes may follow it (Kimi K3's index="1")
             return name.split('"', 1)[0].strip(_WS), i
+        # a name with no markers of its own may stand on a line of its own
+        # (GLM's "<tool_call>\nNAME"), as llama.cpp's readers take it
+        i = self.ws(i) if not sh.name[0] else i
         m = re.compile(r"[^\s<>{}\[\]()]+").match(self.s, i)
         if not m or m.end() == len(self.s):
             raise _Incomplete() if self.partial or not m else _Broken()
@@ -333,6 +336,10 @@ class _Reader:
         close = ns + "</" + tag + ">"
         j = self.ws(i)
         nested = self.s.startswith(ns + "<", j) and not self.s.startswith(close, j)
+        if nested and "string" in _schema_types(schema):
+            # a string takes any text, so a union with a string is a string (llama.cpp)
+            raw, i = self.until(i, close)
+            return raw, i
         if nested:
             sub = schema if isinstance(schema, dict) else {}
             for alt in [sub] + list(sub.get("anyOf") or ()) + list(sub.get("oneOf") or ()):

@@ -220,3 +220,24 @@ def _tagged_shape(one, two, f):
     return Shape("name-tagged", section=section, call=call, name=(name_prefix, name_end),
                  key=(key_start, key_end), value=(value_start, value_end),
                  close="".join(extra), value_lines=lines)
+
+
+def json_call_of(render):
+    """How the template writes one call's JSON, for a shape whose body is
+    "json": (the call object with the needles where the name and the
+    arguments go, whether the calls are one JSON list), or None where its
+    rendering shows no such object (chat/forced.py then writes the usual one)."""
+    one = turn_text(render, _calls(FN))
+    f = one.find(FN) if one else -1
+    found = _json_object_at(one, f) if f >= 0 else None
+    if found is None:
+        return None
+    v = found[2]
+    listed = isinstance(v, list)
+    if listed:
+        v = v[0] if v else None
+    text = json.dumps(v)
+    if not isinstance(v, dict) or json.dumps(FN) not in text or \
+            json.dumps({ARG: VAL}) not in text:
+        return None                 # arguments as a string, or no call object at all
+    return v, listed

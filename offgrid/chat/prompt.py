@@ -36,7 +36,9 @@ from .gbnf import GrammarError, check_grammar
 from .jsonschema import schema_to_grammar
 from .rescue import finished_calls, rescue_of, tool_args
 from .shapes import shape_markers
-from .template import ChatTemplateError, ReplyFormat, tool_call_grammar
+from .caps import ChatTemplateError
+from .forced import tool_call_grammar
+from .replyformat import ReplyFormat
 
 log = logging.getLogger("offgrid.chat")
 
@@ -69,6 +71,14 @@ def prepare_chat(model, template, messages, tools=(), tool_choice="auto", schema
                             json_schema=schema, tool_choice=tool_choice,
                             parallel_tool_calls=parallel_tool_calls,
                             reasoning_format=reasoning_format)
+    if check and prompt.grammar is not None and not prompt.grammar_triggers \
+            and getattr(template, "call_shape", ""):
+        # a forced call asks for the vocabulary's own tokens where its markers
+        # are tokens (a lazy grammar cannot: it is fed its trigger as text)
+        tokens = marker_tokens(model, shape_markers(as_shape(template.call_shape)))
+        if tokens:
+            prompt.grammar = template.call_grammar(tools, tool_choice, bool(parallel_tool_calls),
+                                                   tokens)
     if check and prompt.grammar is not None:
         prompt.grammar = _checked_tool_grammar(model, prompt, template, tools, tool_choice,
                                                parallel_tool_calls)
@@ -110,9 +120,11 @@ def _checked_tool_grammar(model, prompt, template, tools, tool_choice, parallel)
         log.debug("tool schemas make too costly a grammar (%s); arguments held to any "
                   "object", e)
     loose = [dataclasses.replace(t, parameters={"type": "object"}) for t in tools]
-    form = getattr(template, "call_form", "generic")
     choice = "required" if prompt.grammar_triggers else tool_choice
-    g = tool_call_grammar(loose, form, choice, bool(parallel))
+    if hasattr(template, "call_grammar"):
+        g = template.call_grammar(loose, choice, bool(parallel))
+    else:                           # a built-in template: bare JSON calls
+        g = tool_call_grammar(loose, "generic", choice, bool(parallel))
     check_grammar(model, g, prompt.grammar_triggers)
     return g
 
@@ -148,6 +160,18 @@ def reply_markers(fmt):
     if fmt.call_shape:
         markers += shape_markers(as_shape(fmt.call_shape))
     return markers
+
+
+def marker_tokens(model, markers):
+    """{marker: token} for each of ``markers`` that is one token of the
+    model's vocabulary (a control token, or one of its own words such as
+    gemma-4's <|tool_call>)."""
+    out = {}
+    for text in markers:
+        toks = model.tokenize(text, add_special=False, parse_special=True)
+        if len(toks) == 1 and model.token_bytes(toks[0]) in (b"", text.encode("utf-8")):
+            out[text] = toks[0]
+    return out
 
 
 def preserved_tokens(model, fmt):

@@ -390,6 +390,8 @@ def parse_reply(text, fmt, partial=False):
         # text as the model sees it, so it is given back as written (llama-server)
         text = fmt.reopened + text
     reasoning, rest, found = split_reasoning(text, fmt, partial)
+    if found and fmt.reasoning_lead and fmt.starts_in_reasoning:
+        reasoning = (fmt.reasoning_lead + reasoning).strip(_WS)
     if fmt.parse_tools:
         content, calls, _ = split_tool_calls(rest, fmt, partial)
         content = content.strip(_WS)

@@ -60,6 +60,12 @@ class Shape:
     # a message to the user is content, to itself reasoning, to a tool a call
     # whose body is in this shape (or, with no markers, its JSON arguments)
     recipients: Tuple[str, ...] = ()
+    # name-tagged, where a marker opens an attribute (name="): the attributes
+    # the template writes after the key's closing quote, {string} "true" or
+    # "false" (DSML), {type} the value's JSON type (Kimi K3); and after the
+    # name's, {index} the call's number (Kimi K3).  Written by forced calls.
+    key_attr: str = ""
+    name_attr: str = ""
 
     @property
     def openers(self):
@@ -89,11 +95,13 @@ SHAPES = {
     "dsml-v3.2": Shape("name-tagged", section=("<｜DSML｜function_calls>", "</｜DSML｜function_calls>"),
                        name=('<｜DSML｜invoke name="', '">'),
                        key=('<｜DSML｜parameter name="', '>'),
-                       value=("", "</｜DSML｜parameter>"), close="</｜DSML｜invoke>"),
+                       value=("", "</｜DSML｜parameter>"), close="</｜DSML｜invoke>",
+                       key_attr=' string="{string}"'),
     "dsml-v4": Shape("name-tagged", section=("<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>"),
                      name=('<｜DSML｜invoke name="', '">'),
                      key=('<｜DSML｜parameter name="', '>'),
-                     value=("", "</｜DSML｜parameter>"), close="</｜DSML｜invoke>"),
+                     value=("", "</｜DSML｜parameter>"), close="</｜DSML｜invoke>",
+                     key_attr=' string="{string}"'),
     "glm": Shape("name-tagged", call=("<tool_call>", "</tool_call>"),
                  key=("<arg_key>", "</arg_key>"), value=("<arg_value>", "</arg_value>")),
     "minimax-m2": Shape("name-tagged", section=("<minimax:tool_call>", "</minimax:tool_call>"),
@@ -120,7 +128,8 @@ SHAPES = {
     "kimi-k3": Shape("name-tagged", section=("<|open|>tools<|sep|>", "<|close|>tools<|sep|>"),
                      name=('<|open|>call tool="', "<|sep|>"),
                      key=('<|open|>argument key="', "<|sep|>"),
-                     value=("", "<|close|>argument<|sep|>"), close="<|close|>call<|sep|>"),
+                     value=("", "<|close|>argument<|sep|>"), close="<|close|>call<|sep|>",
+                     key_attr=' type="{type}"', name_attr=' index="{index}"'),
     "seed-oss": Shape("name-tagged", call=("<seed:tool_call>", "</seed:tool_call>"),
                       name=("<function=", ">"), key=("<parameter=", ">"),
                       value=("", "</parameter>"), close="</function>"),
@@ -206,6 +215,8 @@ def shape_markers(shape):
     found = [shape.close, shape.ns] + [m for pair in (shape.section, shape.call, shape.name,
                                                       shape.key, shape.value) for m in pair]
     found += list(shape.recipients)
+    if shape.body == "gemma4":
+        found.append('<|"|>')               # its strings' quote
     out = []
     for m in found:
         if m:
