@@ -93,6 +93,20 @@ def _editor_rows(key, model):
     ]
 
 
+def _batched_rows(key, layout):
+    return [
+        ("%s_1_tok_s" % key, "tok/s", True,
+         "batched, %s: 1 client x 8 requests x 64 tokens, -np 4" % layout),
+        ("%s_4_tok_s" % key, "tok/s", True,
+         "batched, %s: 4 clients x 8 requests x 64 tokens, -np 4" % layout),
+        ("%s_4_gain" % key, "x", True, "batched, %s: 4 clients' tok/s / 1 client's" % layout),
+        ("%s_8_tok_s" % key, "tok/s", True,
+         "batched, %s: 8 clients x 8 requests x 64 tokens, -np 8" % layout),
+        ("%s_8_gain" % key, "x", True,
+         "batched, %s: 8 clients' tok/s / 1 client's (on -np 4)" % layout),
+    ]
+
+
 EDIT_SCENARIOS = (("next_edit", "edit (a) next-edit: a 21-line window rewritten, Sweep prompt, "
                                 "/v1/completions"),
                   ("apply_edit", "edit (b) apply-edit in chat: a 40-line function with a rename"),
@@ -141,11 +155,10 @@ ROWS = [
 ] + [("continuation_%s_tok_s" % t, "tok/s", True,
       "code continuation, llama-server --spec-type %s" % t) for t in SPEC_TYPES] + \
     _editor_rows("editor", "code model") + _editor_rows("editor_gemma", "gemma FIM copy") + [
-    ("batched_1_tok_s", "tok/s", True, "batched: 1 client x 8 requests x 64 tokens, -np 4"),
-    ("batched_4_tok_s", "tok/s", True, "batched: 4 clients x 8 requests x 64 tokens, -np 4"),
-    ("batched_4_gain", "x", True, "batched: 4 clients' tok/s / 1 client's, -np 4"),
-    ("batched_8_tok_s", "tok/s", True, "batched: 8 clients x 8 requests x 64 tokens, -np 8"),
-    ("batched_8_gain", "x", True, "batched: 8 clients' tok/s / 1 client's (on -np 4)"),
+] + _batched_rows("batched", "one KV cache for all sessions (offgrid's default; "
+                            "llama-server -kvu)") + \
+    _batched_rows("batched_split", "a KV stream per session (llama-server's default "
+                                   "with -np N; offgrid --no-kv-unified)") + [
     ("stall_alone_tok_s", "tok/s", True, "stall: a 384-token stream alone, -np 2"),
     ("stall_during_tok_s", "tok/s", True,
      "stall: that stream while another session's 2,000-token prompt is evaluated"),
@@ -256,6 +269,7 @@ class Phase:
     run: Callable = None
     servers: Sequence[str] = ("offgrid", "llama_server")
     variants: Optional[dict] = None
+    flags: Optional[dict] = None    # {server name: flags for it alone} (cfg.extra's)
 
 
 def quiet(fn, *a, **kw):
@@ -363,11 +377,35 @@ def run_edits(servers, order, reps, rnd):
     return out
 
 
-def run_batched(port, reps, rnd, clients):
+# The batched phases run twice, so that each server is compared with the other
+# laid out alike (issue #52): every session's cells in one unified KV cache
+# (offgrid's default; llama-server's -kvu, its default only where -np is auto)
+# and a KV stream per session (llama-server's default with an explicit -np N;
+# offgrid's --no-kv-unified).  {layout: (scenario prefix, {server: flags})}
+KV_LAYOUTS = {
+    "unified": ("batched", {"llama_server": ("-kvu",)}),
+    "split": ("batched_split", {"offgrid": ("--no-kv-unified",)}),
+}
+
+
+def run_batched(port, reps, rnd, clients, prefix="batched"):
     scenarios.warm_up(port)
     out = {}
     for n in clients:
-        out["batched_%d" % n] = scenarios.concurrent(port, n)
+        out["%s_%d" % (prefix, n)] = scenarios.concurrent(port, n)
+    return out
+
+
+def batched_phases(cfg):
+    """The batched phases: -np 4 (1 and 4 clients), then -np 8 (8 clients), each in
+    both KV layouts (KV_LAYOUTS)."""
+    out = []
+    for layout, (prefix, flags) in KV_LAYOUTS.items():
+        for np_, clients in ((4, (1, 4)), (8, (8,))):
+            out.append(Phase(
+                "batched", "batched-np%d-%s" % (np_, layout), 1, cfg(np_),
+                lambda port, reps, rnd, c=clients, p=prefix: run_batched(port, reps, rnd, c, p),
+                flags=flags))
     return out
 
 
@@ -386,10 +424,7 @@ def phases(args, fim):
               variants={name: (name, cfg(1)) for name in args.servers}),
         Phase("continuation", "continuation", 2, run=run_continuation,
               variants=continuation_variants(args)),
-        Phase("batched", "batched-np4", 1, cfg(4),
-              lambda port, reps, rnd: run_batched(port, reps, rnd, (1, 4))),
-        Phase("batched", "batched-np8", 1, cfg(8),
-              lambda port, reps, rnd: run_batched(port, reps, rnd, (8,))),
+    ] + batched_phases(cfg) + [
         Phase("stall", "stall", 1, cfg(2),
               lambda port, reps, rnd: {"stall": scenarios.stall(port, reps)}),
         Phase("editor", "editor", 1, cfg(1, 1024, 1024, args.code_model),
@@ -410,6 +445,14 @@ def for_server(cfg, name, args):
         return dataclasses.replace(
             cfg, threads=None if args.offgrid_threads == "auto" else int(args.offgrid_threads))
     return cfg
+
+
+def server_config(phase, name, args):
+    """The config server ``name`` runs a one-by-one phase with: its own flags too."""
+    cfg = phase.cfg
+    if phase.flags and phase.flags.get(name):
+        cfg = dataclasses.replace(cfg, extra=tuple(cfg.extra) + tuple(phase.flags[name]))
+    return for_server(cfg, name, args)
 
 
 def merge(into, new):
@@ -476,7 +519,7 @@ class Rounds:
     def one_by_one(self, rnd, phase):
         order = [s for s in self.args.servers if s in phase.servers]
         for name in (order if rnd % 2 == 0 else order[::-1]):
-            server = SERVERS[name](for_server(phase.cfg, name, self.args), self.bins)
+            server = SERVERS[name](server_config(phase, name, self.args), self.bins)
 
             def measure():
                 got = phase.run(server.port, self.args.reps, rnd)
@@ -549,10 +592,12 @@ def figures(s):
             f[key + "_p95_ms"] = percentile(e["latency_ms"], 95)
             f[key + "_own_p50_ms"] = percentile(e["own_ms"], 50)
             f[key + "_cached_fraction"] = statistics.mean(e["cached_fraction"])
-    for n in (1, 4, 8):
-        f["batched_%d_tok_s" % n] = med("batched_%d" % n, "tps")
-    for n in (4, 8):
-        f["batched_%d_gain" % n] = ratio(f["batched_%d_tok_s" % n], f["batched_1_tok_s"])
+    for key in ("batched", "batched_split"):
+        for n in (1, 4, 8):
+            f["%s_%d_tok_s" % (key, n)] = med("%s_%d" % (key, n), "tps")
+        for n in (4, 8):
+            f["%s_%d_gain" % (key, n)] = ratio(f["%s_%d_tok_s" % (key, n)],
+                                               f["%s_1_tok_s" % key])
     f["stall_alone_tok_s"] = med("stall", "alone_tps")
     f["stall_during_tok_s"] = med("stall", "during_tps")
     f["stall_kept"] = ratio(f["stall_during_tok_s"], f["stall_alone_tok_s"])
@@ -649,8 +694,15 @@ def goals(result):
     for n in (4, 8):
         goal("#20 batched %d clients, offgrid / its own single stream" % n,
              get("batched_%d_gain" % n, "offgrid"), ">=", 1.5)
-        goal("#20 batched %d clients, offgrid / llama-server" % n,
-             get("batched_%d_tok_s" % n, "ratio"), ">=", 1.0)
+        goal("#52 batched %d clients, offgrid / llama-server, both one KV cache "
+             "(offgrid's default; -kvu)" % n, get("batched_%d_tok_s" % n, "ratio"), ">=", 1.0)
+        goal("#52 batched %d clients, offgrid / llama-server, both a KV stream per "
+             "session (llama-server's default)" % n,
+             get("batched_split_%d_tok_s" % n, "ratio"), ">=", 1.0)
+        goal("#52 batched %d clients, each server's default: offgrid (one KV cache) / "
+             "llama-server -np %d (a stream per slot)" % (n, 4 if n == 4 else 8),
+             ratio(get("batched_%d_tok_s" % n, "offgrid"),
+                   get("batched_split_%d_tok_s" % n, "llama_server")), ">=", 1.0)
     goal("#20 stall: offgrid's stream during another's 2,000-token prompt / alone",
          get("stall_kept", "offgrid"), ">=", 0.5)
     for key, _ in EDIT_SCENARIOS:

@@ -89,14 +89,44 @@ def test_the_stock_server_is_a_default_server_of_the_single_phase_only(bench):
     assert args.servers == ["offgrid", "llama_server", "llama_server_stock"]
     by_label = {ph.label: ph for ph in bench.phases(args, None)}
     assert "llama_server_stock" in by_label["single"].variants
-    for label in ("batched-np4", "stall", "editor"):
+    for label in ("batched-np4-unified", "batched-np8-split", "stall", "editor"):
         assert "llama_server_stock" not in by_label[label].servers
 
 
-def test_batched_phases_are_np4_and_np8(bench):
+def test_batched_phases_are_np4_and_np8_in_both_kv_layouts(bench):
+    """Like for like (issue #52): both servers with one KV cache (offgrid's
+    default, llama-server's -kvu), then both with a stream per session
+    (llama-server's default with -np N, offgrid's --no-kv-unified)."""
     args = bench.parse_args(["--only", "batched"])
     chosen = bench.selected_phases(args, None)
-    assert [ph.cfg.parallel for ph in chosen] == [4, 8]
+    assert [ph.cfg.parallel for ph in chosen] == [4, 8, 4, 8]
+    flags = {(ph.label, name): bench.server_config(ph, name, args).extra
+             for ph in chosen for name in ("offgrid", "llama_server")}
+    for n in (4, 8):
+        assert flags["batched-np%d-unified" % n, "offgrid"] == ()
+        assert flags["batched-np%d-unified" % n, "llama_server"] == ("-kvu",)
+        assert flags["batched-np%d-split" % n, "offgrid"] == ("--no-kv-unified",)
+        assert flags["batched-np%d-split" % n, "llama_server"] == ()
+
+
+def test_batched_figures_and_goals_compare_like_for_like_and_defaults(bench):
+    def server(uni, split):
+        return bench.figures({"batched_1": {"tps": [20.0]}, "batched_8": {"tps": [uni]},
+                              "batched_split_1": {"tps": [20.0]},
+                              "batched_split_8": {"tps": [split]}})
+    off, llama = server(150.0, 140.0), server(145.0, 159.0)
+    assert off["batched_8_gain"] == 7.5 and llama["batched_split_8_gain"] == 159.0 / 20
+    sc = {k: {"offgrid": off.get(k), "llama_server": llama.get(k),
+              "ratio": off[k] / llama[k] if k in off and k in llama else None}
+          for k in ("batched_8_tok_s", "batched_split_8_tok_s")}
+    got = {what: (round(value, 3), met) for what, value, bound, met
+           in bench.goals({"scenarios": sc})}
+    assert got["#52 batched 8 clients, offgrid / llama-server, both one KV cache "
+               "(offgrid's default; -kvu)"] == (round(150 / 145, 3), True)
+    assert got["#52 batched 8 clients, offgrid / llama-server, both a KV stream per "
+               "session (llama-server's default)"] == (round(140 / 159, 3), False)
+    assert got["#52 batched 8 clients, each server's default: offgrid (one KV cache) / "
+               "llama-server -np 8 (a stream per slot)"] == (round(150 / 159, 3), False)
 
 
 def test_continuation_runs_each_speculation_variant_on_the_code_model(bench):
