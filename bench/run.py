@@ -25,8 +25,9 @@ gives every phase N.
                                                                         overhead, RSS
     continuation   code   -np 1 -b 512, together, speculation   2       code continuation
                           variants (see below)
-    batched        gemma  -np 4, then -np 8, -b 512             1       1, 4 and 8 clients
-                                                                        x 8 requests x 64
+    batched        gemma  -np 4, then -np 8, -b 512, each      1       1, 4 and 8 clients
+                          with one KV cache (both), then a              x 8 requests x 64
+                          stream per session (both)
     stall          gemma  -np 2 -b 512                          1       a 2,000-token prompt
                                                                         during a stream
     editor         code   -np 1 -b 1024 -ub 1024                1       /infill typing replay
@@ -34,6 +35,8 @@ gives every phase N.
     edits          code   -np 1 -c 8192, together: offgrid      1       the edit scenarios
                           default and none, llama-server plain          (bench/edits.py)
                           and its n-gram --spec-types
+    copies         code   as edits                              1       the out-of-order copy
+                                                                        (bench/copies.py)
     busy           see busy.py                                  once
 
 "code" is --code-model (Qwen2.5-Coder-0.5B), "gemma" --model.  The stock
@@ -69,6 +72,7 @@ from typing import Callable, Optional, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import busy as busy_phase  # noqa: E402
+import copies  # noqa: E402
 import editor  # noqa: E402
 import edits  # noqa: E402
 import fimmodel  # noqa: E402
@@ -113,9 +117,13 @@ EDIT_SCENARIOS = (("next_edit", "edit (a) next-edit: a 21-line window rewritten,
                   ("rewrite", "edit (c) whole-file rewrite in chat: ~150 lines, two edits"))
 
 
-def _edit_rows():
+COPY_SCENARIOS = (("out_of_order", "out-of-order copy in chat: ten stubs, their docstrings "
+                                     "put in, lines of the prompt in another order"),)
+
+
+def _edit_rows(scenarios=EDIT_SCENARIOS):
     rows = []
-    for key, what in EDIT_SCENARIOS:
+    for key, what in scenarios:
         rows += [
             ("%s_tok_s" % key, "tok/s", True,
              "%s, greedy (offgrid default --spec-type; llama-server no speculation)" % what),
@@ -166,7 +174,14 @@ ROWS = [
     ("stall_max_gap_ms", "ms", False, "stall: the stream's longest wait for a token then"),
     ("stall_prompt_alone_s", "s", False, "stall: the 2,000-token prompt's wall time alone"),
     ("stall_prompt_during_s", "s", False, "stall: its wall time during the stream"),
-] + _edit_rows()
+] + _edit_rows() + _edit_rows(COPY_SCENARIOS) + [
+    ("out_of_order_gain", "x", True,
+     "out-of-order copy: offgrid's default / its --spec-type none (tok/s)"),
+    ("out_of_order_lines_copied", "", True,
+     "out-of-order copy: share of the answer's lines that are lines of the prompt"),
+    ("out_of_order_lines_moved", "", True,
+     "out-of-order copy: share of them whose line before is another than in the prompt"),
+]
 
 
 # -- machine ---------------------------------------------------------------------
@@ -357,21 +372,26 @@ def edit_variants(args):
         "offgrid+none": ("offgrid", dataclasses.replace(cfg, extra=("--spec-type", "none")))})
 
 
-def run_edits(servers, order, reps, rnd):
-    """The edit scenarios (bench/edits.py) on every variant, request by request,
-    alternating (ABC..CBA), one request of each scenario per variant per rep."""
+def run_edits(servers, order, reps, rnd, module=edits):
+    """The edit scenarios (bench/edits.py, or ``module``'s: bench/copies.py) on
+    every variant, request by request, alternating (ABC..CBA), one request of
+    each scenario per variant per rep."""
     out = {}
     for key in order:
         scenarios.warm_up(servers[key].port)
     i = 0
     for _ in range(reps):
-        for scen in EDIT_ONLY or edits.N_PREDICT:
+        for scen in (EDIT_ONLY if module is edits else ()) or module.N_PREDICT:
             for key in (order if i % 2 == 0 else order[::-1]):
                 server, _, spec = key.partition("+")
                 name = "edit_" + scen + ("" if not spec else
                                          "_plain" if server == "offgrid" else "_" + spec)
-                sample, _ = quiet(edits.run_one, servers[key].port, scen)
+                sample, text = quiet(module.run_one, servers[key].port, scen)
                 sample["load"] = load()
+                if module is copies:
+                    n, copied, moved = copies.lines_from(copies.out_of_order_text(), text)
+                    sample["lines_copied"] = copied / n if n else 0.0
+                    sample["lines_moved"] = moved / copied if copied else 0.0
                 merge(out.setdefault(server, {}), {name: {k: [v] for k, v in sample.items()}})
             i += 1
     return out
@@ -432,11 +452,14 @@ def phases(args, fim):
         Phase("editor-gemma", "editor-gemma", 1, cfg(1, 2048, 512, str(fim) if fim else None),
               run_editor("editor_gemma", args.keys)),
         Phase("edits", "edits", 1, run=run_edits, variants=edit_variants(args)),
+        Phase("copies", "copies", 1, variants=edit_variants(args),
+              run=lambda servers, order, reps, rnd: run_edits(servers, order, reps, rnd,
+                                                              module=copies)),
     ]
 
 
 PHASES = ("single", "continuation", "batched", "stall", "editor", "editor-gemma", "edits",
-          "busy")
+          "copies", "busy")
 
 
 def for_server(cfg, name, args):
@@ -624,7 +647,7 @@ def edit_figures(s, med):
         n = sums(scen, "draft_steps")
         return 1 + sums(scen, "draft_n_accepted") / n if n else None
 
-    for key, _ in EDIT_SCENARIOS:
+    for key, _ in EDIT_SCENARIOS + COPY_SCENARIOS:
         base = "edit_" + key
         f[key + "_tok_s"] = med(base, "tps")
         f[key + "_wall_s"] = med(base, "wall_s")
@@ -643,6 +666,10 @@ def edit_figures(s, med):
             f[key + "_spec_tok_s"] = f[key + "_tok_s"]
             f[key + "_spec_wall_s"] = f[key + "_wall_s"]
             f[key + "_accept"], f[key + "_mean_len"] = accept(base), mean_len(base)
+    if f.get("out_of_order_plain_tok_s"):
+        f["out_of_order_gain"] = f["out_of_order_tok_s"] / f["out_of_order_plain_tok_s"]
+    f["out_of_order_lines_copied"] = med("edit_out_of_order", "lines_copied")
+    f["out_of_order_lines_moved"] = med("edit_out_of_order", "lines_moved")
     return f
 
 
@@ -654,7 +681,7 @@ def best_spec_type(s):
 
 
 def goals(result):
-    """(what, ratio or figure, goal, met) for the goals of issues #18, #20 and #40."""
+    """(what, ratio or figure, goal, met) for the goals of issues #18, #20, #40 and #52."""
     sc = result["scenarios"]
 
     def get(row, server):
@@ -705,6 +732,8 @@ def goals(result):
                    get("batched_split_%d_tok_s" % n, "llama_server")), ">=", 1.0)
     goal("#20 stall: offgrid's stream during another's 2,000-token prompt / alone",
          get("stall_kept", "offgrid"), ">=", 0.5)
+    goal("#52 out-of-order copy, offgrid's default drafts / its --spec-type none (tok/s)",
+         get("out_of_order_gain", "offgrid"), ">=", 1.5)
     for key, _ in EDIT_SCENARIOS:
         goal("#40 %s, offgrid / llama-server without speculation (tok/s)" % key,
              get(key + "_tok_s", "ratio"), ">=", 2.0)
@@ -735,7 +764,7 @@ def table(result):
     g = goals(result)
     if g:
         lines.append("")
-        lines.append("goals (issues #18, #20 and #40):")
+        lines.append("goals (issues #18, #20, #40 and #52):")
         for what, value, bound, met in g:
             lines.append("  %-74s %8s  %-8s %s" % (what, "%.2f" % value, bound,
                                                     "met" if met else "NOT met"))

@@ -285,3 +285,28 @@ def test_steps_finds_the_decode_symbol_in_our_libllama(steps):
     lib = ROOT / "lib" / "libllama.so"
     assert lib.exists(), "no lib/libllama.so: run `make lib`"
     assert steps.symbol_address(lib.resolve()) > 0
+
+
+def test_copies_phase_gives_the_out_of_order_gain_and_its_goal(bench):
+    args = bench.parse_args(["--only", "copies"])
+    (ph,) = bench.selected_phases(args, None)
+    assert ph.variants["offgrid+none"][1].extra == ("--spec-type", "none")
+    s = {"edit_out_of_order": {"tps": [60.0, 80.0], "lines_copied": [0.9], "lines_moved": [0.7],
+                               "draft_n": [100], "draft_n_accepted": [80], "draft_steps": [10]},
+         "edit_out_of_order_plain": {"tps": [40.0]}}
+    f = bench.figures(s)
+    assert f["out_of_order_gain"] == 70.0 / 40.0
+    assert f["out_of_order_accept"] == 0.8 and f["out_of_order_mean_len"] == 9.0
+    got = {what: met for what, value, bound, met in bench.goals(
+        {"scenarios": {"out_of_order_gain": {"offgrid": f["out_of_order_gain"]}}})}
+    assert got == {"#52 out-of-order copy, offgrid's default drafts / its --spec-type none "
+                   "(tok/s)": True}
+
+
+def test_copies_case_counts_lines_copied_and_moved():
+    copies = _bench_module("bench_copies", "copies.py")
+    prompt = "```\na\nb\nc\nd\n```"
+    # c, a: moved (their line before differs); b after a: in order; x: its own
+    assert copies.lines_from(prompt, "```\nc\na\nb\nx\n```") == (4, 3, 2)
+    text = copies.out_of_order_text()
+    assert all(f[1] in text and f[2] in text for f in copies.FUNCS)
