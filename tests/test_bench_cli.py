@@ -110,23 +110,32 @@ def test_batched_phases_are_np4_and_np8_in_both_kv_layouts(bench):
 
 
 def test_batched_figures_and_goals_compare_like_for_like_and_defaults(bench):
-    def server(uni, split):
-        return bench.figures({"batched_1": {"tps": [20.0]}, "batched_8": {"tps": [uni]},
-                              "batched_split_1": {"tps": [20.0]},
-                              "batched_split_8": {"tps": [split]}})
-    off, llama = server(150.0, 140.0), server(145.0, 159.0)
-    assert off["batched_8_gain"] == 7.5 and llama["batched_split_8_gain"] == 159.0 / 20
-    sc = {k: {"offgrid": off.get(k), "llama_server": llama.get(k),
-              "ratio": off[k] / llama[k] if k in off and k in llama else None}
-          for k in ("batched_8_tok_s", "batched_split_8_tok_s")}
+    args = bench.parse_args(["--only", "batched"])
+    unified, _, split, _ = bench.selected_phases(args, None)
+
+    def server(name, uni, spl):
+        # as Rounds.one_by_one merges them: each phase's samples, and its
+        # default layout's again under the plain names
+        s = {}
+        for ph, tps in ((unified, uni), (split, spl)):
+            prefix = ph.default_for[0]
+            got = {prefix + "_1": {"tps": [20.0]}, prefix + "_8": {"tps": [tps]}}
+            got.update(bench.defaults(ph, name, got))
+            bench.merge(s, got)
+        return bench.figures(s)
+    off, llama = server("offgrid", 150.0, 140.0), server("llama_server", 145.0, 159.0)
+    assert off["batched_8_tok_s"] == 150.0 and llama["batched_8_tok_s"] == 159.0
+    assert off["batched_unified_8_gain"] == 7.5 and llama["batched_split_8_gain"] == 159.0 / 20
+    sc = {k: {"offgrid": off[k], "llama_server": llama[k], "ratio": off[k] / llama[k]}
+          for k in ("batched_8_tok_s", "batched_unified_8_tok_s", "batched_split_8_tok_s")}
     got = {what: (round(value, 3), met) for what, value, bound, met
            in bench.goals({"scenarios": sc})}
     assert got["#52 batched 8 clients, offgrid / llama-server, both one KV cache "
                "(offgrid's default; -kvu)"] == (round(150 / 145, 3), True)
     assert got["#52 batched 8 clients, offgrid / llama-server, both a KV stream per "
                "session (llama-server's default)"] == (round(140 / 159, 3), False)
-    assert got["#52 batched 8 clients, each server's default: offgrid (one KV cache) / "
-               "llama-server -np 8 (a stream per slot)"] == (round(150 / 159, 3), False)
+    assert got["#20 batched 8 clients, offgrid / llama-server, each its default "
+               "(one KV cache; a stream per slot)"] == (round(150 / 159, 3), False)
 
 
 def test_continuation_runs_each_speculation_variant_on_the_code_model(bench):
