@@ -45,7 +45,7 @@ Lines out of order.  An answer may take the prompt's lines in another order
 copy that goes on in the prompt's order fails at nearly every line end.  So
 the drafter watches the line ends the text takes from the copy (``newline``:
 which tokens hold a line break; the session passes it): whether the next
-line follows the copy there too.  While every one of the latest four did
+line follows the copy there too.  While each of the latest four did
 (``in_order``, and at first), drafts go on across line ends as above; once
 one did not, each line is drafted on its own (``_lookup_line``): nothing at
 its start, then, once a token or two of it match somewhere in the prompt or
@@ -95,8 +95,7 @@ class CopyDraft(PromptLookup):
     max_rules = 8           # changes kept
 
     # lines out of order (see the module docstring's last part)
-    cross_window = 6        # the latest line ends whose next line was watched
-    cross_misses = 0        # of the latest 4, the most that went elsewhere in order
+    cross_window = 4        # the latest line ends on the copy that decide in_order()
     anchors_kept = 3        # places recent lines were copied from, kept as "near"
 
     def __init__(self, tokens, k_max=None, clock=time.perf_counter, newline=None):
@@ -166,7 +165,7 @@ class CopyDraft(PromptLookup):
             c = self._crossings
             c.append(self.tokens[at] == token)
             del c[:-self.cross_window]
-            was, self._in_order = self._in_order, c[-4:].count(False) <= self.cross_misses
+            was, self._in_order = self._in_order, all(c)
             if was != self._in_order:
                 # drafts of another kind from here: judged afresh
                 self.paying, self._plain_wanted = True, 0
@@ -176,9 +175,10 @@ class CopyDraft(PromptLookup):
             self._anchors = self._anchors[-(self.anchors_kept - 1):] + [self._src]
 
     def in_order(self):
-        """Whether lines come in the copy's order: at first, and until two of
-        the latest three line ends on the copy were followed by another line
-        than the copy's next one; again once three in a row were."""
+        """Whether lines come in the copy's order: at first, and while each of
+        the latest ``cross_window`` line ends on the copy was followed by the
+        copy's next line (one that was not makes it False, until as many in a
+        row were again)."""
         return self._in_order
 
     def _adapt(self, d, hits):
@@ -273,7 +273,7 @@ class CopyDraft(PromptLookup):
         if n_line < 2:
             self._last_match = 0
             return []
-        near = [a for a in self._anchors + ([self._src] if self._src is not None else [])]
+        near = self._anchors + ([self._src] if self._src is not None else [])
         cands = self._pairs.get((t[-2], t[-1]), ())
         look = list(cands[-self.max_candidates:])
         if len(cands) > self.max_candidates:
@@ -301,7 +301,9 @@ class CopyDraft(PromptLookup):
         self._last_match = n
         if n < max(self.min_match, self._need):
             return []
-        d, after = self._copy(p, min(self._cap, self.k_max) if k else 0)
+        # the line's rest whatever self.k is now: a miss in one line says
+        # little about the next one's, and the line's end bounds the draft
+        d, after = self._copy(p, min(self._cap, self.k_max))
         # to the end of the source's line: the next line may come from anywhere
         for j, tok in enumerate(d):
             if self._is_newline(tok):
