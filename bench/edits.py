@@ -124,14 +124,15 @@ def draft_counters(port):
     return out
 
 
-def run_one(port, name, model="model"):
-    """One request of scenario ``name``: its sample (wall, rates, drafts).
+def run_one(port, name, model="model", bodies=None):
+    """One request of scenario ``name`` (of ``bodies``, default this module's):
+    its sample (wall, rates, drafts).
 
     ``steps``: the verify decodes the request made (from /metrics around it),
     so that the mean accepted length (llama-server's "mean len": 1 + accepted
     per verify step) is the same measure for both servers.
     """
-    path, body = bodies(model)[name]
+    path, body = (bodies or globals()["bodies"](model))[name]
     before = draft_counters(port)
     obj, wall = post(port, path, body, timeout=900)
     after = draft_counters(port)

@@ -25,8 +25,9 @@ gives every phase N.
                                                                         overhead, RSS
     continuation   code   -np 1 -b 512, together, speculation   2       code continuation
                           variants (see below)
-    batched        gemma  -np 4, then -np 8, -b 512             1       1, 4 and 8 clients
-                                                                        x 8 requests x 64
+    batched        gemma  -np 4, then -np 8, -b 512, each      1       1, 4 and 8 clients
+                          with one KV cache (both), then a              x 8 requests x 64
+                          stream per session (both)
     stall          gemma  -np 2 -b 512                          1       a 2,000-token prompt
                                                                         during a stream
     editor         code   -np 1 -b 1024 -ub 1024                1       /infill typing replay
@@ -34,6 +35,8 @@ gives every phase N.
     edits          code   -np 1 -c 8192, together: offgrid      1       the edit scenarios
                           default and none, llama-server plain          (bench/edits.py)
                           and its n-gram --spec-types
+    copies         code   as edits                              1       the out-of-order copy
+                                                                        (bench/copies.py)
     busy           see busy.py                                  once
 
 "code" is --code-model (Qwen2.5-Coder-0.5B), "gemma" --model.  The stock
@@ -69,6 +72,7 @@ from typing import Callable, Optional, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import busy as busy_phase  # noqa: E402
+import copies  # noqa: E402
 import editor  # noqa: E402
 import edits  # noqa: E402
 import fimmodel  # noqa: E402
@@ -93,15 +97,33 @@ def _editor_rows(key, model):
     ]
 
 
+def _batched_rows(key, layout):
+    return [
+        ("%s_1_tok_s" % key, "tok/s", True,
+         "batched, %s: 1 client x 8 requests x 64 tokens, -np 4" % layout),
+        ("%s_4_tok_s" % key, "tok/s", True,
+         "batched, %s: 4 clients x 8 requests x 64 tokens, -np 4" % layout),
+        ("%s_4_gain" % key, "x", True, "batched, %s: 4 clients' tok/s / 1 client's" % layout),
+        ("%s_8_tok_s" % key, "tok/s", True,
+         "batched, %s: 8 clients x 8 requests x 64 tokens, -np 8" % layout),
+        ("%s_8_gain" % key, "x", True,
+         "batched, %s: 8 clients' tok/s / 1 client's (on -np 4)" % layout),
+    ]
+
+
 EDIT_SCENARIOS = (("next_edit", "edit (a) next-edit: a 21-line window rewritten, Sweep prompt, "
                                 "/v1/completions"),
                   ("apply_edit", "edit (b) apply-edit in chat: a 40-line function with a rename"),
                   ("rewrite", "edit (c) whole-file rewrite in chat: ~150 lines, two edits"))
 
 
-def _edit_rows():
+COPY_SCENARIOS = (("out_of_order", "out-of-order copy in chat: ten stubs, their docstrings "
+                                     "put in, lines of the prompt in another order"),)
+
+
+def _edit_rows(scenarios=EDIT_SCENARIOS):
     rows = []
-    for key, what in EDIT_SCENARIOS:
+    for key, what in scenarios:
         rows += [
             ("%s_tok_s" % key, "tok/s", True,
              "%s, greedy (offgrid default --spec-type; llama-server no speculation)" % what),
@@ -146,6 +168,10 @@ ROWS = [
     ("batched_4_gain", "x", True, "batched: 4 clients' tok/s / 1 client's, -np 4"),
     ("batched_8_tok_s", "tok/s", True, "batched: 8 clients x 8 requests x 64 tokens, -np 8"),
     ("batched_8_gain", "x", True, "batched: 8 clients' tok/s / 1 client's (on -np 4)"),
+] + _batched_rows("batched_unified", "both one KV cache for all sessions (offgrid's default, "
+                                     "llama-server -kvu)") + \
+    _batched_rows("batched_split", "both a KV stream per session (llama-server's default "
+                                   "with -np N, offgrid --no-kv-unified)") + [
     ("stall_alone_tok_s", "tok/s", True, "stall: a 384-token stream alone, -np 2"),
     ("stall_during_tok_s", "tok/s", True,
      "stall: that stream while another session's 2,000-token prompt is evaluated"),
@@ -153,7 +179,14 @@ ROWS = [
     ("stall_max_gap_ms", "ms", False, "stall: the stream's longest wait for a token then"),
     ("stall_prompt_alone_s", "s", False, "stall: the 2,000-token prompt's wall time alone"),
     ("stall_prompt_during_s", "s", False, "stall: its wall time during the stream"),
-] + _edit_rows()
+] + _edit_rows() + _edit_rows(COPY_SCENARIOS) + [
+    ("out_of_order_gain", "x", True,
+     "out-of-order copy: offgrid's default / its --spec-type none (tok/s)"),
+    ("out_of_order_lines_copied", "", True,
+     "out-of-order copy: share of the answer's lines that are lines of the prompt"),
+    ("out_of_order_lines_moved", "", True,
+     "out-of-order copy: share of them whose line before is another than in the prompt"),
+]
 
 
 # -- machine ---------------------------------------------------------------------
@@ -256,6 +289,10 @@ class Phase:
     run: Callable = None
     servers: Sequence[str] = ("offgrid", "llama_server")
     variants: Optional[dict] = None
+    flags: Optional[dict] = None    # {server name: flags for it alone} (cfg.extra's)
+    # (prefix, servers): these servers' scenarios named prefix_* count as
+    # batched_* too (the batched phases: the layout that is their default)
+    default_for: Optional[tuple] = None
 
 
 def quiet(fn, *a, **kw):
@@ -343,31 +380,65 @@ def edit_variants(args):
         "offgrid+none": ("offgrid", dataclasses.replace(cfg, extra=("--spec-type", "none")))})
 
 
-def run_edits(servers, order, reps, rnd):
-    """The edit scenarios (bench/edits.py) on every variant, request by request,
-    alternating (ABC..CBA), one request of each scenario per variant per rep."""
+def run_edits(servers, order, reps, rnd, module=edits):
+    """The edit scenarios (bench/edits.py, or ``module``'s: bench/copies.py) on
+    every variant, request by request, alternating (ABC..CBA), one request of
+    each scenario per variant per rep."""
     out = {}
     for key in order:
         scenarios.warm_up(servers[key].port)
     i = 0
     for _ in range(reps):
-        for scen in EDIT_ONLY or edits.N_PREDICT:
+        for scen in (EDIT_ONLY if module is edits else ()) or module.N_PREDICT:
             for key in (order if i % 2 == 0 else order[::-1]):
                 server, _, spec = key.partition("+")
                 name = "edit_" + scen + ("" if not spec else
                                          "_plain" if server == "offgrid" else "_" + spec)
-                sample, _ = quiet(edits.run_one, servers[key].port, scen)
+                sample, text = quiet(module.run_one, servers[key].port, scen)
                 sample["load"] = load()
+                if module is copies:
+                    n, copied, moved = copies.lines_from(copies.out_of_order_text(), text)
+                    sample["lines_copied"] = copied / n if n else 0.0
+                    sample["lines_moved"] = moved / copied if copied else 0.0
                 merge(out.setdefault(server, {}), {name: {k: [v] for k, v in sample.items()}})
             i += 1
     return out
 
 
-def run_batched(port, reps, rnd, clients):
+# The batched phases run twice, so that each server is compared with the other
+# laid out alike (issue #52): every session's cells in one unified KV cache
+# (offgrid's default; llama-server's -kvu, its default only where -np is auto)
+# and a KV stream per session (llama-server's default with an explicit -np N;
+# offgrid's --no-kv-unified).  {layout: (scenario prefix, {server: flags})}
+# The plain "batched" rows are each server's default, as they were before
+# there were two: offgrid's samples of the unified phases, llama-server's of
+# the split ones.  {layout: (scenario prefix, {server: flags}, the servers
+# whose default it is)}
+KV_LAYOUTS = {
+    "unified": ("batched_unified", {"llama_server": ("-kvu",)}, ("offgrid",)),
+    "split": ("batched_split", {"offgrid": ("--no-kv-unified",)},
+              ("llama_server", "llama_server_stock")),
+}
+
+
+def run_batched(port, reps, rnd, clients, prefix="batched"):
     scenarios.warm_up(port)
     out = {}
     for n in clients:
-        out["batched_%d" % n] = scenarios.concurrent(port, n)
+        out["%s_%d" % (prefix, n)] = scenarios.concurrent(port, n)
+    return out
+
+
+def batched_phases(cfg):
+    """The batched phases: -np 4 (1 and 4 clients), then -np 8 (8 clients), each in
+    both KV layouts (KV_LAYOUTS)."""
+    out = []
+    for layout, (prefix, flags, default_for) in KV_LAYOUTS.items():
+        for np_, clients in ((4, (1, 4)), (8, (8,))):
+            out.append(Phase(
+                "batched", "batched-np%d-%s" % (np_, layout), 1, cfg(np_),
+                lambda port, reps, rnd, c=clients, p=prefix: run_batched(port, reps, rnd, c, p),
+                flags=flags, default_for=(prefix, default_for)))
     return out
 
 
@@ -386,10 +457,7 @@ def phases(args, fim):
               variants={name: (name, cfg(1)) for name in args.servers}),
         Phase("continuation", "continuation", 2, run=run_continuation,
               variants=continuation_variants(args)),
-        Phase("batched", "batched-np4", 1, cfg(4),
-              lambda port, reps, rnd: run_batched(port, reps, rnd, (1, 4))),
-        Phase("batched", "batched-np8", 1, cfg(8),
-              lambda port, reps, rnd: run_batched(port, reps, rnd, (8,))),
+    ] + batched_phases(cfg) + [
         Phase("stall", "stall", 1, cfg(2),
               lambda port, reps, rnd: {"stall": scenarios.stall(port, reps)}),
         Phase("editor", "editor", 1, cfg(1, 1024, 1024, args.code_model),
@@ -397,11 +465,14 @@ def phases(args, fim):
         Phase("editor-gemma", "editor-gemma", 1, cfg(1, 2048, 512, str(fim) if fim else None),
               run_editor("editor_gemma", args.keys)),
         Phase("edits", "edits", 1, run=run_edits, variants=edit_variants(args)),
+        Phase("copies", "copies", 1, variants=edit_variants(args),
+              run=lambda servers, order, reps, rnd: run_edits(servers, order, reps, rnd,
+                                                              module=copies)),
     ]
 
 
 PHASES = ("single", "continuation", "batched", "stall", "editor", "editor-gemma", "edits",
-          "busy")
+          "copies", "busy")
 
 
 def for_server(cfg, name, args):
@@ -410,6 +481,22 @@ def for_server(cfg, name, args):
         return dataclasses.replace(
             cfg, threads=None if args.offgrid_threads == "auto" else int(args.offgrid_threads))
     return cfg
+
+
+def defaults(phase, name, got):
+    """Scenarios ``got`` by server ``name`` that count under their default name too."""
+    if not phase.default_for or name not in phase.default_for[1]:
+        return {}
+    prefix = phase.default_for[0]
+    return {"batched" + k[len(prefix):]: v for k, v in got.items() if k.startswith(prefix)}
+
+
+def server_config(phase, name, args):
+    """The config server ``name`` runs a one-by-one phase with: its own flags too."""
+    cfg = phase.cfg
+    if phase.flags and phase.flags.get(name):
+        cfg = dataclasses.replace(cfg, extra=tuple(cfg.extra) + tuple(phase.flags[name]))
+    return for_server(cfg, name, args)
 
 
 def merge(into, new):
@@ -476,10 +563,11 @@ class Rounds:
     def one_by_one(self, rnd, phase):
         order = [s for s in self.args.servers if s in phase.servers]
         for name in (order if rnd % 2 == 0 else order[::-1]):
-            server = SERVERS[name](for_server(phase.cfg, name, self.args), self.bins)
+            server = SERVERS[name](server_config(phase, name, self.args), self.bins)
 
             def measure():
                 got = phase.run(server.port, self.args.reps, rnd)
+                got.update(defaults(phase, name, got))
                 got["rss_" + phase.label] = {"peak_mib": [server.peak_rss_mb()]}
                 return {name: got}
             try:
@@ -549,10 +637,12 @@ def figures(s):
             f[key + "_p95_ms"] = percentile(e["latency_ms"], 95)
             f[key + "_own_p50_ms"] = percentile(e["own_ms"], 50)
             f[key + "_cached_fraction"] = statistics.mean(e["cached_fraction"])
-    for n in (1, 4, 8):
-        f["batched_%d_tok_s" % n] = med("batched_%d" % n, "tps")
-    for n in (4, 8):
-        f["batched_%d_gain" % n] = ratio(f["batched_%d_tok_s" % n], f["batched_1_tok_s"])
+    for key in ("batched", "batched_unified", "batched_split"):
+        for n in (1, 4, 8):
+            f["%s_%d_tok_s" % (key, n)] = med("%s_%d" % (key, n), "tps")
+        for n in (4, 8):
+            f["%s_%d_gain" % (key, n)] = ratio(f["%s_%d_tok_s" % (key, n)],
+                                               f["%s_1_tok_s" % key])
     f["stall_alone_tok_s"] = med("stall", "alone_tps")
     f["stall_during_tok_s"] = med("stall", "during_tps")
     f["stall_kept"] = ratio(f["stall_during_tok_s"], f["stall_alone_tok_s"])
@@ -579,7 +669,7 @@ def edit_figures(s, med):
         n = sums(scen, "draft_steps")
         return 1 + sums(scen, "draft_n_accepted") / n if n else None
 
-    for key, _ in EDIT_SCENARIOS:
+    for key, _ in EDIT_SCENARIOS + COPY_SCENARIOS:
         base = "edit_" + key
         f[key + "_tok_s"] = med(base, "tps")
         f[key + "_wall_s"] = med(base, "wall_s")
@@ -598,6 +688,10 @@ def edit_figures(s, med):
             f[key + "_spec_tok_s"] = f[key + "_tok_s"]
             f[key + "_spec_wall_s"] = f[key + "_wall_s"]
             f[key + "_accept"], f[key + "_mean_len"] = accept(base), mean_len(base)
+    if f.get("out_of_order_plain_tok_s"):
+        f["out_of_order_gain"] = f["out_of_order_tok_s"] / f["out_of_order_plain_tok_s"]
+    f["out_of_order_lines_copied"] = med("edit_out_of_order", "lines_copied")
+    f["out_of_order_lines_moved"] = med("edit_out_of_order", "lines_moved")
     return f
 
 
@@ -609,7 +703,7 @@ def best_spec_type(s):
 
 
 def goals(result):
-    """(what, ratio or figure, goal, met) for the goals of issues #18, #20 and #40."""
+    """(what, ratio or figure, goal, met) for the goals of issues #18, #20, #40 and #52."""
     sc = result["scenarios"]
 
     def get(row, server):
@@ -649,10 +743,19 @@ def goals(result):
     for n in (4, 8):
         goal("#20 batched %d clients, offgrid / its own single stream" % n,
              get("batched_%d_gain" % n, "offgrid"), ">=", 1.5)
-        goal("#20 batched %d clients, offgrid / llama-server" % n,
+        goal("#52 batched %d clients, offgrid / llama-server, both one KV cache "
+             "(offgrid's default; -kvu)" % n,
+             get("batched_unified_%d_tok_s" % n, "ratio"), ">=", 1.0)
+        goal("#52 batched %d clients, offgrid / llama-server, both a KV stream per "
+             "session (llama-server's default)" % n,
+             get("batched_split_%d_tok_s" % n, "ratio"), ">=", 1.0)
+        goal("#20 batched %d clients, offgrid / llama-server, each its default "
+             "(one KV cache; a stream per slot)" % n,
              get("batched_%d_tok_s" % n, "ratio"), ">=", 1.0)
     goal("#20 stall: offgrid's stream during another's 2,000-token prompt / alone",
          get("stall_kept", "offgrid"), ">=", 0.5)
+    goal("#52 out-of-order copy, offgrid's default drafts / its --spec-type none (tok/s)",
+         get("out_of_order_gain", "offgrid"), ">=", 1.5)
     for key, _ in EDIT_SCENARIOS:
         goal("#40 %s, offgrid / llama-server without speculation (tok/s)" % key,
              get(key + "_tok_s", "ratio"), ">=", 2.0)
@@ -683,7 +786,7 @@ def table(result):
     g = goals(result)
     if g:
         lines.append("")
-        lines.append("goals (issues #18, #20 and #40):")
+        lines.append("goals (issues #18, #20, #40 and #52):")
         for what, value, bound, met in g:
             lines.append("  %-74s %8s  %-8s %s" % (what, "%.2f" % value, bound,
                                                     "met" if met else "NOT met"))

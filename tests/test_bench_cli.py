@@ -89,14 +89,53 @@ def test_the_stock_server_is_a_default_server_of_the_single_phase_only(bench):
     assert args.servers == ["offgrid", "llama_server", "llama_server_stock"]
     by_label = {ph.label: ph for ph in bench.phases(args, None)}
     assert "llama_server_stock" in by_label["single"].variants
-    for label in ("batched-np4", "stall", "editor"):
+    for label in ("batched-np4-unified", "batched-np8-split", "stall", "editor"):
         assert "llama_server_stock" not in by_label[label].servers
 
 
-def test_batched_phases_are_np4_and_np8(bench):
+def test_batched_phases_are_np4_and_np8_in_both_kv_layouts(bench):
+    """Like for like (issue #52): both servers with one KV cache (offgrid's
+    default, llama-server's -kvu), then both with a stream per session
+    (llama-server's default with -np N, offgrid's --no-kv-unified)."""
     args = bench.parse_args(["--only", "batched"])
     chosen = bench.selected_phases(args, None)
-    assert [ph.cfg.parallel for ph in chosen] == [4, 8]
+    assert [ph.cfg.parallel for ph in chosen] == [4, 8, 4, 8]
+    flags = {(ph.label, name): bench.server_config(ph, name, args).extra
+             for ph in chosen for name in ("offgrid", "llama_server")}
+    for n in (4, 8):
+        assert flags["batched-np%d-unified" % n, "offgrid"] == ()
+        assert flags["batched-np%d-unified" % n, "llama_server"] == ("-kvu",)
+        assert flags["batched-np%d-split" % n, "offgrid"] == ("--no-kv-unified",)
+        assert flags["batched-np%d-split" % n, "llama_server"] == ()
+
+
+def test_batched_figures_and_goals_compare_like_for_like_and_defaults(bench):
+    args = bench.parse_args(["--only", "batched"])
+    unified, _, split, _ = bench.selected_phases(args, None)
+
+    def server(name, uni, spl):
+        # as Rounds.one_by_one merges them: each phase's samples, and its
+        # default layout's again under the plain names
+        s = {}
+        for ph, tps in ((unified, uni), (split, spl)):
+            prefix = ph.default_for[0]
+            got = {prefix + "_1": {"tps": [20.0]}, prefix + "_8": {"tps": [tps]}}
+            got.update(bench.defaults(ph, name, got))
+            bench.merge(s, got)
+        return bench.figures(s)
+    off, llama = server("offgrid", 150.0, 140.0), server("llama_server", 145.0, 159.0)
+    assert off["batched_8_tok_s"] == 150.0 and llama["batched_8_tok_s"] == 159.0
+    assert off["batched_unified_8_gain"] == 7.5 and llama["batched_split_8_gain"] == 159.0 / 20
+    sc = {k: {"offgrid": off[k], "llama_server": llama[k], "ratio": off[k] / llama[k]}
+          for k in ("batched_8_tok_s", "batched_unified_8_tok_s", "batched_split_8_tok_s")}
+    got = {what: (round(value, 3), met) for what, value, bound, met
+           in bench.goals({"scenarios": sc})}
+    assert got["#52 batched 8 clients, offgrid / llama-server, both one KV cache "
+               "(offgrid's default; -kvu)"] == (round(150 / 145, 3), True)
+    assert got["#52 batched 8 clients, offgrid / llama-server, both a KV stream per "
+               "session (llama-server's default)"] == (round(140 / 159, 3), False)
+    assert got["#20 batched 8 clients, offgrid / llama-server, each its default "
+               "(one KV cache; a stream per slot)"] == (round(150 / 159, 3), False)
 
 
 def test_continuation_runs_each_speculation_variant_on_the_code_model(bench):
@@ -255,3 +294,28 @@ def test_steps_finds_the_decode_symbol_in_our_libllama(steps):
     lib = ROOT / "lib" / "libllama.so"
     assert lib.exists(), "no lib/libllama.so: run `make lib`"
     assert steps.symbol_address(lib.resolve()) > 0
+
+
+def test_copies_phase_gives_the_out_of_order_gain_and_its_goal(bench):
+    args = bench.parse_args(["--only", "copies"])
+    (ph,) = bench.selected_phases(args, None)
+    assert ph.variants["offgrid+none"][1].extra == ("--spec-type", "none")
+    s = {"edit_out_of_order": {"tps": [60.0, 80.0], "lines_copied": [0.9], "lines_moved": [0.7],
+                               "draft_n": [100], "draft_n_accepted": [80], "draft_steps": [10]},
+         "edit_out_of_order_plain": {"tps": [40.0]}}
+    f = bench.figures(s)
+    assert f["out_of_order_gain"] == 70.0 / 40.0
+    assert f["out_of_order_accept"] == 0.8 and f["out_of_order_mean_len"] == 9.0
+    got = {what: met for what, value, bound, met in bench.goals(
+        {"scenarios": {"out_of_order_gain": {"offgrid": f["out_of_order_gain"]}}})}
+    assert got == {"#52 out-of-order copy, offgrid's default drafts / its --spec-type none "
+                   "(tok/s)": True}
+
+
+def test_copies_case_counts_lines_copied_and_moved():
+    copies = _bench_module("bench_copies", "copies.py")
+    prompt = "```\na\nb\nc\nd\n```"
+    # c, a: moved (their line before differs); b after a: in order; x: its own
+    assert copies.lines_from(prompt, "```\nc\na\nb\nx\n```") == (4, 3, 2)
+    text = copies.out_of_order_text()
+    assert all(f[1] in text and f[2] in text for f in copies.FUNCS)

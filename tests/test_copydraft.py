@@ -160,3 +160,58 @@ def test_a_change_the_text_made_once_is_drafted_where_it_comes_again():
     # the first rename costs a failed draft (and a probe); the other five none
     assert len(failed) <= 3, steps
     assert sum(h for _, h in steps) >= len(answer) - 2 * 33, steps
+
+
+NL = 9          # the line break token of the tests' texts
+
+
+def _lines(n, seed, length=12):
+    """n lines of ``length`` tokens, each ending in NL, every bigram unique."""
+    return [_text(length - 1, seed=seed * 100 + i) + [NL] for i in range(n)]
+
+
+def test_lines_copied_out_of_order_are_drafted_from_their_second_token():
+    """An answer that takes the prompt's lines in another order: once two of
+    the latest three line ends went elsewhere than the copy's next line, each
+    line is drafted to its end from where its first token matches, and no
+    further; the line ends stop costing failed drafts."""
+    lines = _lines(20, seed=30)
+    prompt = [1, 2, NL] + [t for ln in lines for t in ln] + [3, 4, NL]
+    order = [7, 2, 15, 0, 11, 4, 19, 9, 13, 1, 17, 5]
+    answer = [t for i in order for t in lines[i]]
+    lk = CopyDraft(prompt, clock=_Clock(), newline=lambda t: t == NL)
+    steps = _drive(lk, prompt + answer)
+    assert not lk.in_order()
+    # after the first lines, a line: its first token, then one draft of the
+    # rest of it (11 tokens, its line break included; less after a step the
+    # judge keeps plain to time it), all true, never past the line's end
+    late = steps[-8:]
+    assert all(n == h <= 11 for n, h in late), steps
+    assert [n for n, _ in late].count(11) >= 6, steps
+    assert sum(h for _, h in steps) >= len(answer) - 3 * len(order) - 24, steps
+
+
+def test_an_ambiguous_line_start_drafts_only_what_its_places_share():
+    """Two places a line may come from, both matching its start: only the
+    tokens both would draft, until a token tells them apart."""
+    a = [NL, 50, 51, 52, 60, 61, 62, NL]
+    b = [NL, 50, 51, 52, 70, 71, 72, NL]
+    lk = CopyDraft([5, 6] + a + [7, 8] + b + [NL, 50], clock=_Clock(),
+                   newline=lambda t: t == NL)
+    lk._in_order = False
+    assert lk.lookup(63) == [51, 52]
+    lk = CopyDraft([5, 6] + a + [7, 8] + b + [NL, 50, 51, 52, 70], clock=_Clock(),
+                   newline=lambda t: t == NL)
+    lk._in_order = False
+    assert lk.lookup(63) == [71, 72, NL]
+
+
+def test_lines_in_order_keep_drafting_across_line_ends():
+    lines = _lines(30, seed=40)
+    prompt = [1, 2, NL] + [t for ln in lines for t in ln] + [3, 4, NL]
+    answer = [t for ln in lines for t in ln]
+    lk = CopyDraft(prompt + answer[:1], clock=_Clock(), newline=lambda t: t == NL)
+    steps = _drive(lk, prompt + answer)
+    assert lk.in_order()
+    assert max(n for n, _ in steps) == 63
+    assert len(steps) < len(answer) / 15, steps

@@ -328,3 +328,63 @@ def test_spec_type_auto_drafts_for_completions_and_not_for_chat(qwen_path):
             "messages": [{"role": "user", "content": "Repeat this code:\n" + code}],
             "max_tokens": 16, "temperature": 0})
         assert status == 200 and "draft_n" not in out["timings"]
+
+
+def _out_of_order_prompt():
+    """A chat request (Qwen's template) whose answer takes the prompt's lines in
+    another order: stubs and their docstrings, listed apart and in another
+    order, to be put together."""
+    funcs = [("read_header", "def read_header(f: BinaryIO) -> Header:",
+              "Read the magic, the version and the two counts, and check them."),
+             ("read_metadata", "def read_metadata(f: BinaryIO, count: int) -> Dict[str, Value]:",
+              "Read count key/value pairs; a key seen twice is an error."),
+             ("tensor_data_offset",
+              "def tensor_data_offset(header_end: int, alignment: int) -> int:",
+              "Where the tensor data starts: the end of the header, aligned up."),
+             ("write_metadata",
+              "def write_metadata(f: BinaryIO, metadata: Dict[str, Value]) -> None:",
+              "Write every key/value pair in the order they were added."),
+             ("pad_to_alignment", "def pad_to_alignment(f: BinaryIO, alignment: int) -> None:",
+              "Write zero bytes until the file's position is a multiple of alignment.")]
+    stubs = "\n\n".join("%s\n    pass" % f[1] for f in funcs)
+    docs = "\n".join('# %s\n    """%s"""' % (funcs[i][0], funcs[i][2]) for i in (3, 1, 4, 0, 2))
+    user = ("Here are some functions:\n\n```python\n%s\n```\n\nTheir docstrings, each under the "
+            "name of its function:\n\n```python\n%s\n```\n\nPut each docstring into its "
+            "function, above the `pass`. Reply with all the functions in one code block and "
+            "nothing else." % (stubs, docs))
+    text = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+            + user + "<|im_end|>\n<|im_start|>assistant\n")
+    return text, user
+
+
+@pytest.mark.slow
+def test_greedy_copy_drafts_are_plain_decoding_on_lines_out_of_order(qwen, sessions):
+    """Lines copied out of order (issue #52): the answer's lines are mostly the
+    prompt's, after other lines than there; drafting each line from its first
+    tokens gives plain decoding's tokens, and most drafts come true."""
+    import math
+    plain, spec = sessions
+    text, user = _out_of_order_prompt()
+    tokens = qwen.tokenize(text, add_special=True, parse_special=True)
+    a = _greedy(plain, tokens, 150, speculate=False)
+    b = _greedy(spec, tokens, 150, speculate=True, drafter="copy")
+    prompt_lines = [ln.strip() for ln in user.split("\n") if ln.strip()]
+    lines = [ln.strip() for ln in a.text.split("\n")
+             if ln.strip() and not ln.startswith("```")][:-1]      # the last may be cut
+    copied = [j for j, ln in enumerate(lines) if ln in prompt_lines]
+    # after another line than in the prompt (at the first place it is there)
+    moved = [j for j in copied if j == 0 or prompt_lines.index(lines[j]) == 0
+             or prompt_lines[prompt_lines.index(lines[j]) - 1] != lines[j - 1]]
+    print("%d lines, %d of the prompt, %d of them moved" % (len(lines), len(copied), len(moved)))
+    assert len(copied) >= 0.7 * len(lines) and len(moved) >= 0.5 * len(copied), a.text
+    u = b.usage
+    assert u.draft_tokens > 0 and u.draft_accepted > 0.6 * u.draft_tokens, u
+    if a.tokens == b.tokens:
+        return
+    i = next(i for i in range(min(len(a.tokens), len(b.tokens))) if a.tokens[i] != b.tokens[i])
+    probe = _greedy(plain, tokens + a.tokens[:i], 1, speculate=False, with_probs=True,
+                    n_probs=2)
+    top = probe.probs[0].top
+    margin = math.log(top[0].prob) - math.log(top[1].prob)
+    print("out of order: token %d differs, a near-tie of %.3f nats" % (i, margin))
+    assert margin < NEAR_TIE, (i, margin)

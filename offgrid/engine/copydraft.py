@@ -40,6 +40,23 @@ So, over the whole context (prompt and output so far):
   The session's own rule (draft_probation) is not applied: a draft of 63
   that fails would end a copy's drafts after one miss.
 
+Lines out of order.  An answer may take the prompt's lines in another order
+(docstrings put into stubs, methods moved, lines of its own between), and a
+copy that goes on in the prompt's order fails at nearly every line end.  So
+the drafter watches the line ends the text takes from the copy (``newline``:
+which tokens hold a line break; the session passes it): whether the next
+line follows the copy there too.  While each of the latest four did
+(``in_order``, and at first), drafts go on across line ends as above; once
+one did not, each line is drafted on its own (``_lookup_line``): nothing at
+its start, then, once a token or two of it match somewhere in the prompt or
+the text so far, the rest of the matching line, up to and with its line
+break.  The match is counted back to the line break only (the line before
+says nothing about where this one comes from); where several places match
+as well, only what they all go on with is drafted (a later step, with more
+of the line, tells them apart), and one just after the latest lines' places
+is where the copy is taken to go on.  A change of mode starts the judge
+(below) afresh: the drafts are of another kind from there.
+
 The session verifies a draft as it verifies PromptLookup's (each drafted
 token kept only while it equals what the sampler picks there, with the
 same random draws in the same order), so greedy output is plain decoding's
@@ -77,7 +94,19 @@ class CopyDraft(PromptLookup):
     rule_max = 8            # the longest change (in tokens) made again
     max_rules = 8           # changes kept
 
-    def __init__(self, tokens, k_max=None, clock=time.perf_counter):
+    # lines out of order (see the module docstring's last part)
+    cross_window = 4        # the latest line ends on the copy that decide in_order()
+    anchors_kept = 3        # places recent lines were copied from, kept as "near"
+
+    def __init__(self, tokens, k_max=None, clock=time.perf_counter, newline=None):
+        # newline(token): whether a token's text holds a line break (None: the
+        # drafter knows no lines, and copies as if they came in order)
+        self._newline = newline
+        self._nl_cache = {}
+        self._crossings = []    # recent line ends on the copy: did the next line follow?
+        self._cross_at = None   # the copy's place after a line end just taken from it
+        self._in_order = True   # see in_order()
+        self._anchors = []      # where the copy was at the latest line ends, latest last
         self._pairs = {}        # (a, b) -> [i: tokens[i-2:i] == (a, b)], ascending
         self._firsts = {}       # a -> [i: tokens[i-1] == a], ascending (resyncing only)
         self._src = None        # the copy's place: the token of the prompt due next
@@ -119,6 +148,38 @@ class CopyDraft(PromptLookup):
                 self._src += 1
             else:
                 self._div = (self._src, i)
+        if self._newline is not None:
+            self._watch_lines(token)
+
+    def _is_newline(self, token):
+        nl = self._nl_cache.get(token)
+        if nl is None:
+            nl = self._nl_cache[token] = bool(self._newline(token))
+        return nl
+
+    def _watch_lines(self, token):
+        """After a line end the text took from the copy, whether the next line
+        follows it there too (the copy comes in order) or not."""
+        at, self._cross_at = self._cross_at, None
+        if at is not None:
+            c = self._crossings
+            c.append(self.tokens[at] == token)
+            del c[:-self.cross_window]
+            was, self._in_order = self._in_order, all(c)
+            if was != self._in_order:
+                # drafts of another kind from here: judged afresh
+                self.paying, self._plain_wanted = True, 0
+                self._seen = {True: [0, 0, 0.0], False: [0, 0, 0.0]}
+        if self._is_newline(token) and self._src is not None and self._div is None:
+            self._cross_at = self._src
+            self._anchors = self._anchors[-(self.anchors_kept - 1):] + [self._src]
+
+    def in_order(self):
+        """Whether lines come in the copy's order: at first, and while each of
+        the latest ``cross_window`` line ends on the copy was followed by the
+        copy's next line (one that was not makes it False, until as many in a
+        row were again)."""
+        return self._in_order
 
     def _adapt(self, d, hits):
         if hits == len(d):
@@ -147,6 +208,8 @@ class CopyDraft(PromptLookup):
         end = len(t)
         if k <= 0 or end < 2:
             return []
+        if self._newline is not None and not self.in_order():
+            return self._lookup_line(k)
         src = self._src
         best, best_score, best_len = None, -1, 0
         cands = self._pairs.get((t[-2], t[-1]), ())
@@ -187,6 +250,75 @@ class CopyDraft(PromptLookup):
         # else a jump elsewhere while the text is away from the copy: the
         # copy's place stays for the resync, unless the jump's draft comes true
         d, self._after = self._copy(best, k)
+        return d
+
+    def _lookup_line(self, k):
+        """Lines out of order: the rest of the line the current line matches from
+        its start (or from anywhere in it), wherever that line is, and no further.
+
+        A line's first tokens are not drafted (what follows the last line's
+        place has not been what came lately); once the line has a token or two
+        of its own, the places those match are its candidates, counted only
+        back to the line break (the last line says nothing about which comes
+        next), a place just after one of the latest lines' places counting as
+        nearer.  Where the best candidates go on differently, only what they
+        share is drafted: a later step, with more of the line, tells them apart.
+        """
+        t = self.tokens
+        end = len(t)
+        ls = end - 1
+        while ls >= 0 and end - ls < self.match_max and not self._is_newline(t[ls]):
+            ls -= 1
+        n_line = end - ls           # the line so far, with the line break before it
+        if n_line < 2:
+            self._last_match = 0
+            return []
+        near = self._anchors + ([self._src] if self._src is not None else [])
+        cands = self._pairs.get((t[-2], t[-1]), ())
+        look = list(cands[-self.max_candidates:])
+        if len(cands) > self.max_candidates:
+            for a in near:
+                lo = bisect.bisect_left(cands, a)
+                look += cands[lo:bisect.bisect_right(cands, a + self.near_window, lo)]
+        # the longest matches (the copy goes on at the one near the latest
+        # lines' places, the latest of them, where there is one)
+        best_score, best = (-1, False, -1), []
+        for i in set(look):
+            if i >= end:
+                continue
+            n = self._match_len(i, n_line)
+            if n < best_score[0]:
+                continue
+            score = (n, any(a <= i <= a + self.near_window for a in near), i)
+            if n > best_score[0]:
+                best = []
+            best.append(i)
+            best_score = max(best_score, score)
+        if not best:
+            self._last_match = 0
+            return []
+        n, _, p = best_score
+        self._last_match = n
+        if n < max(self.min_match, self._need):
+            return []
+        # the line's rest whatever self.k is now: a miss in one line says
+        # little about the next one's, and the line's end bounds the draft
+        d, after = self._copy(p, min(self._cap, self.k_max))
+        # to the end of the source's line: the next line may come from anywhere
+        for j, tok in enumerate(d):
+            if self._is_newline(tok):
+                del d[j + 1:], after[j + 1:]
+                break
+        # only what every best candidate would draft
+        for q in best:
+            m = 0
+            while m < len(d) and q + m < end and t[q + m] == d[m]:
+                m += 1
+            del d[m:], after[m:]
+        if len(d) < 2:
+            return []
+        self._src, self._div = p, None
+        self._after = after
         return d
 
     def _resync(self, p1, matched):

@@ -270,7 +270,9 @@ class Generation:
                 or params.n_predict == 1 or not params.drafter:
             return None
         if params.drafter == "copy":
-            return CopyDraft(prompt, k_max=self.copy_draft_max)
+            token_bytes = self.model.token_bytes
+            return CopyDraft(prompt, k_max=self.copy_draft_max,
+                             newline=lambda t: b"\n" in token_bytes(t))
         if self.draft_model is not None:
             return self.draft_model.drafter(self._member.index, prompt, cancel)
         return PromptLookup(prompt)
