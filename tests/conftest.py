@@ -171,9 +171,12 @@ def pytest_terminal_summary(terminalreporter):
 # `make test`'s pytest workers a file runs whole on one worker, in collection
 # order: started last, a long file ran alone for minutes while the other
 # worker sat idle.  Only the order of files changes; no test depends on it.
-LONGEST_FILES = ["test_bundle.py", "test_speculation.py", "test_batching.py", "test_embeddings.py",
-                 "test_conformance_subset.py", "test_infill_budget.py", "test_rpc.py",
-                 "test_shelf.py", "test_hostile.py", "test_workers.py", "test_engine.py",
+LONGEST_FILES = ["test_bundle.py", "test_replay.py", "test_speculation.py",
+                 "test_conformance_subset.py", "test_statecache.py", "test_infill_budget.py",
+                 "test_engine.py", "test_batching.py", "test_statedisk.py", "test_kv_streams.py",
+                 "test_tool_rescue.py", "test_chunk_reuse.py", "test_chat_forced.py",
+                 "test_agent_followups.py", "test_embeddings.py", "test_rpc.py",
+                 "test_draftmodel.py", "test_shelf.py", "test_hostile.py", "test_workers.py",
                  "test_faults.py"]
 
 
