@@ -67,8 +67,7 @@ run: lib/libllama.so lib/libmtmd.so $(MODEL)
 	$(PYTHON) -m offgrid -m $(MODEL) --host $(HOST) --port $(PORT) $(ARGS)
 
 # Test-only tools (pytest; the openai, anthropic, ollama and langchain-ollama clients,
-# openai-agents and llm;
-# selenium, which drives the chat page's tests) live in a local virtualenv;
+# openai-agents and llm; selenium, which drives the chat page's tests) live in a local virtualenv;
 # offgrid itself imports nothing outside the standard library.
 $(VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
