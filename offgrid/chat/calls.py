@@ -29,15 +29,17 @@ _decoder = json.JSONDecoder()
 # Values
 # ---------------------------------------------------------------------------
 
-def _schema_types(schema):
+def schema_types(schema):
+    """The JSON types a schema allows, through anyOf/oneOf; a string enum's is "string"."""
     if not isinstance(schema, dict):
         return set()
     t = schema.get("type")
     types = set(t) if isinstance(t, list) else {t} if isinstance(t, str) else set()
     for k in ("anyOf", "oneOf"):
         for sub in schema.get(k) or ():
-            types |= _schema_types(sub)
-    if "enum" in schema and not types and all(isinstance(v, str) for v in schema["enum"]):
+            types |= schema_types(sub)
+    if not types and isinstance(schema.get("enum"), list) \
+            and all(isinstance(v, str) for v in schema["enum"]):
         types.add("string")
     return types
 
@@ -46,7 +48,7 @@ def typed_value(raw, schema):
     """A tagged argument's text as the value the tool's schema asks for: a
     string stays a string where the schema allows only text; otherwise JSON
     where the text is JSON, and the text itself where it is not."""
-    types = _schema_types(schema)
+    types = schema_types(schema)
     if types and types <= {"string"}:
         return raw
     try:
@@ -336,7 +338,7 @@ class _Reader:
         close = ns + "</" + tag + ">"
         j = self.ws(i)
         nested = self.s.startswith(ns + "<", j) and not self.s.startswith(close, j)
-        if nested and "string" in _schema_types(schema):
+        if nested and "string" in schema_types(schema):
             # a string takes any text, so a union with a string is a string (llama.cpp)
             raw, i = self.until(i, close)
             return raw, i

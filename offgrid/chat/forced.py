@@ -8,6 +8,7 @@ same grammar is lazy, started by the call's opener (chat/template.py).
 import json
 
 from ..errors import InvalidRequest
+from .calls import schema_types
 from .jsonschema import Grammar, json_literal, literal
 
 
@@ -382,35 +383,22 @@ def _has_properties(schema):
         and bool(schema["properties"])
 
 
-def _types(schema):
-    if not isinstance(schema, dict):
-        return set()
-    t = schema.get("type")
-    types = set(t) if isinstance(t, list) else {t} if isinstance(t, str) else set()
-    for k in ("anyOf", "oneOf"):
-        for sub in schema.get(k) or ():
-            types |= _types(sub)
-    if not types and isinstance(schema.get("enum"), list) \
-            and all(isinstance(v, str) for v in schema["enum"]):
-        types.add("string")
-    return types
-
-
 def _is_text(schema):
     """Whether a tagged value is written as text: the schema allows a string
     (or says nothing), as llama.cpp's tagged grammars and readers take it."""
-    types = _types(schema)
+    types = schema_types(schema)
     return not types or "string" in types
 
 
 def _is_scalar(schema):
-    return bool(_types(schema)) and _types(schema) <= {"integer", "number", "boolean", "null"}
+    types = schema_types(schema)
+    return bool(types) and types <= {"integer", "number", "boolean", "null"}
 
 
 def _type_word(schema, text):
     if text:
         return "string"
-    types = _types(schema) - {"null"}
+    types = schema_types(schema) - {"null"}
     t = next(iter(types)) if len(types) == 1 else "object"
     return "number" if t == "integer" else t
 
