@@ -379,8 +379,9 @@ class Chunks:
         return self.lib.mtmd_input_chunks_size(self.ptr)
 
     def items(self):
-        """(kind, tokens or None, n_tokens, chunk pointer) of each chunk: kind is
-        "text", "image" or "audio"; tokens only for text."""
+        """(kind, tokens or None, n_tokens, n_pos, chunk pointer) of each chunk: kind
+        is "text", "image" or "audio"; tokens only for text; n_pos the positions the
+        chunk takes (fewer than its tokens for an image placed by M-RoPE)."""
         lib = self.lib
         out = []
         for i in range(len(self)):
@@ -390,13 +391,11 @@ class Chunks:
                 n = c_size_t(0)
                 addr = lib.mtmd_input_chunk_get_tokens_text(c, ctypes.byref(n))
                 tokens = list((llama_token * n.value).from_address(addr)) if n.value else []
-                out.append(("text", tokens, n.value, c))
+                out.append(("text", tokens, n.value, n.value, c))
             else:
-                if lib.mtmd_input_chunk_get_n_pos(c) != lib.mtmd_input_chunk_get_n_tokens(c):
-                    raise InvalidRequest("this mmproj places its media tokens by M-RoPE "
-                                         "positions, which offgrid does not serve yet")
                 out.append(("image" if kind == MTMD_INPUT_CHUNK_TYPE_IMAGE else "audio", None,
-                            lib.mtmd_input_chunk_get_n_tokens(c), c))
+                            lib.mtmd_input_chunk_get_n_tokens(c),
+                            lib.mtmd_input_chunk_get_n_pos(c), c))
         return out
 
     def close(self):

@@ -64,6 +64,11 @@ ARCHS = {
                        std_layer=0.3),
     "qwen35": dict(template="Qwen3.5-4B.jinja"),
     "mamba2": dict(template="Qwen-Qwen2.5-7B-Instruct.jinja"),
+    # Qwen2-VL's text model: M-RoPE, its rotary dimensions in sections for time,
+    # rows and columns (16 pairs of a 32-wide head: Qwen2-VL's 16/24/24 of 64,
+    # scaled); built with vocab="qwen2" (tests/mrope.py)
+    "qwen2vl": dict(template="Qwen-Qwen2.5-7B-Instruct.jinja", sections=[4, 6, 6, 0],
+                    std_layer=0.4),
 }
 
 N_CTX_TRAIN = 4096
@@ -241,7 +246,7 @@ class _Builder:
         u32("%s.attention.sliding_window", spec.get("swa", 128))
         u32("%s.attention.sliding_window_pattern", 2)
         f32("%s.rope.freq_base", 10000.0)
-        arr("%s.rope.dimension_sections", [head_dim // 4] * 4)
+        arr("%s.rope.dimension_sections", spec.get("sections", [head_dim // 4] * 4))
         if moe:
             u32("%s.expert_feed_forward_length", N_FF)
             u32("%s.expert_shared_feed_forward_length", N_FF // 2)

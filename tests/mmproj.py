@@ -218,3 +218,107 @@ def wav(seconds=1.0, rate=16000):
         f.writeframes(b"".join(struct.pack("<h", int(8000 * math.sin(2 * math.pi * 440 * i / rate)))
                                for i in range(int(seconds * rate))))
     return buf.getvalue()
+
+
+# -- Qwen2-VL: images placed by M-RoPE positions --------------------------------------
+QWEN_PATCH = 2          # pixels of a patch's side; a token is 2 x 2 patches (merge 2)
+QWEN_WIDTH = 8          # the vision transformer's width
+QWEN_GAIN = 16.0        # GELU(16) == 16 in float32 (ggml's gelu passes x >= 10 through)
+
+
+def write_qwen2vl(directory, model_path, tokens):
+    """A ``qwen2vl_merger`` mmproj (llama.cpp's tools/mtmd/models/qwen2vl.cpp, read for
+    this) for the text model at ``model_path``, in which every token of a plain red,
+    green, blue or black image is the embedding of ``tokens`` (four ids, in that
+    order), exactly; cached by recipe.
+
+    A patch of P x P pixels (normalised by mean 0, std 1: x in [0, 1]) goes through
+    two convolutions (Qwen's two frames; the second all zeros) into (r, g, b, 0, ...);
+    one vision layer whose attention and FFN outputs are zero weights (the layer is
+    then the identity, but libmtmd still feeds it the patches' M-RoPE positions,
+    which a graph with no layer would not take); then the merger: 2 x 2 patches
+    side by side, ``mm.0`` (16 r, 16 g, 16 b, 16 - 16 (r + g + b)), GELU (which
+    keeps 16 and 0 as they are), ``mm.2`` whose column k is tokens[k]'s embedding
+    over 16.  Every product and sum is exact in float32.
+
+    Each image becomes (rows x columns) tokens of 2P x 2P pixels, its size aligned
+    and bounded by libmtmd (at least 8 tokens unless --image-min-tokens says
+    otherwise); libmtmd wraps it in ``<|vision_start|>`` ... ``<|vision_end|>``
+    text and, for a text model with M-RoPE (Qwen2-VL), places its tokens by row and
+    column: an image of r x c tokens takes max(r, c) positions."""
+    assert len(tokens) == 4
+    model_path = Path(model_path)
+    recipe = {"format": FORMAT_VERSION, "projector": "qwen2vl_merger", "tokens": list(tokens),
+              "model": hashlib.sha256(model_path.read_bytes()).hexdigest()}
+    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+    path = Path(directory) / ("mmproj-qwen2vl-%s.gguf" % key)
+    if path.exists():
+        return path
+    n_embd, rows = token_embeddings(model_path, tokens)
+    P, W, G = QWEN_PATCH, QWEN_WIDTH, QWEN_GAIN
+    n_ff, hidden = 2 * W, 4
+
+    w = gguf.Writer()
+    w.add("general.architecture", gguf.string("clip"))
+    w.add("general.name", gguf.string("offgrid-test-mmproj-qwen2vl"))
+    w.add("clip.projector_type", gguf.string("qwen2vl_merger"))
+    w.add("clip.has_vision_encoder", gguf.boolean(True))
+    w.add("clip.use_gelu", gguf.boolean(True))
+    w.add("clip.vision.embedding_length", gguf.uint32(W))
+    w.add("clip.vision.attention.head_count", gguf.uint32(1))
+    w.add("clip.vision.feed_forward_length", gguf.uint32(n_ff))
+    w.add("clip.vision.block_count", gguf.uint32(1))
+    w.add("clip.vision.projection_dim", gguf.uint32(n_embd))
+    w.add("clip.vision.attention.layer_norm_epsilon", gguf.float32(1e-6))
+    w.add("clip.vision.image_size", gguf.uint32(4 * P * 8))
+    w.add("clip.vision.patch_size", gguf.uint32(P))
+    w.add("clip.vision.image_mean", gguf.array_of(gguf.ValueType.FLOAT32, [0.0] * 3))
+    w.add("clip.vision.image_std", gguf.array_of(gguf.ValueType.FLOAT32, [1.0] * 3))
+
+    F32 = gguf.TensorType.F32
+
+    def zeros(*shape):
+        n = 1
+        for d in shape:
+            n *= d
+        return gguf.f32_bytes([0.0] * n)
+
+    kernel = []                          # ggml order [P, P, 3, W]: out, in, y, x
+    for out in range(W):
+        for c in range(3):
+            kernel += [1.0 / (P * P) if c == out else 0.0] * (P * P)
+    w.add_tensor("v.patch_embd.weight", (P, P, 3, W), F32, gguf.f32_bytes(kernel))
+    w.add_tensor("v.patch_embd.weight.1", (P, P, 3, W), F32, zeros(P, P, 3, W))
+    blk = "v.blk.0."
+    for norm in ("ln1", "ln2"):
+        w.add_tensor(blk + norm + ".weight", (W,), F32, gguf.f32_bytes([1.0] * W))
+        w.add_tensor(blk + norm + ".bias", (W,), F32, zeros(W))
+    for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+        w.add_tensor(blk + name + ".weight", (W, W), F32, zeros(W, W))
+        w.add_tensor(blk + name + ".bias", (W,), F32, zeros(W))
+    w.add_tensor(blk + "ffn_up.weight", (W, n_ff), F32, zeros(W, n_ff))
+    w.add_tensor(blk + "ffn_up.bias", (n_ff,), F32, zeros(n_ff))
+    w.add_tensor(blk + "ffn_down.weight", (n_ff, W), F32, zeros(n_ff, W))
+    w.add_tensor(blk + "ffn_down.bias", (W,), F32, zeros(W))
+    # the merger: ne[0] = 4 W (four patches' channels, the first patch's r, g, b first)
+    mm0 = []
+    for k in range(hidden):
+        row = [0.0] * (4 * W)
+        for c in range(3):
+            row[c] = G if k == c else (-G if k == 3 else 0.0)
+        mm0 += row
+    w.add_tensor("mm.0.weight", (4 * W, hidden), F32, gguf.f32_bytes(mm0))
+    w.add_tensor("mm.0.bias", (hidden,), F32, gguf.f32_bytes([0.0, 0.0, 0.0, G]))
+    w.add_tensor("mm.2.weight", (hidden, n_embd), F32,
+                 gguf.f32_bytes([rows[k][j] / G for j in range(n_embd) for k in range(hidden)]))
+    w.add_tensor("mm.2.bias", (n_embd,), F32, zeros(n_embd))
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name("%s.tmp-%d" % (path.name, os.getpid()))
+    try:
+        w.write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path

@@ -287,7 +287,9 @@ class Generation:
             return
         ok = self.memory.cuts_anywhere or back <= self._rollback_ok
         self._rollback_ok = 0
-        if not (ok and self._mem.rm(n, -1) and self._mem.seq_pos_max(self._seq) == n - 1):
+        at = self.positions.at
+        if not (ok and self._mem.rm(at(n), -1)
+                and self._mem.seq_pos_max(self._seq) == self.positions.last(n)):
             self.reset()        # cannot happen where _speculation allows drafts
             raise DecodeError("libllama could not drop a draft's cells", -1)
         del self.cached[n:]

@@ -82,6 +82,12 @@ class Loaded:
                                      # sessions take a draft back by checkpoint and replay
                                      n_rs_seq=draft_max if n_sessions == 1 else 0,
                                      state_copies=not on_rpc(model))
+            media = make_media(args, model, decoder)
+            if media is not None:
+                if media.mrope and args.context_shift:
+                    logging.getLogger("offgrid.worker").warning(
+                        "--context-shift off: %s places images by M-RoPE positions, "
+                        "whose keys cannot be moved", os.path.basename(args.mmproj))
             if args.spec_type == "draft-simple" and args.model_draft:
                 draft_model = DraftModel.load(
                     args.model_draft, model, n_sessions, decoder.n_ctx_session,
@@ -105,9 +111,9 @@ class Loaded:
             loaded.states = make_states(args, model, sessions[0])
             for s in sessions:
                 s.use_states(loaded.states)
-            loaded.media = media = make_media(args, model, decoder)
+            loaded.media = media
             for s in sessions:
-                s.media = media
+                s.use_media(media)
             return loaded
         except BaseException:
             if media is not None:
@@ -215,11 +221,11 @@ def make_media(args, model, decoder):
         libmtmd.load(), args.mmproj, model.handle.ptr,
         n_threads=decoder.threads.batch.max_threads, use_gpu=args.mmproj_offload,
         image_min_tokens=args.image_min_tokens, image_max_tokens=args.image_max_tokens)
-    if mtmd.mrope:
+    if mtmd.mrope and model.memory.has_state:
         mtmd.close()
-        raise ModelLoadError("%s places image tokens by M-RoPE positions (Qwen2-VL and "
-                             "its kin), which offgrid does not serve yet"
-                             % os.path.basename(args.mmproj))
+        raise ModelLoadError("%s places image tokens by M-RoPE positions, which offgrid "
+                             "serves for attention-only models, not beside the recurrent "
+                             "state of %s" % (os.path.basename(args.mmproj), model.name))
     return MediaStore(mtmd, model.n_embd, decoder.ctx.n_ubatch, decode_turn)
 
 

@@ -10,7 +10,10 @@ these ids as tokens, so a second turn about the same image reuses its
 cache, and a different image at the same place does not.  Media ids fit in
 int32 (state files store tokens so) and never reach libllama as tokens:
 the session decodes a run of one as its chunk's embeddings (``decode``),
-a step of its own in the BatchDecoder.
+a step of its own in the BatchDecoder.  Where the projector places an
+image by M-RoPE positions (Qwen2-VL and its kin), its tokens take fewer
+positions than tokens: ``positions`` gives the session the map
+(engine/positions.py).
 
 MediaStore (one per worker, owner of the MtmdContext) turns a prompt's text
 and files into those tokens (``tokenize``), keeps the chunks of the last
@@ -32,6 +35,7 @@ from collections import OrderedDict
 
 from ..errors import InvalidRequest, InvalidToken
 from ..request import MAX_MEDIA, MAX_MEDIA_BYTES
+from .positions import IDENTITY, Positions
 
 # pixels of one image: stb_image holds them all, 3 bytes each, before libmtmd
 # scales the image to its projector's size (16 of 16.7 megapixels: 800 MB)
@@ -48,10 +52,12 @@ def media_id(key):
 class Span:
     """One media chunk of a prompt: its owned mtmd_input_chunk copy and what it costs."""
 
-    __slots__ = ("id", "kind", "n_tokens", "chunk", "non_causal", "users", "retired")
+    __slots__ = ("id", "kind", "n_tokens", "n_pos", "chunk", "non_causal", "users",
+                 "retired")
 
-    def __init__(self, id, kind, n_tokens, chunk, non_causal):
+    def __init__(self, id, kind, n_tokens, chunk, non_causal, n_pos=None):
         self.id, self.kind, self.n_tokens = id, kind, n_tokens
+        self.n_pos = n_tokens if n_pos is None else n_pos    # positions it takes
         self.chunk, self.non_causal = chunk, non_causal
         self.users = 0              # evaluations using its chunk now (layout's hold)
         self.retired = False        # dropped from the store: freed when the last is done
@@ -64,6 +70,8 @@ class MediaStore:
                                           # preprocessed image: ~10 MB for gemma-3's 896 px;
                                           # two requests' worth of MAX_MEDIA)
     max_embd_bytes = 256 * 1024 * 1024    # embeddings kept for the next turn's prefix miss
+    max_placed = 65536                    # M-RoPE images whose positions are known (ints
+                                          # only: kept states and slot files outlive spans)
 
     def __init__(self, mtmd, n_embd, n_ubatch, turn):
         """``mtmd``: the MtmdContext (owned from here on); ``n_embd``: the text
@@ -78,6 +86,10 @@ class MediaStore:
         self._embd_bytes = 0
         self._lock = threading.Lock()
         self.vision, self.audio = mtmd.vision, mtmd.audio
+        # an image's tokens all at one position, the text after it n_pos further
+        # (libmtmd's mtmd_decode_use_mrope: Qwen2-VL, Qwen2.5-VL, Qwen3-VL)
+        self.mrope = bool(getattr(mtmd, "mrope", False))
+        self._placed = OrderedDict()      # media id -> (n_tokens, n_pos), of M-RoPE images
         self.n_encoded = 0                # chunks encoded (for tests and /metrics)
 
     # -- a prompt's tokens -----------------------------------------------------
@@ -115,7 +127,7 @@ class MediaStore:
 
     def _tokens_of(self, chunks, keys):
         tokens, k, seen = [], 0, {}
-        for kind, text_tokens, n, ptr in chunks.items():
+        for kind, text_tokens, n, n_pos, ptr in chunks.items():
             if kind == "text":
                 tokens += text_tokens
                 continue
@@ -135,11 +147,16 @@ class MediaStore:
             with self._lock:
                 span = self._spans.get(mid)
                 if span is None:
-                    span = Span(mid, kind, n, self.mtmd.copy_chunk(ptr), non_causal)
+                    span = Span(mid, kind, n, self.mtmd.copy_chunk(ptr), non_causal, n_pos)
                     self._spans[mid] = span
                     self._trim_spans()
                 else:
                     self._spans.move_to_end(mid)
+                if self.mrope and kind == "image":
+                    self._placed[mid] = (n, n_pos)
+                    self._placed.move_to_end(mid)
+                    if len(self._placed) > self.max_placed:
+                        self._placed.popitem(last=False)
             tokens += [mid] * n
         return tokens
 
@@ -194,6 +211,37 @@ class MediaStore:
                     span.users += 1
         return out
 
+    def positions(self, tokens):
+        """The Positions of ``tokens`` (engine/positions.py): IDENTITY unless the
+        projector places images by M-RoPE; None where a negative id in them is an
+        image whose positions this worker does not know (a state kept from a
+        request long gone)."""
+        if not self.mrope or not tokens or min(tokens) >= 0:
+            return IDENTITY
+        runs, i, n = [], 0, len(tokens)
+        with self._lock:
+            while i < n:
+                t = tokens[i]
+                if t is None or t >= 0:
+                    i += 1
+                    continue
+                end = i + 1
+                while end < n and tokens[end] == t:
+                    end += 1
+                placed = self._placed.get(t)
+                if placed is None:
+                    span = self._spans.get(t)
+                    if span is None or span.kind == "image":
+                        return None
+                    i = end             # audio: a position per token, as text
+                    continue
+                size, n_pos = placed
+                # the same image twice in a row: a run of its size each
+                for s in range(i, end, size):
+                    runs.append((s, min(s + size, end), n_pos))
+                i = end
+        return Positions(runs)
+
     # -- evaluation ---------------------------------------------------------------
     def embeddings(self, span):
         """The chunk's embeddings, (n_tokens, n_embd) float32 as bytes: kept ones, or
@@ -223,7 +271,8 @@ class MediaStore:
 
     def decode(self, ctx_ptr, span, embd, pos, seq):
         """Decode a chunk's embeddings into ``seq`` at ``pos``: libmtmd's helper,
-        which sets non-causal attention around it where the projector asks."""
+        which sets non-causal attention around it where the projector asks, and
+        places an M-RoPE image's tokens (all at ``pos``, by row and column)."""
         return self.mtmd.decode(ctx_ptr, span.chunk, embd, pos, seq, self.n_ubatch)
 
     def close(self):

@@ -20,6 +20,11 @@ was).  So the session asks this one description rather than libllama, and
 what it cannot cut it restores from a checkpoint of the recurrent part
 (``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``), as llama-server does.
 
+An --mmproj that places images by M-RoPE positions (Qwen2-VL and its kin:
+engine/positions.py) makes the positions of the cache no longer its token
+indices: keys are then never moved (no chunk reuse, no context shift, as
+llama-server has it), which ``with_media`` records.
+
 Made by ``MemoryClass.of(handle, meta)`` from the model, then ``with_context``
 once a context says how many tokens it can take back.
 """
@@ -40,7 +45,7 @@ class MemoryClass:
     """The memory of one model (and, after with_context, of its contexts)."""
 
     def __init__(self, kind, n_swa=0, rope_type=0, n_expert=0, n_expert_used=0,
-                 can_shift=True, rollback=0, copies=True):
+                 can_shift=True, rollback=0, copies=True, mrope_media=False):
         self.kind = kind                # "dense", "swa", "hybrid" or "recurrent"
         self.n_swa = n_swa              # the attention window, 0 for none
         self.rope_type = rope_type      # enum llama_rope_type
@@ -51,6 +56,8 @@ class MemoryClass:
         # a sequence's state can be copied out (not from --rpc devices' layers:
         # llama.cpp aborts there), which checkpoints and replays need
         self.copies = copies
+        # images placed by M-RoPE positions (--mmproj of Qwen2-VL and its kin)
+        self.mrope_media = mrope_media
 
     @classmethod
     def of(cls, handle, meta=None):
@@ -75,7 +82,15 @@ class MemoryClass:
         state can be copied out of it (``copies``)."""
         return MemoryClass(self.kind, self.n_swa, self.rope_type, self.n_expert,
                            self.n_expert_used, can_shift=ctx.memory.can_shift(),
-                           rollback=ctx.n_rs_seq if self.has_state else 0, copies=copies)
+                           rollback=ctx.n_rs_seq if self.has_state else 0, copies=copies,
+                           mrope_media=self.mrope_media)
+
+    def with_media(self, mrope):
+        """This class with an --mmproj; ``mrope``: it places images by M-RoPE
+        positions, so keys are never moved."""
+        return MemoryClass(self.kind, self.n_swa, self.rope_type, self.n_expert,
+                           self.n_expert_used, can_shift=self.can_shift,
+                           rollback=self.rollback, copies=self.copies, mrope_media=mrope)
 
     # -- what the memory can do ------------------------------------------------
     @property
@@ -90,8 +105,10 @@ class MemoryClass:
 
     @property
     def moves_keys(self):
-        """Cached runs can move to new positions (chunk reuse, context shift)."""
-        return self.cuts_anywhere and self.can_shift
+        """Cached runs can move to new positions (chunk reuse, context shift): not
+        where an image's tokens share one position (M-RoPE media), which llama-server
+        does not move either."""
+        return self.cuts_anywhere and self.can_shift and not self.mrope_media
 
     def can_take_back(self, n):
         """Whether the last ``n`` tokens can be cut off without a checkpoint."""
@@ -143,6 +160,8 @@ class MemoryClass:
                 parts.append("no drafts")
         else:
             parts.append("prompt reuse anywhere" if self.moves_keys else "prompt reuse of a prefix")
+        if self.mrope_media:
+            parts.append("images by M-RoPE positions (no chunk reuse or context shift)")
         return "%s: %s" % (self.kind, ", ".join(parts))
 
     def as_dict(self):
@@ -150,6 +169,7 @@ class MemoryClass:
         return {"class": self.kind, "n_swa": self.n_swa, "rope_type": self.rope_name,
                 "n_expert": self.n_expert, "n_expert_used": self.n_expert_used,
                 "rollback": self.rollback, "chunk_reuse": self.moves_keys,
+                "mrope_media": self.mrope_media,
                 "checkpoints": self.needs_checkpoints,
                 "speculation": self.drafts != 0, "draft_rollback": "cut" if self.cuts_anywhere
                 else "native" if self.rollback else "checkpoint and replay" if self.copies

@@ -35,6 +35,7 @@ from .batch import OUT_ALL, OUT_LAST, OUT_NONE, SEQS_PER_SESSION, BatchDecoder
 from .checkpoints import Checkpoints
 from .generate import Generation
 from .media import floor_to_media
+from .positions import IDENTITY
 from .recurrent import RecurrentCache
 from .threads import DecodeThreads
 from .statecache import SAVE_BELOW
@@ -237,6 +238,10 @@ class ChatSession(Generation, RecurrentCache):
         # libllama.Candidates for grammar sampling and token probabilities, made on first use
         self._candidates = None
         self.cached = []        # tokens whose KV is in the cache, at positions 0..len-1
+        # where those tokens sit (engine/positions.py): their indices, unless an
+        # image placed by M-RoPE takes fewer positions than tokens; it describes
+        # ``cached`` and the prompt under way, and every decode, cut and check asks it
+        self.positions = IDENTITY
         self.n_decodes = 0              # llama_decode calls so far (for /metrics)
         # a full context drops the older half of what follows n_keep and goes on
         # (llama-server's --context-shift), where the memory can move keys
@@ -280,6 +285,7 @@ class ChatSession(Generation, RecurrentCache):
         self._check_open()
         self._mem.rm(-1, -1)
         self.cached = []
+        self.positions = IDENTITY
         self._rollback_ok = 0
 
     def common_prefix(self, tokens):
@@ -316,12 +322,13 @@ class ChatSession(Generation, RecurrentCache):
             return self._clear_plan()
         # drop what the plan does not keep, from the cached tokens' positions
         # (in every sequence of the session, SEQ_PROMPT and SEQ_PIN alike)
+        # (runs only where keys move, so positions are indices there: memory.py)
         cursor = plan.keep
         for _, old, n in plan.runs:
             if old > cursor and not mem.rm(cursor, old):
                 return self._clear_plan()
             cursor = old + n
-        if not mem.rm(cursor, -1):
+        if not mem.rm(self.positions.at(cursor), -1):
             return self._clear_plan()   # this memory cannot be cut in the middle
         # Move the runs (SEQ_PIN shares the cells, so it moves with them).
         # Runs keep their order, so a run moving left never lands on one not
@@ -357,15 +364,28 @@ class ChatSession(Generation, RecurrentCache):
         self.adapters = key
         self._member.adapters = key
 
+    def use_media(self, media):
+        """Take images and audio through ``media`` (the worker's MediaStore).  A
+        projector that places images by M-RoPE positions makes this session's
+        memory one whose keys never move (engine/memory.py): no chunk reuse, no
+        context shift."""
+        self.media = media
+        if media is not None and media.mrope and not self.memory.mrope_media:
+            self.memory = self.memory.with_media(True)
+            self._can_shift = self.memory.moves_keys
+            self.context_shift = self.context_shift and self._can_shift
+
     # -- states kept beside the sessions (statecache.py) ------------------------
     def use_states(self, states):
         """Keep states in ``states`` (a StateCache shared by the worker's sessions)
         before losing most of the cache, and restore one that serves a prompt
         better than the cache does.  Only where the memory can be cut and moved
         (a recurrent model's state is its last token's, not a prefix's: its
-        states are restored only whole, for a prompt that goes on from them)."""
+        states are restored only whole, for a prompt that goes on from them),
+        or cut where images take M-RoPE positions (no keys moved there)."""
         self.states = states if states is not None and states.enabled \
-            and (self._can_shift or self.memory.has_state) else None
+            and (self._can_shift or self.memory.has_state
+                 or (self.memory.mrope_media and self.memory.cuts_anywhere)) else None
 
     def _swap_state(self, tokens, min_run, need_logits):
         """Before _prepare_cache plans ``tokens``: restore the kept state that gives
@@ -428,7 +448,8 @@ class ChatSession(Generation, RecurrentCache):
             # keys moved and not yet re-rotated (the next decode does that) would
             # be copied as they are, unrotated: not kept; nor a cache whose cells
             # do not hold exactly these tokens
-            if self.decoder.shift_pending() or memory.seq_pos_max(self._seq) != len(tokens) - 1 \
+            if self.decoder.shift_pending() \
+                    or memory.seq_pos_max(self._seq) != self.positions.last(len(tokens)) \
                     or (self.memory.kind == "dense" and memory.seq_pos_min(self._seq) != 0):
                 return None
             data = self._ctx.seq_state(self._seq, reuse(tokens) if reuse else None)
@@ -445,19 +466,26 @@ class ChatSession(Generation, RecurrentCache):
         if not tokens or len(tokens) >= self.n_ctx:
             self.reset()
             return False
+        placed = self._positions_of(tokens)
+        if placed is None:
+            # an image whose positions this worker does not know: the cells'
+            # positions cannot be checked, nor the text after them placed
+            self.reset()
+            return False
         t0 = time.perf_counter()
         n = len(tokens)
         with self._mem.locked() as memory:
             for q in (self._seq, self._gap, self._pin):
                 memory.seq_rm(q, -1, -1)
             ok = self._ctx.set_seq_state(self._seq, data) \
-                and memory.seq_pos_max(self._seq) == n - 1 \
+                and memory.seq_pos_max(self._seq) == placed.last(n) \
                 and (self.memory.kind != "dense" or memory.seq_pos_min(self._seq) == 0)
             if ok and self._pin in self._prompt_seqs:
                 memory.seq_cp(self._seq, self._pin, -1, -1)
             if not ok:
                 memory.seq_rm(self._seq, -1, -1)
         self.cached = list(tokens) if ok else []
+        self.positions = placed if ok else IDENTITY
         self._rollback_ok = 0
         if ok and self.states is not None:
             self.states.observe_copy(len(data), time.perf_counter() - t0)
@@ -495,6 +523,7 @@ class ChatSession(Generation, RecurrentCache):
         # and zeroing 72 MiB of gemma's cache took ~1 ms per cold request
         self._mem.rm(-1, -1)
         self.cached = []
+        self.positions = IDENTITY
         self._rollback_ok = 0
         return cachereuse.ReusePlan(0)
 
@@ -532,6 +561,7 @@ class ChatSession(Generation, RecurrentCache):
         self._member.watch(cancel)
         try:
             plan = self._prepare_cache(tokens, True, cache_reuse, need_logits=False)
+            self.positions = IDENTITY   # (no media here: check_tokens refuses their ids)
             gaps = plan.gaps(len(tokens))
             if plan.runs:
                 self.cached = _with_holes(tokens, plan, gaps)
@@ -591,11 +621,15 @@ class ChatSession(Generation, RecurrentCache):
             raise ContextFull("the prompt has %d tokens but the context holds %d; "
                               "shorten the prompt or start the server with a larger -c"
                               % (len(tokens), self.n_ctx))
+        placed = self._positions_of(tokens)     # known: its media are held
         # a media run is decoded whole, in place: no runs moved around one
         plan = self._prepare_cache(tokens, cache_prompt, 0 if spans else cache_reuse,
                                    need_logits)
         if spans:
             plan = self._media_plan(plan, spans)
+        # the kept prefix is the prompt's too, its images the same, so it sits
+        # where the prompt's map says
+        self.positions = placed
         self._spans = spans
         gaps = plan.gaps(len(tokens))
         self._progress = _Progress(on_progress, len(tokens), plan.reused) if on_progress else None
@@ -635,55 +669,65 @@ class ChatSession(Generation, RecurrentCache):
                                  "text after it")
         return spans
 
+    def _positions_of(self, tokens):
+        """The Positions of ``tokens`` (engine/positions.py), None where they hold an
+        image whose positions this worker does not know."""
+        return IDENTITY if self.media is None else self.media.positions(tokens)
+
     def _media_plan(self, plan, spans):
         """``plan`` with its kept prefix cut back to the start of a media run it
         ends inside (a run's tokens are decoded together, or not at all)."""
         keep = floor_to_media(spans, plan.keep)
         if keep == plan.keep:
             return plan
-        if self.memory.has_state or not self._mem.rm(keep, -1):
+        if self.memory.has_state or not self._mem.rm(self.positions.at(keep), -1):
             return self._clear_plan()
         self.cached = self.cached[:keep]
         return cachereuse.ReusePlan(keep)
 
     def _decode_media(self, start, end, span):
-        """Decode a media run's embeddings at positions start..end-1 (a step alone);
-        returns the status.  Encoding, when its embeddings are not kept, comes first,
-        outside the step."""
+        """Decode a media run, tokens start..end-1, from the position of ``start`` (a
+        step alone); returns the status.  Encoding, when its embeddings are not kept,
+        comes first, outside the step."""
         embd = self.media.embeddings(span)
         self.n_decodes += 1
         self._rollback_ok = 0
         ctx = self._ctx
+        at = self.positions.at
+        pos = at(start)
         status = self._member.run_alone(
-            lambda: self.media.decode(ctx.ptr, span, embd, start, self._seq),
-            end - start, start, (self._seq,))
+            lambda: self.media.decode(ctx.ptr, span, embd, pos, self._seq),
+            end - start, pos, (self._seq,))
         if status == 0 and self._pin in self._prompt_seqs:
-            self._mem.seq_cp(self._seq, self._pin, start, end)
+            self._mem.seq_cp(self._seq, self._pin, pos, at(end))
         return status
 
-    def _decode(self, chunk, pos, want_logits, seq=None):
-        """A prompt chunk's decode into the prompt sequences (or ``seq`` alone);
-        returns llama_decode's status (the logits, if asked: batch index _out)."""
+    def _decode(self, chunk, i, want_logits, seq=None):
+        """A prompt chunk's decode, tokens from index ``i``, into the prompt sequences
+        (or ``seq`` alone); returns llama_decode's status (the logits, if asked:
+        batch index _out)."""
         self.n_decodes += 1
         self._rollback_ok = 0
         seqs = self._prompt_seqs if seq is None else (seq,)
-        status, self._out = self._member.decode(chunk, pos, seqs,
+        status, self._out = self._member.decode(chunk, self.positions.at(i), seqs,
                                                 OUT_LAST if want_logits else OUT_NONE, True)
         return status
 
     def _decode_one(self, token, pos, draft=()):
-        """One generated token's decode, with a speculative draft after it (every
-        output kept then); the token's logits are at batch index _out, the
-        draft's after it."""
+        """One generated token's decode, the token at index ``pos``, with a
+        speculative draft after it (every output kept then); the token's logits
+        are at batch index _out, the draft's after it."""
         self.n_decodes += 1
         self._verify = None
         if draft and self.memory.replays and not self._checkpoint_before_check(pos):
             draft = ()      # no checkpoint to take a wrong draft back to
         if draft:
-            status, self._out = self._member.decode([token] + list(draft), pos,
+            status, self._out = self._member.decode([token] + list(draft),
+                                                    self.positions.at(pos),
                                                     self._prompt_seqs, OUT_ALL)
         else:
-            status, self._out = self._member.decode([token], pos, self._prompt_seqs, OUT_LAST)
+            status, self._out = self._member.decode([token], self.positions.at(pos),
+                                                    self._prompt_seqs, OUT_LAST)
         # one part of a step is one ubatch (its tail is kept whole for the
         # snapshots), so a recurrent state can be taken back over its draft
         self._rollback_ok = min(len(draft), self.memory.rollback) if status == 0 else 0
@@ -730,7 +774,7 @@ class ChatSession(Generation, RecurrentCache):
                 start, stop, span = media[0]
                 status = self._decode_media(pos, stop, span)
                 if status != 0:
-                    self._mem.rm(pos, -1)
+                    self._mem.rm(self.positions.at(pos), -1)
                     self.cached = list(tokens[:pos])
                     if status == 2:
                         return False
@@ -757,8 +801,8 @@ class ChatSession(Generation, RecurrentCache):
                 # libllama drops the aborted ubatch's positions from the
                 # token's first sequence only, whichever it takes that to be
                 kept = min(mem.seq_pos_max(s) for s in self._prompt_seqs) + 1
-                kept = max(pos, min(kept, pos + len(chunk)))
-                mem.rm(kept, -1)
+                kept = max(pos, min(self.positions.index(kept, pos), pos + len(chunk)))
+                mem.rm(self.positions.at(kept), -1)
                 self.cached = list(tokens[:kept])
                 return False
             if status != 0:
