@@ -77,9 +77,24 @@ def projector(tiny_dir, qwen_path, colour_tokens):
 
 
 @pytest.fixture(scope="module")
-def srv(qwen_path, projector):
+def slots(tmp_path_factory):
+    return tmp_path_factory.mktemp("slots")
+
+
+@pytest.fixture(scope="module")
+def srv(qwen_path, projector, slots):
     with ServerProcess(qwen_path, "--mmproj", projector, "--image-min-tokens", MIN_TOKENS,
-                       ctx=512) as s:
+                       "--slot-save-path", slots, ctx=512) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def other(qwen_path, tiny_dir, colour_tokens, slots):
+    """A server of the same model with another projector of the same kind (its
+    colours' tokens in another order), which takes at most 2 tokens an image."""
+    path = mmproj.write_qwen2vl(tiny_dir, qwen_path, colour_tokens[::-1])
+    with ServerProcess(qwen_path, "--mmproj", path, "--image-min-tokens", 1,
+                       "--image-max-tokens", 2, "--slot-save-path", slots, ctx=256) as s:
         yield s
 
 
@@ -232,6 +247,7 @@ def test_a_second_turn_reuses_the_image_and_answers_as_a_cold_one(srv):
 
 def test_another_image_at_the_same_place_is_not_reused(srv, helper):
     prompt = "Look at this: " + MARKER + " The colour of it is"
+    complete(srv, prompt, WIDE, id_slot=0)
     red = complete(srv, prompt, WIDE, id_slot=0)
     blue = complete(srv, prompt, BLUE_WIDE, id_slot=0)
     # the text before the image, as libmtmd splits it (ending in "<|vision_start|>")
@@ -271,13 +287,30 @@ def test_props_say_keys_are_not_moved_for_m_rope_images(srv):
     assert "M-RoPE" in memory["description"]
 
 
-def test_image_max_tokens_bounds_an_images_token_count(srv, qwen_path, projector):
+def test_image_max_tokens_bounds_an_images_token_count(srv, other):
     # Qwen's dynamic resolution: the token count follows --image-min/max-tokens.
     # srv takes a 16 x 8 image as 4 x 2 tokens (and, with --image-min-tokens 1, a
-    # 4 x 4 one as one token: test_a_one_token_image_answers_as_its_token)
+    # 4 x 4 one as one token: test_a_one_token_image_answers_as_its_token); other
+    # at most 2 tokens
     prompt = "See " + MARKER + " here"
     eight = complete(srv, prompt, WIDE, n=1)["tokens_evaluated"]
-    with ServerProcess(qwen_path, "--mmproj", projector, "--image-min-tokens", 1,
-                       "--image-max-tokens", 2, ctx=256) as s:
-        two = complete(s, prompt, WIDE, n=1)["tokens_evaluated"]
+    two = complete(other, prompt, WIDE, n=1)["tokens_evaluated"]
     assert eight - two == 6
+
+
+def test_a_slot_file_with_an_image_restores_where_its_projector_is_and_only_there(
+        srv, other, qwen_path, projector, slots):
+    prompt = "Look at this: " + MARKER + " The colour of it is"
+    first = complete(srv, prompt, WIDE, id_slot=0, cache_prompt=False)
+    assert srv.post("/slots/0?action=save", {"filename": "wide.bin"})[0] == 200
+    # a server started later knows the image's positions from the file alone
+    with ServerProcess(qwen_path, "--mmproj", projector, "--image-min-tokens", MIN_TOKENS,
+                       "--slot-save-path", slots, ctx=512) as fresh:
+        st, _, out = fresh.post("/slots/0?action=restore", {"filename": "wide.bin"})
+        assert st == 200, out
+        again = complete(fresh, prompt, WIDE, id_slot=0)
+    assert again["timings"]["cache_n"] == first["tokens_evaluated"] - 1
+    assert again["tokens"] == first["tokens"]
+    # the same picture's cells from another projector: refused, saying why
+    st, _, out = other.post("/slots/0?action=restore", {"filename": "wide.bin"})
+    assert st == 400 and "mmproj" in out["error"]["message"], out

@@ -215,7 +215,7 @@ def make_media(args, model, decoder):
     if not getattr(args, "mmproj", None):
         return None
     from .. import libmtmd
-    from .media import MediaStore
+    from .media import MediaStore, projector_identity
     from .session import decode_turn
     mtmd = libmtmd.MtmdContext(
         libmtmd.load(), args.mmproj, model.handle.ptr,
@@ -226,7 +226,8 @@ def make_media(args, model, decoder):
         raise ModelLoadError("%s places image tokens by M-RoPE positions, which offgrid "
                              "serves for attention-only models, not beside the recurrent "
                              "state of %s" % (os.path.basename(args.mmproj), model.name))
-    return MediaStore(mtmd, model.n_embd, decoder.ctx.n_ubatch, decode_turn)
+    return MediaStore(mtmd, model.n_embd, decoder.ctx.n_ubatch, decode_turn,
+                      identity=projector_identity(args.mmproj))
 
 
 def on_rpc(model):

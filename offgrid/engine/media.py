@@ -29,6 +29,7 @@ projector's size, so its tokens are bounded by the mmproj (and
 """
 
 import hashlib
+import os
 import struct
 import threading
 from collections import OrderedDict
@@ -73,10 +74,12 @@ class MediaStore:
     max_placed = 65536                    # M-RoPE images whose positions are known (ints
                                           # only: kept states and slot files outlive spans)
 
-    def __init__(self, mtmd, n_embd, n_ubatch, turn):
+    def __init__(self, mtmd, n_embd, n_ubatch, turn, identity=None):
         """``mtmd``: the MtmdContext (owned from here on); ``n_embd``: the text
         model's input width; ``n_ubatch``: the context's, which a non-causal chunk
-        must fit; ``turn()``: the decode turn an encode takes (session.decode_turn)."""
+        must fit; ``turn()``: the decode turn an encode takes (session.decode_turn);
+        ``identity``: what tells its mmproj from another (projector_identity)."""
+        self.identity = identity
         self.mtmd = mtmd
         self.n_embd = n_embd
         self.n_ubatch = n_ubatch
@@ -242,6 +245,26 @@ class MediaStore:
                 i = end
         return Positions(runs)
 
+    def placed(self, tokens):
+        """[media id, n_tokens, n_pos] of the M-RoPE images among ``tokens`` that this
+        store knows (what a slot file keeps beside its tokens)."""
+        if not self.mrope:
+            return []
+        with self._lock:
+            return [[t, *self._placed[t]] for t in sorted(set(x for x in tokens if x < 0))
+                    if t in self._placed]
+
+    def learn(self, placed):
+        """Know the positions of images from a slot file (``placed``: as placed())."""
+        if not self.mrope:
+            return
+        with self._lock:
+            for t, n, n_pos in placed:
+                self._placed[t] = (n, n_pos)
+                self._placed.move_to_end(t)
+            while len(self._placed) > self.max_placed:
+                self._placed.popitem(last=False)
+
     # -- evaluation ---------------------------------------------------------------
     def embeddings(self, span):
         """The chunk's embeddings, (n_tokens, n_embd) float32 as bytes: kept ones, or
@@ -282,6 +305,19 @@ class MediaStore:
             self._spans.clear()
             self._embd.clear()
         self.mtmd.close()
+
+
+def projector_identity(path):
+    """What tells an mmproj file from another, cheaply (a projector can be a GB): its
+    name, size, and a hash of its first and last MiB."""
+    size = os.path.getsize(path)
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        if size > 2 << 20:
+            f.seek(size - (1 << 20))
+            h.update(f.read(1 << 20))
+    return {"name": os.path.basename(path), "size": size, "sha256": h.hexdigest()}
 
 
 def check_image(data):

@@ -131,6 +131,51 @@ def read_adapters(path, n_adapters):
     return tuple(sorted((i, float(s)) for i, s in raw if s != 0))
 
 
+MEDIA_SUFFIX = ".media.json"
+
+
+def write_media(path, projector, placed):
+    """Write (or, for a slot of text only, remove) what the slot file ``path``'s
+    images need: ``projector`` (the MediaStore's identity of its mmproj: another
+    projector made other cells of the same picture) and ``placed``, the
+    [media id, n_tokens, n_pos] of its images placed by M-RoPE positions (a
+    server started later knows them only from here)."""
+    side = path + MEDIA_SUFFIX
+    if projector is None:
+        try:
+            os.unlink(side)
+        except FileNotFoundError:
+            pass
+        return
+    with open(side + ".tmp%d" % os.getpid(), "w") as f:
+        json.dump({"mmproj": projector, "placed": placed}, f)
+    os.replace(side + ".tmp%d" % os.getpid(), side)
+
+
+def read_media(path, projector):
+    """The [media id, n_tokens, n_pos] the slot file ``path`` records (none without
+    a file beside it: a slot of text, or one saved before offgrid wrote them);
+    SlotFileError where it was saved under another mmproj than ``projector``
+    (None: this server has none)."""
+    try:
+        with open(path + MEDIA_SUFFIX) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as e:
+        raise SlotFileError("unreadable image list beside the slot file: %s" % e)
+    if not isinstance(raw, dict) or not isinstance(raw.get("placed"), list) or not all(
+            isinstance(x, list) and len(x) == 3 and all(type(v) is int for v in x)
+            and x[0] < -1 and 0 < x[2] <= x[1] for x in raw["placed"]):
+        raise SlotFileError("unreadable image list beside the slot file")
+    saved = raw.get("mmproj")
+    if projector is None or saved != projector:
+        name = saved.get("name", "?") if isinstance(saved, dict) else "?"
+        raise SlotFileError("the slot holds images encoded by the mmproj %s, which this "
+                            "server has not loaded" % name)
+    return raw["placed"]
+
+
 def _unpack(packed):
     """The tokens of llama-server's payload (or of an older plain list)."""
     if not packed or packed[0] != TOKENS_NULL:

@@ -309,6 +309,10 @@ class Worker:
             try:
                 n_bytes = slotfile.write(path, tokens, state)
                 slotfile.write_adapters(path, session.adapters)
+                media = self.loaded.media
+                slotfile.write_media(path, media.identity if media is not None
+                                     and min(tokens) < 0 else None,
+                                     media.placed(tokens) if media is not None else [])
             except OSError as e:
                 raise OffgridError("Unable to save slot: %s" % e.strerror)
             return {"id_slot": a.id_slot, "filename": a.filename, "n_saved": len(tokens),
@@ -318,6 +322,12 @@ class Worker:
             tokens, state, n_read = slotfile.read(path, self.model.n_vocab,
                                                   media=self.loaded.media is not None)
             key = slotfile.read_adapters(path, len(self.loaded.adapters))
+            media = self.loaded.media
+            if tokens and min(tokens) < 0:
+                # its images' cells are its projector's: refused under another
+                placed = slotfile.read_media(path, media.identity if media is not None
+                                             else None)
+                media.learn(placed)
             if len(tokens) > session.n_ctx:
                 raise slotfile.SlotFileError("Restored prompt does not fit in the slot context")
             if not session.load_state(tokens, state):
