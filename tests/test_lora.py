@@ -139,6 +139,29 @@ def test_an_adapter_gives_the_text_of_its_weights_merged(srv, ref):
     assert expected(ref, SHORT, "b") != expected(ref, SHORT, "base")
 
 
+def embedding(s, text, **body):
+    status, _, out = s.post("/v1/embeddings", dict(input=text, **body))
+    assert status == 200, out
+    return out["data"][0]["embedding"]
+
+
+def test_an_embedding_runs_with_the_global_adapters_as_llama_servers_does(srv, ref):
+    # llama-server's embedding task has no "lora" of its own: its slot runs with
+    # the global scales.  LoRA adds s B (A x) to W x where the merged model has
+    # (W + s B A) x: the same numbers, rounded otherwise, so near, not equal
+    def distance(u, v):
+        return max(abs(x - y) for x, y in zip(u, v))
+    base, merged = embedding(ref, LONG), embedding(ref, LONG, model="merged-a")
+    assert distance(base, merged) > 1e-2        # the adapter moves the vector
+    assert distance(embedding(srv, LONG), base) < 1e-5      # global scales 0
+    set_global(srv, A)
+    try:
+        assert distance(embedding(srv, LONG), merged) < 1e-3
+    finally:
+        set_global(srv, NONE)
+    assert distance(embedding(srv, LONG), base) < 1e-5      # and back
+
+
 def test_scale_zero_gives_the_base_text(srv, ref):
     assert text(srv, SHORT, lora=NONE) == expected(ref, SHORT, "base")
     assert text(srv, SHORT) == expected(ref, SHORT, "base")     # the global scales: 0

@@ -235,7 +235,6 @@ class Adapters:
 
     def __init__(self, adapters=()):
         self.adapters = list(adapters)
-        self.applied = ()           # the key the context decodes with now
 
     def __len__(self):
         return len(self.adapters)
@@ -268,12 +267,13 @@ class Adapters:
         return tuple((i, s) for i, s in key_of(scales) if 0 <= i < len(self.adapters))
 
     def apply(self, ctx, key):
-        """Make ``ctx`` (a ContextHandle) decode with the adapter set ``key``;
-        under the decoder's lock, before a step."""
-        if key == self.applied:
+        """Make ``ctx`` (a ContextHandle: the sessions' shared one, under the
+        decoder's lock before a step, or the Embedder's) decode with the adapter
+        set ``key``; the context remembers which set it has (``adapter_key``)."""
+        if key == getattr(ctx, "adapter_key", ()):
             return
         ctx.set_adapters([self.adapters[i].handle.ptr for i, _ in key], [s for _, s in key])
-        self.applied = key
+        ctx.adapter_key = key
 
     def info(self):
         """What the worker reports of them (GET /lora-adapters' fields)."""

@@ -144,6 +144,9 @@ class Embedder:
         self.pooling_from = "flag"
         self._ctx = None
         self._lock = threading.Lock()
+        # its model's LoRA adapters (engine/adapters.py; Loaded sets them): an
+        # embedding runs with the global scales, as llama-server's does
+        self.adapters = None
         self.closed = False
         # whether an input may span several batches: set with the context
         # (a decoder's keys stay in its cache; an encoder sees one batch)
@@ -215,36 +218,38 @@ class Embedder:
             raise ContextFull("input %d (%d tokens) is too large to process: %s"
                               % (index, len(tokens), how))
 
-    def embed(self, inputs, norm=2, truncate=False, first=0):
+    def embed(self, inputs, norm=2, truncate=False, first=0, adapters=()):
         """One embedding per token list: an array('f') of n_embd_out, normalized
         as ``norm`` says (see normalize); with pooling none, a list of them, one
         per token, as they are.  ``truncate`` cuts each input to what the
         context takes rather than refusing it.  Errors name an input by its
         index plus ``first``.  Returns (embeddings, the token count of each
-        input)."""
+        input).  ``adapters``: the LoRA adapter key to run with."""
         if self.rank:
             raise NotSupported("the server pools for reranking (--reranking or --pooling "
                                "rank): its outputs are scores, not embeddings")
-        out, counts = self._run(inputs, truncate, first)
+        out, counts = self._run(inputs, truncate, first, adapters)
         if self.pooling_type == libllama.LLAMA_POOLING_TYPE_NONE:
             return out, counts
         return [normalize(v, norm) for v in out], counts
 
-    def scores(self, inputs):
+    def scores(self, inputs, adapters=()):
         """(The relevance score of each token list (pooling rank): its first output,
         the token count of each)."""
         if not self.rank:
             raise NotSupported("the server does not rerank: start it with --reranking")
-        out, counts = self._run(inputs)
+        out, counts = self._run(inputs, adapters=adapters)
         return [v[0] if len(v) else 0.0 for v in out], counts
 
-    def _run(self, inputs, truncate=False, first=0):
+    def _run(self, inputs, truncate=False, first=0, adapters=()):
         for i, tokens in enumerate(inputs):
             if not tokens:
                 self.check(tokens, first + i)
             self.model.check_tokens(tokens)
         with self._lock:
             ctx = self._context()
+            if self.adapters is not None:
+                self.adapters.apply(ctx, adapters)
             if truncate:
                 inputs = [t[:self.max_tokens] for t in inputs]
             for i, tokens in enumerate(inputs):

@@ -107,7 +107,7 @@ class Loaded:
                 threads=decode_threads(model, args.threads, args.threads_batch))
             loaded = cls(model, sessions, args.chat_template, embedder, decoder, draft_model)
             loaded.flash_attn = flash_attn_words
-            loaded.adapters = decoder.adapters = adapters
+            loaded.adapters = decoder.adapters = embedder.adapters = adapters
             loaded.states = make_states(args, model, sessions[0])
             for s in sessions:
                 s.use_states(loaded.states)

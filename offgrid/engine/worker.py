@@ -386,7 +386,7 @@ class Worker:
         return {"tokens": tokens, "grammar": self._constraint(schema, grammar)}
 
     # -- embeddings (engine/embed.py) ---------------------------------------------
-    def call_embed(self, inputs, normalize=2, truncate=False, first=0):
+    def call_embed(self, inputs, normalize=2, truncate=False, first=0, lora=None):
         """One embedding per input (each a list of text and token-id parts).
 
         ``vectors``: per input protocol.encode_vector() of its pooled vector,
@@ -394,19 +394,20 @@ class Worker:
         tokens of each.  ``truncate`` cuts an input to what the context takes
         (Ollama's default) instead of refusing it; ``first`` is the request's
         index of inputs[0] (the front sends a long request as several calls),
-        for error messages.
+        for error messages.  ``lora``: the LoRA adapter scales to run with (the
+        global ones: llama-server applies them to an embedding too).
         """
         e = self.loaded.embedder
         work = _EmbedWork(e)
         out, counts = e.embed([self._tokens_of(parts) for parts in inputs], normalize,
-                              truncate, first)
+                              truncate, first, self.loaded.adapters.key(lora))
         if e.pooling == "none":
             vectors = [[protocol.encode_vector(to_le(row)) for row in rows] for rows in out]
         else:
             vectors = [protocol.encode_vector(to_le(v)) for v in out]
         return dict(work.done(), vectors=vectors, n_tokens=counts)
 
-    def call_rerank(self, query, documents):
+    def call_rerank(self, query, documents, lora=None):
         """The relevance score of each document to ``query`` (pooling rank), as
         llama-server lays out each pair: the model's "rerank" template if it
         has one, else BOS? query EOS? SEP? document EOS?."""
@@ -426,7 +427,7 @@ class Worker:
             tokens += m.tokenize(doc, add_special=False, parse_special=False) + end
             lists.append(tokens)
         work = _EmbedWork(self.loaded.embedder)
-        scores, counts = self.loaded.embedder.scores(lists)
+        scores, counts = self.loaded.embedder.scores(lists, self.loaded.adapters.key(lora))
         return dict(work.done(), scores=scores, n_tokens=counts)
 
     def call_prepare_infill(self, request, reserve, schema=None, grammar=None,

@@ -27,6 +27,7 @@ import math
 from ... import protocol
 from ...request import RequestCancel
 from ..httpd.httperrors import BadRequest, HTTPError, Unavailable
+from . import lora
 from .fields import Fields
 
 # Inputs one request may carry: OpenAI's own limit.
@@ -74,7 +75,7 @@ def embed(h, entry, inputs, what, normalize=2, truncate=False):
             if svc.state != "ready":
                 raise Unavailable("server is shutting down")
             out = entry.call("embed", what, inputs=group, normalize=normalize,
-                             truncate=truncate, first=len(counts))
+                             truncate=truncate, first=len(counts), **global_lora(entry))
             sent += out["vectors"]
             counts += out["n_tokens"]
             count_work(svc, out)
@@ -85,6 +86,13 @@ def embed(h, entry, inputs, what, normalize=2, truncate=False):
     else:
         vectors = [protocol.decode_vector(v) for v in sent]
     return vectors, counts, sent
+
+
+def global_lora(entry):
+    """The LoRA scales an embedding or rerank call runs with: the global ones
+    (llama-server's embedding task takes no "lora" of its own, and its slot runs
+    with the server's adapters); nothing where the model has none."""
+    return {"lora": lora.resolve(entry, None)} if entry.lora else {}
 
 
 def count_work(svc, out):
@@ -277,7 +285,8 @@ def rerank(h, body):
     top_n = f.int("top_n", len(docs), lo=0)
     return_text = tei and f.bool("return_text", False)
     svc.metrics.request("rerank")
-    out = entry.call("rerank", "POST /rerank", query=query, documents=docs)
+    out = entry.call("rerank", "POST /rerank", query=query, documents=docs,
+                     **global_lora(entry))
     count_work(svc, out)
     label = "score" if tei else "relevance_score"
     results = []
