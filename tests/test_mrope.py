@@ -245,6 +245,24 @@ def test_a_second_turn_reuses_the_image_and_answers_as_a_cold_one(srv):
     assert complete(srv, turn2, WIDE, id_slot=0)["tokens"] == cold["tokens"]
 
 
+def test_a_kept_state_of_an_image_prompt_comes_back_at_its_positions(srv):
+    # the slot's cache goes to another prompt (the image prompt kept as a state,
+    # --cache-ram), then the image prompt comes back: restored, its cells checked
+    # at the image's positions, and the answer a cold one's
+    prompt = ("Here is a long description of a picture, written so that the prompt "
+              "is worth keeping: " + MARKER + " The colour of it is")
+    first = complete(srv, prompt, WIDE, id_slot=0, n=2)
+    st, _, other = srv.post("/completion", {
+        "prompt": "Something else entirely, with no picture in it at all: a list of "
+                  "numbers, one two three four five six seven eight nine ten eleven.",
+        "n_predict": 2, "temperature": 0, "id_slot": 0})
+    assert st == 200, other
+    back = complete(srv, prompt, WIDE, id_slot=0)
+    assert back["timings"]["cache_n"] == first["tokens_evaluated"] - 1
+    assert back["tokens"] == complete(srv, prompt, WIDE, id_slot=0,
+                                      cache_prompt=False)["tokens"]
+
+
 def test_another_image_at_the_same_place_is_not_reused(srv, helper):
     prompt = "Look at this: " + MARKER + " The colour of it is"
     complete(srv, prompt, WIDE, id_slot=0)

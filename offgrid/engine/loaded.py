@@ -108,12 +108,14 @@ class Loaded:
             loaded = cls(model, sessions, args.chat_template, embedder, decoder, draft_model)
             loaded.flash_attn = flash_attn_words
             loaded.adapters = decoder.adapters = embedder.adapters = adapters
-            loaded.states = make_states(args, model, sessions[0])
-            for s in sessions:
-                s.use_states(loaded.states)
+            # the media first: an M-RoPE projector changes what the sessions' memory
+            # may do, which use_states asks
             loaded.media = media
             for s in sessions:
                 s.use_media(media)
+            loaded.states = make_states(args, model, sessions[0])
+            for s in sessions:
+                s.use_states(loaded.states)
             return loaded
         except BaseException:
             if media is not None:
