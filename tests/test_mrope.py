@@ -91,10 +91,12 @@ def srv(qwen_path, projector, slots):
 @pytest.fixture(scope="module")
 def other(qwen_path, tiny_dir, colour_tokens, slots):
     """A server of the same model with another projector of the same kind (its
-    colours' tokens in another order), which takes at most 2 tokens an image."""
+    colours' tokens in another order), which takes at most 6 tokens an image, and
+    drafts from the request's own text (--spec-type ngram-simple)."""
     path = mmproj.write_qwen2vl(tiny_dir, qwen_path, colour_tokens[::-1])
     with ServerProcess(qwen_path, "--mmproj", path, "--image-min-tokens", 1,
-                       "--image-max-tokens", 2, "--slot-save-path", slots, ctx=256) as s:
+                       "--image-max-tokens", 6, "--slot-save-path", slots,
+                       "--spec-type", "ngram-simple", ctx=256) as s:
         yield s
 
 
@@ -309,11 +311,11 @@ def test_image_max_tokens_bounds_an_images_token_count(srv, other):
     # Qwen's dynamic resolution: the token count follows --image-min/max-tokens.
     # srv takes a 16 x 8 image as 4 x 2 tokens (and, with --image-min-tokens 1, a
     # 4 x 4 one as one token: test_a_one_token_image_answers_as_its_token); other
-    # at most 2 tokens
+    # at most 6: 3 x 1 tokens of 16 x 12 pixels (libmtmd's smart resize)
     prompt = "See " + MARKER + " here"
     eight = complete(srv, prompt, WIDE, n=1)["tokens_evaluated"]
-    two = complete(other, prompt, WIDE, n=1)["tokens_evaluated"]
-    assert eight - two == 6
+    three = complete(other, prompt, WIDE, n=1)["tokens_evaluated"]
+    assert eight - three == 5
 
 
 def test_a_slot_file_with_an_image_restores_where_its_projector_is_and_only_there(
@@ -332,3 +334,16 @@ def test_a_slot_file_with_an_image_restores_where_its_projector_is_and_only_ther
     # the same picture's cells from another projector: refused, saying why
     st, _, out = other.post("/slots/0?action=restore", {"filename": "wide.bin"})
     assert st == 400 and "mmproj" in out["error"]["message"], out
+
+
+def test_drafts_after_an_image_are_checked_and_taken_back_at_its_positions(other):
+    # the tiny model repeats itself, so drafts from its own text come, and some
+    # are wrong: each wrong one is cut at its position, which an image of 2 x 2
+    # tokens in 2 positions puts 2 before its index
+    prompt = "Look at this: " + MARKER + " The colour of it is"
+    drafted = complete(other, prompt, SQUARE, n=24, cache_prompt=False)
+    plain = complete(other, prompt, SQUARE, n=24, cache_prompt=False,
+                     **{"speculative.n_max": 0})
+    assert drafted["tokens"] == plain["tokens"]
+    timings = drafted["timings"]
+    assert timings.get("draft_n", 0) > timings.get("draft_n_accepted", 0), timings
