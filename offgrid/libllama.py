@@ -323,6 +323,8 @@ _PROTOTYPES = {
     "llama_model_n_embd": (c_int32, [const_llama_model_p]),
     # int32_t llama_model_n_embd_out(const struct llama_model * model);
     "llama_model_n_embd_out": (c_int32, [const_llama_model_p]),
+    # int32_t llama_model_n_embd_inp(const struct llama_model * model);
+    "llama_model_n_embd_inp": (c_int32, [const_llama_model_p]),
     # int32_t llama_model_n_swa(const struct llama_model * model);
     "llama_model_n_swa": (c_int32, [const_llama_model_p]),
     # bool llama_model_is_recurrent(const struct llama_model * model);
@@ -887,6 +889,11 @@ class ModelHandle:
     def n_embd_out(self):
         """The size of the model's output embeddings (n_embd, save for a few architectures)."""
         return self.lib.llama_model_n_embd_out(self.ptr)
+
+    def n_embd_inp(self):
+        """The width of an embedding the model takes as input (an image's: n_embd, or
+        more where a projector feeds later layers too, as Qwen3-VL's deepstack)."""
+        return self.lib.llama_model_n_embd_inp(self.ptr)
 
     def n_swa(self):
         """The sliding attention window, 0 where the model has none."""

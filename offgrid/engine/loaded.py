@@ -228,7 +228,9 @@ def make_media(args, model, decoder):
         raise ModelLoadError("%s places image tokens by M-RoPE positions, which offgrid "
                              "serves for attention-only models, not beside the recurrent "
                              "state of %s" % (os.path.basename(args.mmproj), model.name))
-    return MediaStore(mtmd, model.n_embd, decoder.ctx.n_ubatch, decode_turn,
+    # (libmtmd's helper reads n_embd_inp floats a token: wider than n_embd where
+    # a projector feeds later layers too, as Qwen3-VL's deepstack)
+    return MediaStore(mtmd, model.handle.n_embd_inp(), decoder.ctx.n_ubatch, decode_turn,
                       identity=projector_identity(args.mmproj))
 
 
