@@ -325,3 +325,24 @@ def test_only_the_base_models_states_go_to_disk(tmp_path):
     assert states.put(adapted, bytearray(b"a" * 64), adapters=((0, 0.5),))
     assert states.to_disk() == 1
     assert [tokens for _, tokens, _ in disk.index()] == [base]
+
+
+def test_rerank_runs_with_the_global_adapters(smollm_path, tmp_path):
+    # as embeddings: llama-server's rerank task runs with its server's adapters
+    adapter = loras.for_model(smollm_path, tmp_path / "smollm-lora.gguf", seed=3,
+                              target="blk.0.attn_q.weight")
+    docs = ["A machine is a physical system.", "Machine learning learns from data."]
+
+    def scores(s):
+        status, _, body = s.post("/rerank", {"query": "Machine learning is", "documents": docs})
+        assert status == 200, body
+        return [r["relevance_score"] for r in sorted(body["results"], key=lambda r: r["index"])]
+
+    with ServerProcess(smollm_path, "--reranking", "--lora-scaled", "%s:0" % adapter,
+                       threads=1, ctx=512) as s:
+        base = scores(s)
+        set_global(s, [{"id": 0, "scale": 8.0}])
+        moved = scores(s)
+        set_global(s, NONE)
+        assert scores(s) == base
+    assert max(abs(a - b) for a, b in zip(base, moved)) > 1e-3
