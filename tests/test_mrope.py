@@ -26,6 +26,7 @@ import pytest
 
 from offgrid import libllama, libmtmd
 from offgrid.engine.model import Model
+from offgrid.engine.positions import IDENTITY, Positions
 
 try:
     from . import archmodels, mmproj
@@ -165,6 +166,16 @@ def complete(srv, prompt, png, n=N, **extra):
         "n_predict": n, "temperature": 0, "return_tokens": True}, **extra))
     assert st == 200, out
     return out
+
+
+def test_positions_of_tokens_around_m_rope_images():
+    # text 0..2, an image of 8 tokens (3..10) in 4 positions, text, another image
+    # of 4 tokens (13..16) in 2 positions, text: what libmtmd's helper makes
+    p = Positions([(3, 11, 4), (13, 17, 2)])
+    assert [p.at(i) for i in range(20)] == [0, 1, 2] + [3] * 8 + [7, 8] + [9] * 4 + [11, 12, 13]
+    assert p.last(0) == -1 and p.last(3) == 2 and p.last(11) == 3 and p.last(13) == 8
+    assert p.index(13, 18) == 19 and p.index(8, 11) == 12
+    assert not IDENTITY and IDENTITY.at(5) == 5 and IDENTITY.last(5) == 4
 
 
 def test_the_projector_makes_a_red_image_tokens_of_red_at_fewer_positions(model, projector,
