@@ -226,7 +226,7 @@ QWEN_WIDTH = 8          # the vision transformer's width
 QWEN_GAIN = 16.0        # GELU(16) == 16 in float32 (ggml's gelu passes x >= 10 through)
 
 
-def write_qwen2vl(directory, model_path, tokens):
+def write_qwen2vl(directory, model_path, tokens, projector="qwen2vl_merger"):
     """A ``qwen2vl_merger`` mmproj (llama.cpp's tools/mtmd/models/qwen2vl.cpp, read for
     this) for the text model at ``model_path``, in which every token of a plain red,
     green, blue or black image is the embedding of ``tokens`` (four ids, in that
@@ -245,10 +245,19 @@ def write_qwen2vl(directory, model_path, tokens):
     and bounded by libmtmd (at least 8 tokens unless --image-min-tokens says
     otherwise); libmtmd wraps it in ``<|vision_start|>`` ... ``<|vision_end|>``
     text and, for a text model with M-RoPE (Qwen2-VL), places its tokens by row and
-    column: an image of r x c tokens takes max(r, c) positions."""
+    column: an image of r x c tokens takes max(r, c) positions.
+
+    ``projector="qwen2.5vl_merger"``: Qwen2.5-VL's, the same with RMS norms (weights
+    only) and two such layers, the first with window attention, the second full
+    (n_wa_pattern 2: libmtmd aborts on a tower whose layers are all full, its
+    window mask then in no graph)."""
+    assert projector in ("qwen2vl_merger", "qwen2.5vl_merger")
+    qwen25 = projector == "qwen2.5vl_merger"
     assert len(tokens) == 4
     model_path = Path(model_path)
-    recipe = {"format": FORMAT_VERSION, "projector": "qwen2vl_merger", "tokens": list(tokens),
+    n_layer = 2 if qwen25 else 1
+    recipe = {"format": FORMAT_VERSION, "projector": projector, "tokens": list(tokens),
+              "layers": n_layer,
               "model": hashlib.sha256(model_path.read_bytes()).hexdigest()}
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(directory) / ("mmproj-qwen2vl-%s.gguf" % key)
@@ -261,13 +270,15 @@ def write_qwen2vl(directory, model_path, tokens):
     w = gguf.Writer()
     w.add("general.architecture", gguf.string("clip"))
     w.add("general.name", gguf.string("offgrid-test-mmproj-qwen2vl"))
-    w.add("clip.projector_type", gguf.string("qwen2vl_merger"))
+    w.add("clip.projector_type", gguf.string(projector))
+    if qwen25:
+        w.add("clip.vision.n_wa_pattern", gguf.uint32(2))
     w.add("clip.has_vision_encoder", gguf.boolean(True))
     w.add("clip.use_gelu", gguf.boolean(True))
     w.add("clip.vision.embedding_length", gguf.uint32(W))
     w.add("clip.vision.attention.head_count", gguf.uint32(1))
     w.add("clip.vision.feed_forward_length", gguf.uint32(n_ff))
-    w.add("clip.vision.block_count", gguf.uint32(1))
+    w.add("clip.vision.block_count", gguf.uint32(n_layer))
     w.add("clip.vision.projection_dim", gguf.uint32(n_embd))
     w.add("clip.vision.attention.layer_norm_epsilon", gguf.float32(1e-6))
     w.add("clip.vision.image_size", gguf.uint32(4 * P * 8))
@@ -289,17 +300,19 @@ def write_qwen2vl(directory, model_path, tokens):
             kernel += [1.0 / (P * P) if c == out else 0.0] * (P * P)
     w.add_tensor("v.patch_embd.weight", (P, P, 3, W), F32, gguf.f32_bytes(kernel))
     w.add_tensor("v.patch_embd.weight.1", (P, P, 3, W), F32, zeros(P, P, 3, W))
-    blk = "v.blk.0."
-    for norm in ("ln1", "ln2"):
-        w.add_tensor(blk + norm + ".weight", (W,), F32, gguf.f32_bytes([1.0] * W))
-        w.add_tensor(blk + norm + ".bias", (W,), F32, zeros(W))
-    for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
-        w.add_tensor(blk + name + ".weight", (W, W), F32, zeros(W, W))
-        w.add_tensor(blk + name + ".bias", (W,), F32, zeros(W))
-    w.add_tensor(blk + "ffn_up.weight", (W, n_ff), F32, zeros(W, n_ff))
-    w.add_tensor(blk + "ffn_up.bias", (n_ff,), F32, zeros(n_ff))
-    w.add_tensor(blk + "ffn_down.weight", (n_ff, W), F32, zeros(n_ff, W))
-    w.add_tensor(blk + "ffn_down.bias", (W,), F32, zeros(W))
+    for il in range(n_layer):
+        blk = "v.blk.%d." % il
+        for norm in ("ln1", "ln2"):
+            w.add_tensor(blk + norm + ".weight", (W,), F32, gguf.f32_bytes([1.0] * W))
+            if not qwen25:
+                w.add_tensor(blk + norm + ".bias", (W,), F32, zeros(W))
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            w.add_tensor(blk + name + ".weight", (W, W), F32, zeros(W, W))
+            w.add_tensor(blk + name + ".bias", (W,), F32, zeros(W))
+        w.add_tensor(blk + "ffn_up.weight", (W, n_ff), F32, zeros(W, n_ff))
+        w.add_tensor(blk + "ffn_up.bias", (n_ff,), F32, zeros(n_ff))
+        w.add_tensor(blk + "ffn_down.weight", (n_ff, W), F32, zeros(n_ff, W))
+        w.add_tensor(blk + "ffn_down.bias", (W,), F32, zeros(W))
     # the merger: ne[0] = 4 W (four patches' channels, the first patch's r, g, b first)
     mm0 = []
     for k in range(hidden):

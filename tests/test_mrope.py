@@ -13,7 +13,9 @@ at its M-RoPE positions, then text at n_past + n_pos) into a context made
 here, and a greedy loop goes on from there.  offgrid's answer over HTTP must
 be that text, token for token; a second turn about the same image (its cache
 reused) must answer as a cold one, and another image at the same place must
-not reuse it.
+not reuse it.  The same holds for Qwen2.5-VL's projector (window attention in
+its tower), for a prompt that comes back from a kept state or a slot file (in
+a server started later), and for speculative drafts taken back after an image.
 """
 
 import base64
@@ -90,12 +92,17 @@ def srv(qwen_path, projector, slots):
 
 
 @pytest.fixture(scope="module")
-def other(qwen_path, tiny_dir, colour_tokens, slots):
-    """A server of the same model with another projector of the same kind (its
-    colours' tokens in another order), which takes at most 6 tokens an image, and
-    drafts from the request's own text (--spec-type ngram-simple)."""
-    path = mmproj.write_qwen2vl(tiny_dir, qwen_path, colour_tokens[::-1])
-    with ServerProcess(qwen_path, "--mmproj", path, "--image-min-tokens", 1,
+def projector25(tiny_dir, qwen_path, colour_tokens):
+    """Qwen2.5-VL's projector (its colours' tokens in another order)."""
+    return mmproj.write_qwen2vl(tiny_dir, qwen_path, colour_tokens[::-1], "qwen2.5vl_merger")
+
+
+@pytest.fixture(scope="module")
+def other(qwen_path, projector25, slots):
+    """A server of the same model with Qwen2.5-VL's projector, which takes at most 6
+    tokens an image, and drafts from the request's own text (--spec-type
+    ngram-simple)."""
+    with ServerProcess(qwen_path, "--mmproj", projector25, "--image-min-tokens", 1,
                        "--image-max-tokens", 6, "--slot-save-path", slots,
                        "--spec-type", "ngram-simple", ctx=256) as s:
         yield s
@@ -105,11 +112,12 @@ class Helper:
     """libmtmd's own way: mtmd_helper_eval_chunks into a context of one sequence, then
     a greedy loop (test-only ctypes: offgrid binds no eval_chunks)."""
 
-    def __init__(self, model, projector):
+    def __init__(self, model, projector, max_tokens=-1):
         self.model = model
         self.mtmd = libmtmd.MtmdContext(libmtmd.load(), projector, model.handle.ptr,
                                         n_threads=TEST_THREADS, use_gpu=False,
-                                        image_min_tokens=MIN_TOKENS)
+                                        image_min_tokens=MIN_TOKENS,
+                                        image_max_tokens=max_tokens)
         assert self.mtmd.mrope
         self.ctx = libllama.ContextHandle(model.lib, model.handle, 512, 64, 64, TEST_THREADS,
                                           TEST_THREADS)
@@ -199,12 +207,12 @@ def test_the_projector_makes_a_red_image_tokens_of_red_at_fewer_positions(model,
 
 def test_completion_with_an_image_of_fewer_positions_than_tokens_equals_libmtmds(srv, helper):
     prompt = "Look at this: " + MARKER + " The colour of it is"
-    for png in (WIDE, SQUARE):
+    # 4 x 2 tokens in 4 positions, 2 x 2 in 2: the text after them that much nearer
+    for png, lag in ((WIDE, 4), (SQUARE, 2)):
         want, n_past = helper.tokens(prompt, [png])
         out = complete(srv, prompt, png, cache_prompt=False)
         assert out["tokens"] == want
-        # the positions were what libmtmd's helper made them: not one per token
-        assert n_past < out["tokens_evaluated"]
+        assert out["tokens_evaluated"] - n_past == lag
 
 
 def test_the_positions_matter_so_the_comparison_can_fail(helper, model):
@@ -358,3 +366,20 @@ def test_drafts_after_an_image_are_checked_and_taken_back_at_its_positions(other
     assert drafted["tokens"] == plain["tokens"]
     timings = drafted["timings"]
     assert timings.get("draft_n", 0) > timings.get("draft_n_accepted", 0), timings
+
+
+def test_qwen25_vls_projector_answers_as_libmtmds_helper(other, model, projector25):
+    # the projector the issue names: window attention and RMS norms in the vision
+    # tower, the same M-RoPE placement in the text model
+    h = Helper(model, projector25, max_tokens=6)
+    try:
+        prompt = "Look at this: " + MARKER + " The colour of it is"
+        # 2 x 2 tokens in 2 positions; 3 x 1 (at most 6 tokens here) in 3
+        for png, lag in ((SQUARE, 2), (BLUE_WIDE, 0)):
+            want, n_past = h.tokens(prompt, [png])
+            out = complete(other, prompt, png, cache_prompt=False,
+                           **{"speculative.n_max": 0})
+            assert out["tokens"] == want
+            assert out["tokens_evaluated"] - n_past == lag
+    finally:
+        h.close()
