@@ -82,6 +82,7 @@ class Loaded:
                                      # sessions take a draft back by checkpoint and replay
                                      n_rs_seq=draft_max if n_sessions == 1 else 0,
                                      state_copies=not on_rpc(model))
+            decoder.stream_pace = args.stream_pace
             if args.spec_type == "draft-simple" and args.model_draft:
                 draft_model = DraftModel.load(
                     args.model_draft, model, n_sessions, decoder.n_ctx_session,
