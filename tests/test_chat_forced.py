@@ -228,6 +228,21 @@ def test_a_forced_call_in_a_real_vocabulary_is_an_ollama_tool_call(gemma4_tiny):
     assert _is_city_call(call["function"]["name"], call["function"]["arguments"]), call
 
 
+@pytest.mark.parametrize("part, end", [
+    ("content", "<|channel>thought\nI'm thinking<channel|>"),
+    ("reasoning_content", "<|channel>thought\nI'm thinking"),
+    (True, "<|channel>thought\nI'm thinking")])     # by the message: its reasoning
+def test_continue_final_message_names_the_part_that_goes_on(gemma4_tiny, part, end):
+    """llama-server's continue_final_message "content" / "reasoning_content":
+    a message with reasoning only is continued after its closed thought, or
+    inside it; gemma-4 writes the thought as its reader does."""
+    status, _, body = gemma4_tiny.post("/apply-template", {
+        "add_generation_prompt": False, "continue_final_message": part, "messages": ASKED + [
+            {"role": "assistant", "content": "", "reasoning_content": "I'm thinking"}]})
+    assert status == 200, body
+    assert body["prompt"].endswith("<|turn>model\n" + end), body["prompt"][-80:]
+
+
 def test_every_shapes_lazy_grammar_and_trigger_are_taken_by_libllama(qwen_path, llama_src):
     """tool_choice auto: the shape's grammar, lazy from its first marker.  libllama
     compiles the trigger with std::regex, which throws through the C API on
