@@ -40,7 +40,7 @@ from .adjust import (adjust_for_family, as_text, continued_turn, leading_system,
 from .caps import (Caps, ChatTemplateError, TemplateBudgetError, detect_caps,  # noqa: F401
                    load_budget, preserve_reasoning_vars, renders_later_system)
 from .calls import as_shape
-from .derive import derive_shape, json_call_of
+from .derive import derive_shape, json_call_of, reads_own_call
 from .forced import generic_tool_prompt, shape_grammar, tool_call_grammar  # noqa: F401
 from .replyformat import (CALL_TRIGGERS, ReplyFormat, call_form_of, reasoning_markers_of,
                           tool_syntax_of)
@@ -121,7 +121,7 @@ class ChatTemplate:
         # the family's declared shape; a template in no entry whose calls no
         # other reader knows gets the shape its own renderings show (derive.py)
         self.call_shape = shape_of(self.source, self.family)
-        if not self.call_shape and self.tool_syntax == "generic":
+        if not self.call_shape and self._own_calls_unread(budget):
             derived = derive_shape(self.probe_renderer(budget))
             self.call_shape = dataclasses.asdict(derived) if derived else ""
         # how its JSON calls look, where the shape writes JSON (forced calls write the same)
@@ -131,6 +131,22 @@ class ChatTemplate:
             found = json_call_of(self.probe_renderer(budget))
             if found:
                 self.call_json, self.call_json_list = found
+
+    def _own_calls_unread(self, budget):
+        """Whether the syntax's reader misses the calls this template renders
+        (a template in no entry: GLM's <arg_key> after a hermes <tool_call>),
+        so that its own renderings must show how to read them; the generic
+        reader always asks them."""
+        if self.tool_syntax == "generic":
+            return True
+        if self.tool_syntax == "harmony":
+            return False
+        from .reply import parse_reply      # reply.py imports this module
+
+        def read(text, names):
+            fmt = ReplyFormat(tool_syntax=self.tool_syntax, parse_tools=True, tool_names=names)
+            return parse_reply(text, fmt).tool_calls
+        return reads_own_call(self.probe_renderer(budget), read) is False
 
     # -- rendering -------------------------------------------------------------
     def render(self, messages, tools=(), add_generation_prompt=True, enable_thinking=None,
