@@ -252,21 +252,20 @@ class ChatTemplate:
         # (elsewhere a newline joins them)
         content = msg.content if msg.parts is None else "\n\n".join(msg.parts)
         declared = continued_turn(self.family, self.source)
-        if declared is not None:
+        if declared is None:
+            # the template's own markers, as llama.cpp's auto-parser finds them
+            out, start, end = generation_prompt, self.reasoning_start, self.reasoning_end
+            if not start:
+                return out if reasoning_only else out + content
+            k = out.find(start)
+            out = out[:k] if k >= 0 else out
+        else:
             head, start, end = declared
             out = generation_prompt if head is None else head
             if start is None:
                 return out + end + content
-        else:
-            out, start, end = generation_prompt, self.reasoning_start, self.reasoning_end
-            if start:
-                k = out.find(start)
-                out = out[:k] if k >= 0 else out
-        if start is not None and (start or declared is not None):
-            out += start + msg.reasoning_content
-            if not reasoning_only:
-                out += end
-        return out if reasoning_only else out + content
+        out += start + msg.reasoning_content
+        return out if reasoning_only else out + end + content
 
     def reply_format(self, generation_prompt, tools=(), tool_choice="auto",
                      reasoning_format="auto"):
