@@ -105,11 +105,13 @@ $(VENV)/.conformance-ready: $(VENV)/.ready tests/conformance/run.py
 
 venv: $(VENV)/.ready
 
-# Claude Code and Codex (npm, native binaries), cached in ~/.cache/offgrid:
-# tests/test_agents.py runs them against a real server (test-only; the tests
-# install them too, through the same script, when they are missing).
+# Claude Code and Codex (npm, native binaries), and the Node openai package,
+# cached in ~/.cache/offgrid: tests/test_agents.py and test_agent_followups.py
+# run them against a real server (test-only; the tests install them too,
+# through the same scripts, when they are missing).
 agent-clients:
 	@bash scripts/agent_clients.sh >/dev/null
+	@bash scripts/node_openai.sh >/dev/null
 
 # Files go to workers whole (--dist loadfile), so a file's module-scoped server
 # serves all its tests; both runs report, and either failing fails the target

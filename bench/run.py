@@ -179,6 +179,7 @@ ROWS = [
     ("stall_max_gap_ms", "ms", False, "stall: the stream's longest wait for a token then"),
     ("stall_prompt_alone_s", "s", False, "stall: the 2,000-token prompt's wall time alone"),
     ("stall_prompt_during_s", "s", False, "stall: its wall time during the stream"),
+    ("stall_prompt_cost", "x", False, "stall: the prompt's wall time during the stream / alone"),
 ] + _edit_rows() + _edit_rows(COPY_SCENARIOS) + [
     ("out_of_order_gain", "x", True,
      "out-of-order copy: offgrid's default / its --spec-type none (tok/s)"),
@@ -266,6 +267,28 @@ def llama_bench(bindir, model, threads, reps):
         name = ("pp%d" % entry["n_prompt"]) if entry["n_prompt"] else ("tg%d" % entry["n_gen"])
         res[name] = {"tok_s": entry["avg_ts"], "stddev": entry["stddev_ts"]}
     return res
+
+
+BATCHED_BENCH_PROMPT = 24     # tokens: about the batched phase's prompts
+
+
+def llama_batched_bench(bindir, model, threads):
+    """llama-batched-bench, the limit of the batched phases (issue #52): 1, 4 and 8
+    sequences of a BATCHED_BENCH_PROMPT-token prompt and CONCURRENT_PREDICT
+    generated tokens each, in both KV layouts: {layout: {clients: {"tg": tok/s of
+    generation, "all": tok/s of prompt and generation}}}."""
+    tg = scenarios.CONCURRENT_PREDICT
+    out = {}
+    for layout, flags in (("unified", ["-kvu"]), ("split", [])):
+        cmd = [str(bindir / "llama-batched-bench"), "-m", model, "-t", str(threads),
+               "-tb", str(threads), "-c", "4096", "-b", "512", "-ub", "512",
+               "-npp", str(BATCHED_BENCH_PROMPT), "-ntg", str(tg), "-npl", "1,4,8",
+               "--output-format", "jsonl"] + flags
+        text = subprocess.check_output(cmd, cwd=str(ROOT), text=True,
+                                       stderr=subprocess.DEVNULL, timeout=900)
+        rows = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+        out[layout] = {r["pl"]: {"tg": r["speed_tg"], "all": r["speed"]} for r in rows}
+    return out
 
 
 # -- phases ------------------------------------------------------------------------
@@ -649,6 +672,7 @@ def figures(s):
     f["stall_max_gap_ms"] = med("stall", "max_gap_ms")
     f["stall_prompt_alone_s"] = med("stall", "prompt_alone_s")
     f["stall_prompt_during_s"] = med("stall", "prompt_during_s")
+    f["stall_prompt_cost"] = ratio(f["stall_prompt_during_s"], f["stall_prompt_alone_s"])
     f.update(edit_figures(s, med))
     return {k: v for k, v in f.items() if v is not None}
 
@@ -752,8 +776,21 @@ def goals(result):
         goal("#20 batched %d clients, offgrid / llama-server, each its default "
              "(one KV cache; a stream per slot)" % n,
              get("batched_%d_tok_s" % n, "ratio"), ">=", 1.0)
+    limit = (result.get("llama_bench") or {}).get("batched", {})
+    for layout, by_n in sorted(limit.items()):
+        bound = by_n.get(8) or by_n.get("8")
+        if bound:
+            goal("#52 batched 8 clients, %s KV: offgrid / llama-batched-bench's generation "
+                 "(tok/s)" % layout,
+                 ratio(get("batched_%s_8_tok_s" % layout, "offgrid"), bound["tg"]), ">=", 1.0)
     goal("#20 stall: offgrid's stream during another's 2,000-token prompt / alone",
          get("stall_kept", "offgrid"), ">=", 0.5)
+    goal("#52 stall: offgrid's 2,000-token prompt beside a stream / alone (wall time)",
+         get("stall_prompt_cost", "offgrid"), "<=", 1.3)
+    goal("#52 stall: the stream beside that prompt, offgrid / llama-server (tok/s)",
+         get("stall_during_tok_s", "ratio"), ">=", 10)
+    goal("#52 stall: the stream's longest wait for a token beside it, offgrid (ms)",
+         get("stall_max_gap_ms", "offgrid"), "<=", 250)
     goal("#52 out-of-order copy, offgrid's default drafts / its --spec-type none (tok/s)",
          get("out_of_order_gain", "offgrid"), ">=", 1.5)
     for key, _ in EDIT_SCENARIOS:
@@ -782,7 +819,12 @@ def table(result):
     lb = result.get("llama_bench")
     if lb:
         lines.append("llama-bench (-t %d): %s" % (result["settings"]["threads"], ", ".join(
-            "%s %.1f ± %.1f tok/s" % (k, v["tok_s"], v["stddev"]) for k, v in sorted(lb.items()))))
+            "%s %.1f ± %.1f tok/s" % (k, v["tok_s"], v["stddev"])
+            for k, v in sorted(lb.items()) if k != "batched")))
+        for layout, by_n in sorted(lb.get("batched", {}).items()):
+            lines.append("llama-batched-bench, %s KV: %s" % (layout, ", ".join(
+                "%s seqs %.1f tok/s generating (%.1f with the prompts)" % (n, v["tg"], v["all"])
+                for n, v in sorted(by_n.items(), key=lambda kv: int(kv[0])))))
     g = goals(result)
     if g:
         lines.append("")
@@ -915,6 +957,9 @@ def main(argv=None):
     if not args.no_llama_bench:
         log("llama-bench pp512 / tg128, -t %d" % args.threads)
         lb = llama_bench(bins["llama_server"], args.model, args.threads, 3)
+        if not args.only or "batched" in args.only:
+            log("llama-batched-bench: 1, 4, 8 sequences, -t %d" % args.threads)
+            lb["batched"] = llama_batched_bench(bins["llama_server"], args.model, args.threads)
     load_end = load()
 
     figs = {name: figures(samples[name]) for name in args.servers}

@@ -154,6 +154,11 @@ def parse_args(argv=None):
                         "goes at once; 0: each as it comes, as llama-server)")
     p.add_argument("-np", "--parallel", type=int, default=1,
                    help="sessions per model, i.e. requests run at once (default 1)")
+    p.add_argument("--stream-pace", type=float, default=10.0, metavar="TOK_S",
+                   help="while one session's prompt is evaluated beside others' streams, "
+                   "each step takes as much of the prompt as lets the streams go on at "
+                   "TOK_S tokens a second (default 10; 0: the prompt goes in whole "
+                   "batches and the streams wait, as llama-server)")
     p.add_argument("-n", "--n-predict", type=int, default=-1,
                    help="default tokens to generate when a request sets none (-1: no limit)")
     p.add_argument("--temp", type=float, default=0.8,
@@ -330,6 +335,8 @@ def parse_args(argv=None):
                                                            args.instance_name):
         # it goes into a header line as it is
         p.error("--instance-name must be 1 to 64 printable ASCII characters without spaces")
+    if not 0 <= args.stream_pace <= 1000:
+        p.error("--stream-pace must be between 0 and 1000")
     if not 0 <= args.stream_interval_ms <= 1000:
         p.error("--stream-interval-ms must be between 0 and 1000")
     if args.spec_draft_n_max is not None and not 1 <= args.spec_draft_n_max <= 64:

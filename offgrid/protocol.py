@@ -207,6 +207,7 @@ class WorkerSettings:
     image_min_tokens: int = -1      # --image-min-tokens; -1: the mmproj's own
     image_max_tokens: int = -1      # --image-max-tokens; -1: the mmproj's own
     lora: Optional[list] = None     # -m's LoRA adapters: [path, start-up scale] (engine/adapters.py)
+    stream_pace: float = 10.0       # tok/s a stream keeps beside a prompt (engine/batch.py)
 
 
 @dataclasses.dataclass

@@ -206,12 +206,13 @@ build() {
     touch "$INSTALLED/.done"
 }
 
-# llama-server and llama-bench, statically linked against their own build of
-# SOURCE (the patched copy, or for --stock-server the pinned source as it
-# ships), so they never pick up lib/ by accident.  usage: build_server SOURCE DIR
+# llama-server, llama-bench and llama-batched-bench, statically linked
+# against their own build of SOURCE (the patched copy, or for --stock-server
+# the pinned source as it ships), so they never pick up lib/ by accident.  usage: build_server SOURCE DIR
 build_server() {
     local src=$1 dir=$2
-    if [ -x "$dir/bin/llama-server" ] && [ -x "$dir/bin/llama-bench" ]; then
+    if [ -x "$dir/bin/llama-server" ] && [ -x "$dir/bin/llama-bench" ] \
+            && [ -x "$dir/bin/llama-batched-bench" ]; then
         echo "$dir/bin"; return
     fi
     log "configuring llama-server in $dir (about 6 minutes on 2 cores)"
@@ -222,10 +223,11 @@ build_server() {
         ${NATIVE_CFLAGS:+"-DCMAKE_C_FLAGS=$NATIVE_CFLAGS" "-DCMAKE_CXX_FLAGS=$NATIVE_CFLAGS"} \
         >"$dir.configure.log" 2>&1 \
       || { tail -30 "$dir.configure.log" >&2; exit 1; }
-    cmake --build "$dir/cmake" --target llama-server llama-bench -j "$(nproc)" \
+    cmake --build "$dir/cmake" --target llama-server llama-bench llama-batched-bench -j "$(nproc)" \
         >"$dir.build.log" 2>&1 || { tail -30 "$dir.build.log" >&2; exit 1; }
     mkdir -p "$dir/bin"
-    cp "$dir/cmake/bin/llama-server" "$dir/cmake/bin/llama-bench" "$dir/bin/"
+    cp "$dir/cmake/bin/llama-server" "$dir/cmake/bin/llama-bench" \
+        "$dir/cmake/bin/llama-batched-bench" "$dir/bin/"
     echo "$dir/bin"
 }
 

@@ -368,7 +368,7 @@ class _Ctx:
     n_batch = 512
 
 
-def test_the_prompt_share_weighs_a_prompt_token_against_a_step_of_as_many_generated():
+def test_a_prompt_beside_streams_takes_what_keeps_them_at_the_pace():
     # costs as measured on a 2-core Xeon with gemma-3-270m: a step of 1
     # generated token 21 ms, of 8 48 ms, 8 + 13 prompt tokens 65 ms; a step of
     # one 21-token prompt alone 60 ms (mostly what every step costs)
@@ -379,7 +379,19 @@ def test_the_prompt_share_weighs_a_prompt_token_against_a_step_of_as_many_genera
     assert d._prompt_share(1) == d.first_prompt_share
     d._learn([(gen, 0, 1)] * 8, 0.048)
     d._learn([(gen, 0, 1)] * 8 + [(prompt, 0, 13)], 0.065)
-    # 17 ms for 13 tokens: 1.3 ms each, and 0.8 of a 48 ms step buys 29 of them
-    assert 27 <= d._prompt_share(8) <= 30
-    assert 11 <= d._prompt_share(1) <= 14     # beside one stream: 0.8 of 21 ms
-    assert d._prompt_share(5) == d.first_prompt_share      # no 5-token step seen yet
+    # 17 ms for 13 tokens: 1.3 ms each; a step of 1/10 s beside 8 streams
+    # (48 ms) has room for 40 of them, beside one (21 ms) for 60
+    assert d.stream_pace == 10
+    assert 38 <= d._prompt_share(8) <= 41
+    assert 58 <= d._prompt_share(1) <= 62
+    # a draft's step of a length not seen yet costs as the nearest seen
+    assert d._prompt_share(7) == d._prompt_share(8)
+    # streams whose own step is slower than the pace still leave the prompt
+    # prompt_share of a step's cost
+    d._learn([(gen, 0, 1)] * 8, 0.300)
+    d._learn([(gen, 0, 1)] * 8, 0.300)
+    d._learn([(gen, 0, 1)] * 8, 0.300)
+    slow = d._gen_step[8]
+    assert d._prompt_share(8) == int(d.prompt_share * slow / d._prompt_token)
+    d.stream_pace = 0                       # the prompt first: whole batches
+    assert d._prompt_share(1) == _Ctx.n_batch

@@ -11,8 +11,10 @@ reader (chat/calls.py) reads back:
   and the family's reader reads it back as the call;
 - the grammar passes the GBNF checks a request's grammar must pass;
 - where a marker is one token of the model's vocabulary, the grammar asks
-  for that token; end to end over HTTP, a tiny model with gemma-4's real
-  vocabulary and template, forced, answers with a call in two dialects.
+  for that token; end to end over HTTP, tiny models with gemma-4's and
+  Qwen3.5's real vocabularies and templates, forced, answer with a call in
+  each dialect (OpenAI chat, Anthropic, Responses, Ollama), and a continued
+  turn is written as each family's reader writes it.
 (Sampled under the grammar by gemma-3-270m and read back whole:
 test_chat_shapes.py.)
 """
@@ -170,14 +172,24 @@ def test_a_forced_call_asks_for_the_vocabularys_own_marker_tokens(lib, gemma4_ti
         model.close()
 
 
-@pytest.fixture(scope="module")
-def gemma4_tiny(gemma4_tiny_path, llama_src):
-    """A tiny model with gemma-4's own vocabulary (the pinned ggml-vocab-gemma-4.gguf:
-    <|tool_call>, <tool_call|> and <|"|> are tokens of it) behind gemma-4's
-    template: forced, it writes gemma-4's call syntax with those tokens."""
-    with ServerProcess(gemma4_tiny_path, "--chat-template",
-                       llama_src / "models" / "templates" / "google-gemma-4-31B-it.jinja") as s:
-        yield s
+# family -> (architecture, the pinned source's vocabulary, the family's template)
+TINY = {"gemma-4": ("gemma3", "gemma-4", "google-gemma-4-31B-it.jinja"),
+        "qwen3.5": ("qwen35", "qwen35", "Qwen3.5-4B.jinja")}
+
+
+@pytest.fixture(scope="module", params=sorted(TINY))
+def family_tiny(request, tiny_dir, llama_src):
+    """A tiny model with a family's own vocabulary behind its template, over HTTP:
+    gemma-4's (the pinned ggml-vocab-gemma-4.gguf: <|tool_call>, <tool_call|>
+    and <|"|> are tokens of it, and forced, it writes them as those tokens), and
+    Qwen3.5's (ggml-vocab-qwen35.gguf, whose <tool_call>, <function=... it
+    writes in pieces of text), thinking on as the template's default: forced,
+    each writes its family's call syntax.  (server, family)"""
+    arch, vocab, template = TINY[request.param]
+    path = archmodels.build(arch, tiny_dir, vocab=vocab, template=template)
+    with ServerProcess(path, "--chat-template", llama_src / "models" / "templates" / template) \
+            as s:
+        yield s, request.param
 
 
 def _is_city_call(name, arguments):
@@ -185,9 +197,10 @@ def _is_city_call(name, arguments):
     return name == "get_weather" and set(args) == {"city"} and args["city"] in ("Paris", "Tokyo")
 
 
-def test_a_forced_call_in_a_real_vocabulary_is_an_openai_tool_call(gemma4_tiny):
-    status, _, body = gemma4_tiny.post("/v1/chat/completions", {
-        "model": "m", "messages": ASKED, "tool_choice": "required", "max_tokens": 40,
+def test_a_forced_call_in_a_real_vocabulary_is_an_openai_tool_call(family_tiny):
+    server, _ = family_tiny
+    status, _, body = server.post("/v1/chat/completions", {
+        "model": "m", "messages": ASKED, "tool_choice": "required", "max_tokens": 60,
         "temperature": 0, "tools": [{"type": "function", "function": {
             "name": "get_weather", "description": "Weather", "parameters": CITY}}]})
     assert status == 200, body
@@ -197,9 +210,10 @@ def test_a_forced_call_in_a_real_vocabulary_is_an_openai_tool_call(gemma4_tiny):
     assert _is_city_call(call["function"]["name"], call["function"]["arguments"]), call
 
 
-def test_a_forced_call_in_a_real_vocabulary_is_an_anthropic_tool_use(gemma4_tiny):
-    status, _, body = gemma4_tiny.post("/v1/messages", {
-        "model": "m", "max_tokens": 40, "temperature": 0, "messages": ASKED,
+def test_a_forced_call_in_a_real_vocabulary_is_an_anthropic_tool_use(family_tiny):
+    server, _ = family_tiny
+    status, _, body = server.post("/v1/messages", {
+        "model": "m", "max_tokens": 60, "temperature": 0, "messages": ASKED,
         "tool_choice": {"type": "tool", "name": "get_weather"},
         "tools": [{"name": "get_weather", "description": "Weather", "input_schema": CITY}]})
     assert status == 200 and body["stop_reason"] == "tool_use", body
@@ -207,9 +221,10 @@ def test_a_forced_call_in_a_real_vocabulary_is_an_anthropic_tool_use(gemma4_tiny
     assert _is_city_call(use["name"], use["input"]), use
 
 
-def test_a_forced_call_in_a_real_vocabulary_is_a_responses_function_call(gemma4_tiny):
-    status, _, body = gemma4_tiny.post("/v1/responses", {
-        "model": "m", "input": ASKED, "tool_choice": "required", "max_output_tokens": 40,
+def test_a_forced_call_in_a_real_vocabulary_is_a_responses_function_call(family_tiny):
+    server, _ = family_tiny
+    status, _, body = server.post("/v1/responses", {
+        "model": "m", "input": ASKED, "tool_choice": "required", "max_output_tokens": 60,
         "temperature": 0, "tools": [{"type": "function", "name": "get_weather",
                                      "description": "Weather", "parameters": CITY}]})
     assert status == 200, body
@@ -217,15 +232,40 @@ def test_a_forced_call_in_a_real_vocabulary_is_a_responses_function_call(gemma4_
     assert _is_city_call(call["name"], call["arguments"]), call
 
 
-def test_a_forced_call_in_a_real_vocabulary_is_an_ollama_tool_call(gemma4_tiny):
-    status, _, body = gemma4_tiny.post("/api/chat", {
+def test_a_forced_call_in_a_real_vocabulary_is_an_ollama_tool_call(family_tiny):
+    server, _ = family_tiny
+    status, _, body = server.post("/api/chat", {
         "model": "m", "messages": ASKED, "stream": False, "tool_choice": "required",
-        "options": {"temperature": 0, "num_predict": 40},
+        "options": {"temperature": 0, "num_predict": 60},
         "tools": [{"type": "function", "function": {
             "name": "get_weather", "description": "Weather", "parameters": CITY}}]})
     assert status == 200, body
     (call,) = body["message"]["tool_calls"]
     assert _is_city_call(call["function"]["name"], call["function"]["arguments"]), call
+
+
+# the end of a continued turn's prompt, by the part that goes on (True: by the
+# message, here its reasoning), as each family's llama.cpp reader writes it
+CONTINUED = {
+    "gemma-4": {"content": "<|turn>model\n<|channel>thought\nI'm thinking<channel|>",
+                "reasoning_content": "<|turn>model\n<|channel>thought\nI'm thinking",
+                True: "<|turn>model\n<|channel>thought\nI'm thinking"},
+    "qwen3.5": {"content": "<|im_start|>assistant\n<think>\nI'm thinking\n</think>\n\n",
+                "reasoning_content": "<|im_start|>assistant\n<think>\nI'm thinking",
+                True: "<|im_start|>assistant\n<think>\nI'm thinking"}}
+
+
+@pytest.mark.parametrize("part", ["content", "reasoning_content", True])
+def test_continue_final_message_names_the_part_that_goes_on(family_tiny, part):
+    """llama-server's continue_final_message "content" / "reasoning_content":
+    a message with reasoning only is continued after its closed reasoning, or
+    inside it, written as the family's reader writes it."""
+    server, family = family_tiny
+    status, _, body = server.post("/apply-template", {
+        "add_generation_prompt": False, "continue_final_message": part, "messages": ASKED + [
+            {"role": "assistant", "content": "", "reasoning_content": "I'm thinking"}]})
+    assert status == 200, body
+    assert body["prompt"].endswith(CONTINUED[family][part]), body["prompt"][-80:]
 
 
 def test_every_shapes_lazy_grammar_and_trigger_are_taken_by_libllama(qwen_path, llama_src):

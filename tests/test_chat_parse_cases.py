@@ -108,7 +108,8 @@ def reply_format(llama_src, case, template=None):
                         [_tool(t) for t in p.get("tools", [])], p.get("tool_choice", "auto"),
                         schema, None, p.get("add_generation_prompt", True),
                         p.get("enable_thinking", True), None, p.get("parallel_tool_calls", False),
-                        p.get("reasoning_format", "none"), check=False)
+                        p.get("reasoning_format", "none"), check=False,
+                        continuation=p.get("continue_final_message"))
     return plan.reply_format
 
 
@@ -253,6 +254,33 @@ _own("microsoft-Phi-3.5-mini-instruct.jinja",
      '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```', "", "",
      [("get_weather", {"city": "Paris"})], tools=[_WEATHER])
 _own("microsoft-Phi-3.5-mini-instruct.jinja", "It is sunny.", "It is sunny.", tools=[_WEATHER])
+
+# A continued turn (continue_final_message) in families whose llama.cpp
+# reader writes it its own way and that test-chat.cpp does not continue:
+# the prompt ends inside the reasoning or the answer, and the reply goes on
+# from there (chat/adjust.py's CONTINUED_TURNS).  Messages as llama.cpp
+# reads them from prompt + output; offgrid answers without the prefill.
+
+
+def _continued(template, mode, output, content, reasoning):
+    prefill = {"role": "assistant", "content": "Hello, " if mode == "content" else "",
+               "reasoning_content": "I'm thinking" if mode == "content" else "I'm",
+               "tool_calls": [], "content_parts": [], "tool_name": "", "tool_call_id": ""}
+    user = dict(prefill, role="user", content="Hey there!", reasoning_content="")
+    _own(template, output, content, reasoning, messages=[user, prefill],
+         add_generation_prompt=False, continue_final_message=mode)
+
+
+_continued("Kimi-K3.jinja", "content", "world!<|close|>response<|sep|>", "Hello, world!",
+           "I'm thinking")
+_continued("Kimi-K3.jinja", "reasoning", " more<|close|>think<|sep|><|open|>response<|sep|>Hi",
+           "Hi", "I'm more")
+_continued("Cohere2MoE.jinja", "content", "world!<|END_TEXT|>", "Hello, world!", "I'm thinking")
+_continued("Cohere2MoE.jinja", "reasoning", " more<|END_THINKING|><|START_TEXT|>Hi<|END_TEXT|>",
+           "Hi", "I'm more")
+_continued("muse-glimmer.jinja", "content", "world!<|eot|>", "Hello, world!", "I'm thinking")
+_continued("muse-glimmer.jinja", "reasoning",
+           " more<|eom|><|start|>assistant to=user<|message|>Hi<|eot|>", "Hi", "I'm more")
 
 
 @pytest.mark.parametrize("case, way", [(c, w) for c in OWN_CASES for w in ("whole", "streamed")],

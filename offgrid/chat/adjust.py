@@ -210,3 +210,39 @@ def as_text(content):
     if isinstance(content, list):
         return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
     return content
+
+
+# ---------------------------------------------------------------------------
+# A continued assistant turn (continue_final_message, assistant prefill)
+# ---------------------------------------------------------------------------
+
+# How llama-server's reader for a family writes the turn it continues:
+# (head, opener, closer).  The turn is the head (None: the generation prompt
+# the template renders), then the opener, the message's reasoning and, when
+# its content is continued, the closer and the content.  An opener None: the
+# family writes no reasoning there, only head + closer + content.  Families
+# not listed (and those the auto-parser reads) take the template's own
+# reasoning markers (ChatTemplate.reasoning_start/end).  From the pinned
+# source's common/parsers/*.cpp, each family's "has_continuation" branch.
+CONTINUED_TURNS = {
+    "gemma4": (None, "<|channel>thought\n", "<channel|>"),
+    "kimi-k2": ("<|im_assistant|>assistant<|im_middle|>", "<think>", "</think>"),
+    "kimi-k3": ('<|open|>message role="assistant"<|sep|>', "<|open|>think<|sep|>",
+                "<|close|>think<|sep|><|open|>response<|sep|>"),
+    "cohere2moe": ("<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>", "<|START_THINKING|>",
+                   "<|END_THINKING|><|START_TEXT|>"),
+    "gpt-oss": ("<|start|>assistant", "<|channel|>analysis<|message|>",
+                "<|end|><|start|>assistant<|channel|>final<|message|>"),
+    "muse-glimmer": ("<|start|>assistant to=self<|message|>", "",
+                     "<|eom|><|start|>assistant to=user<|message|>"),
+    "functionary-v3.2": (None, None, "all\n"),
+}
+
+
+def continued_turn(family, src):
+    """(head, opener, closer) of ``CONTINUED_TURNS`` for this template, or None."""
+    if family == "qwen3-coder" and "<think>" in src:
+        # its reasoning templates (Qwen3.5, Nemotron 3, StepFun) close the block
+        # as llama-server's reader does, whatever their history rendering writes
+        return ("<|im_start|>assistant\n", "<think>\n", "\n</think>\n\n")
+    return CONTINUED_TURNS.get(family)

@@ -241,3 +241,21 @@ def json_call_of(render):
             json.dumps({ARG: VAL}) not in text:
         return None                 # arguments as a string, or no call object at all
     return v, listed
+
+
+def reads_own_call(render, read):
+    """Whether ``read(text, tool_names)`` (a reader: the calls it finds, as
+    ToolCalls) takes the template's own rendering of one call as that call;
+    None where the template renders none to try."""
+    one = turn_text(render, _calls(FN))
+    if not one or FN not in one:
+        return None
+    calls = read(one, (FN, FN2))
+    return [(c.name, _json_or_none(c.arguments)) for c in calls] == [(FN, {ARG: VAL})]
+
+
+def _json_or_none(text):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None

@@ -57,8 +57,12 @@ class ChatPlan:
 
 def prepare_chat(model, template, messages, tools=(), tool_choice="auto", schema=None,
                  grammar=None, add_generation_prompt=True, enable_thinking=None, kwargs=None,
-                 parallel_tool_calls=None, reasoning_format="auto", rescue=True, check=True):
+                 parallel_tool_calls=None, reasoning_format="auto", rescue=True, check=True,
+                 continuation=None):
     """Render ``messages`` with ``template`` and settle the reply's grammar; a ChatPlan.
+
+    ``continuation``: which part of a last assistant message is continued
+    ("content", "reasoning"; None: by the message, ChatTemplate.apply).
 
     ``check``: hold the grammars to the GBNF checks and find the preserved
     tokens (a request that will generate; /apply-template renders only, and
@@ -70,7 +74,7 @@ def prepare_chat(model, template, messages, tools=(), tool_choice="auto", schema
                             enable_thinking=enable_thinking, kwargs=kwargs or {},
                             json_schema=schema, tool_choice=tool_choice,
                             parallel_tool_calls=parallel_tool_calls,
-                            reasoning_format=reasoning_format)
+                            reasoning_format=reasoning_format, continuation=continuation)
     if check and prompt.grammar is not None and not prompt.grammar_triggers \
             and getattr(template, "call_shape", ""):
         # a forced call asks for the vocabulary's own tokens where its markers

@@ -315,6 +315,7 @@ def _harmony_reply(text, fmt, partial):
             return Reply()
         if bare:
             return Reply("", "", bare)
+    text = fmt.open_header + text   # a continued message: the prompt ends inside it
     reasoning, content, calls = [], [], []
     chunks = text.split("<|start|>")
     for i, chunk in enumerate(chunks):
@@ -379,8 +380,8 @@ def parse_reply(text, fmt, partial=False):
     if fmt.tool_syntax == "harmony":
         return _harmony_reply(text, fmt, partial)
     if fmt.call_shape and as_shape(fmt.call_shape).recipients:
-        content, reasoning, calls = read_messages(text, fmt.call_shape, partial,
-                                                  fmt.tool_schemas)
+        content, reasoning, calls = read_messages(fmt.open_header + text, fmt.call_shape,
+                                                  partial, fmt.tool_schemas)
         if fmt.json_fence:
             content = _unfenced(content, partial)
         return Reply(content, reasoning if fmt.extract_reasoning else "",

@@ -63,6 +63,11 @@ class ReplyFormat:
     stray_markers: tuple = ()
     # a response format's JSON: a ```json fence around it is dropped
     json_fence: bool = False
+    # where the reply is a run of messages (gpt-oss, Functionary v3.2, Muse)
+    # and the prompt ends inside one (a continued turn), that message's header
+    # ("assistant<|channel|>final<|message|>", "all\n"): the reply is read as
+    # its body
+    open_header: str = ""
 
 
 # What opens a call (ECMAScript regexes), for the syntaxes whose call grammar

@@ -35,12 +35,12 @@ from typing import Optional
 from . import jinja
 from .. import jsonlimit
 from ..request import Message, Tool, ToolCall  # noqa: F401  (the typed chat request)
-from .adjust import (adjust_for_family, as_text, leading_system, system_before_last_turn,
-                     template_family, trimmed)
+from .adjust import (adjust_for_family, as_text, continued_turn, leading_system,
+                     system_before_last_turn, template_family, trimmed)
 from .caps import (Caps, ChatTemplateError, TemplateBudgetError, detect_caps,  # noqa: F401
                    load_budget, preserve_reasoning_vars, renders_later_system)
 from .calls import as_shape
-from .derive import derive_shape, json_call_of
+from .derive import derive_shape, json_call_of, reads_own_call
 from .forced import generic_tool_prompt, shape_grammar, tool_call_grammar  # noqa: F401
 from .replyformat import (CALL_TRIGGERS, ReplyFormat, call_form_of, reasoning_markers_of,
                           tool_syntax_of)
@@ -121,7 +121,7 @@ class ChatTemplate:
         # the family's declared shape; a template in no entry whose calls no
         # other reader knows gets the shape its own renderings show (derive.py)
         self.call_shape = shape_of(self.source, self.family)
-        if not self.call_shape and self.tool_syntax == "generic":
+        if not self.call_shape and self._own_calls_unread(budget):
             derived = derive_shape(self.probe_renderer(budget))
             self.call_shape = dataclasses.asdict(derived) if derived else ""
         # how its JSON calls look, where the shape writes JSON (forced calls write the same)
@@ -132,6 +132,22 @@ class ChatTemplate:
             if found:
                 self.call_json, self.call_json_list = found
 
+    def _own_calls_unread(self, budget):
+        """Whether the syntax's reader misses the calls this template renders
+        (a template in no entry: GLM's <arg_key> after a hermes <tool_call>),
+        so that its own renderings must show how to read them; the generic
+        reader always asks them."""
+        if self.tool_syntax == "generic":
+            return True
+        if self.tool_syntax == "harmony":
+            return False
+        from .reply import parse_reply      # reply.py imports this module
+
+        def read(text, names):
+            fmt = ReplyFormat(tool_syntax=self.tool_syntax, parse_tools=True, tool_names=names)
+            return parse_reply(text, fmt).tool_calls
+        return reads_own_call(self.probe_renderer(budget), read) is False
+
     # -- rendering -------------------------------------------------------------
     def render(self, messages, tools=(), add_generation_prompt=True, enable_thinking=None,
                kwargs=None, now=None, json_schema=None):
@@ -141,16 +157,23 @@ class ChatTemplate:
 
     def apply(self, messages, tools=(), add_generation_prompt=True, enable_thinking=None,
               kwargs=None, now=None, json_schema=None, tool_choice="auto",
-              parallel_tool_calls=None, reasoning_format="auto", continue_final=None):
+              parallel_tool_calls=None, reasoning_format="auto", continue_final=None,
+              continuation=None):
         """A ChatPrompt: the prompt, and how to read (and maybe constrain) the reply.
 
         ``continue_final`` (default: when the last message is the assistant's)
         continues that message instead of starting a new one, as llama-server's
-        assistant prefill does.
+        assistant prefill does.  ``continuation``: which part of it goes on,
+        "content" or "reasoning" (llama-server's continue_final_message
+        "content" / "reasoning_content"); None: its reasoning where it has
+        nothing else, else its content (llama-server's ``true``).
         """
         if continue_final is None:
             continue_final = bool(messages) and messages[-1].role == "assistant"
         head, prefill = (messages[:-1], messages[-1]) if continue_final else (messages, None)
+        if prefill is not None and continuation is None:
+            continuation = "reasoning" if prefill.reasoning_content and not (
+                prefill.content or prefill.parts) else "content"
         agp = add_generation_prompt and not continue_final
         text = self._render(head, tools, agp, enable_thinking, kwargs, now, json_schema)
         with_gp = text if agp else self._render(head, tools, True, enable_thinking, kwargs,
@@ -163,17 +186,18 @@ class ChatTemplate:
             i += 1
         generation_prompt = with_gp[i:]
         if prefill is not None:
-            generation_prompt = self._continued(generation_prompt, prefill)
+            generation_prompt = self._continued(generation_prompt, prefill,
+                                                continuation == "reasoning")
             text = without_gp + generation_prompt
         fmt = self.reply_format(generation_prompt, tools, tool_choice, reasoning_format)
-        if prefill is not None and (prefill.content or prefill.parts):
+        if prefill is not None and continuation == "content":
             # the reply goes on with the message's text, past any reasoning the
             # turn opened (DeepSeek's <think> in the header)
             fmt.starts_in_reasoning, fmt.reopened = False, ""
         if prefill is not None:
             fmt.reasoning_lead = ""         # llama.cpp's continued reasoning has none
-            if prefill.reasoning_content and not (prefill.content or prefill.parts) \
-                    and not fmt.starts_in_reasoning and self.reasoning_end.strip(_SPACES):
+            if continuation == "reasoning" and not fmt.starts_in_reasoning \
+                    and self.reasoning_end.strip(_SPACES):
                 # a continued reasoning goes on as reasoning, whatever marks it
                 # (Apriel 1.6's block opens with its turn's header)
                 fmt.starts_in_reasoning = True
@@ -216,24 +240,32 @@ class ChatTemplate:
                                  self.call_json, self.call_json_list, tokens)
         return tool_call_grammar(tools, self.call_form, tool_choice, parallel)
 
-    def _continued(self, generation_prompt, msg):
+    def _continued(self, generation_prompt, msg, reasoning_only):
         """The start of the assistant's turn followed by the message being continued.
 
-        As llama-server: for a thinking template the message's reasoning goes
-        between the template's markers, closed when the message has content.
+        As llama-server: the message's reasoning goes between the family's
+        markers (chat/adjust.py's CONTINUED_TURNS where its reader declares
+        them, else the template's own), closed when its content is continued
+        (``reasoning_only`` False).
         """
         # text parts joined by a blank line here, as llama-server's render_content
         # (elsewhere a newline joins them)
         content = msg.content if msg.parts is None else "\n\n".join(msg.parts)
-        reasoning_only = bool(msg.reasoning_content) and not content
-        start, end = self.reasoning_start, self.reasoning_end
-        out = generation_prompt
-        if start:
+        declared = continued_turn(self.family, self.source)
+        if declared is None:
+            # the template's own markers, as llama.cpp's auto-parser finds them
+            out, start, end = generation_prompt, self.reasoning_start, self.reasoning_end
+            if not start:
+                return out if reasoning_only else out + content
             k = out.find(start)
-            out = (out[:k] if k >= 0 else out) + start + msg.reasoning_content
-            if not reasoning_only:
-                out += end
-        return out if reasoning_only else out + content
+            out = out[:k] if k >= 0 else out
+        else:
+            head, start, end = declared
+            out = generation_prompt if head is None else head
+            if start is None:
+                return out + end + content
+        out += start + msg.reasoning_content
+        return out if reasoning_only else out + end + content
 
     def reply_format(self, generation_prompt, tools=(), tool_choice="auto",
                      reasoning_format="auto"):
@@ -257,7 +289,23 @@ class ChatTemplate:
                 if start[:1] not in "<[◁":
                     fmt.reasoning_lead = generation_prompt[s:]
                 break
+        fmt.open_header = self._open_header(generation_prompt)
         return fmt
+
+    def _open_header(self, generation_prompt):
+        """The header of the message a continued turn's prompt ends inside, where
+        the reply is a run of messages (ReplyFormat.open_header); else ""."""
+        if self.tool_syntax == "harmony":
+            sep, name_end, ends = "<|start|>", "<|message|>", ("<|end|>", "<|call|>")
+        elif self.call_shape and as_shape(self.call_shape).recipients:
+            sep, name_end, *ends = as_shape(self.call_shape).recipients
+        else:
+            return ""
+        s = generation_prompt.rfind(sep)
+        e = generation_prompt.find(name_end, s + len(sep)) if s >= 0 else -1
+        if e < 0 or any(m in generation_prompt[e:] for m in ends):
+            return ""
+        return generation_prompt[s + len(sep):e + len(name_end)]
 
     def _render_probe(self, budget, *args):
         return self._render(*args, budget=budget)

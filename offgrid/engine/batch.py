@@ -129,18 +129,25 @@ class Member:
 class BatchDecoder:
     """Owns the shared ContextHandle of a model's sessions and makes their decode steps."""
 
-    # Prompt tokens a step takes beside generating members' tokens: 16 until
-    # the decoder has measured both, then as many as cost ``prompt_share`` of
-    # a generation step, so a generating stream keeps at least half its pace
-    # while another session evaluates a long prompt (at a share of 1.0 the
-    # bench measured 0.47 of it on gemma-3-270m).  A generation step's cost is
-    # kept per number of generated tokens in it: one of 8 took 48 ms here, one
-    # of 1 21 ms, and a prompt token's cost measured against the wrong one
-    # came out several times too high (a share of 4, eight 21-token prompts
-    # arriving together started generating one by one, the last after 1.7 s).
+    # Prompt tokens a step takes beside generating members: 16 until the
+    # decoder has measured both, then as many as make the step last
+    # 1/stream_pace s, so a stream reads at that pace while another
+    # session's prompt goes in chunks large enough to run near the prompt
+    # speed (the stream's token rides in the prompt's step nearly free: the
+    # weights are read once a step).  Each chunk of k tokens pays what every
+    # step costs once, so the prompt's time grows by about pace x a
+    # generation step's cost (22 ms on gemma-3-270m here: 1.28x at 10 tok/s,
+    # and the stream ran at 1 tok/s beside a whole-batch prompt in
+    # llama-server).  A model whose generation step alone is slower than the
+    # pace still gives the prompt ``prompt_share`` of a step's cost, so it
+    # keeps near half its speed.  A generation step's cost is kept per
+    # number of generated tokens in it: one of 8 took 48 ms here, one of 1
+    # 21 ms, and a prompt token's cost measured against the wrong one came
+    # out several times too high.
     first_prompt_share = 16
     min_prompt_share = 4
     prompt_share = 0.8
+    stream_pace = 10.0          # tok/s (--stream-pace); 0: prompts take whole batches
     learn_prompt_alone = 64     # prompt tokens a step of them alone must have to teach
 
     def __init__(self, ctx, threads, turn, streams=False, has_state=False):
@@ -315,11 +322,16 @@ class BatchDecoder:
 
     def _prompt_share(self, n_gen):
         """Prompt tokens for a step beside n_gen generated ones."""
+        if not self.stream_pace:
+            return self.ctx.n_batch
         gen_step = self._gen_step.get(n_gen)
+        if gen_step is None and self._gen_step:
+            # a step of a draft's length not seen yet: as the nearest one seen
+            gen_step = self._gen_step[min(self._gen_step, key=lambda n: abs(n - n_gen))]
         if gen_step is None or self._prompt_token is None:
             return self.first_prompt_share
-        return max(self.min_prompt_share,
-                   int(self.prompt_share * gen_step / max(self._prompt_token, 1e-6)))
+        budget = max(1.0 / self.stream_pace - gen_step, self.prompt_share * gen_step)
+        return max(self.min_prompt_share, int(budget / max(self._prompt_token, 1e-6)))
 
     def _undo(self, step):
         """After an aborted step: drop what it left of every part from the cache

@@ -82,6 +82,7 @@ class Loaded:
                                      # sessions take a draft back by checkpoint and replay
                                      n_rs_seq=draft_max if n_sessions == 1 else 0,
                                      state_copies=not on_rpc(model))
+            decoder.stream_pace = args.stream_pace
             media = make_media(args, model, decoder)
             if media is not None:
                 if media.mrope and args.context_shift:

@@ -491,7 +491,7 @@ class Worker:
     def call_prepare_chat(self, messages, tools=(), tool_choice="auto", schema=None,
                           grammar=None, add_generation_prompt=True, enable_thinking=None,
                           kwargs=None, parallel_tool_calls=None, reasoning_format=None,
-                          tokenize=True):
+                          tokenize=True, continuation=None):
         if enable_thinking is None:
             enable_thinking = self.enable_thinking
         if reasoning_format is None:
@@ -500,7 +500,8 @@ class Worker:
                             protocol.decode_messages(messages), protocol.decode_tools(tools),
                             tool_choice, schema, grammar, add_generation_prompt,
                             enable_thinking, kwargs, parallel_tool_calls, reasoning_format,
-                            rescue=self.tool_call_rescue, check=tokenize)
+                            rescue=self.tool_call_rescue, check=tokenize,
+                            continuation=continuation)
         out = {"text": plan.text}
         files = [f for m in messages for f in m.get("media") or ()]
         if tokenize:

@@ -21,8 +21,14 @@ from .pipeline import Format, Generation, Prompt
 
 # -- the request ------------------------------------------------------------------------
 
+# continue_final_message's strings (llama.cpp's common_chat_continuation_parse):
+# the part of the last message that goes on; ``true``: by the message
+_CONTINUED_PARTS = {"content": "content", "reasoning_content": "reasoning"}
+
+
 def _continuation(f, messages):
-    """llama-server's checks of ``continue_final_message`` and assistant prefill.
+    """(add_generation_prompt, continuation): llama-server's checks of
+    ``continue_final_message`` and assistant prefill.
 
     A last assistant message is continued (prefill); two at the end, both a
     continuation and a generation prompt, or continuing a tool call are 400s.
@@ -35,13 +41,13 @@ def _continuation(f, messages):
     if not cfm and last_is_assistant:
         if len(messages) >= 2 and messages[-2].role == "assistant":
             raise BadRequest("Cannot have 2 or more assistant messages at the end of the list.")
-        return False        # the prefill: continued, no generation prompt
+        return False, None  # the prefill: continued, no generation prompt
     if cfm and agp:
         raise BadRequest("Cannot set both add_generation_prompt and continue_final_message "
                          "to true.")
     if cfm and last_is_assistant and messages[-1].tool_calls:
         raise BadRequest("Cannot continue an assistant message that contains tool calls.")
-    return agp
+    return agp, _CONTINUED_PARTS.get(cfm) if isinstance(cfm, str) else None
 
 
 def _template_kwargs(f):
@@ -66,7 +72,7 @@ def _template_kwargs(f):
 def _prepare(f, entry, for_generation=True):
     """The worker's "prepare_chat" answer for an OpenAI chat request's fields."""
     messages = chat_messages_from(f.raw("messages"))
-    add_generation_prompt = _continuation(f, messages)
+    add_generation_prompt, continuation = _continuation(f, messages)
     tools = tools_from(f.raw("tools"))
     tool_choice = tool_choice_from(f.raw("tool_choice"), tools)
     reasoning_format = f.str("reasoning_format")       # None: the server's --reasoning-format
@@ -80,19 +86,22 @@ def _prepare(f, entry, for_generation=True):
                    add_generation_prompt=add_generation_prompt,
                    enable_thinking=enable_thinking, kwargs=kwargs,
                    parallel_tool_calls=f.raw("parallel_tool_calls"),
-                   reasoning_format=reasoning_format, tokenize=for_generation)
+                   reasoning_format=reasoning_format, tokenize=for_generation,
+                   continuation=continuation)
 
 
 def prepare(entry, messages, tools=(), tool_choice="auto", schema=None, grammar=None,
             add_generation_prompt=True, enable_thinking=None, kwargs=None,
             parallel_tool_calls=None, reasoning_format=None, tokenize=True,
-            what="POST /v1/chat/completions"):
+            what="POST /v1/chat/completions", continuation=None):
     """"prepare_chat" for already-typed Messages and Tools: what every chat dialect shares.
 
     Returns the worker's plan: ``tokens``, ``grammar``, ``grammar_triggers``,
     ``preserved_tokens``, ``chat`` (how to read the reply) and ``text``.
     ``enable_thinking`` and ``reasoning_format`` None: the server's defaults
     (``--reasoning``, ``--reasoning-format``), which the worker holds.
+    ``continuation``: the part of a last assistant message continued
+    ("content", "reasoning"; None: by the message).
     """
     return entry.call("prepare_chat", what,
                       messages=encode_messages(messages), tools=encode_tools(list(tools)),
@@ -100,7 +109,8 @@ def prepare(entry, messages, tools=(), tool_choice="auto", schema=None, grammar=
                       add_generation_prompt=add_generation_prompt,
                       enable_thinking=enable_thinking, kwargs=kwargs or {},
                       parallel_tool_calls=parallel_tool_calls,
-                      reasoning_format=reasoning_format, tokenize=tokenize)
+                      reasoning_format=reasoning_format, tokenize=tokenize,
+                      continuation=continuation)
 
 
 def apply_plan(gen, plan):
