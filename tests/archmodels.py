@@ -69,6 +69,10 @@ ARCHS = {
     # scaled); built with vocab="qwen2" (tests/mrope.py)
     "qwen2vl": dict(template="Qwen-Qwen2.5-7B-Instruct.jinja", sections=[4, 6, 6, 0],
                     std_layer=0.4),
+    # Qwen3-VL's: interleaved M-RoPE, and its first layer takes a deepstack slice
+    # of an image's embedding (n_embd_inp = 2 n_embd)
+    "qwen3vl": dict(template="Qwen-Qwen2.5-7B-Instruct.jinja", sections=[4, 6, 6, 0],
+                    std_layer=0.4, deepstack=1),
 }
 
 N_CTX_TRAIN = 4096
@@ -247,6 +251,8 @@ class _Builder:
         u32("%s.attention.sliding_window_pattern", 2)
         f32("%s.rope.freq_base", 10000.0)
         arr("%s.rope.dimension_sections", spec.get("sections", [head_dim // 4] * 4))
+        if spec.get("deepstack"):
+            u32("%s.n_deepstack_layers", spec["deepstack"])
         if moe:
             u32("%s.expert_feed_forward_length", N_FF)
             u32("%s.expert_shared_feed_forward_length", N_FF // 2)

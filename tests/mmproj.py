@@ -250,9 +250,14 @@ def write_qwen2vl(directory, model_path, tokens, projector="qwen2vl_merger"):
     ``projector="qwen2.5vl_merger"``: Qwen2.5-VL's, the same with RMS norms (weights
     only) and two such layers, the first with window attention, the second full
     (n_wa_pattern 2: libmtmd aborts on a tower whose layers are all full, its
-    window mask then in no graph)."""
-    assert projector in ("qwen2vl_merger", "qwen2.5vl_merger")
+    window mask then in no graph).  ``projector="qwen3vl_merger"``: Qwen3-VL's,
+    with a patch bias and learned position embeddings (zeros), a fused qkv, and a
+    deepstack branch on its layer (zero weights) whose features go to the text
+    model's first layer: each token's embedding is then 2 n_embd wide, the
+    second half zeros (a text model of n_deepstack_layers 1)."""
+    assert projector in ("qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger")
     qwen25 = projector == "qwen2.5vl_merger"
+    qwen3 = projector == "qwen3vl_merger"
     assert len(tokens) == 4
     model_path = Path(model_path)
     n_layer = 2 if qwen25 else 1
@@ -300,13 +305,26 @@ def write_qwen2vl(directory, model_path, tokens, projector="qwen2vl_merger"):
             kernel += [1.0 / (P * P) if c == out else 0.0] * (P * P)
     w.add_tensor("v.patch_embd.weight", (P, P, 3, W), F32, gguf.f32_bytes(kernel))
     w.add_tensor("v.patch_embd.weight.1", (P, P, 3, W), F32, zeros(P, P, 3, W))
+    if qwen3:
+        w.add_tensor("v.patch_embd.bias", (W,), F32, zeros(W))
+        w.add_tensor("v.position_embd.weight", (W, 16), F32, zeros(W, 16))
+        d = "v.deepstack.0."
+        w.add_tensor(d + "norm.weight", (4 * W,), F32, gguf.f32_bytes([1.0] * (4 * W)))
+        w.add_tensor(d + "norm.bias", (4 * W,), F32, zeros(4 * W))
+        w.add_tensor(d + "fc1.weight", (4 * W, 4 * W), F32, zeros(4 * W, 4 * W))
+        w.add_tensor(d + "fc1.bias", (4 * W,), F32, zeros(4 * W))
+        w.add_tensor(d + "fc2.weight", (4 * W, n_embd), F32, zeros(4 * W, n_embd))
+        w.add_tensor(d + "fc2.bias", (n_embd,), F32, zeros(n_embd))
     for il in range(n_layer):
         blk = "v.blk.%d." % il
         for norm in ("ln1", "ln2"):
             w.add_tensor(blk + norm + ".weight", (W,), F32, gguf.f32_bytes([1.0] * W))
             if not qwen25:
                 w.add_tensor(blk + norm + ".bias", (W,), F32, zeros(W))
-        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+        if qwen3:
+            w.add_tensor(blk + "attn_qkv.weight", (W, 3 * W), F32, zeros(W, 3 * W))
+            w.add_tensor(blk + "attn_qkv.bias", (3 * W,), F32, zeros(3 * W))
+        for name in ("attn_out",) if qwen3 else ("attn_q", "attn_k", "attn_v", "attn_out"):
             w.add_tensor(blk + name + ".weight", (W, W), F32, zeros(W, W))
             w.add_tensor(blk + name + ".bias", (W,), F32, zeros(W))
         w.add_tensor(blk + "ffn_up.weight", (W, n_ff), F32, zeros(W, n_ff))

@@ -14,7 +14,8 @@ here, and a greedy loop goes on from there.  offgrid's answer over HTTP must
 be that text, token for token; a second turn about the same image (its cache
 reused) must answer as a cold one, and another image at the same place must
 not reuse it.  The same holds for Qwen2.5-VL's projector (window attention in
-its tower), for a prompt that comes back from a kept state or a slot file (in
+its tower), for Qwen3-VL's (interleaved M-RoPE, deepstack embeddings twice the
+text model's width) on a tiny qwen3vl model, for a prompt that comes back from a kept state or a slot file (in
 a server started later), and for speculative drafts taken back after an image.
 """
 
@@ -383,3 +384,26 @@ def test_qwen25_vls_projector_answers_as_libmtmds_helper(other, model, projector
             assert out["tokens_evaluated"] - n_past == lag
     finally:
         h.close()
+
+
+def test_qwen3_vls_deepstack_projector_answers_as_libmtmds_helper(tiny_dir, colour_tokens):
+    # Qwen3-VL: interleaved M-RoPE, and an image's embedding twice the text
+    # model's width (its second half feeds the first layer: deepstack), which
+    # libmtmd's helper reads as llama_model_n_embd_inp floats a token
+    path = archmodels.build("qwen3vl", tiny_dir, vocab="qwen2")
+    projector = mmproj.write_qwen2vl(tiny_dir, path, colour_tokens, "qwen3vl_merger")
+    m = Model.load(str(path), progress=False)
+    h = Helper(m, projector)
+    try:
+        assert m.handle.n_embd_inp() == 2 * m.n_embd
+        prompt = "Look at this: " + MARKER + " The colour of it is"
+        with ServerProcess(path, "--mmproj", projector, "--image-min-tokens", MIN_TOKENS,
+                           ctx=256) as s:
+            for png, lag in ((WIDE, 4), (BLUE_WIDE, 4)):
+                want, n_past = h.tokens(prompt, [png])
+                out = complete(s, prompt, png, cache_prompt=False)
+                assert out["tokens"] == want
+                assert out["tokens_evaluated"] - n_past == lag
+    finally:
+        h.close()
+        m.close()
