@@ -226,7 +226,7 @@ QWEN_WIDTH = 8          # the vision transformer's width
 QWEN_GAIN = 16.0        # GELU(16) == 16 in float32 (ggml's gelu passes x >= 10 through)
 
 
-def write_qwen2vl(directory, model_path, tokens, projector="qwen2vl_merger"):
+def write_qwen2vl(directory, model_path, tokens, projector="qwen2vl_merger", deepstack=True):
     """A ``qwen2vl_merger`` mmproj (llama.cpp's tools/mtmd/models/qwen2vl.cpp, read for
     this) for the text model at ``model_path``, in which every token of a plain red,
     green, blue or black image is the embedding of ``tokens`` (four ids, in that
@@ -254,7 +254,8 @@ def write_qwen2vl(directory, model_path, tokens, projector="qwen2vl_merger"):
     with a patch bias and learned position embeddings (zeros), a fused qkv, and a
     deepstack branch on its layer (zero weights) whose features go to the text
     model's first layer: each token's embedding is then 2 n_embd wide, the
-    second half zeros (a text model of n_deepstack_layers 1)."""
+    second half zeros (a text model of n_deepstack_layers 1); without ``deepstack``,
+    n_embd wide (Qwen3.5's text models take no deepstack)."""
     assert projector in ("qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger")
     qwen25 = projector == "qwen2.5vl_merger"
     qwen3 = projector == "qwen3vl_merger"
@@ -262,7 +263,7 @@ def write_qwen2vl(directory, model_path, tokens, projector="qwen2vl_merger"):
     model_path = Path(model_path)
     n_layer = 2 if qwen25 else 1
     recipe = {"format": FORMAT_VERSION, "projector": projector, "tokens": list(tokens),
-              "layers": n_layer,
+              "layers": n_layer, "deepstack": bool(deepstack and qwen3),
               "model": hashlib.sha256(model_path.read_bytes()).hexdigest()}
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(directory) / ("mmproj-qwen2vl-%s.gguf" % key)
@@ -308,6 +309,7 @@ def write_qwen2vl(directory, model_path, tokens, projector="qwen2vl_merger"):
     if qwen3:
         w.add_tensor("v.patch_embd.bias", (W,), F32, zeros(W))
         w.add_tensor("v.position_embd.weight", (W, 16), F32, zeros(W, 16))
+    if qwen3 and deepstack:
         d = "v.deepstack.0."
         w.add_tensor(d + "norm.weight", (4 * W,), F32, gguf.f32_bytes([1.0] * (4 * W)))
         w.add_tensor(d + "norm.bias", (4 * W,), F32, zeros(4 * W))

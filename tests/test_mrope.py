@@ -407,3 +407,42 @@ def test_qwen3_vls_deepstack_projector_answers_as_libmtmds_helper(tiny_dir, colo
     finally:
         h.close()
         m.close()
+
+
+def test_a_hybrid_models_m_rope_images_answer_as_libmtmds_helper_and_come_back(
+        tiny_dir, colour_tokens):
+    # Qwen3.5's kind: attention beside a recurrent state (engine/recurrent.py),
+    # whose cuts, checkpoints and kept states read positions back as well
+    path = archmodels.build("qwen35", tiny_dir)
+    m = Model.load(str(path), progress=False)
+    tokens = [m.tokenize(w, add_special=False)[0] for w in WORDS]
+    projector = mmproj.write_qwen2vl(tiny_dir, path, tokens, "qwen3vl_merger",
+                                     deepstack=False)
+    h = Helper(m, projector)
+    try:
+        prompt = ("Here is a long description of a picture, written so that the prompt "
+                  "is worth keeping: " + MARKER + " The colour of it is")
+        with ServerProcess(path, "--mmproj", projector, "--image-min-tokens", MIN_TOKENS,
+                           ctx=512) as s:
+            want, n_past = h.tokens(prompt, [WIDE])
+            first = complete(s, prompt, WIDE, id_slot=0)
+            assert first["tokens"] == want
+            assert first["tokens_evaluated"] - n_past == 4
+            # a second turn goes on from the cache
+            turn2 = prompt + first["content"] + ". And its shape is"
+            warm = complete(s, turn2, WIDE, id_slot=0)
+            assert warm["timings"]["cache_n"] >= first["tokens_evaluated"]
+            assert warm["tokens"] == complete(s, turn2, WIDE, id_slot=0,
+                                              cache_prompt=False)["tokens"]
+            # another prompt, then the first again: from a kept state or checkpoint
+            st, _, other = s.post("/completion", {
+                "prompt": "Something else entirely, with no picture in it at all: a list "
+                          "of numbers, one two three four five six seven.",
+                "n_predict": 2, "temperature": 0, "id_slot": 0})
+            assert st == 200, other
+            back = complete(s, prompt, WIDE, id_slot=0)
+            assert back["tokens"] == want
+            assert back["timings"]["cache_n"] > 0
+    finally:
+        h.close()
+        m.close()

@@ -9,7 +9,6 @@ import logging
 import os
 
 from .. import protocol
-from ..errors import ModelLoadError
 from ..chat.select import template_for
 from . import rpc, statedisk
 from .adapters import Adapters
@@ -224,11 +223,6 @@ def make_media(args, model, decoder):
         libmtmd.load(), args.mmproj, model.handle.ptr,
         n_threads=decoder.threads.batch.max_threads, use_gpu=args.mmproj_offload,
         image_min_tokens=args.image_min_tokens, image_max_tokens=args.image_max_tokens)
-    if mtmd.mrope and model.memory.has_state:
-        mtmd.close()
-        raise ModelLoadError("%s places image tokens by M-RoPE positions, which offgrid "
-                             "serves for attention-only models, not beside the recurrent "
-                             "state of %s" % (os.path.basename(args.mmproj), model.name))
     # (libmtmd's helper reads n_embd_inp floats a token: wider than n_embd where
     # a projector feeds later layers too, as Qwen3-VL's deepstack)
     return MediaStore(mtmd, model.handle.n_embd_inp(), decoder.ctx.n_ubatch, decode_turn,

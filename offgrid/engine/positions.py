@@ -19,7 +19,8 @@ first n tokens' last cell holds (what seq_pos_max must read back), and
 ``index(p, i)``, the token a position stands for in the text run of token i.
 
 What cannot work with such positions (moving keys: chunk reuse, context
-shift) is turned off through the model's MemoryClass (``mrope_media``).
+shift) is turned off through the model's MemoryClass (``mrope_media``).  A
+recurrent state's cuts and checkpoints (engine/recurrent.py) ask it too.
 """
 
 import bisect

@@ -47,16 +47,18 @@ class RecurrentCache:
         return cachereuse.ReusePlan(keep)
 
     def _cut_state(self, n):
-        """Cut the session's sequences back to their first ``n`` positions; True
-        only where the cut is made and reads back as made."""
+        """Cut the session's sequences back to their first ``n`` tokens; True
+        only where the cut is made and reads back as made (at the positions
+        of engine/positions.py, which M-RoPE images make other than indices)."""
+        at = self.positions.at
         with self._mem.locked() as memory:
-            ok = all([memory.seq_rm(q, n, -1) for q in (self._seq, self._gap, self._pin)])
-            return ok and memory.seq_pos_max(self._seq) == n - 1
+            ok = all([memory.seq_rm(q, at(n), -1) for q in (self._seq, self._gap, self._pin)])
+            return ok and memory.seq_pos_max(self._seq) == self.positions.last(n)
 
     def _checkpoint(self, n):
         """Keep the recurrent part of the state after the first ``n`` cached tokens."""
         with self._mem.locked() as memory:
-            if memory.seq_pos_max(self._seq) != n - 1:
+            if memory.seq_pos_max(self._seq) != self.positions.last(n):
                 return
             data = self._ctx.seq_state(self._seq, partial=True)
         if data is not None:
@@ -69,17 +71,22 @@ class RecurrentCache:
         if c is None:
             return 0
         n = len(c.tokens)
+        # (a prefix of the prompt: its images' positions are known)
+        placed = self._positions_of(c.tokens)
         with self._mem.locked() as memory:
             for q in (self._gap, self._pin):
                 memory.seq_rm(q, -1, -1)
-            ok = self._ctx.set_seq_state(self._seq, c.data, partial=True) \
-                and memory.seq_rm(self._seq, n, -1) and memory.seq_pos_max(self._seq) == n - 1
+            ok = placed is not None \
+                and self._ctx.set_seq_state(self._seq, c.data, partial=True) \
+                and memory.seq_rm(self._seq, placed.at(n), -1) \
+                and memory.seq_pos_max(self._seq) == placed.last(n)
         if not ok:
             log.warning("libllama refused a checkpoint of %d tokens; it is dropped", n)
             self.checkpoints.forget(c)
             self._mem.rm(-1, -1)
             return 0
         self.checkpoints.restored += 1
+        self.positions = placed
         return n
 
     def _usable(self, tokens, need_logits):
@@ -98,7 +105,7 @@ class RecurrentCache:
         _replay_to; False where it cannot be had."""
         with self._mem.locked() as memory:
             data = self._ctx.seq_state(self._seq, partial=True) \
-                if memory.seq_pos_max(self._seq) == pos - 1 else None
+                if memory.seq_pos_max(self._seq) == self.positions.last(pos) else None
         self._verify = (pos, data) if data is not None else None
         return data is not None
 
@@ -112,12 +119,12 @@ class RecurrentCache:
             pos, data = verify
             with self._mem.locked() as memory:
                 ok = self._ctx.set_seq_state(self._seq, data, partial=True) \
-                    and memory.seq_rm(self._seq, pos, -1) \
-                    and memory.seq_pos_max(self._seq) == pos - 1
+                    and memory.seq_rm(self._seq, self.positions.at(pos), -1) \
+                    and memory.seq_pos_max(self._seq) == self.positions.last(pos)
             replay = self.cached[pos:n]
             if ok and replay:
                 ok = self._decode(replay, pos, False) == 0
-            ok = ok and self._mem.seq_pos_max(self._seq) == n - 1
+            ok = ok and self._mem.seq_pos_max(self._seq) == self.positions.last(n)
         if not ok:
             self.reset()
             raise DecodeError("libllama could not take a draft back", -1)
