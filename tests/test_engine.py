@@ -134,19 +134,23 @@ def test_a_prompt_extending_the_last_one_reuses_all_of_it(gemma, new_session):
 
 @pytest.mark.slow
 def test_without_swa_full_long_prompts_still_run(gemma, new_session):
-    # The windowed cache then holds about three windows, so libllama must
-    # recycle its cells: the prompt must not be pinned there (SEQ_PIN), or a
-    # prompt longer than that cache finds no room.  Reuse is limited to what
-    # the window check allows; the output must be what a fresh session gives.
-    session = new_session(gemma, n_ctx=4096, n_batch=512, swa_full=False)
-    prompt = long_prompt(gemma, 3000)
+    # The windowed cache then holds about three windows and a batch (libllama's
+    # size_swa: n_swa * 3 sequences + n_ubatch, 1792 cells here), so libllama
+    # must recycle its cells: the prompt must not be pinned there (SEQ_PIN), or
+    # a prompt longer than that cache finds no room (2000 tokens: pinned, the
+    # first request fails with ContextFull).  Reuse is limited to what the
+    # window check allows; the output must be what a fresh session gives.
+    # (Batches of 256 make that cache 256 cells smaller than 512 would, and the
+    # prompts as much shorter: 3000 tokens took half again the time.)
+    session = new_session(gemma, n_ctx=4096, n_batch=256, swa_full=False)
+    prompt = long_prompt(gemma, 2000)
     session.complete(prompt, greedy(4))
-    changed = prompt[:2900] + words(gemma, " but then it rained")
+    changed = prompt[:1900] + words(gemma, " but then it rained")
     result = session.complete(changed, greedy(8))
-    fresh = new_session(gemma, n_ctx=4096, n_batch=512, swa_full=False)
+    fresh = new_session(gemma, n_ctx=4096, n_batch=256, swa_full=False)
     expected = fresh.complete(changed, greedy(8))
     if result.tokens != expected.tokens:
-        # The reused keys of positions 2560..2900 were computed in a batch of
+        # Reused keys (where the window check lets any be) were computed in a batch of
         # another shape than the fresh session's, so logits differ in their
         # last bits (measured: up to 0.8 of gemma's ~21); a greedy pick may
         # flip only where the fresh session's two best were that close.

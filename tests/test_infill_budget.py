@@ -34,8 +34,8 @@ def _chunks(n, lines=32):
 
 
 def _request(n_chunks=16, prefix_lines=256, suffix_lines=64, chunk_lines=32):
-    """A FIM request at a line of session.py: 7,226 tokens of Qwen's layout
-    as it stands; the server tests' smaller one (_small_request) 1,404."""
+    """A FIM request at a line of session.py: 7,937 tokens of Qwen's layout
+    as it stands; the server tests' smaller one (_small_request) 695."""
     src = (ROOT / "offgrid" / "engine" / "session.py").read_text("utf-8").split("\n")
     return InfillRequest(input_prefix="\n".join(src[296 - prefix_lines:296]) + "\n",
                          input_suffix=CURSOR_REST + "\n"
@@ -45,8 +45,10 @@ def _request(n_chunks=16, prefix_lines=256, suffix_lines=64, chunk_lines=32):
 
 def _small_request():
     # What a test evaluates whole: a few seconds of prompt here, not minutes,
-    # and still several times what a 500 ms budget lets through.
-    return _request(n_chunks=4, prefix_lines=40, suffix_lines=30, chunk_lines=16)
+    # and still several times what a 500 ms budget lets through (one thread
+    # of this 2-core host evaluated Qwen's prompts at 41-45 tok/s at load 7:
+    # about 16 s for these 695 tokens).
+    return _request(n_chunks=2, prefix_lines=16, suffix_lines=12, chunk_lines=12)
 
 
 def _fit(qwen, req, rate, budget_ms=500, cached=()):
@@ -187,10 +189,11 @@ def test_a_cold_request_with_16_chunks_keeps_to_500_ms(qwen, qwen_path):
     it); the budgeted request then starts from an empty cache."""
     req = _request()
     with ServerProcess(qwen_path, "-b", "2048", ctx=8192) as server:
-        learn = InfillRequest(input_prefix="".join("x%d = %d\n" % (i, i) for i in range(80)),
+        # (300 tokens: several times promptfit.MIN_OBSERVED, a second or more of prompt)
+        learn = InfillRequest(input_prefix="".join("x%d = %d\n" % (i, i) for i in range(40)),
                               input_suffix="\n")
         _infill(server, learn, n_predict=1, cache_prompt=False)
-        out = _infill(server, req, t_max_prompt_ms=500, cache_prompt=False)
+        out = _infill(server, req, t_max_prompt_ms=500, cache_prompt=False, n_predict=1)
         t = out["timings"]
         print("prompt %.0f ms for %d tokens; dropped %s" % (t["prompt_ms"], t["prompt_n"],
                                                           t["dropped"]))
@@ -204,7 +207,7 @@ def test_a_cold_request_with_16_chunks_keeps_to_500_ms(qwen, qwen_path):
         small = _small_request()
         out = _infill(server, small, cache_prompt=False, n_predict=1)
         assert "dropped" not in out["timings"]
-        assert out["timings"]["prompt_n"] > 1000
+        assert out["timings"]["prompt_n"] > 600
         assert out["timings"]["prompt_ms"] > 500, out["timings"]
 
 
@@ -219,7 +222,7 @@ def test_a_warm_up_is_not_cut_and_makes_the_next_request_fit(qwen_path):
         out = _infill(server, req, n_predict=0, t_max_prompt_ms=1)
         assert "dropped" not in out["timings"]
         full = out["timings"]["prompt_n"]
-        assert full > 1000
-        out = _infill(server, req, t_max_prompt_ms=500)
+        assert full > 600
+        out = _infill(server, req, t_max_prompt_ms=500, n_predict=1)
         assert "dropped" not in out["timings"]
         assert out["timings"]["cache_n"] >= full - 1

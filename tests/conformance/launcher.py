@@ -204,6 +204,11 @@ def offgrid_help():
         return ""
 
 
+def offgrid_flag_names():
+    """The long flags offgrid's --help lists."""
+    return re.findall(r"--[a-z][a-z-]*", offgrid_help())
+
+
 def has_threads(argv):
     return any(a in ("-t", "--threads") or a.startswith("--threads=") for a in argv)
 
@@ -233,7 +238,7 @@ def main(argv):
         os.execv(binary, [binary] + argv)
     flags, dropped, as_default, on_purpose = offgrid_flags(argv)
     # flags offgrid may not have yet: kept only where this checkout has them
-    known = re.findall(r"--[a-z][a-z-]*", offgrid_help())
+    known = os.environ.get("OFFGRID_CONFORMANCE_FLAGS", "").split() or offgrid_flag_names()
     for flag in ("--seed", "--temp", "--metrics", "--no-metrics", "--slots", "--no-slots",
                  "--embeddings", "--pooling", "--reranking",
                  "--reasoning", "--reasoning-format", "--context-shift"):

@@ -41,6 +41,7 @@ gets the table.  Usage:
 
 import argparse
 import fnmatch
+import functools
 import json
 import os
 import re
@@ -58,6 +59,7 @@ RESULTS = HERE / "results"
 DELIBERATE = HERE / "deliberate.txt"
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent))    # tests/: its helpers, written once
+import launcher  # noqa: E402
 import suite  # noqa: E402
 from serverproc import free_port  # noqa: E402
 
@@ -96,6 +98,11 @@ def llama_server():
     return str(Path(out[-1]) / "llama-server")
 
 
+@functools.lru_cache(maxsize=None)
+def offgrid_flags():
+    return " ".join(launcher.offgrid_flag_names())
+
+
 def suite_env(target, log, binary=None):
     """The environment of the suite's pytest: which server its ServerProcess starts."""
     env = dict(os.environ, LLAMA_SERVER_BIN_PATH=str(HERE / "launcher.py"),
@@ -103,6 +110,10 @@ def suite_env(target, log, binary=None):
                OFFGRID_CONFORMANCE_MODELS=str(ROOT / "models"), PORT=str(free_port()),
                PYTHONDONTWRITEBYTECODE="1")
     env.pop("PYTEST_ADDOPTS", None)
+    if target == "offgrid":
+        # the flags this checkout's offgrid has, read once here rather than by
+        # a `python -m offgrid --help` at each of the suite's server starts
+        env["OFFGRID_CONFORMANCE_FLAGS"] = offgrid_flags()
     if binary:
         env["CONFORMANCE_LLAMA_SERVER"] = binary
     return env
