@@ -45,17 +45,27 @@ Lines out of order.  An answer may take the prompt's lines in another order
 copy that goes on in the prompt's order fails at nearly every line end.  So
 the drafter watches the line ends the text takes from the copy (``newline``:
 which tokens hold a line break; the session passes it): whether the next
-line follows the copy there too.  While each of the latest four did
-(``in_order``, and at first), drafts go on across line ends as above; once
-one did not, each line is drafted on its own (``_lookup_line``): nothing at
-its start, then, once a token or two of it match somewhere in the prompt or
-the text so far, the rest of the matching line, up to and with its line
-break.  The match is counted back to the line break only (the line before
-says nothing about where this one comes from); where several places match
-as well, only what they all go on with is drafted (a later step, with more
-of the line, tells them apart), and one just after the latest lines' places
-is where the copy is taken to go on.  A change of mode starts the judge
-(below) afresh: the drafts are of another kind from there.
+line follows the copy there too, told by the next line's first token that
+is not an indent (``blank``: an indent the copy's next line shares says
+nothing, most lines of a block start with one).  While each of the latest
+four did (``in_order``, and at first), drafts go on across line ends as
+above; once one did not, each line is drafted on its own (``_lookup_line``):
+once a token or two of it match somewhere in the prompt or the text so far,
+the rest of the matching line, up to and with its line break.  The match is
+counted on the line's own tokens (the line break's token, "]:\n" or
+'."""\n', tells of the line before, not of where this one comes from);
+where several places match as well, only what they all go on with is
+drafted (a later step, with more of the line, tells them apart), and the
+one nearest after the latest lines' places is where the copy is taken to go
+on.  Two things use the copy's order line by line: the line just after the
+latest line's place is drafted whole from the line's first token, where the
+latest line end of the same kind (the same line break token) went on in
+order; and a whole line drafted from near a recent line's place goes on
+into the lines after it while their kinds of line end did.  (An apply-edit
+answer that puts docstrings into stubs: each stub's "pass" line and the
+next stub come in the stubs' order, each docstring from elsewhere.)  A
+change of mode starts the judge (below) afresh: the drafts are of another
+kind from there.
 
 The session verifies a draft as it verifies PromptLookup's (each drafted
 token kept only while it equals what the sampler picks there, with the
@@ -281,13 +291,15 @@ class CopyDraft(PromptLookup):
         """Lines out of order: the rest of the line the current line matches from
         its start (or from anywhere in it), wherever that line is, and no further.
 
-        A line's first tokens are not drafted (what follows the last line's
-        place has not been what came lately); once the line has a token or two
-        of its own, the places those match are its candidates, counted only
-        back to the line break (the last line says nothing about which comes
-        next), a place just after one of the latest lines' places counting as
-        nearer.  Where the best candidates go on differently, only what they
-        share is drafted: a later step, with more of the line, tells them apart.
+        Once the line has a token or two of its own, the places those match
+        are its candidates (a single token: the places it starts a line),
+        counted only back to the line break (the last line says nothing about
+        which comes next), the nearest after one of the latest lines' places
+        counting as nearer.  The one just after the latest line's place is the
+        copy's order: it is drafted where the latest line end of this kind went
+        on in order.  Otherwise, where the best candidates go on differently,
+        only what they share is drafted: a later step, with more of the line,
+        tells them apart.
         """
         t = self.tokens
         end = len(t)
