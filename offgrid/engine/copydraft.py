@@ -52,8 +52,9 @@ four did (``in_order``, and at first), drafts go on across line ends as
 above; once one did not, each line is drafted on its own (``_lookup_line``):
 once a token or two of it match somewhere in the prompt or the text so far,
 the rest of the matching line, up to and with its line break.  The match is
-counted on the line's own tokens (the line break's token, "]:\n" or
-'."""\n', tells of the line before, not of where this one comes from);
+counted on the line's own tokens (the line break's token, "]:\n" or a
+docstring's closing quotes with their line break, tells of the line before,
+not of where this one comes from);
 where several places match as well, only what they all go on with is
 drafted (a later step, with more of the line, tells them apart), and the
 one nearest after the latest lines' places is where the copy is taken to go
