@@ -215,3 +215,54 @@ def test_lines_in_order_keep_drafting_across_line_ends():
     assert lk.in_order()
     assert max(n for n, _ in steps) == 63
     assert len(steps) < len(answer) / 15, steps
+
+
+def test_an_indent_the_lines_share_does_not_say_they_come_in_order():
+    """Lines that all start with the same indent token, taken out of order: the
+    indent after a line end matches the copy's next line whatever line comes,
+    so the next line's first word tells whether the copy went on in order."""
+    IND = 8
+    lines = [[IND] + ln for ln in _lines(20, seed=50)]
+    prompt = [1, 2, NL] + [t for ln in lines for t in ln] + [3, 4, NL]
+    order = [7, 2, 15, 0, 11, 4, 19, 9, 13, 1, 17, 5]
+    answer = [t for i in order for t in lines[i]]
+    lk = CopyDraft(prompt, clock=_Clock(), newline=lambda t: t == NL,
+                   blank=lambda t: t == IND)
+    steps = _drive(lk, prompt + answer)
+    assert not lk.in_order()
+    late = steps[-8:]
+    assert all(n == h for n, h in late), steps
+
+
+def _stubs_and_docs(n=10):
+    """Stubs (a "def" line, then an indented "pass" line and a blank line, each)
+    and their docstrings in another block: the answer puts each docstring
+    between its stub's two lines, as an apply-edit answer does."""
+    DEF, IND, PASS, COLON_NL, BLANK_NL, DOC_NL, HASH = 20, 21, 22, 23, 24, 25, 26
+    stubs = [[DEF] + _text(6, seed=60 + i) + [COLON_NL] for i in range(n)]
+    docs = [[IND] + _text(8, seed=80 + i) + [DOC_NL] for i in range(n)]
+    pas = [IND, PASS, BLANK_NL]
+    prompt = [1, 2, NL] + [t for s in stubs for t in s + pas] + [3, NL]
+    for i in (5, 2, 8, 0, 7, 3, 9, 6, 1, 4):
+        prompt += [HASH] + _text(2, seed=60 + i) + [NL] + docs[i]
+    prompt += [3, 4, NL]
+    answer = [t for i in range(n) for t in stubs[i] + docs[i] + pas]
+    newline = {NL, COLON_NL, BLANK_NL, DOC_NL}
+    return prompt, answer, (lambda t: t in newline), (lambda t: t == IND)
+
+
+def test_the_line_that_comes_next_in_the_copy_is_drafted_from_its_start():
+    """After a stub's "pass" line (taken from the stubs, after a docstring from
+    elsewhere), the next stub follows in the stubs' order: it is drafted from
+    its first token, with the "pass" line's end, though every stub starts
+    alike; a docstring's first tokens are not guessed from the stub before it
+    once that went elsewhere."""
+    prompt, answer, newline, blank = _stubs_and_docs()
+    lk = CopyDraft(prompt, clock=_Clock(), newline=newline, blank=blank)
+    steps = _drive(lk, prompt + answer)
+    assert not lk.in_order()
+    # after the first stub: two drafts a function, both true: the docstring
+    # from its second token, then the "pass" line's rest with the next stub
+    # (a stub's first token, drafted after a step of its own, would be three)
+    assert all(n == h for n, h in steps[2:]), steps
+    assert len(steps) <= 3 + 2 * 9, steps

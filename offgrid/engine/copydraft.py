@@ -45,17 +45,28 @@ Lines out of order.  An answer may take the prompt's lines in another order
 copy that goes on in the prompt's order fails at nearly every line end.  So
 the drafter watches the line ends the text takes from the copy (``newline``:
 which tokens hold a line break; the session passes it): whether the next
-line follows the copy there too.  While each of the latest four did
-(``in_order``, and at first), drafts go on across line ends as above; once
-one did not, each line is drafted on its own (``_lookup_line``): nothing at
-its start, then, once a token or two of it match somewhere in the prompt or
-the text so far, the rest of the matching line, up to and with its line
-break.  The match is counted back to the line break only (the line before
-says nothing about where this one comes from); where several places match
-as well, only what they all go on with is drafted (a later step, with more
-of the line, tells them apart), and one just after the latest lines' places
-is where the copy is taken to go on.  A change of mode starts the judge
-(below) afresh: the drafts are of another kind from there.
+line follows the copy there too, told by the next line's first token that
+is not an indent (``blank``: an indent the copy's next line shares says
+nothing, most lines of a block start with one).  While each of the latest
+four did (``in_order``, and at first), drafts go on across line ends as
+above; once one did not, each line is drafted on its own (``_lookup_line``):
+once a token or two of it match somewhere in the prompt or the text so far,
+the rest of the matching line, up to and with its line break.  The match is
+counted on the line's own tokens (the line break's token, "]:\n" or a
+docstring's closing quotes with their line break, tells of the line before,
+not of where this one comes from);
+where several places match as well, only what they all go on with is
+drafted (a later step, with more of the line, tells them apart), and the
+one nearest after the latest lines' places is where the copy is taken to go
+on.  Two things use the copy's order line by line: the line just after the
+latest line's place is drafted whole from the line's first token, where the
+latest line end of the same kind (the same line break token) went on in
+order; and a whole line drafted from near a recent line's place goes on
+into the lines after it while their kinds of line end did.  (An apply-edit
+answer that puts docstrings into stubs: each stub's "pass" line and the
+next stub come in the stubs' order, each docstring from elsewhere.)  A
+change of mode starts the judge (below) afresh: the drafts are of another
+kind from there.
 
 The session verifies a draft as it verifies PromptLookup's (each drafted
 token kept only while it equals what the sampler picks there, with the
@@ -98,15 +109,23 @@ class CopyDraft(PromptLookup):
     cross_window = 4        # the latest line ends on the copy that decide in_order()
     anchors_kept = 3        # places recent lines were copied from, kept as "near"
 
-    def __init__(self, tokens, k_max=None, clock=time.perf_counter, newline=None):
+    def __init__(self, tokens, k_max=None, clock=time.perf_counter, newline=None, blank=None):
         # newline(token): whether a token's text holds a line break (None: the
-        # drafter knows no lines, and copies as if they came in order)
+        # drafter knows no lines, and copies as if they came in order);
+        # blank(token): whether its text is only white space (an indent),
+        # which says nothing of which line comes next
         self._newline = newline
+        self._blank = blank
         self._nl_cache = {}
+        self._blank_cache = {}
         self._crossings = []    # recent line ends on the copy: did the next line follow?
         self._cross_at = None   # the copy's place after a line end just taken from it
         self._in_order = True   # see in_order()
         self._anchors = []      # where the copy was at the latest line ends, latest last
+        # the line break token (its text: ":\n", "\n\n", ...) -> whether the
+        # latest line end of that kind on the copy went on in the copy's order
+        self._kind_order = {}
+        self._cross_kind = None
         self._pairs = {}        # (a, b) -> [i: tokens[i-2:i] == (a, b)], ascending
         self._firsts = {}       # a -> [i: tokens[i-1] == a], ascending (resyncing only)
         self._src = None        # the copy's place: the token of the prompt due next
@@ -115,6 +134,7 @@ class CopyDraft(PromptLookup):
         self._rules = []        # [(old, new)]: changes the text made to the copy, latest first
         self._last_match = 0
         self._need = self.min_match     # the match a draft needs now (see _adapt)
+        self._guessed = False   # the last draft was a line's by its order alone
         self._cap = self.k_max
         super().__init__(tokens, clock=clock)
         if k_max is not None:
@@ -157,13 +177,27 @@ class CopyDraft(PromptLookup):
             nl = self._nl_cache[token] = bool(self._newline(token))
         return nl
 
+    def _is_blank(self, token):
+        if self._blank is None:
+            return False
+        b = self._blank_cache.get(token)
+        if b is None:
+            b = self._blank_cache[token] = bool(self._blank(token))
+        return b
+
     def _watch_lines(self, token):
         """After a line end the text took from the copy, whether the next line
-        follows it there too (the copy comes in order) or not."""
+        follows it there too (the copy comes in order) or not: told by the
+        line's first token that is not an indent (an indent the copy's next
+        line shares says nothing: most lines of a block start with it)."""
         at, self._cross_at = self._cross_at, None
-        if at is not None:
+        if at is not None and at + 1 < len(self.tokens) and self.tokens[at] == token \
+                and self._is_blank(token) and not self._is_newline(token):
+            self._cross_at = at + 1     # the verdict waits for the line's first word
+        elif at is not None:
             c = self._crossings
             c.append(self.tokens[at] == token)
+            self._kind_order[self._cross_kind] = c[-1]
             del c[:-self.cross_window]
             was, self._in_order = self._in_order, all(c)
             if was != self._in_order:
@@ -171,7 +205,7 @@ class CopyDraft(PromptLookup):
                 self.paying, self._plain_wanted = True, 0
                 self._seen = {True: [0, 0, 0.0], False: [0, 0, 0.0]}
         if self._is_newline(token) and self._src is not None and self._div is None:
-            self._cross_at = self._src
+            self._cross_at, self._cross_kind = self._src, token
             self._anchors = self._anchors[-(self.anchors_kept - 1):] + [self._src]
 
     def in_order(self):
@@ -189,7 +223,9 @@ class CopyDraft(PromptLookup):
             # whether the copy goes on past this change is not known: a
             # probe first, and long drafts again once it comes true
             self.k = min(_size_at_least(hits + 1, self.k_max), self.k_after_miss)
-            if hits == 0:
+            if hits == 0 and not self._guessed:
+                # (a line guessed by the copy's order alone that was not: its
+                # kind of line end learns that, not the matches)
                 # the text has left the copy (prose after the code, a new
                 # line of the model's own): only a longer match drafts now
                 self._need = min(self.need_max, self._need * 2)
@@ -256,13 +292,15 @@ class CopyDraft(PromptLookup):
         """Lines out of order: the rest of the line the current line matches from
         its start (or from anywhere in it), wherever that line is, and no further.
 
-        A line's first tokens are not drafted (what follows the last line's
-        place has not been what came lately); once the line has a token or two
-        of its own, the places those match are its candidates, counted only
-        back to the line break (the last line says nothing about which comes
-        next), a place just after one of the latest lines' places counting as
-        nearer.  Where the best candidates go on differently, only what they
-        share is drafted: a later step, with more of the line, tells them apart.
+        Once the line has a token or two of its own, the places those match
+        are its candidates (a single token: the places it starts a line),
+        counted only back to the line break (the last line says nothing about
+        which comes next), the nearest after one of the latest lines' places
+        counting as nearer.  The one just after the latest line's place is the
+        copy's order: it is drafted where the latest line end of this kind went
+        on in order.  Otherwise, where the best candidates go on differently,
+        only what they share is drafted: a later step, with more of the line,
+        tells them apart.
         """
         t = self.tokens
         end = len(t)
@@ -270,26 +308,34 @@ class CopyDraft(PromptLookup):
         while ls >= 0 and end - ls < self.match_max and not self._is_newline(t[ls]):
             ls -= 1
         n_line = end - ls           # the line so far, with the line break before it
-        if n_line < 2:
+        n_own = n_line - 1          # ... without it: the break's token ("]:\n",
+        # '."""\n') tells of the line before, not of where this one comes from
+        if n_own < 1:
             self._last_match = 0
             return []
         near = self._anchors + ([self._src] if self._src is not None else [])
-        cands = self._pairs.get((t[-2], t[-1]), ())
+        if n_own == 1:
+            # one token of the line: the places it starts a line
+            cands = self._firsts.get(t[-1], ())
+        else:
+            cands = self._pairs.get((t[-2], t[-1]), ())
         look = list(cands[-self.max_candidates:])
         if len(cands) > self.max_candidates:
             for a in near:
                 lo = bisect.bisect_left(cands, a)
                 look += cands[lo:bisect.bisect_right(cands, a + self.near_window, lo)]
-        # the longest matches (the copy goes on at the one near the latest
-        # lines' places, the latest of them, where there is one)
-        best_score, best = (-1, False, -1), []
+        # the longest matches (the copy goes on at the one nearest after the
+        # latest lines' places, the latest of them, where there is one)
+        far = self.near_window + 1
+        best_score, best = (-1, -far, -1), []
         for i in set(look):
-            if i >= end:
+            if i >= end or (n_own == 1 and not (i >= 2 and self._is_newline(t[i - 2]))):
                 continue
-            n = self._match_len(i, n_line)
+            n = self._match_len(i, n_own)
             if n < best_score[0]:
                 continue
-            score = (n, any(a <= i <= a + self.near_window for a in near), i)
+            gap = min([i - a for a in near if a <= i <= a + self.near_window] or [far])
+            score = (n, -gap, i)
             if n > best_score[0]:
                 best = []
             best.append(i)
@@ -297,9 +343,21 @@ class CopyDraft(PromptLookup):
         if not best:
             self._last_match = 0
             return []
-        n, _, p = best_score
+        n, gap, p = best_score
         self._last_match = n
-        if n < max(self.min_match, self._need):
+        # the line the copy's order gives (the one after the latest line's
+        # place) among the best, where the latest line end of this kind went
+        # on in order: the copy goes on there, from the line's first token
+        kind = t[ls] if ls >= 0 else None
+        follows = self._anchors[-1] + n_own if self._anchors else None
+        self._guessed = False
+        if follows in best and self._kind_order.get(kind, True):
+            # (the order told it from other places as like it: a guess)
+            self._guessed = len(best) > 1
+            p, best = follows, [follows]
+        elif n + (n_own == 1) < max(self.min_match, self._need):
+            # (a line's first token counts with its place at a line start:
+            # as a match of two tokens)
             return []
         # the line's rest whatever self.k is now: a miss in one line says
         # little about the next one's, and the line's end bounds the draft
@@ -315,6 +373,26 @@ class CopyDraft(PromptLookup):
             while m < len(d) and q + m < end and t[q + m] == d[m]:
                 m += 1
             del d[m:], after[m:]
+        # a whole line (the text's line is the start of the source's) drafted
+        # from a place near the latest lines': on into
+        # the lines after it while the latest line end of each kind went on in
+        # order there (a block's lines that come as they are, after a line of
+        # the model's own or from elsewhere)
+        whole = n == n_own and p - n_own >= 1 and self._is_newline(t[p - n_own - 1])
+        if d and whole and gap > -far and self._is_newline(d[-1]):
+            limit = min(self._cap, self.k_max)
+            while len(d) < limit and self._kind_order.get(d[-1]) and after[-1] < end:
+                more, more_after = self._copy(after[-1], limit - len(d))
+                for j, tok in enumerate(more):
+                    if self._is_newline(tok):
+                        del more[j + 1:], more_after[j + 1:]
+                        break
+                if not more:
+                    break
+                d += more
+                after += more_after
+                if not self._is_newline(d[-1]):
+                    break
         if len(d) < 2:
             return []
         self._src, self._div = p, None

@@ -272,7 +272,8 @@ class Generation:
         if params.drafter == "copy":
             token_bytes = self.model.token_bytes
             return CopyDraft(prompt, k_max=self.copy_draft_max,
-                             newline=lambda t: b"\n" in token_bytes(t))
+                             newline=lambda t: b"\n" in token_bytes(t),
+                             blank=lambda t: not token_bytes(t).strip())
         if self.draft_model is not None:
             return self.draft_model.drafter(self._member.index, prompt, cancel)
         return PromptLookup(prompt)
