@@ -68,8 +68,9 @@ case "$GPU" in
     *) echo "[make lib] GPU=$GPU: want vulkan or cuda (or nothing for the CPU only)" >&2; exit 2 ;;
 esac
 DEST=${1:-lib${GPU:+/$GPU}}
-# CUDA: the architectures nvcc compiles for (CMAKE_CUDA_ARCHITECTURES).  The
-# default is ggml's own list for CUDA 12 less the cards CUDA 13 drops:
+# CUDA: the architectures nvcc compiles for (CMAKE_CUDA_ARCHITECTURES), with
+# the CUDA 13 toolchain of scripts/cuda_toolchain.sh.  The default is ggml's
+# own list for CUDA 13:
 # machine code for RTX 30xx (86) and RTX 40xx/L4 (89), PTX that the driver
 # compiles at first start for Turing (75), Ampere (80: A100) and Hopper and
 # later (90: H100/H200; Blackwell runs it too).  Name only your card's for a
@@ -236,8 +237,11 @@ build() {
         # the CUDA runtime and cuBLAS beside libggml-cuda (its run path is
         # $ORIGIN): NVIDIA's licence lets an application carry these two; the
         # driver's libcuda.so.1 is the machine's own
-        cp -L "$CUDA_ROOT"/lib64/libcudart.so.12 "$CUDA_ROOT"/lib64/libcublas.so.12 \
-            "$CUDA_ROOT"/lib64/libcublasLt.so.12 "$INSTALLED/"
+        local l
+        for l in cudart cublas cublasLt; do
+            # the soname, libcudart.so.13: the shortest of its names
+            cp -L "$(ls "$CUDA_ROOT"/lib64/lib$l.so.[0-9]* | sort | head -1)" "$INSTALLED/"
+        done
     fi
     if [ "$RPC" = 1 ]; then
         mkdir -p "$INSTALLED/bin"

@@ -145,7 +145,7 @@ cp "$SRC/LICENSE" "$STAGE/LICENSES/llama.cpp-LICENSE.txt"
 if [ "$GPU" = cuda ]; then
     # lib/ carries NVIDIA's CUDA runtime and cuBLAS, redistributable under
     # NVIDIA's licence, which the wheels they come from ship
-    for f in "$CACHE"/cuda-toolchain-*/lib/python3*/site-packages/nvidia_c*_cu12-*.dist-info/License.txt; do
+    for f in "$CACHE"/cuda-toolchain-*/lib/python3*/site-packages/nvidia_cuda_runtime-*.dist-info/licenses/License.txt; do
         [ -f "$f" ] && { cp "$f" "$STAGE/LICENSES/NVIDIA-CUDA-LICENSE.txt"; break; }
     done
     [ -f "$STAGE/LICENSES/NVIDIA-CUDA-LICENSE.txt" ] || die "no NVIDIA licence found beside the CUDA wheels"

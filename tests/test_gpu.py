@@ -39,8 +39,10 @@ import pytest
 
 try:
     from .serverproc import ROOT, ServerProcess
+    from .test_rpc import RpcServer, rpc_lib  # noqa: F401 (a fixture)
 except ImportError:  # tests/ is on sys.path rather than a package
     from serverproc import ROOT, ServerProcess
+    from test_rpc import RpcServer, rpc_lib  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.gpu
 
@@ -267,6 +269,23 @@ def test_partial_offload_holds_the_last_layers_and_gives_the_cpus_text(cpu):
             compare_greedy(complete(cpu, prompt), complete(s, prompt), 8)
     with GpuServer(SMOL, "-dev", "none", ctx=512) as s:
         assert s.get("/props")[2]["devices"] == [{"name": "CPU", "layers": N_ALL}]
+
+
+# -- an rpc-server beside the local device ------------------------------------------------
+
+def test_an_rpc_server_beside_the_local_device_comes_first_and_both_hold_layers(
+        cpu, rpc_lib, request):
+    rpc = RpcServer(rpc_lib)
+    request.addfinalizer(rpc.kill)
+    rpc.start()
+    with GpuServer(SMOL, "--rpc", rpc.endpoint, "-ngl", "all", "-ts", "1,1", ctx=1024) as s:
+        props = s.get("/props")[2]
+        names = [d["name"] for d in props["devices"]]
+        assert names[0] == "CPU" and names[1].startswith("RPC") and names[2] == "Vulkan0", names
+        assert props["devices"][0]["layers"] == 0
+        assert all(d["layers"] > 0 for d in props["devices"][1:])
+        assert props["devices"][1]["endpoint"] == rpc.endpoint
+        compare_greedy(complete(cpu, PROMPTS[0]), complete(s, PROMPTS[0]), 8)
 
 
 # -- out of device memory -----------------------------------------------------------------
