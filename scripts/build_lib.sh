@@ -119,6 +119,16 @@ shopt -s nullglob
 PATCHES=("$(dirname "$0")"/patches/*.patch)          # applied in name order
 PATCH_ID=$(cat /dev/null "${PATCHES[@]}" | sha256sum | cut -c1-8)
 LIB_SRC=$CACHE/llama.cpp-$PKG_VERSION-$SHORT-p$PATCH_ID       # SRC with PATCHES applied
+# A GPU build's own patches (scripts/patches/$GPU/: its backend's source
+# only), applied after those to a copy of its own, so that the CPU builds'
+# key and source are the same with or without them
+GPU_PATCHES=()
+[ -z "$GPU" ] || GPU_PATCHES=("$(dirname "$0")"/patches/"$GPU"/*.patch)
+if [ ${#GPU_PATCHES[@]} -gt 0 ]; then
+    PATCH_ID=$PATCH_ID-$GPU$(cat "${GPU_PATCHES[@]}" | sha256sum | cut -c1-8)
+    LIB_SRC=$CACHE/llama.cpp-$PKG_VERSION-$SHORT-p$PATCH_ID
+    PATCHES+=("${GPU_PATCHES[@]}")
+fi
 BUILD=$CACHE/build-$PKG_VERSION-$SHORT-p$PATCH_ID-$FLAVOUR
 INSTALLED=$BUILD/installed
 

@@ -23,6 +23,7 @@ WHEELS="nvidia-cuda-nvcc==$CUDA_VERSION.* nvidia-cuda-runtime==$CUDA_VERSION.*
 nvidia-cuda-crt==$CUDA_VERSION.* nvidia-nvvm==$CUDA_VERSION.*
 nvidia-cublas==$CUDA_VERSION.* nvidia-cuda-cccl==$CUDA_VERSION.*"
 VENV=$CACHE/cuda-toolchain-$CUDA_VERSION
+ROOT=$VENV/toolkit
 log() { echo "[make lib] $*" >&2; }
 
 if [ ! -f "$ROOT/.done" ]; then
