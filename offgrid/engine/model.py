@@ -165,8 +165,8 @@ class Model:
                     bar(fraction)
         handle = libllama.ModelHandle(lib, path, show, vocab_only=vocab_only, devices=devices,
                                       n_gpu_layers=n_gpu_layers, tensor_split=tensor_split,
-                                      repack=repack,
-                                      split_mode=None if split_mode is None else split_mode,
+                                      repack=repack, split_mode=split_mode,
+                                      # pick() kept -sm none's device alone: index 0
                                       main_gpu=0, kv_offload=kv_offload)
         if not handle.ptr:
             if any(d.endpoint is None for d in devices):
