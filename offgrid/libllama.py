@@ -1145,16 +1145,24 @@ class Device:
         return free.value, total.value
 
 
+# ggml's device backends, by their library's name in a build's folder
+_GPU_LIBS = {"libggml-vulkan.so": "Vulkan", "libggml-cuda.so": "CUDA", "libggml-hip.so": "ROCm",
+             "libggml-sycl.so": "SYCL", "libggml-metal.so": "Metal", "libggml-opencl.so": "OpenCL"}
+
+
 def gpu_backends(lib):
-    """The names of the build's device backends ("Vulkan", "CUDA"), registered
-    whether or not they found a device: not the CPU's, RPC's or an
-    accelerator library's (BLAS) beside the CPU."""
-    names = []
+    """The names of the build's device backends ("Vulkan", "CUDA"), whether or
+    not they found a device: those registered (not the CPU's, RPC's or an
+    accelerator library's such as BLAS) and those whose library is beside
+    libllama (a backend that found no driver at all may not register)."""
+    folder = lib.path.parent if "/" in str(lib.path) else None
+    names = [name for so, name in _GPU_LIBS.items()
+             if folder is not None and (folder / so).exists()]
     for i in range(lib.ggml_backend_reg_count()):
         reg = lib.ggml_backend_reg_get(i)
         name = ((lib.ggml_backend_reg_name(reg) if reg else None) or b"").decode("utf-8",
                                                                                  "replace")
-        if name and name not in ("CPU", "RPC", "BLAS"):
+        if name and name not in ("CPU", "RPC", "BLAS") and name not in names:
             names.append(name)
     return names
 

@@ -109,7 +109,7 @@ fi
 FLAVOUR=$FLAVOUR$([ "$RPC" = 1 ] && echo -rpc || true)-mtmd
 case "$GPU" in
     vulkan) FLAVOUR=$FLAVOUR-vulkan ;;
-    cuda) FLAVOUR=$FLAVOUR-cuda$(echo "$CUDA_ARCHS" | tr -c '0-9\n' '_') ;;
+    cuda) FLAVOUR=$FLAVOUR-cuda-$(echo "$CUDA_ARCHS" | sed 's/-real//g; s/-virtual/v/g; s/[^0-9a-z]/_/g') ;;
 esac
 
 SDIST_DIR=$CACHE/llama-cpp-python-$PKG_VERSION-$SHORT
