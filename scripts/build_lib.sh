@@ -55,9 +55,27 @@ PKG_VERSION=0.3.36
 PKG_SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 SHORT=${PKG_SHA256:0:12}
 CACHE=${OFFGRID_CACHE:-$HOME/.cache/offgrid}
-DEST=${1:-lib}
 PORTABLE=${PORTABLE:-0}
 RPC=${RPC:-1}
+# GPU=vulkan or GPU=cuda: ggml's backend for that device beside the CPU one,
+# cached under its own key and installed into lib/$GPU/ (not lib/), so the
+# CPU build that `make test` loads stays as it is; offgrid loads a GPU build
+# with --lib lib/vulkan or OFFGRID_LIB (docs/gpu.md).
+GPU=${GPU:-}
+case "$GPU" in
+    ""|cpu) GPU= ;;
+    vulkan|cuda) ;;
+    *) echo "[make lib] GPU=$GPU: want vulkan or cuda (or nothing for the CPU only)" >&2; exit 2 ;;
+esac
+DEST=${1:-lib${GPU:+/$GPU}}
+# CUDA: the architectures nvcc compiles for (CMAKE_CUDA_ARCHITECTURES), with
+# the CUDA 13 toolchain of scripts/cuda_toolchain.sh.  The default is ggml's
+# own list for CUDA 13:
+# machine code for RTX 30xx (86) and RTX 40xx/L4 (89), PTX that the driver
+# compiles at first start for Turing (75), Ampere (80: A100) and Hopper and
+# later (90: H100/H200; Blackwell runs it too).  Name only your card's for a
+# build a fraction as long: CUDA_ARCHS=90-real (H100), 86-real (RTX 3090).
+CUDA_ARCHS=${CUDA_ARCHS:-75-virtual;80-virtual;86-real;89-real;90-virtual}
 # Which of ggml's variants (ggml/src/CMakeLists.txt) a portable build compiles:
 # the baseline x86-64 and SSE4.2 (any x86-64 machine runs one), AVX without
 # AVX2 (2011-2013), AVX2 (from 2013; this machine), AVX-VNNI without AVX-512
@@ -89,6 +107,10 @@ else
     FLAVOUR=portable-$(echo "$CPU_VARIANTS" | sha256sum | cut -c1-6)
 fi
 FLAVOUR=$FLAVOUR$([ "$RPC" = 1 ] && echo -rpc || true)-mtmd
+case "$GPU" in
+    vulkan) FLAVOUR=$FLAVOUR-vulkan ;;
+    cuda) FLAVOUR=$FLAVOUR-cuda-$(echo "$CUDA_ARCHS" | sed 's/-real//g; s/-virtual/v/g; s/[^0-9a-z]/_/g') ;;
+esac
 
 SDIST_DIR=$CACHE/llama-cpp-python-$PKG_VERSION-$SHORT
 SDIST=$SDIST_DIR/llama_cpp_python-$PKG_VERSION.tar.gz
@@ -97,6 +119,16 @@ shopt -s nullglob
 PATCHES=("$(dirname "$0")"/patches/*.patch)          # applied in name order
 PATCH_ID=$(cat /dev/null "${PATCHES[@]}" | sha256sum | cut -c1-8)
 LIB_SRC=$CACHE/llama.cpp-$PKG_VERSION-$SHORT-p$PATCH_ID       # SRC with PATCHES applied
+# A GPU build's own patches (scripts/patches/$GPU/: its backend's source
+# only), applied after those to a copy of its own, so that the CPU builds'
+# key and source are the same with or without them
+GPU_PATCHES=()
+[ -z "$GPU" ] || GPU_PATCHES=("$(dirname "$0")"/patches/"$GPU"/*.patch)
+if [ ${#GPU_PATCHES[@]} -gt 0 ]; then
+    PATCH_ID=$PATCH_ID-$GPU$(cat "${GPU_PATCHES[@]}" | sha256sum | cut -c1-8)
+    LIB_SRC=$CACHE/llama.cpp-$PKG_VERSION-$SHORT-p$PATCH_ID
+    PATCHES+=("${GPU_PATCHES[@]}")
+fi
 BUILD=$CACHE/build-$PKG_VERSION-$SHORT-p$PATCH_ID-$FLAVOUR
 INSTALLED=$BUILD/installed
 
@@ -182,6 +214,14 @@ build() {
     else
         rpc_flags="-DGGML_RPC=OFF -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_TOOLS=OFF"
     fi
+    local gpu_flags=()
+    case "$GPU" in
+        vulkan) gpu_flags=(-DGGML_VULKAN=ON) ;;
+        # the toolchain from NVIDIA's PyPI wheels (cuda_toolchain below)
+        cuda) gpu_flags=(-DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$CUDA_ARCHS"
+                         "-DCUDAToolkit_ROOT=$CUDA_ROOT" "-DCMAKE_CUDA_COMPILER=$CUDA_ROOT/bin/nvcc"
+                         -DGGML_CUDA_NCCL=OFF) ;;
+    esac
     log "configuring ($FLAVOUR) in $BUILD"
     # shellcheck disable=SC2086
     cmake -S "$LIB_SRC" -B "$BUILD/cmake" -DCMAKE_BUILD_TYPE=Release \
@@ -190,15 +230,29 @@ build() {
         -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DGGML_OPENMP=OFF \
         -DLLAMA_BUILD_MTMD=ON -DMTMD_VIDEO=OFF \
         -DCMAKE_INSTALL_RPATH='$ORIGIN' -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON \
-        $cpu_flags "${native[@]}" >"$BUILD.configure.log" 2>&1 \
+        $cpu_flags "${native[@]}" "${gpu_flags[@]}" >"$BUILD.configure.log" 2>&1 \
       || { tail -30 "$BUILD.configure.log"; exit 1; }
     # the llama target pulls in ggml and, in a portable build, its CPU variants
-    log "building (about 4 minutes on 2 cores; 8 with PORTABLE=1, 16 with CPU_VARIANTS=all)"
+    case "$GPU" in
+        vulkan) log "building (about 50 minutes on 2 busy cores: ggml-vulkan's shaders)" ;;
+        cuda) log "building (hours on 2 cores: each of CUDA_ARCHS=$CUDA_ARCHS compiles ggml-cuda's kernels)" ;;
+        *) log "building (about 4 minutes on 2 cores; 8 with PORTABLE=1, 16 with CPU_VARIANTS=all)" ;;
+    esac
     cmake --build "$BUILD/cmake" --target "${targets[@]}" -j "$(nproc)" >"$BUILD.build.log" 2>&1 \
       || { tail -30 "$BUILD.build.log"; exit 1; }
     rm -rf "$INSTALLED"; mkdir -p "$INSTALLED"
     find "$BUILD/cmake/bin" -maxdepth 1 \( -name 'libllama.so*' -o -name 'libggml*.so*' -o -name 'libmtmd.so*' \) \
         -exec cp -a {} "$INSTALLED/" \;
+    if [ "$GPU" = cuda ]; then
+        # the CUDA runtime and cuBLAS beside libggml-cuda (its run path is
+        # $ORIGIN): NVIDIA's licence lets an application carry these two; the
+        # driver's libcuda.so.1 is the machine's own
+        local l
+        for l in cudart cublas cublasLt; do
+            # the soname, libcudart.so.13: the shortest of its names
+            cp -L "$(ls "$CUDA_ROOT"/lib64/lib$l.so.[0-9]* | sort | head -1)" "$INSTALLED/"
+        done
+    fi
     if [ "$RPC" = 1 ]; then
         mkdir -p "$INSTALLED/bin"
         cp "$BUILD/cmake/bin/ggml-rpc-server" "$INSTALLED/bin/"
@@ -231,6 +285,10 @@ build_server() {
     echo "$dir/bin"
 }
 
+CUDA_ROOT=
+if [ "$GPU" = cuda ] && [ "$MODE" != stock ] && [ "$MODE" != server ]; then
+    CUDA_ROOT=$(bash "$(dirname "$0")/cuda_toolchain.sh")
+fi
 fetch_source
 if [ "$MODE" = stock ]; then
     # keyed by the sdist's hash alone (and the native flags): no patches,

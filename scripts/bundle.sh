@@ -36,7 +36,9 @@ CACHE=${OFFGRID_CACHE:-$HOME/.cache/offgrid}
 
 VERSION=$(sed -n 's/^__version__ = "\(.*\)"$/\1/p' offgrid/__init__.py)
 ARCH=$(uname -m)
-NAME=offgrid-$VERSION-linux-$ARCH
+GPU=${GPU:-}
+# GPU=vulkan or cuda: that backend's libraries in lib/ too (docs/gpu.md)
+NAME=offgrid-$VERSION-linux-$ARCH${GPU:+-$GPU}
 
 log() { echo "[make bundle] $*" >&2; }
 die() { log "error: $*"; exit 1; }
@@ -56,7 +58,7 @@ mkdir -p "$STAGE" "$DIST" "$CACHE"
 RPC=${RPC:-1}
 LIB_MODE=$([ "$RPC" = 1 ] && echo --rpc-server || true)
 # shellcheck disable=SC2086
-PORTABLE=1 RPC="$RPC" bash scripts/build_lib.sh $LIB_MODE "$STAGE/lib"
+PORTABLE=1 RPC="$RPC" GPU="$GPU" bash scripts/build_lib.sh $LIB_MODE "$STAGE/lib"
 SRC=$(readlink -f "$CACHE/llama.cpp")   # build_lib.sh links the pinned source here
 RPC_NOTE=""
 if [ "$RPC" = 1 ]; then
@@ -140,6 +142,14 @@ mkdir -p "$STAGE/LICENSES"
 cp "$SRC/LICENSE" "$STAGE/LICENSES/llama.cpp-LICENSE.txt"
 [ ! -f "$SRC/ggml/LICENSE" ] || cp "$SRC/ggml/LICENSE" "$STAGE/LICENSES/ggml-LICENSE.txt"
 [ ! -f LICENSE ] || cp LICENSE "$STAGE/LICENSES/offgrid-LICENSE.txt"
+if [ "$GPU" = cuda ]; then
+    # lib/ carries NVIDIA's CUDA runtime and cuBLAS, redistributable under
+    # NVIDIA's licence, which the wheels they come from ship
+    for f in "$CACHE"/cuda-toolchain-*/lib/python3*/site-packages/nvidia_cuda_runtime-*.dist-info/licenses/License.txt; do
+        [ -f "$f" ] && { cp "$f" "$STAGE/LICENSES/NVIDIA-CUDA-LICENSE.txt"; break; }
+    done
+    [ -f "$STAGE/LICENSES/NVIDIA-CUDA-LICENSE.txt" ] || die "no NVIDIA licence found beside the CUDA wheels"
+fi
 # Code in the CPU backend under its own MIT notice, quoted from the source.
 {
     echo "Third-party code compiled into the libggml-cpu-*.so libraries, with the"

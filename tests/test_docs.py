@@ -415,6 +415,26 @@ FLEET = RunBy("tests/test_fleet.py", "`make fleet`: Debian's haproxy and nginx i
               "three replicas, about two minutes")
 
 
+def make_n_runs(needle):
+    """`make -n` of the command succeeds and its recipe has ``needle`` (a GPU build, its
+    tests: too long to run here)."""
+    def check(command, scratch):
+        argv = shlex.split(command, comments=True)
+        assert argv[0] == "make"
+        r = _sh(shlex.join(["make", "-n"] + argv[1:]), scratch)
+        assert r.returncode == 0 and needle in r.stdout, r.stdout + r.stderr
+    return check
+
+
+GPU_BUILD = NotRun("a GPU build takes about 50 minutes on 2 cores (Vulkan's shaders) or "
+                   "hours (CUDA's kernels); `make test-gpu` builds lib/vulkan and "
+                   "tests/test_gpu.py serves on it; make -n checks the command",
+                   make_n_runs("scripts/build_lib.sh lib/"))
+GPU_SERVE = NotRun("needs lib/vulkan (`make lib GPU=vulkan`); tests/test_gpu.py runs "
+                   "--list-devices and servers on it; offgrid's parser checks the flags",
+                   offgrid_parses)
+
+
 def agents_run_this_way(command, scratch):
     """tests/test_agents.py sets each variable and passes each flag of the command."""
     source = (ROOT / "tests" / "test_agents.py").read_text()
@@ -498,6 +518,13 @@ DOCS = {
         "needs two other machines on a private network (and a model too big for one); "
         "tests/test_rpc.py runs --rpc on loopback; offgrid's parser checks the flags",
         offgrid_parses),
+    # docs/gpu.md
+    r"^make lib GPU=": GPU_BUILD,
+    r"^python3 -m offgrid --lib lib/vulkan --list-devices$": GPU_SERVE,
+    r"^python3 -m offgrid -m models/qwen\S* --lib lib/vulkan$": GPU_SERVE,
+    r"^make test-gpu$": NotRun("the GPU suite (tests/test_gpu.py): it builds lib/vulkan "
+                               "first; make -n checks the target",
+                               make_n_runs("tests/test_gpu.py")),
     # docs/fleet.md: tests/test_fleet.py starts the replicas and both balancers so
     r"^python3 -m offgrid .*--instance-name ": FLEET,
     r"^haproxy -f ": FLEET,

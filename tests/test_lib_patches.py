@@ -26,7 +26,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PATCHES = sorted((ROOT / "scripts" / "patches").glob("*.patch"))
+# and a GPU build's own (scripts/patches/vulkan/: applied to that build alone)
+PATCHES = (sorted((ROOT / "scripts" / "patches").glob("*.patch"))
+           + sorted((ROOT / "scripts" / "patches").glob("*/*.patch")))
 GEMMA = ROOT / "models" / "gemma-3-270m-q4_k_m.gguf"
 
 # the second argument register, where gdb finds the cplan pointer at entry
@@ -67,7 +69,9 @@ def test_there_are_patches_and_each_says_why():
         assert "\n+++ b/" in text, "%s is not a unified diff" % p.name
 
 
-@pytest.mark.parametrize("patch", PATCHES, ids=[p.name for p in PATCHES])
+@pytest.mark.parametrize("patch", PATCHES, ids=[p.parent.name + "/" + p.name
+                                                  if p.parent.name != "patches" else p.name
+                                                  for p in PATCHES])
 def test_patch_applies_to_the_pinned_source(patch, llama_src):
     """A pin bump that breaks a patch fails here, not halfway through `make lib`."""
     out = subprocess.run(["patch", "--dry-run", "--forward", "-p1", "-d", str(llama_src),

@@ -10,10 +10,12 @@ import os
 
 from .. import protocol
 from ..chat.select import template_for
+from . import devices as gpus
 from . import rpc, statedisk
 from .adapters import Adapters
 from .draftmodel import DraftModel
 from .embed import POOLING, Embedder, model_pooling
+from .memory import kv_bytes_of
 from .model import Model
 from .session import ChatSession, context_size, decode_threads, shared_decoder
 from .statecache import StateCache
@@ -46,7 +48,11 @@ class Loaded:
         model = Model.load(args.model, lib_path=args.lib, verbose=args.verbose,
                            progress=progress, rpc_endpoints=rpc.split_endpoints(args.rpc),
                            n_gpu_layers=args.n_gpu_layers, tensor_split=args.tensor_split,
-                           repack=not args.no_repack, on_rpc_stall=on_rpc_stall)
+                           repack=not args.no_repack, on_rpc_stall=on_rpc_stall,
+                           device_names=args.device,
+                           split_mode=gpus.SPLIT_MODES.get(args.split_mode),
+                           main_gpu=args.main_gpu, kv_offload=args.kv_offload,
+                           n_ctx_hint=(args.ctx_size or 4096) * max(1, args.parallel))
         n_sessions = max(1, args.parallel)
         if on_sized is not None:
             on_sized(kv_bytes_of(model.meta, context_size(model, args.ctx_size) * n_sessions))
@@ -145,14 +151,20 @@ class Loaded:
 
     def info(self):
         m, s = self.model, self.sessions[0]
+        devices = m.device_use()
+        on_devices = [d for d in devices if d["name"] != "CPU" and d["layers"]]
         return protocol.ModelInfo(
+            placement=gpus.describe(devices) if on_devices else "",
+            # a discrete GPU's own memory (not an rpc-server's: another machine's)
+            device_bytes=sum(d.get("held") or 0 for d in on_devices
+                             if d.get("type") == "gpu" and not d.get("endpoint")),
             path=os.path.abspath(m.path), name=m.name, n_vocab=m.n_vocab,
             n_ctx_train=m.n_ctx_train, n_embd=m.n_embd, n_params=m.n_params, size=m.size,
             file_size=os.path.getsize(m.path), n_ctx=s.n_ctx, n_sessions=len(self.sessions),
             has_fim=m.has_fim, chat_template=m.chat_template or "",
             caps=self.template.caps.as_dict(), meta=m.meta, kv_bytes=self.kv_bytes(),
             n_embd_out=m.n_embd_out, pooling=self.embedder.pooling,
-            rank_head=model_pooling(m) == POOLING["rank"], devices=m.devices,
+            rank_head=model_pooling(m) == POOLING["rank"], devices=devices,
             speculative=any(s.draft_max > 0 for s in self.sessions)
             and self.sessions[0].memory.drafts != 0,
             draft=self.draft_model.model.name if self.draft_model is not None else "",
@@ -233,21 +245,3 @@ def on_rpc(model):
     """Whether some of the model's layers are on --rpc devices, from whose memory
     llama.cpp cannot copy a sequence's state (llama.cpp #26128, #26529)."""
     return any(d.get("endpoint") and d.get("layers") for d in model.devices or ())
-
-
-def kv_bytes_of(meta, n_cells):
-    """Bytes of a KV cache of ``n_cells`` tokens for a model of this metadata (f16 keys
-    and values)."""
-    arch = meta.get("general.architecture", "")
-
-    def num(key, default=0):
-        try:
-            return int(meta.get("%s.%s" % (arch, key), default))
-        except (TypeError, ValueError):
-            return default
-    n_head = num("attention.head_count", 1) or 1
-    head = num("embedding_length", 0) // n_head
-    n_kv = num("attention.head_count_kv", n_head)
-    per_token = num("block_count") * n_kv * (num("attention.key_length", head)
-                                             + num("attention.value_length", head)) * 2
-    return per_token * n_cells

@@ -182,3 +182,21 @@ def _int(value):
         return int(value)
     except (TypeError, ValueError):
         return 0
+
+
+def kv_bytes_of(meta, n_cells):
+    """Bytes of a KV cache of ``n_cells`` tokens for a model of this metadata (f16 keys
+    and values)."""
+    arch = meta.get("general.architecture", "")
+
+    def num(key, default=0):
+        try:
+            return int(meta.get("%s.%s" % (arch, key), default))
+        except (TypeError, ValueError):
+            return default
+    n_head = num("attention.head_count", 1) or 1
+    head = num("embedding_length", 0) // n_head
+    n_kv = num("attention.head_count_kv", n_head)
+    per_token = num("block_count") * n_kv * (num("attention.key_length", head)
+                                             + num("attention.value_length", head)) * 2
+    return per_token * n_cells

@@ -6,14 +6,16 @@ model and vocab are safe to use from several contexts at once).  It owns the
 """
 
 import collections
+import logging
 import os
 import sys
 import threading
 
 from .. import libllama
 from ..errors import InvalidToken, ModelLoadError
+from . import devices as gpus
 from . import rpc
-from .memory import MemoryClass
+from .memory import MemoryClass, kv_bytes_of
 
 # Texts this long or longer have their tokens kept (Model.tokenize), the last
 # TOKENIZED_KEPT of them: a few editors' prefixes and suffixes and their rings
@@ -96,6 +98,8 @@ class Model:
         self.memory = MemoryClass.of(handle, self.meta)
         self.chat_template = handle.chat_template()
         self.devices = self._placement(devices, n_gpu_layers, tensor_split)
+        self._device_objs = [(d, d.free) for d in devices]    # load() sets the true "before"
+        self.kv_offload = True
 
         # Per-token caches, filled lazily: generation asks for the same few
         # thousand tokens over and over, and a dict lookup beats a C call.
@@ -112,7 +116,8 @@ class Model:
     @classmethod
     def load(cls, path, lib_path=None, progress=True, verbose=False, vocab_only=False,
              rpc_endpoints=(), n_gpu_layers=None, tensor_split=None, repack=True,
-             on_rpc_stall=None):
+             on_rpc_stall=None, device_names=None, split_mode=None, main_gpu=0,
+             kv_offload=True, n_ctx_hint=0):
         """Load a GGUF file.  Raises ModelLoadError (or LibraryError, RpcUnavailable).
 
         With ``vocab_only`` only the tokenizer and metadata are loaded (no
@@ -123,15 +128,33 @@ class Model:
         by ``tensor_split`` (one proportion per device; None: by free memory).
         ``repack`` False: no repacked CPU weights (libllama.ModelHandle).
         ``on_rpc_stall``: rpc.connect's ``on_stall``.
+
+        A GPU build's devices hold layers too (engine/devices.py):
+        ``device_names`` (-dev; None: every GPU, as llama.cpp picks),
+        ``split_mode`` (devices.SPLIT_MODES; None: by layer) and ``main_gpu``
+        (-mg) choose them; ``n_gpu_layers`` None or devices.NGL_AUTO is as
+        many as their free memory holds beside ``n_ctx_hint`` tokens of KV
+        cache, NGL_ALL all.  ``kv_offload`` False keeps the KV caches in host
+        memory (--no-kv-offload).
         """
         lib = libllama.load(lib_path, verbose=verbose)
         if not os.path.isfile(path):
             raise ModelLoadError("model file not found: %s" % path)
-        devices = (rpc.connect(lib, list(rpc_endpoints), on_rpc_stall)
-                   if rpc_endpoints and not vocab_only else [])
+        remote = (rpc.connect(lib, list(rpc_endpoints), on_rpc_stall)
+                  if rpc_endpoints and not vocab_only else [])
+        devices = [] if vocab_only else gpus.pick(lib, remote, device_names, split_mode,
+                                                  main_gpu)
+        if not vocab_only and device_names is None:
+            why = gpus.no_device_reason(lib)
+            if why:
+                logging.getLogger("offgrid.devices").warning(why)
         if tensor_split and len(tensor_split) > len(devices):
             raise ModelLoadError("--tensor-split gives %d proportions for %d devices"
                                  % (len(tensor_split), len(devices)))
+        if devices:
+            n_gpu_layers = _layers_for(lib, path, devices, n_gpu_layers, n_ctx_hint,
+                                       kv_offload)
+        before = [d.memory()[0] for d in devices]
         # progress: True draws a bar on a terminal; a callable gets each fraction too
         bar = _terminal_progress(os.path.basename(str(path))) if progress else None
         show = bar
@@ -142,12 +165,25 @@ class Model:
                     bar(fraction)
         handle = libllama.ModelHandle(lib, path, show, vocab_only=vocab_only, devices=devices,
                                       n_gpu_layers=n_gpu_layers, tensor_split=tensor_split,
-                                      repack=repack)
+                                      repack=repack, split_mode=split_mode,
+                                      # pick() kept -sm none's device alone: index 0
+                                      main_gpu=0, kv_offload=kv_offload)
         if not handle.ptr:
+            if any(d.endpoint is None for d in devices):
+                # libllama logs "unable to allocate <device> buffer" and returns
+                # no model when a device's memory cannot take its part
+                raise ModelLoadError(
+                    "libllama could not load the model %s on %s: not a GGUF file, an "
+                    "unsupported architecture, or more than the device's memory holds "
+                    "(fewer layers with -ngl N, or -dev none for the CPU alone)"
+                    % (path, ", ".join(d.name for d in devices)))
             raise ModelLoadError("libllama could not load the model %s "
                                  "(not a GGUF file, or an unsupported architecture)" % path)
         try:
-            return cls(handle, path, devices, n_gpu_layers, tensor_split)
+            model = cls(handle, path, devices, n_gpu_layers, tensor_split)
+            model._device_objs = list(zip(devices, before))
+            model.kv_offload = kv_offload
+            return model
         except BaseException:
             handle.close()
             raise
@@ -163,7 +199,24 @@ class Model:
             return setting == "on", "%s (-fa %s)" % (setting, setting)
         if all(d["name"] == "CPU" or not d["layers"] for d in self.devices):
             return True, "on (-fa auto: every layer on the CPU, where it is as fast or faster)"
-        return None, "libllama's choice per device (-fa auto, layers on --rpc devices)"
+        return None, "libllama's choice per device (-fa auto, layers on devices)"
+
+    def device_use(self):
+        """``devices`` with each device's bytes held now: the drop in its free memory
+        since just before the load (weights, KV caches and compute buffers; on a
+        device other processes use too, theirs as well), or None where the driver
+        reports no change."""
+        out = []
+        objs = iter(self._device_objs)
+        for d in self.devices:
+            d = dict(d)
+            if d["name"] != "CPU":
+                dev, before = next(objs)
+                free, total = dev.memory()
+                d["free"], d["total"] = free, total
+                d["held"] = before - free if before > free else None
+            out.append(d)
+        return out
 
     def _placement(self, devices, n_gpu_layers, tensor_split):
         """The ``devices`` attribute: how many layers each device got (engine/rpc.py)."""
@@ -178,6 +231,7 @@ class Model:
         out = [{"name": "CPU", "layers": counts[0]}]
         for d, n in zip(devices, counts[1:]):
             out.append({"name": d.name, "endpoint": d.endpoint, "description": d.description,
+                        "type": d.type, "backend": d.backend,
                         "free": d.free, "total": d.total, "layers": n})
         return out
 
@@ -326,3 +380,25 @@ class Model:
 
     def builtin_template_names(self):
         return libllama.builtin_chat_templates(self.lib)
+
+
+def _layers_for(lib, path, devices, n_gpu_layers, n_ctx, kv_offload):
+    """libllama's n_gpu_layers for -ngl's value (engine/devices.py): auto reads the
+    model's shape first (its metadata, without weights) to size a layer."""
+    if n_gpu_layers is not None and n_gpu_layers != gpus.NGL_AUTO:
+        return gpus.layer_count(n_gpu_layers, 0, devices, 0, 0)
+    probe = libllama.ModelHandle(lib, path, vocab_only=True)
+    if not probe.ptr:
+        raise ModelLoadError("libllama could not load the model %s "
+                             "(not a GGUF file, or an unsupported architecture)" % path)
+    try:
+        meta = probe.meta()
+    finally:
+        probe.close()
+    try:
+        n_layer = int(meta.get("%s.block_count" % meta.get("general.architecture")))
+    except (TypeError, ValueError):
+        return -1
+    layer = os.path.getsize(path) // (n_layer + 1)
+    kv = kv_bytes_of(meta, n_ctx) // n_layer if kv_offload and n_layer else 0
+    return gpus.layer_count(n_gpu_layers, n_layer, devices, layer, kv)

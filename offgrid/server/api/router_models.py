@@ -184,6 +184,22 @@ def metric_lines(shelf, label):
             out.append('offgrid_model_device_layers{model="%s",device="%s",endpoint="%s"} %d'
                        % (label(e.id), label(d["name"]), label(d.get("endpoint") or ""),
                           d["layers"]))
+    # each device's memory, apart from the host's (engine/devices.py): what the model
+    # holds there (the drop in its free memory across the load) and what is free
+    for name, key, help_text in (
+            ("offgrid_model_device_held_bytes", "held", "Bytes of device memory the "
+             "model's load took (weights, KV caches, buffers), per device."),
+            ("offgrid_model_device_free_bytes", "free", "Free bytes of each device the "
+             "model uses, when its worker last reported."),
+            ("offgrid_model_device_total_bytes", "total", "Total bytes of each device "
+             "the model uses.")):
+        out += ["# HELP %s %s" % (name, help_text), "# TYPE %s gauge" % name]
+        for e in entries:
+            for d in e.info.devices if e.status == "loaded" and e.info is not None else []:
+                if d["name"] != "CPU" and d.get(key) is not None:
+                    out.append('%s{model="%s",device="%s",endpoint="%s"} %d'
+                               % (name, label(e.id), label(d["name"]),
+                                  label(d.get("endpoint") or ""), d[key]))
     return out
 
 

@@ -46,8 +46,11 @@ def worker_settings(path, args, chat_template=None, decode_lock=None):
         context_shift=args.context_shift, spm_infill=args.spm_infill,
         tool_call_rescue=not args.no_tool_call_rescue, reasoning=args.reasoning,
         reasoning_format=args.reasoning_format, lib=args.lib, decode_lock=decode_lock,
-        rpc=args.rpc or None, n_gpu_layers=args.n_gpu_layers if args.rpc else None,
-        tensor_split=list(args.tensor_split) if args.rpc and args.tensor_split else None,
+        rpc=args.rpc or None, n_gpu_layers=args.n_gpu_layers,
+        tensor_split=list(args.tensor_split) if args.tensor_split else None,
+        device=getattr(args, "device", None), split_mode=getattr(args, "split_mode", None),
+        main_gpu=getattr(args, "main_gpu", 0) or 0,
+        kv_offload=not getattr(args, "no_kv_offload", False),
         verbose=args.verbose, flash_attn=args.flash_attn, cache_ram=cache_ram_mib(args),
         cache_dir=None if getattr(args, "no_cache_disk", False) else cache_dir(args),
         cache_disk_max=getattr(args, "cache_disk_max", 4096),
@@ -96,7 +99,9 @@ def default_max_rss(info, cache_bytes=0):
     """A worker's memory ceiling: its model file, its KV caches, its kept prompt states
     (``cache_bytes``: --cache-ram) and a margin for the rest (compute buffers, the
     logits of a batch, Python): half the model, 1 GiB at least."""
-    return (ceiling_of(info.file_size, info.kv_bytes + cache_bytes)
+    # what a discrete GPU holds of its weights and caches is not in the worker's RSS
+    on_host = max(0, info.file_size + info.kv_bytes - getattr(info, "device_bytes", 0))
+    return (on_host + cache_bytes + max(1 << 30, info.file_size // 2)
             + draft_ceiling(info.draft_bytes))
 
 

@@ -400,9 +400,11 @@ class Shelf:
         if closed:
             worker.close()
             raise Unavailable("server is shutting down")
-        self.announce("loaded %s in %.1f s; flash attention %s; memory %s"
+        self.announce("loaded %s in %.1f s; flash attention %s; memory %s%s"
                       % (entry.id, seconds, worker.info.flash_attn,
-                         worker.info.memory.get("description", "?")))
+                         worker.info.memory.get("description", "?"),
+                         "; layers: " + worker.info.placement if worker.info.placement
+                         else ""))
 
     def estimate(self, entry):
         """Bytes a model will hold once loaded: what it held last time, else its file
@@ -415,7 +417,9 @@ class Shelf:
         except OSError:
             size = 0
         if info:
-            return info.file_size + info.draft_bytes + info.kv_bytes + 64 * _MIB
+            # what a GPU holds in its own memory is not the host's (/metrics shows it)
+            return (max(0, info.file_size + info.kv_bytes - info.device_bytes)
+                    + info.draft_bytes + 64 * _MIB)
         return size + size // 4 + 64 * _MIB
 
     def resident(self, entry):
