@@ -135,10 +135,10 @@ class BatchDecoder:
     # session's prompt goes in chunks large enough to run near the prompt
     # speed (the stream's token rides in the prompt's step nearly free: the
     # weights are read once a step).  Each chunk of k tokens pays what every
-    # step costs once, so the prompt's time grows by about pace x a
-    # generation step's cost (22 ms on gemma-3-270m here: 1.28x at 10 tok/s,
-    # and the stream ran at 1 tok/s beside a whole-batch prompt in
-    # llama-server).  A model whose generation step alone is slower than the
+    # step costs once (measured on gemma-3-270m at 10 tok/s: the prompt took
+    # 1.5-1.7x its time alone, against 2.3-3.1x at the old 0.8 of a step; in
+    # llama-server the stream ran at 1 tok/s beside it; docs/performance.md
+    # says what is not yet explained).  A model whose generation step alone is slower than the
     # pace still gives the prompt ``prompt_share`` of a step's cost, so it
     # keeps near half its speed.  A generation step's cost is kept per
     # number of generated tokens in it: one of 8 took 48 ms here, one of 1
