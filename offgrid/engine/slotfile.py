@@ -102,16 +102,22 @@ ADAPTERS_SUFFIX = ".lora.json"
 def write_adapters(path, key):
     """Write (or, for the base model's empty key, remove) the adapter key of the
     slot file ``path``."""
-    side = path + ADAPTERS_SUFFIX
-    if not key:
+    _write_side(path + ADAPTERS_SUFFIX, [[i, s] for i, s in key] if key else None)
+
+
+def _write_side(side, value):
+    """Write ``value`` as JSON to the side file ``side`` whole (through a
+    temporary file), or remove it where ``value`` is None."""
+    if value is None:
         try:
             os.unlink(side)
         except FileNotFoundError:
             pass
         return
-    with open(side + ".tmp%d" % os.getpid(), "w") as f:
-        json.dump([[i, s] for i, s in key], f)
-    os.replace(side + ".tmp%d" % os.getpid(), side)
+    tmp = side + ".tmp%d" % os.getpid()
+    with open(tmp, "w") as f:
+        json.dump(value, f)
+    os.replace(tmp, side)
 
 
 def read_adapters(path, n_adapters):
@@ -140,16 +146,8 @@ def write_media(path, projector, placed):
     projector made other cells of the same picture) and ``placed``, the
     [media id, n_tokens, n_pos] of its images placed by M-RoPE positions (a
     server started later knows them only from here)."""
-    side = path + MEDIA_SUFFIX
-    if projector is None:
-        try:
-            os.unlink(side)
-        except FileNotFoundError:
-            pass
-        return
-    with open(side + ".tmp%d" % os.getpid(), "w") as f:
-        json.dump({"mmproj": projector, "placed": placed}, f)
-    os.replace(side + ".tmp%d" % os.getpid(), side)
+    _write_side(path + MEDIA_SUFFIX,
+                None if projector is None else {"mmproj": projector, "placed": placed})
 
 
 def read_media(path, projector):
