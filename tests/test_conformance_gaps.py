@@ -60,7 +60,9 @@ def test_several_prompts_stream_each_result_under_its_index(srv):
                                                     prompt=[PROMPT, "Once upon a time"]))
     assert status == 200
     finals = [e for e in events if e["stop"]]
-    assert [e["index"] for e in finals] == [0, 1]
+    # the two run side by side and either may end first (llama-server sends each
+    # result when it comes, too): one final under each index is the contract
+    assert sorted(e["index"] for e in finals) == [0, 1]
     for index in (0, 1):
         pieces = [e for e in events if e["index"] == index and not e["stop"]]
         assert pieces and all(e["content"] is not None for e in pieces)
