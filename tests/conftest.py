@@ -165,19 +165,37 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(line)
 
 
-# The files that take longest (a quiet run's durations, longest first; the
+# The files that take longest, longest first: every file over ~25 s in a run
+# of each file alone at -n 1 on the shared machine (load 5-8, 2026-12-06; about
+# 2.5x a quiet run's times; test_replay.py's from its own timing).  The
 # bundle's first, since on a machine without its cached portable libllama it
-# builds one for about 8 minutes while the other worker runs the rest).  Under
+# builds one for about 8 minutes while the other worker runs the rest.  Under
 # `make test`'s pytest workers a file runs whole on one worker, in collection
-# order: started last, a long file ran alone for minutes while the other
-# worker sat idle.  Only the order of files changes; no test depends on it.
-LONGEST_FILES = ["test_bundle.py", "test_replay.py", "test_speculation.py",
-                 "test_conformance_subset.py", "test_statecache.py", "test_infill_budget.py",
-                 "test_engine.py", "test_batching.py", "test_statedisk.py", "test_kv_streams.py",
-                 "test_tool_rescue.py", "test_chunk_reuse.py", "test_chat_forced.py",
-                 "test_agent_followups.py", "test_embeddings.py", "test_rpc.py",
-                 "test_draftmodel.py", "test_shelf.py", "test_hostile.py", "test_workers.py",
-                 "test_faults.py"]
+# order: started last, a long file runs alone while the other worker sits idle
+# (test_webui.py, alphabetically last and 236 s there, would).  Only the order
+# of files changes; no test depends on it.
+LONGEST_FILES = [
+    "test_bundle.py", "test_webui.py", "test_speculation.py", "test_replay.py",
+    "test_draftmodel.py", "test_memory_classes.py", "test_workers.py", "test_hostile.py",
+    "test_kv_streams.py", "test_server_openai.py", "test_embeddings.py", "test_docs.py",
+    "test_ollama.py", "test_conformance_subset.py", "test_statecache.py", "test_rpc.py",
+    "test_engine.py", "test_responses.py", "test_chat_shapes.py", "test_statedisk.py",
+    "test_tool_rescue.py", "test_memory_states.py", "test_conformance_gaps.py", "test_lora.py",
+    "test_shelf.py", "test_batching.py", "test_edit_paths.py", "test_faults.py",
+    "test_anthropic.py", "test_security.py", "test_chat_forced.py", "test_jinja_budget.py",
+    "test_idle_fill.py", "test_chunk_reuse.py", "test_threadpool.py", "test_hostile_values.py",
+    "test_hostile_loading.py", "test_chat_tools.py", "test_json_output.py",
+    "test_slot_actions.py", "test_agent_followups.py", "test_vision.py",
+    "test_server_concurrency.py", "test_infill_budget.py", "test_fanout_cancel.py"]
+
+
+def pytest_configure(config):
+    # pytest-xdist 3.6 and later hand out the files of --dist loadfile by their
+    # number of tests, most first (--loadscope-reorder, on by default), which
+    # undid the order above: test_conformance_subset.py (3 tests, over a minute)
+    # went 86th of 94 files, test_speculation.py 40th.  Keep collection order.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config, items):
