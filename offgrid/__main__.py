@@ -170,11 +170,12 @@ def parse_args(argv=None):
                         "goes at once; 0: each as it comes, as llama-server)")
     p.add_argument("-np", "--parallel", type=int, default=1,
                    help="sessions per model, i.e. requests run at once (default 1)")
-    p.add_argument("--stream-pace", type=float, default=10.0, metavar="TOK_S",
+    p.add_argument("--stream-pace", type=float, default=12.0, metavar="TOK_S",
                    help="while one session's prompt is evaluated beside others' streams, "
-                   "each step takes as much of the prompt as lets the streams go on at "
-                   "TOK_S tokens a second (default 10; 0: the prompt goes in whole "
-                   "batches and the streams wait, as llama-server)")
+                   "the streams go on at TOK_S tokens a second, no wait over two "
+                   "periods, and the prompt takes the rest of the time in chunks "
+                   "(default 12; 0: the prompt goes in whole batches and the streams "
+                   "wait, as llama-server)")
     p.add_argument("-n", "--n-predict", type=int, default=-1,
                    help="default tokens to generate when a request sets none (-1: no limit)")
     p.add_argument("--temp", type=float, default=0.8,

@@ -207,7 +207,7 @@ class WorkerSettings:
     image_min_tokens: int = -1      # --image-min-tokens; -1: the mmproj's own
     image_max_tokens: int = -1      # --image-max-tokens; -1: the mmproj's own
     lora: Optional[list] = None     # -m's LoRA adapters: [path, start-up scale] (engine/adapters.py)
-    stream_pace: float = 10.0       # tok/s a stream keeps beside a prompt (engine/batch.py)
+    stream_pace: float = 12.0       # tok/s a stream keeps beside a prompt (engine/batch.py)
     device: Optional[list] = None   # -dev: device names, ["none"]; None: every GPU (engine/devices.py)
     split_mode: Optional[str] = None    # -sm: none, layer, row; None: layer
     main_gpu: int = 0               # -mg: the device of -sm none

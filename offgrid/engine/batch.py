@@ -129,25 +129,32 @@ class Member:
 class BatchDecoder:
     """Owns the shared ContextHandle of a model's sessions and makes their decode steps."""
 
-    # Prompt tokens a step takes beside generating members: 16 until the
-    # decoder has measured both, then as many as make the step last
-    # 1/stream_pace s, so a stream reads at that pace while another
-    # session's prompt goes in chunks large enough to run near the prompt
-    # speed (the stream's token rides in the prompt's step nearly free: the
-    # weights are read once a step).  Each chunk of k tokens pays what every
-    # step costs once (measured on gemma-3-270m at 10 tok/s: the prompt took
-    # 1.5-1.7x its time alone, against 2.3-3.1x at the old 0.8 of a step; in
-    # llama-server the stream ran at 1 tok/s beside it; docs/performance.md
-    # says what is not yet explained).  A model whose generation step alone is slower than the
-    # pace still gives the prompt ``prompt_share`` of a step's cost, so it
-    # keeps near half its speed.  A generation step's cost is kept per
-    # number of generated tokens in it: one of 8 took 48 ms here, one of 1
-    # 21 ms, and a prompt token's cost measured against the wrong one came
-    # out several times too high.
+    # A prompt beside streams (--stream-pace): the streams' generated tokens
+    # ride in every step, and the prompt goes in chunks between them, sized
+    # from what the decoder has measured (a step of that many generated
+    # tokens alone, a prompt token's share of a step).  A step with a chunk
+    # lasts up to ``longest_step`` periods of the pace (the longest a stream
+    # waits for a token), and when the streams fall behind their pace, steps
+    # of their tokens alone (a small model's take 15-20 ms) catch them up: a
+    # stream keeps the pace on average, and the prompt gets the rest of the
+    # time in chunks as large as the longest step allows.  Each chunk's step
+    # is a whole number of ``prompt_quantum`` tokens where it can be:
+    # ggml-cpu's flash attention takes its tiled (GEMM) path only for 64
+    # query tokens or more and tiles them by 64, and a 63- or 68-token step
+    # cost 1.3x per token what a 64-token one did (gemma-3-270m, one thread,
+    # CPU time).  A model whose step of generated tokens takes over half the
+    # period cannot catch up that way: each step then takes as much of the
+    # prompt as fits in one period, and at least ``prompt_share`` of a
+    # generation step's cost, so the prompt keeps near half its speed.  A
+    # generation step's cost is kept per number of generated tokens in it
+    # (one of 8 took 48 ms, one of 1 21 ms).  Until both costs are known a
+    # step takes ``first_prompt_share`` prompt tokens.
     first_prompt_share = 16
     min_prompt_share = 4
     prompt_share = 0.8
-    stream_pace = 10.0          # tok/s (--stream-pace); 0: prompts take whole batches
+    prompt_quantum = 64
+    longest_step = 2.0          # periods of the pace
+    stream_pace = 12.0          # tok/s (--stream-pace); 0: prompts take whole batches
     learn_prompt_alone = 64     # prompt tokens a step of them alone must have to teach
 
     def __init__(self, ctx, threads, turn, streams=False, has_state=False):
@@ -176,6 +183,7 @@ class BatchDecoder:
         self._members = 0
         self._gen_step = {}                 # generated tokens -> seconds of such a step
         self._prompt_token = None           # seconds a prompt token adds to a step
+        self._behind = 0.0                  # seconds the streams are behind their pace
         self.n_steps = 0                    # decode steps made (for tests and /metrics)
         self.n_shared_steps = 0             # steps that held several members' parts
         self.n_step_members = 0             # members' parts summed over the steps
@@ -276,6 +284,13 @@ class BatchDecoder:
         prompt's share of the next steps."""
         n_prompt = sum(b - a for p, a, b in step if p.prompt)
         n_gen = sum(b - a for p, a, b in step if not p.prompt)
+        if n_gen and self.stream_pace:
+            # each step gives every stream a token: the pace's period a step,
+            # no more than one period ahead (streams idle then are not owed)
+            period = 1.0 / self.stream_pace
+            self._behind = max(self._behind + seconds - period, -period)
+        else:
+            self._behind = 0.0
         if n_prompt == 0:
             self._gen_step[n_gen] = _average(self._gen_step.get(n_gen), seconds)
         elif n_gen == 0:
@@ -321,7 +336,8 @@ class BatchDecoder:
         return step
 
     def _prompt_share(self, n_gen):
-        """Prompt tokens for a step beside n_gen generated ones."""
+        """Prompt tokens for a step beside n_gen generated ones (0: a step of the
+        generated tokens alone, the streams being behind their pace)."""
         if not self.stream_pace:
             return self.ctx.n_batch
         gen_step = self._gen_step.get(n_gen)
@@ -330,8 +346,24 @@ class BatchDecoder:
             gen_step = self._gen_step[min(self._gen_step, key=lambda n: abs(n - n_gen))]
         if gen_step is None or self._prompt_token is None:
             return self.first_prompt_share
-        budget = max(1.0 / self.stream_pace - gen_step, self.prompt_share * gen_step)
-        return max(self.min_prompt_share, int(budget / max(self._prompt_token, 1e-6)))
+        period = 1.0 / self.stream_pace
+        token = max(self._prompt_token, 1e-6)
+        if gen_step <= period / 2:
+            if self._behind > 0:
+                return 0
+            fit = int((self.longest_step * period - gen_step) / token)
+            share = self._whole_quanta(fit, 0 if self.streams else n_gen)
+        else:
+            share = int(max(period - gen_step, self.prompt_share * gen_step) / token)
+        return max(self.min_prompt_share, share)
+
+    def _whole_quanta(self, k, beside):
+        """At most k prompt tokens, as many as make the step's ubatch (them and
+        ``beside`` other tokens) a whole number of prompt_quantum; k where
+        that leaves fewer than min_prompt_share (the step is under a quantum)."""
+        q = self.prompt_quantum
+        whole = (k + beside) // q * q - beside
+        return whole if whole >= self.min_prompt_share else k
 
     def _undo(self, step):
         """After an aborted step: drop what it left of every part from the cache
