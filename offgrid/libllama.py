@@ -1300,6 +1300,14 @@ class ContextHandle:
             self.ptr = lib.llama_init_from_model_streams(model.ptr, params, seq_per_stream)
         self.batch = None
         self.pools = None       # the ThreadPools attached: (single token, batch)
+        # Taken around each call that reads the last decode's outputs: each
+        # calls llama_synchronize, which on a GPU backend is not safe from two
+        # threads at once (ggml-vulkan submits, waits on and resets one fence
+        # per context, and clears its graph state): two members sampling the
+        # same step at once left one spinning on a fence the other had reset
+        # (Khronos validation: VUID-vkQueueSubmit-fence-00064).  On the CPU
+        # the synchronize does nothing; the lock costs an uncontended acquire.
+        self.reads = threading.Lock()
         if not self.ptr:
             return
         self.memory = Memory(self)
@@ -1468,13 +1476,15 @@ class ContextHandle:
     def embedding_seq(self, seq, n):
         """The pooled output of sequence ``seq`` in the last decode: (n,) float32
         as bytes; None if it has none (pooling none, or no such sequence)."""
-        addr = self.lib.llama_get_embeddings_seq(self.ptr, seq)
+        with self.reads:
+            addr = self.lib.llama_get_embeddings_seq(self.ptr, seq)
         return ctypes.string_at(addr, 4 * n) if addr else None
 
     def embedding_rows(self, n_rows, n):
         """The hidden states of the last decode's ``n_rows`` outputs (pooling none),
         in batch order: (n_rows, n) float32 as bytes, or None."""
-        addr = self.lib.llama_get_embeddings(self.ptr)
+        with self.reads:
+            addr = self.lib.llama_get_embeddings(self.ptr)
         return ctypes.string_at(addr, 4 * n * n_rows) if addr else None
 
     def pooling_type(self):
@@ -1488,7 +1498,8 @@ class ContextHandle:
 
     def logits(self, idx=-1):
         """Address of the (n_vocab,) float32 logits of output ``idx`` of the last decode."""
-        addr = self.lib.llama_get_logits_ith(self.ptr, idx)
+        with self.reads:
+            addr = self.lib.llama_get_logits_ith(self.ptr, idx)
         if not addr:
             raise ValueError("the last decode has no logits for output %d" % idx)
         return addr
@@ -1690,7 +1701,8 @@ class SamplerHandle:
         libllama throws or aborts inside this when a grammar in the chain
         rejects every candidate: only for chains without one.
         """
-        return self.lib.llama_sampler_sample(self.ptr, ctx.ptr, idx)
+        with ctx.reads:
+            return self.lib.llama_sampler_sample(self.ptr, ctx.ptr, idx)
 
     def apply(self, candidates):
         """Run the sampler over a Candidates (in place; a chain's last pick sets selected)."""
