@@ -220,7 +220,11 @@ build() {
         # the toolchain from NVIDIA's PyPI wheels (cuda_toolchain below)
         cuda) gpu_flags=(-DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$CUDA_ARCHS"
                          "-DCUDAToolkit_ROOT=$CUDA_ROOT" "-DCMAKE_CUDA_COMPILER=$CUDA_ROOT/bin/nvcc"
-                         -DGGML_CUDA_NCCL=OFF) ;;
+                         -DGGML_CUDA_NCCL=OFF
+                         # an executable linked against libggml-cuda (ggml-rpc-server):
+                         # ld resolves what that library needs (libcublas.so.13, the
+                         # driver's libcuda.so.1: the stub) in these folders
+                         "-DCMAKE_EXE_LINKER_FLAGS=-Wl,-rpath-link,$CUDA_ROOT/lib:$CUDA_ROOT/lib/stubs") ;;
     esac
     log "configuring ($FLAVOUR) in $BUILD"
     # shellcheck disable=SC2086

@@ -57,4 +57,8 @@ if [ ! -f "$ROOT/.done" ]; then
     rm -rf "$tmp"
     touch "$ROOT/.done"
 fi
+# by its soname too: linking an executable against libggml-cuda (ggml-rpc-server)
+# looks for the libraries that one needs by those names (build_lib.sh's
+# -rpath-link); never on a run path
+[ -e "$ROOT/lib/stubs/libcuda.so.1" ] || ln -s libcuda.so "$ROOT/lib/stubs/libcuda.so.1"
 echo "$ROOT"
