@@ -34,6 +34,7 @@ import ctypes
 import ctypes.util
 import math
 import os
+import re
 import sys
 import threading
 from ctypes import (CFUNCTYPE, POINTER, Structure, c_bool, c_char_p, c_float,
@@ -617,6 +618,7 @@ class Library:
         self._cdll = cdll
         self._ggml = ggml
         self.path = path
+        self.fallback = None    # why a GPU build was passed over for the CPU's (load())
 
     def __getattr__(self, name):
         table, dll = ((_PROTOTYPES, self._cdll) if name in _PROTOTYPES
@@ -681,6 +683,24 @@ def _open(path):
     return cdll, ggml, path
 
 
+# A GPU build's libggml links its driver's library: where the machine has no
+# such driver, dlopen fails on it, and the CPU build beside (lib/ for
+# lib/cuda/, as `make lib GPU=...` installs them) serves instead.
+_DRIVER_LIB = re.compile(r"lib(?:cuda|vulkan)\.so\.1")
+
+
+def _cpu_build_beside(candidate, error):
+    """The CPU build's folder to load instead of ``candidate``, a GPU build that
+    failed to load for want of its driver's library; None otherwise."""
+    if not _DRIVER_LIB.search(str(error)):
+        return None
+    folder = candidate if candidate.is_dir() else candidate.parent
+    cpu = folder.parent
+    if cpu == folder or not (cpu / "libllama.so").exists():
+        return None
+    return cpu
+
+
 def load(path=None, verbose=False):
     """Load libllama once per process and return the Library.
 
@@ -693,17 +713,30 @@ def load(path=None, verbose=False):
             return _loaded
         _verbose = verbose
         tried = []
+        fallback = None
         for candidate in _candidates(path):
             try:
                 cdll, ggml, real = _open(candidate)
                 break
             except OSError as e:
                 tried.append("%s (%s)" % (candidate, e))
+                cpu = _cpu_build_beside(candidate, e)
+                if cpu is not None:
+                    try:
+                        cdll, ggml, real = _open(cpu)
+                    except OSError as e2:
+                        tried.append("%s (%s)" % (cpu, e2))
+                        continue
+                    fallback = ("this libllama (%s) needs %s, the driver's, which this "
+                                "machine lacks; serving on the CPU with %s"
+                                % (candidate, _DRIVER_LIB.search(str(e)).group(0), real))
+                    break
         else:
             raise LibraryError(
                 "could not load libllama; tried:\n  " + "\n  ".join(tried)
                 + "\nbuild it with `make lib`, or give its path with --lib or OFFGRID_LIB")
         lib = Library(cdll, real, ggml)
+        lib.fallback = fallback
         version = lib.llama_version().decode()
         if version != EXPECTED_VERSION and os.environ.get(ALLOW_ANY_ENV) != "1":
             raise LibraryError(

@@ -54,6 +54,41 @@ def test_list_devices_of_the_cpu_build_is_none_without_a_warning():
     assert "no usable device" not in out.stderr
 
 
+def test_a_gpu_build_without_its_driver_library_serves_on_the_cpu_build_beside(tmp_path):
+    # lib/cuda as `make lib GPU=cuda` installs it, on a machine without the
+    # NVIDIA driver: its libraries need libcuda.so.1, which dlopen cannot find.
+    # Made here (a CUDA build takes hours): a library that needs libcuda.so.1
+    # (linked against a stub of that name kept out of every search path) as
+    # the folder's libllama.so, the real CPU build one folder up
+    lib = tmp_path / "lib"
+    (lib / "cuda").mkdir(parents=True)
+    for f in (ROOT / "lib").glob("lib*.so*"):
+        (lib / f.name).symlink_to(f)
+    stub = tmp_path / "stub"
+    stub.mkdir()
+    (stub / "s.c").write_text("void cuInit(void) {}\n")
+    (stub / "l.c").write_text("void cuInit(void); void offgrid_gpu(void) { cuInit(); }\n")
+    subprocess.run(["cc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o",
+                    str(stub / "libcuda.so.1"), str(stub / "s.c")], check=True)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(lib / "cuda" / "libllama.so"),
+                    str(stub / "l.c"), str(stub / "libcuda.so.1")], check=True)
+    (stub / "libcuda.so.1").unlink()
+    out = subprocess.run([sys.executable, "-m", "offgrid", "--lib", str(lib / "cuda"),
+                          "--list-devices"], cwd=str(ROOT), capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["Available devices:", "  (none)"]
+    assert ("this libllama (%s) needs libcuda.so.1, the driver's, which this machine lacks; "
+            "serving on the CPU with %s" % (lib / "cuda", lib / "libllama.so")) in out.stderr
+    # without a CPU build beside it, the failure says what is missing
+    for f in lib.glob("lib*.so*"):
+        f.unlink()
+    out = subprocess.run([sys.executable, "-m", "offgrid", "--lib", str(lib / "cuda"),
+                          "--list-devices"], cwd=str(ROOT), capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode != 0 and "libcuda.so.1" in out.stderr
+
+
 class Free:
     """A device's free memory, as layer_count reads it (Device.memory())."""
 

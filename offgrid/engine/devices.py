@@ -70,6 +70,8 @@ def pick(lib, rpc_devices=(), names=None, split_mode=None, main_gpu=0):
 def no_device_reason(lib):
     """Why a GPU build has no device to give layers to, or None where it has one
     (or is a CPU build, which needs none)."""
+    if lib.fallback:
+        return lib.fallback
     backends = libllama.gpu_backends(lib)
     if not backends or libllama.local_devices(lib):
         return None
