@@ -172,8 +172,8 @@ def parse_args(argv=None):
                    help="sessions per model, i.e. requests run at once (default 1)")
     p.add_argument("--stream-pace", type=float, default=12.0, metavar="TOK_S",
                    help="while one session's prompt is evaluated beside others' streams, "
-                   "the streams go on at TOK_S tokens a second, no wait over two "
-                   "periods, and the prompt takes the rest of the time in chunks "
+                   "the streams go on at TOK_S tokens a second on average, and the "
+                   "prompt takes the rest of the time in steps of about two periods "
                    "(default 12; 0: the prompt goes in whole batches and the streams "
                    "wait, as llama-server)")
     p.add_argument("-n", "--n-predict", type=int, default=-1,

@@ -133,8 +133,9 @@ class BatchDecoder:
     # ride in every step, and the prompt goes in chunks between them, sized
     # from what the decoder has measured (a step of that many generated
     # tokens alone, a prompt token's share of a step).  A step with a chunk
-    # lasts up to ``longest_step`` periods of the pace (the longest a stream
-    # waits for a token), and when the streams fall behind their pace, steps
+    # is sized to last up to ``longest_step`` periods of the pace (about the
+    # longest a stream waits for a token: later steps of a long prompt cost
+    # more than the learned average), and when the streams fall behind, steps
     # of their tokens alone (a small model's take 15-20 ms) catch them up: a
     # stream keeps the pace on average, and the prompt gets the rest of the
     # time in chunks as large as the longest step allows.  Each chunk's step
