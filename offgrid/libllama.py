@@ -1339,7 +1339,9 @@ class ContextHandle:
         # per context, and clears its graph state): two members sampling the
         # same step at once left one spinning on a fence the other had reset
         # (Khronos validation: VUID-vkQueueSubmit-fence-00064).  On the CPU
-        # the synchronize does nothing; the lock costs an uncontended acquire.
+        # too each read first runs output_reorder (llama-context.cpp), which
+        # two threads must not run at once.  It serializes the sampling of a
+        # step's members (a cost on 8 clients to measure: docs/performance.md).
         self.reads = threading.Lock()
         if not self.ptr:
             return
