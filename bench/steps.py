@@ -147,6 +147,9 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--servers", default="offgrid,llama_server")
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--layout", choices=sorted(bench_run.KV_LAYOUTS), default=None,
+                   help="both servers' KV cells laid out alike, as run.py's batched phases "
+                        "(default: each server's own default)")
     p.add_argument("--llama-bin", help="folder with the patched llama-server (default: "
                    "scripts/build_lib.sh --server)")
     p.add_argument("--out-dir", default="/tmp", help="where perf's recordings go")
@@ -154,12 +157,14 @@ def main(argv=None):
     names = args.servers.split(",")
     bins = bench_run.llama_bins(argparse.Namespace(llama_bin=args.llama_bin, stock_bin=None,
                                                    servers=names))
-    cfg = servers.Config(args.model, args.threads, 4096, args.clients)
+    flags = bench_run.KV_LAYOUTS[args.layout][1] if args.layout else {}
     print("%-13s %6s %6s %8s %8s %7s %9s %8s %6s" % (
         "server", "tok/s", "steps", "decode s", "gaps s", "span s", "step p50", "gap p50",
         ">40ms"))
     for rnd in range(args.rounds):
         for name in (names if rnd % 2 == 0 else names[::-1]):
+            cfg = servers.Config(args.model, args.threads, 4096, args.clients,
+                                 extra=tuple(flags.get(name, ())))
             s = trace(name, cfg, bins, args.clients, args.out_dir)
             print("%-13s %6.1f %6d %8.2f %8.2f %7.2f %6.2f ms %5.2f ms %6d" % (
                 name, s["tok_s"], s["steps"], s["decode_s"], s["gaps_s"], s["span_s"],
