@@ -361,16 +361,25 @@ def test_the_choices_of_one_request_are_decoded_together(smollm_path):
         assert events[-1] == "[DONE]"
 
 
+class _Member:
+    cancelled = False
+
+
 class _Part:
-    def __init__(self, prompt):
+    def __init__(self, prompt, n=1):
         self.prompt = prompt
+        self.member = _Member()
+        self.adapters = ()
+        self.run = None
+        self.tokens = range(n)
+        self.done_n = 0
 
 
 class _Ctx:
     n_batch = 512
 
 
-def test_a_prompt_beside_streams_goes_in_whole_quanta_between_steps_that_keep_the_pace():
+def test_a_prompt_beside_streams_goes_in_steps_of_whole_quanta_between_steps_that_keep_the_pace():
     # costs of the order measured on 2-core VMs with gemma-3-270m: a step of
     # 1 generated token 16 ms, of 8 48 ms, 8 + 13 prompt tokens 65 ms; a step
     # of one 21-token prompt alone 60 ms (mostly what every step costs)
@@ -378,34 +387,61 @@ def test_a_prompt_beside_streams_goes_in_whole_quanta_between_steps_that_keep_th
     gen, prompt = _Part(False), _Part(True)
     d._learn([(gen, 0, 1)], 0.016)
     d._learn([(prompt, 0, 21)], 0.060)       # too small to teach a token's cost
-    assert d._prompt_share(1) == d.first_prompt_share
+    assert d._prompt_share(1) == (d.first_prompt_share, False)
     d._learn([(gen, 0, 1)] * 8, 0.048)
     d._learn([(gen, 0, 1)] * 8 + [(prompt, 0, 13)], 0.065)
     assert abs(d._prompt_token - 0.017 / 13) < 1e-9   # 17 ms for 13 tokens
-    # pace 12: a step lasts up to 2 periods (167 ms): room for 115 prompt
-    # tokens beside one stream's (16 ms), of which 63 make the step's 64
+    # pace 12: a chunk's step lasts up to 2 periods (167 ms): 127 tokens fit,
+    # one whole quantum, in a step of its own
     assert d.stream_pace == 12 and d.prompt_quantum == 64
     d._behind = 0.0
-    assert d._prompt_share(1) == 63
-    # with streams of their own the prompt's ubatch is its own: 64
-    d.streams = True
-    assert d._prompt_share(1) == 64
-    d.streams = False
-    # the streams behind their pace: a step of their tokens alone
-    d._learn([(gen, 0, 1), (prompt, 0, 63)], 0.130)  # 130 ms: 47 ms behind
-    assert d._behind > 0 and d._prompt_share(1) == 0
-    d._learn([(gen, 0, 1)], 0.016)                  # caught up: 20 ms ahead
-    assert d._behind < 0 and d._prompt_share(1) == 63
+    assert d._prompt_share(1) == (64, True)
+    d._prompt_token = 0.001                 # 166 fit: two quanta
+    assert d._prompt_share(1) == (128, True)
+    # the streams got no token in that step: steps of theirs alone catch up
+    d._streams_wait = True
+    d._learn([(prompt, 0, 128)], 0.130)
+    assert d._behind == 0.130 and d._prompt_share(1) == (0, False)
+    d._streams_wait = False
+    d._learn([(gen, 0, 1)], 0.016)          # 83 ms a token is due: 63 behind
+    assert d._behind > 0 and d._prompt_share(1) == (0, False)
+    d._learn([(gen, 0, 1)], 0.016)          # 4 ms ahead
+    assert d._behind < 0 and d._prompt_share(1) == (128, True)
+    # a dearer prompt token: one quantum while its step lasts under 3 periods
+    # (250 ms), else what fits in 2 periods beside the streams' tokens
+    d._prompt_token = 0.003                 # 192 ms a quantum
+    assert d._prompt_share(1) == (64, True)
+    d._prompt_token = 0.005                 # 320 ms: 30 tokens beside 16 ms
+    assert d._prompt_share(1) == (int((2 / 12 - 0.016) / 0.005), False)
     # a step of 8 streams (48 ms) takes over half the period: it cannot catch
-    # up, so each step takes what fits in a period and at least prompt_share
-    # of a step's cost (38 ms), whatever the streams' lag
+    # up, so each step carries them and what fits in a period, at least
+    # prompt_share of a step's cost (38 ms), whatever the streams' lag
     d._behind = 0.5
-    token = d._prompt_token
-    assert d._prompt_share(8) == int(max(1 / 12 - 0.048, d.prompt_share * 0.048) / token)
+    token = d._prompt_token = 0.017 / 13
+    assert d._prompt_share(8) == (int(max(1 / 12 - 0.048, d.prompt_share * 0.048) / token),
+                                  False)
     # a draft's step of a length not seen yet costs as the nearest one seen
     assert d._prompt_share(7) == d._prompt_share(8)
-    # steps of the prompt alone owe the streams nothing
+    # steps of the prompt alone, with no stream waiting, owe the streams nothing
     d._learn([(prompt, 0, 512)], 1.0)
     assert d._behind == 0.0
     d.stream_pace = 0                       # the prompt first: whole batches
-    assert d._prompt_share(1) == _Ctx.n_batch
+    assert d._prompt_share(1) == (_Ctx.n_batch, False)
+
+
+def test_a_step_of_a_chunk_leaves_the_streams_tokens_out_and_less_than_a_quantum_rides_with_them():
+    d = BatchDecoder(_Ctx(), threads=None, turn=None)
+    d._gen_step, d._prompt_token = {1: 0.016}, 0.002     # 83 tokens fit: 64
+    stream, long_prompt = _Part(False), _Part(True, 2000)
+    d._pending = [stream, long_prompt]
+    step = d._take()
+    assert [(p, a, b) for p, a, b in step] == [(long_prompt, 0, 64)] and d._streams_wait
+    long_prompt.done_n = 1960               # 40 left: with the stream's token
+    assert d._take() == [(stream, 0, 1), (long_prompt, 1960, 2000)]
+    assert not d._streams_wait
+    d._behind = 0.01                        # behind the pace: the stream's token alone
+    long_prompt.done_n = 0
+    assert d._take() == [(stream, 0, 1)]
+    d._pending = [long_prompt]              # no stream: the batch
+    d._behind = 0.0
+    assert d._take() == [(long_prompt, 0, 512)] and not d._streams_wait

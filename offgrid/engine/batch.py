@@ -129,32 +129,38 @@ class Member:
 class BatchDecoder:
     """Owns the shared ContextHandle of a model's sessions and makes their decode steps."""
 
-    # A prompt beside streams (--stream-pace): the streams' generated tokens
-    # ride in every step, and the prompt goes in chunks between them, sized
-    # from what the decoder has measured (a step of that many generated
-    # tokens alone, a prompt token's share of a step).  A step with a chunk
-    # is sized to last up to ``longest_step`` periods of the pace (about the
-    # longest a stream waits for a token: later steps of a long prompt cost
-    # more than the learned average), and when the streams fall behind, steps
-    # of their tokens alone (a small model's take 15-20 ms) catch them up: a
-    # stream keeps the pace on average, and the prompt gets the rest of the
-    # time in chunks as large as the longest step allows.  Each chunk's step
-    # is a whole number of ``prompt_quantum`` tokens where it can be:
-    # ggml-cpu's flash attention takes its tiled (GEMM) path only for 64
-    # query tokens or more and tiles them by 64, and a 63- or 68-token step
-    # cost 1.3x per token what a 64-token one did (gemma-3-270m, one thread,
-    # CPU time).  A model whose step of generated tokens takes over half the
-    # period cannot catch up that way: each step then takes as much of the
-    # prompt as fits in one period, and at least ``prompt_share`` of a
-    # generation step's cost, so the prompt keeps near half its speed.  A
+    # A prompt beside streams (--stream-pace): the prompt goes in chunks
+    # between the streams' tokens, sized from what the decoder has measured (a
+    # step of that many generated tokens alone, a prompt token's cost).  A
+    # chunk is a whole number of ``prompt_quantum`` tokens: ggml-cpu's flash
+    # attention takes its tiled (GEMM) path only for 64 query tokens or more
+    # and tiles them by 64, and a 63- or 68-token step cost 1.3x per token
+    # what a 64-token one did (gemma-3-270m, one thread, CPU time).  Such a
+    # chunk is a step of its own, sized to last up to ``longest_step``
+    # periods of the pace (one quantum at least while that lasts under
+    # ``longest_gap`` periods: the longest a stream waits for a token), and
+    # the streams' tokens wait for the next step: beside a generated token of
+    # another sequence every query tile of the chunk attends to that
+    # sequence's cells too (one unified cache), and 63 prompt tokens + 1
+    # generated one + a step of 1 cost 2.6 ms a prompt token where 64 alone +
+    # two steps of 1 cost 2.1-2.3 (2,000-token prompt, a 400-token stream,
+    # gemma-3-270m, 2 threads).  Steps of the streams' tokens alone (a small
+    # model's take 15-20 ms) then catch them up to the pace (``_behind``): a
+    # stream keeps the pace on average and the prompt gets the rest of the
+    # time.  Less than a quantum of prompt left rides in the streams' step.
+    # A model whose step of generated tokens takes over half the period cannot
+    # catch up that way: each step then carries the streams' tokens and as
+    # much of the prompt as fits in one period, and at least ``prompt_share``
+    # of a generation step's cost, so the prompt keeps near half its speed.  A
     # generation step's cost is kept per number of generated tokens in it
     # (one of 8 took 48 ms, one of 1 21 ms).  Until both costs are known a
-    # step takes ``first_prompt_share`` prompt tokens.
+    # step takes ``first_prompt_share`` prompt tokens beside the streams'.
     first_prompt_share = 16
     min_prompt_share = 4
     prompt_share = 0.8
     prompt_quantum = 64
     longest_step = 2.0          # periods of the pace
+    longest_gap = 3.0           # periods: the longest step of one quantum
     stream_pace = 12.0          # tok/s (--stream-pace); 0: prompts take whole batches
     learn_prompt_alone = 64     # prompt tokens a step of them alone must have to teach
 
@@ -185,6 +191,7 @@ class BatchDecoder:
         self._gen_step = {}                 # generated tokens -> seconds of such a step
         self._prompt_token = None           # seconds a prompt token adds to a step
         self._behind = 0.0                  # seconds the streams are behind their pace
+        self._streams_wait = False          # the step under way left their tokens out
         self.n_steps = 0                    # decode steps made (for tests and /metrics)
         self.n_shared_steps = 0             # steps that held several members' parts
         self.n_step_members = 0             # members' parts summed over the steps
@@ -290,6 +297,8 @@ class BatchDecoder:
             # no more than one period ahead (streams idle then are not owed)
             period = 1.0 / self.stream_pace
             self._behind = max(self._behind + seconds - period, -period)
+        elif self._streams_wait:
+            self._behind += seconds         # a prompt's chunk: they got no token
         else:
             self._behind = 0.0
         if n_prompt == 0:
@@ -328,7 +337,19 @@ class BatchDecoder:
             if len(p.tokens) <= cap:
                 step.append((p, 0, len(p.tokens)))
                 cap -= len(p.tokens)
-        share = cap if not step else min(cap, self._prompt_share(self.ctx.n_batch - cap))
+        self._streams_wait = False
+        if not step:
+            share = cap
+        else:
+            share, alone = self._prompt_share(self.ctx.n_batch - cap)
+            left = sum(len(p.tokens) - p.done_n for p in pending if p.prompt)
+            if alone and left >= self.prompt_quantum:
+                # a chunk of whole quanta, a step of its own (class comment)
+                step, cap, share = [], self.ctx.n_batch, min(share, self.ctx.n_batch)
+                self._streams_wait = True
+            elif alone:
+                share = left                # the rest rides with the streams
+            share = min(cap, share)
         for p in pending:
             if p.prompt and share > 0:
                 k = min(len(p.tokens) - p.done_n, share)
@@ -337,34 +358,32 @@ class BatchDecoder:
         return step
 
     def _prompt_share(self, n_gen):
-        """Prompt tokens for a step beside n_gen generated ones (0: a step of the
-        generated tokens alone, the streams being behind their pace)."""
+        """(prompt tokens for a step beside n_gen generated ones, whether that
+        chunk is a step of its own, the generated tokens waiting for the next):
+        (0, False) for a step of the generated tokens alone, the streams being
+        behind their pace."""
         if not self.stream_pace:
-            return self.ctx.n_batch
+            return self.ctx.n_batch, False
         gen_step = self._gen_step.get(n_gen)
         if gen_step is None and self._gen_step:
             # a step of a draft's length not seen yet: as the nearest one seen
             gen_step = self._gen_step[min(self._gen_step, key=lambda n: abs(n - n_gen))]
         if gen_step is None or self._prompt_token is None:
-            return self.first_prompt_share
+            return self.first_prompt_share, False
         period = 1.0 / self.stream_pace
         token = max(self._prompt_token, 1e-6)
         if gen_step <= period / 2:
             if self._behind > 0:
-                return 0
+                return 0, False
+            q = self.prompt_quantum
+            whole = int(self.longest_step * period / token) // q * q
+            if whole >= q or q * token <= self.longest_gap * period:
+                return max(whole, q), True
+            # a quantum would keep the streams waiting too long: what fits
             fit = int((self.longest_step * period - gen_step) / token)
-            share = self._whole_quanta(fit, 0 if self.streams else n_gen)
-        else:
-            share = int(max(period - gen_step, self.prompt_share * gen_step) / token)
-        return max(self.min_prompt_share, share)
-
-    def _whole_quanta(self, k, beside):
-        """At most k prompt tokens, as many as make the step's ubatch (them and
-        ``beside`` other tokens) a whole number of prompt_quantum; k where
-        that leaves fewer than min_prompt_share (the step is under a quantum)."""
-        q = self.prompt_quantum
-        whole = (k + beside) // q * q - beside
-        return whole if whole >= self.min_prompt_share else k
+            return max(self.min_prompt_share, fit), False
+        share = int(max(period - gen_step, self.prompt_share * gen_step) / token)
+        return max(self.min_prompt_share, share), False
 
     def _undo(self, step):
         """After an aborted step: drop what it left of every part from the cache
