@@ -314,7 +314,8 @@ class BatchDecoder:
 
     def _take(self):
         """The slices (part, start, end) of the next step: every generating
-        member's tokens that fit, then a share of the prompt work."""
+        member's tokens that fit and a share of the prompt work, or a chunk of
+        the prompt alone (_prompt_share)."""
         cap = self.ctx.n_batch
         step = []
         # one adapter key a step: the oldest waiting part's
