@@ -22,6 +22,7 @@ import time
 
 from . import __version__
 from .errors import OffgridError
+from .protocol import WorkerSettings
 from .request import (POOLINGS, REASONING_FORMATS, REASONING_MODES, SPEC_TYPES,
                       SamplingParams)
 
@@ -170,12 +171,13 @@ def parse_args(argv=None):
                         "goes at once; 0: each as it comes, as llama-server)")
     p.add_argument("-np", "--parallel", type=int, default=1,
                    help="sessions per model, i.e. requests run at once (default 1)")
-    p.add_argument("--stream-pace", type=float, default=12.0, metavar="TOK_S",
+    p.add_argument("--stream-pace", type=float, default=WorkerSettings.stream_pace,
+                   metavar="TOK_S",
                    help="while one session's prompt is evaluated beside others' streams, "
                    "the streams go on at TOK_S tokens a second on average, and the "
-                   "prompt takes the rest of the time in steps of about two periods "
-                   "(default 12; 0: the prompt goes in whole batches and the streams "
-                   "wait, as llama-server)")
+                   "prompt takes the rest of the time in steps of its own of about two "
+                   "periods (default %(default)g; 0: the prompt goes in whole batches and "
+                   "the streams wait, as llama-server)")
     p.add_argument("-n", "--n-predict", type=int, default=-1,
                    help="default tokens to generate when a request sets none (-1: no limit)")
     p.add_argument("--temp", type=float, default=0.8,

@@ -41,6 +41,7 @@ import threading
 import time
 
 from ..libllama import ContextHandle
+from ..protocol import WorkerSettings
 
 OUT_NONE, OUT_LAST, OUT_ALL = ContextHandle.OUT_NONE, ContextHandle.OUT_LAST, ContextHandle.OUT_ALL
 
@@ -161,7 +162,7 @@ class BatchDecoder:
     prompt_quantum = 64
     longest_step = 2.0          # periods of the pace
     longest_gap = 3.0           # periods: the longest step of one quantum
-    stream_pace = 12.0          # tok/s (--stream-pace); 0: prompts take whole batches
+    stream_pace = WorkerSettings.stream_pace   # tok/s (--stream-pace); 0: prompts take whole batches
     learn_prompt_alone = 64     # prompt tokens a step of them alone must have to teach
 
     def __init__(self, ctx, threads, turn, streams=False, has_state=False):

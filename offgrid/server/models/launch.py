@@ -42,7 +42,7 @@ def worker_settings(path, args, chat_template=None, decode_lock=None):
         chat_template=chat_template, pooling="rank" if args.reranking else args.pooling,
         no_swa_full=args.no_swa_full, no_repack=args.no_repack,
         kv_unified=getattr(args, "kv_unified", True),
-        stream_pace=getattr(args, "stream_pace", 12.0),
+        stream_pace=getattr(args, "stream_pace", protocol.WorkerSettings.stream_pace),
         context_shift=args.context_shift, spm_infill=args.spm_infill,
         tool_call_rescue=not args.no_tool_call_rescue, reasoning=args.reasoning,
         reasoning_format=args.reasoning_format, lib=args.lib, decode_lock=decode_lock,
