@@ -122,6 +122,7 @@ def trace(name, cfg, bins, clients, out_dir):
         scenarios.warm_up(server.port)
         pid, elf = decoding_process(name, server)
         add_probes(elf)
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
         data = Path(out_dir) / ("%s.perf" % name)
         perf = subprocess.Popen(["perf", "record", "-q", "-o", str(data), "-p", str(pid),
                                  "-e", GROUP + ":enter", "-e", GROUP + ":leave__return"],
