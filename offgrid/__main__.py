@@ -449,9 +449,10 @@ def main(argv=None):
     args = parse_args(argv)
     if args.list_devices:
         # libllama is the workers' alone: a process of its own lists them
-        cmd = [sys.executable, "-m", "offgrid.engine.devices"] + (["--lib", args.lib]
-                                                                  if args.lib else [])
-        return subprocess.call(cmd)
+        from .server.models.worker_process import offgrid_command
+        return subprocess.call(offgrid_command(
+            "from offgrid.engine.devices import main; sys.exit(main())",
+            ["--lib", args.lib] if args.lib else []))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     from .server.api.routes import APP

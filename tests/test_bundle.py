@@ -210,6 +210,16 @@ def test_serves_in_isolated_mode_from_another_folder(unpacked, plain_model_path,
         assert_serves(server, unpacked)
 
 
+def test_list_devices_runs_in_isolated_mode(unpacked, tmp_path):
+    # --list-devices runs a process of its own (the front loads no libllama),
+    # which must find the bundle's package as a worker does: -I puts no folder
+    # of it on the child's path
+    r = subprocess.run(["env", "-i", PYTHONS[0][1], "-I", str(unpacked), "--list-devices"],
+                       cwd=str(tmp_path), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["Available devices:", "  (none)"], r.stdout + r.stderr
+
+
 @pytest.mark.parametrize("python", [exe for _, exe in PYTHONS], ids=PYTHON_IDS)
 def test_every_module_imports_with_an_empty_environment(unpacked, python):
     # Serving touches most modules, not all; an import runs every def and class line.

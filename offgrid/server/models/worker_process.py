@@ -17,18 +17,26 @@ def package_root():
         os.path.abspath(__file__)))))
 
 
+def offgrid_command(code, args=()):
+    """argv that runs ``code`` on this interpreter with this offgrid first on
+    sys.path and nothing from the environment's path: under ``python3 -I``
+    (how a bundle runs, isolated mode, kept for the child) the folder that
+    holds the package is on no path of the child's otherwise."""
+    code = "import sys; sys.path.insert(0, %r); %s" % (package_root(), code)
+    flags = ["-I"] if sys.flags.isolated else []
+    return [sys.executable] + flags + ["-c", code] + list(args)
+
+
 def worker_command(worker_args, max_data=None):
-    """argv of a worker: this interpreter, this offgrid, nothing from the environment's path.
+    """argv of a worker: this interpreter, this offgrid (offgrid_command).
 
     Its first instruction is ``engine/lifeline.start``: the process ends with
     its front, and keeps within ``max_data`` bytes (RLIMIT_DATA), before
     anything else is imported or loaded.
     """
-    code = ("import sys; sys.path.insert(0, %r); from offgrid.engine import lifeline; "
-            "lifeline.start(%r); from offgrid.engine.worker import main; sys.exit(main())"
-            % (package_root(), int(max_data) if max_data else None))
-    flags = ["-I"] if sys.flags.isolated else []
-    return [sys.executable] + flags + ["-c", code] + list(worker_args)
+    return offgrid_command("from offgrid.engine import lifeline; lifeline.start(%r); "
+                           "from offgrid.engine.worker import main; sys.exit(main())"
+                           % (int(max_data) if max_data else None), worker_args)
 
 
 def data_limit(max_rss):
