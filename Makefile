@@ -155,10 +155,12 @@ test: lib/libllama.so lib/libmtmd.so $(MODELS) $(VENV)/.ready $(VENV)/.conforman
 
 # Layers on a Vulkan device (tests/test_gpu.py): Mesa's lavapipe, a Vulkan device
 # that runs on the CPU, so no GPU is needed; builds lib/vulkan first (long the
-# first time: ggml-vulkan's shaders).  Apart from `make test`, as test-agents.
+# first time: ggml-vulkan's shaders), and tests/test_gpu_bundle.py builds
+# `make bundle GPU=vulkan` (a portable build of its own).  Apart
+# from `make test`, as test-agents.
 test-gpu: lib/libllama.so $(MODELS) $(VENV)/.ready
 	@$(MAKE) --no-print-directory lib GPU=vulkan
-	$(PYTEST) -m gpu $(PYTEST_ARGS) tests/test_gpu.py
+	$(PYTEST) -m gpu $(PYTEST_ARGS) tests/test_gpu.py tests/test_gpu_bundle.py
 
 # Claude Code and Codex against a real server (tests/test_agents.py): apart from
 # `make test`, whose 15 minutes on a fresh machine have no room for it (their

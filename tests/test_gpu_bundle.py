@@ -1,0 +1,82 @@
+"""`make bundle GPU=vulkan`: the offline tarball with ggml's Vulkan backend, served on lavapipe.
+
+The tarball is built once (a portable libllama with the Vulkan backend beside
+the CPU variants: about 50 minutes on 2 cores the first time, ggml-vulkan's
+shaders; cached in ~/.cache/offgrid after), unpacked into an empty folder and
+run as a machine with only python3 and its GPU driver runs it: ``env -i``,
+the bundle's own lib/, with nothing from this checkout but the model file.
+What it must not carry, the Vulkan loader and the driver (docs/gpu.md), the
+machine has: here Debian's libvulkan1 and Mesa's lavapipe.  Its greedy text
+with every layer on lavapipe is compared with the CPU build's as
+tests/test_gpu.py compares lib/vulkan's.  `make test-gpu` runs it.
+"""
+
+import os
+import subprocess
+
+import pytest
+
+try:
+    from .serverproc import ROOT, ServerProcess
+    from .test_bundle import PYTHONS, BundledServer
+    from .test_gpu import N_ALL, PROMPTS, SMOL, compare_prompts, lavapipe_env
+except ImportError:  # tests/ is on sys.path rather than a package
+    from serverproc import ROOT, ServerProcess
+    from test_bundle import PYTHONS, BundledServer
+    from test_gpu import N_ALL, PROMPTS, SMOL, compare_prompts, lavapipe_env
+
+from offgrid import __version__
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def unpacked(tmp_path_factory):
+    dist = tmp_path_factory.mktemp("dist")
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    env["DIST"] = str(dist)
+    r = subprocess.run(["make", "--no-print-directory", "bundle", "GPU=vulkan"], cwd=str(ROOT),
+                       env=env, capture_output=True, text=True, timeout=3 * 3600)
+    assert r.returncode == 0, "make bundle GPU=vulkan failed:\n" + r.stdout + r.stderr
+    (tarball,) = dist.glob("offgrid-*.tar.gz")
+    assert tarball.name == "offgrid-%s-linux-x86_64-vulkan.tar.gz" % __version__
+    target = tmp_path_factory.mktemp("target")
+    subprocess.run(["tar", "xf", str(tarball)], cwd=str(target), check=True)
+    (folder,) = target.iterdir()
+    return folder
+
+
+def bundle_env():
+    """``VAR=value`` words for env -i: lavapipe named, as tests/test_gpu.py names it."""
+    return ["%s=%s" % kv for kv in sorted(lavapipe_env().items())]
+
+
+def test_the_bundle_carries_ggml_vulkan_and_not_the_loader_or_a_driver(unpacked):
+    lib = unpacked / "lib"
+    assert (lib / "libggml-vulkan.so").exists()
+    assert len(list(lib.glob("libggml-cpu-*.so"))) >= 2, "the CPU variants beside it"
+    assert not list(lib.glob("libvulkan.so*")) and not list(lib.glob("libvulkan_*"))
+    readme = (unpacked / "README.txt").read_text()
+    assert "libvulkan.so.1" in readme, readme       # what the machine must have
+
+
+def test_list_devices_from_the_bundle_names_lavapipe(unpacked):
+    python = PYTHONS[-1][1]
+    out = subprocess.run(["env", "-i"] + bundle_env() + [python, "-I", str(unpacked),
+                                                         "--list-devices"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "Available devices:" and lines[1].startswith("  Vulkan0: llvmpipe"), lines
+
+
+def test_the_bundle_serves_every_layer_on_lavapipe_with_the_cpus_text(unpacked, tmp_path):
+    # the oldest Python here (test_bundle.py serves on the newest too)
+    gpu = BundledServer(bundle_env() + [PYTHONS[0][1], "-I", unpacked], tmp_path, SMOL)
+    gpu.args += ["-ngl", "all"]
+    gpu.startup_timeout = 600       # lavapipe compiles the shaders a cold cache lacks
+    with ServerProcess(SMOL) as cpu, gpu:
+        props = gpu.get("/props")[2]
+        vulkan = [d for d in props["devices"] if d["name"] == "Vulkan0"]
+        assert vulkan and vulkan[0]["layers"] == N_ALL, props["devices"]
+        compare_prompts(cpu, gpu, PROMPTS, 12)
