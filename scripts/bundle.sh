@@ -90,9 +90,21 @@ GLIBCXX=$(highest GLIBCXX)
 GCC_S=$(highest GCC)
 [ -n "$GLIBC" ] || die "found no GLIBC_ symbol versions in the libraries (objdump -T)"
 # Libraries the loader must find on the target: every NEEDED entry not in lib/.
-SYSTEM_LIBS=$(for f in "$STAGE"/lib/*.so; do readelf -d "$f"; done \
-    | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p' | sort -u \
-    | while read -r so; do [ -e "$STAGE/lib/$so" ] || echo "$so"; done | tr '\n' ' ')
+# The GPU backend's own are for the GPU alone: ggml loads libggml-$GPU.so as a
+# module and, where it cannot (no Vulkan loader, no NVIDIA driver), offgrid
+# serves on the CPU and says why.
+needed() {      # needed FILE...: their NEEDED libraries that lib/ does not hold
+    for f in "$@"; do readelf -d "$f"; done \
+        | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p' | sort -u \
+        | while read -r so; do [ -e "$STAGE/lib/$so" ] || echo "$so"; done
+}
+GPU_MODULE=${GPU:+$STAGE/lib/libggml-$GPU.so}
+[ -z "$GPU" ] || [ -e "$GPU_MODULE" ] || die "the $GPU build has no libggml-$GPU.so"
+BASE_LIBS=()
+for f in "$STAGE"/lib/*.so; do [ "$f" = "$GPU_MODULE" ] || BASE_LIBS+=("$f"); done
+SYSTEM_LIBS=$(needed "${BASE_LIBS[@]}" | tr '\n' ' ')
+GPU_LIBS=$([ -z "$GPU" ] || needed "$GPU_MODULE" \
+    | while read -r so; do [[ " $SYSTEM_LIBS" == *" $so "* ]] || echo "$so"; done | tr '\n' ' ')
 HOST_GLIBC=$(ldd --version 2>/dev/null | head -1 | grep -oE '[0-9]+\.[0-9]+$' || echo "?")
 log "oldest glibc: $GLIBC (built on $HOST_GLIBC); libstdc++ with GLIBCXX_$GLIBCXX"
 
@@ -186,6 +198,13 @@ else
     RUN_MODEL=path/to/model.gguf
     MODEL_LINE="No model is included: copy a GGUF model next to this folder."
 fi
+GPU_LINE=""
+if [ -n "$GPU" ]; then
+    GPU_LINE="
+GPU         for layers on the GPU (ggml's $GPU backend, lib/libggml-$GPU.so):
+            ${GPU_LIBS% } and the GPU's driver; without them it
+            serves on the CPU and says why (--list-devices lists what it finds)"
+fi
 cat >"$STAGE/README.txt" <<EOF
 offgrid $VERSION for Linux $ARCH: a local LLM server that needs only python3
 ========================================================================
@@ -216,7 +235,7 @@ glibc       $GLIBC or newer (the highest GLIBC_ symbol version lib/ uses)
 libstdc++   one with GLIBCXX_$GLIBCXX; libgcc_s with GCC_$GCC_S (both come with GCC)
 libraries   ${SYSTEM_LIBS% }
 CPU         any $ARCH: the best of these builds is chosen at start-up:
-            ${variants% }
+            ${variants% }$GPU_LINE
 
 \`ldd --version\` prints the glibc version; \`ldd lib/libllama.so\` names any
 library or symbol version the machine lacks.

@@ -172,6 +172,7 @@ def test_bundle_holds_the_cpu_variants_the_build_names(unpacked):
 
 def test_readme_states_a_glibc_floor_this_machine_meets(unpacked):
     readme = (unpacked / "README.txt").read_text()
+    assert not re.search(r"^GPU ", readme, re.M), "a CPU bundle's README names a GPU"
     floor = re.search(r"^glibc +(\d+)\.(\d+) or newer", readme, re.M)
     assert floor, readme
     here = re.search(r"(\d+)\.(\d+)", os.confstr("CS_GNU_LIBC_VERSION"))

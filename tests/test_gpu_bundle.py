@@ -8,10 +8,13 @@ the bundle's own lib/, with nothing from this checkout but the model file.
 What it must not carry, the Vulkan loader and the driver (docs/gpu.md), the
 machine has: here Debian's libvulkan1 and Mesa's lavapipe.  Its greedy text
 with every layer on lavapipe is compared with the CPU build's as
-tests/test_gpu.py compares lib/vulkan's.  `make test-gpu` runs it.
+tests/test_gpu.py compares lib/vulkan's; and with the loader hidden (a
+machine without Vulkan) the bundle serves on the CPU and says why.  `make
+test-gpu` runs it.
 """
 
 import os
+import re
 import subprocess
 
 import pytest
@@ -56,8 +59,13 @@ def test_the_bundle_carries_ggml_vulkan_and_not_the_loader_or_a_driver(unpacked)
     assert (lib / "libggml-vulkan.so").exists()
     assert len(list(lib.glob("libggml-cpu-*.so"))) >= 2, "the CPU variants beside it"
     assert not list(lib.glob("libvulkan.so*")) and not list(lib.glob("libvulkan_*"))
+    # README.txt: the loader is the GPU's need alone; without it the bundle
+    # serves on the CPU (ggml loads libggml-vulkan.so as a module)
     readme = (unpacked / "README.txt").read_text()
-    assert "libvulkan.so.1" in readme, readme       # what the machine must have
+    needs = re.search(r"^libraries +(.*)$", readme, re.M).group(1).split()
+    assert "libc.so.6" in needs and "libvulkan.so.1" not in needs, needs
+    gpu = re.search(r"^GPU +for layers on the GPU .*\n +(\S+) and the GPU's driver", readme, re.M)
+    assert gpu and gpu.group(1) == "libvulkan.so.1", readme
 
 
 def test_list_devices_from_the_bundle_names_lavapipe(unpacked):
@@ -80,3 +88,35 @@ def test_the_bundle_serves_every_layer_on_lavapipe_with_the_cpus_text(unpacked, 
         vulkan = [d for d in props["devices"] if d["name"] == "Vulkan0"]
         assert vulkan and vulkan[0]["layers"] == N_ALL, props["devices"]
         compare_prompts(cpu, gpu, PROMPTS, 12)
+
+
+def without_the_loader(argv):
+    """``argv`` in a mount namespace of its own where the Vulkan loader is an
+    empty file (a user namespace: no privilege needed): a machine with no
+    Vulkan installed, as far as the dynamic loader can tell."""
+    loader = os.path.realpath("/usr/lib/x86_64-linux-gnu/libvulkan.so.1")
+    assert os.path.isfile(loader), "no Vulkan loader (make lib GPU=vulkan installs libvulkan-dev)"
+    return ["unshare", "-rm", "sh", "-c", 'mount --bind /dev/null "$0" && exec "$@"',
+            loader] + [str(a) for a in argv]
+
+
+class _NoLoaderServer(BundledServer):
+    def launch(self):
+        argv, cwd, env = super().launch()
+        return without_the_loader(argv), cwd, env
+
+
+def test_without_the_vulkan_loader_the_bundle_serves_on_the_cpu_and_says_why(unpacked, tmp_path):
+    # README.txt's promise: the loader is for the GPU alone
+    python = PYTHONS[0][1]
+    out = subprocess.run(without_the_loader(["env", "-i"] + bundle_env()
+                                            + [python, "-I", unpacked, "--list-devices"]),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["Available devices:", "  (none)"], out.stdout
+    assert "has the Vulkan backend but it found no usable device" in out.stderr, out.stderr
+    with _NoLoaderServer(bundle_env() + [python, "-I", unpacked], tmp_path, SMOL) as s:
+        assert s.get("/props")[2]["devices"] == [{"name": "CPU", "layers": N_ALL}]
+        status, _, body = s.post("/completion", {"prompt": "Hello", "n_predict": 4})
+        assert status == 200 and body["tokens_predicted"] == 4, body
+        assert any("serving on the CPU" in line for line in s.output), "".join(s.output)
