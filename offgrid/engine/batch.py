@@ -4,7 +4,9 @@ Each ChatSession of a worker is a few sequences of one context (session.py:
 its prompt, a scratch sequence, the sliding-window pin), in one unified KV
 cache sized for all of them, or with --no-kv-unified in a cache stream of
 the session's own (``streams``: libllama then evaluates a step one part per
-stream, in ascending runs of streams, so a step's parts go in member order).  Each decode step packs the work of every
+stream, in ascending runs of streams, so a step's parts go in member order,
+and an idle member's stream between two in the step may get a token, cut
+again after it, that makes the run one: ``_fill``).  Each decode step packs the work of every
 session that has some into one llama_batch: the next token (and draft) of
 each generating session and a bounded share of the prompt of each one that
 is evaluating (continuous batching: a session joins at the next step and
@@ -37,6 +39,7 @@ The rules that keep libllama safe and the batches full:
   of the oldest part waiting, and applies it before its decode.
 """
 
+import logging
 import threading
 import time
 
@@ -47,6 +50,8 @@ OUT_NONE, OUT_LAST, OUT_ALL = ContextHandle.OUT_NONE, ContextHandle.OUT_LAST, Co
 
 # Sequences per session (session.py: SEQ_PROMPT, SEQ_GAP, SEQ_PIN).
 SEQS_PER_SESSION = 3
+
+log = logging.getLogger("offgrid.batch")
 
 
 class _Part:
@@ -68,6 +73,14 @@ class _Part:
         self.done = False
         self.run = None             # a decode of its own (run_alone), instead of tokens
         self.adapters = member.adapters     # its LoRA adapter key
+
+
+class _Filler(_Part):
+    """A token in an idle member's stream that keeps a step's streams one run
+    (BatchDecoder._fill): cut again before the step lets go of the lock; no
+    member waits for it."""
+
+    __slots__ = ()
 
 
 class Member:
@@ -188,7 +201,10 @@ class BatchDecoder:
         self._running = None                # the parts of the decode under way
         self._holding = 0                   # members reading their last logits
         self._shift = False                 # keys moved: the next decode applies them
-        self._members = 0
+        self._members = []
+        # a step's streams are one run: idle members' streams between get a
+        # filler token (_fill); off where a cut token would leave a trace
+        self.fills = False
         self._gen_step = {}                 # generated tokens -> seconds of such a step
         self._prompt_token = None           # seconds a prompt token adds to a step
         self._behind = 0.0                  # seconds the streams are behind their pace
@@ -196,12 +212,13 @@ class BatchDecoder:
         self.n_steps = 0                    # decode steps made (for tests and /metrics)
         self.n_shared_steps = 0             # steps that held several members' parts
         self.n_step_members = 0             # members' parts summed over the steps
+        self.n_fillers = 0                  # filler tokens decoded (_fill)
         self.closed = False
 
     def member(self):
         """A new Member (a session's place; its sequences are its own)."""
-        m = Member(self, self._members)
-        self._members += 1
+        m = Member(self, len(self._members))
+        self._members.append(m)
         return m
 
     def moved(self):
@@ -240,7 +257,8 @@ class BatchDecoder:
             return part.status, part.offset
 
     def _is_running(self, member):
-        return self._running is not None and any(p.member is member for p, _, _ in self._running)
+        return self._running is not None and any(
+            p.member is member and not isinstance(p, _Filler) for p, _, _ in self._running)
 
     def _lead(self):
         """Make one decode step of the queued parts (called holding _cond, which
@@ -258,11 +276,9 @@ class BatchDecoder:
         self._cond.release()
         try:
             run = step[0][0].run
-            layout = None if run else [(p.tokens[a:b], p.pos + a, p.seqs,
-                                        p.outputs if b == len(p.tokens) else OUT_NONE)
-                                       for p, a, b in step]
-            n = sum(b - a for _, a, b in step)
             with self._turn(), self.lock:
+                fillers = self._fill(step) if self.fills and not run else ()
+                n = sum(b - a for _, a, b in step)
                 shifted = self._shift       # read under the lock moved() is called in
                 if self.adapters is not None:
                     self.adapters.apply(self.ctx, step[0][0].adapters)
@@ -270,10 +286,18 @@ class BatchDecoder:
                 if shifted:
                     self.ctx.set_abortable(False)
                 try:
-                    status = run() if run else self.ctx.decode_parts(layout)
+                    status = run() if run else self.ctx.decode_parts(_layout(step))
+                    if status == 1 and fillers:
+                        # no free cell for a filler (llama_decode placed nothing):
+                        # the step as it came
+                        step[:] = [s for s in step if not isinstance(s[0], _Filler)]
+                        fillers = ()
+                        status = self.ctx.decode_parts(_layout(step))
                 finally:
                     if shifted:
                         self.ctx.set_abortable(True)
+                    if fillers:
+                        self._unfill(fillers)
                 if status == 0:
                     self.threads.after(n, started)
                     self._learn(step, time.perf_counter() - started[1])
@@ -286,6 +310,52 @@ class BatchDecoder:
             self._finish(step, status)
             self._running = None
             self._cond.notify_all()
+
+    def _fill(self, step):
+        """With a cache stream per member, libllama evaluates a step in runs of
+        consecutive streams (split_equal: 0, 1, 2 in one ubatch; 0, 2 in two),
+        each run reading the weights again.  So an idle member's stream
+        between two of the step's gets one token at the end of its prompt
+        sequence, cut again after the decode (_unfill), where that makes one
+        ubatch of more tokens rather than several smaller.  A step of single
+        tokens, qwen2.5-0.5B, 2 threads, ms by streams in one run: 1: 23,
+        2: 40, 3: 49, 4: 53, 5: 75, 7: 86, 8: 88; streams 0 2 4 6 took 93
+        (79 filled), 0-2 and 4-7 102 (88 filled), but 0 3 6 70 (80 filled).
+        Hence fillers only where there are no more of them than tokens.  A
+        member whose stream is full gets none.  Adds the fillers to ``step``
+        in member order; returns them.  Called holding ``lock``."""
+        if len(step) < 2:
+            return ()
+        present = {p.member.index for p, _, _ in step}
+        gaps = [i for i in range(min(present) + 1, max(present)) if i not in present]
+        if not gaps or len(gaps) > sum(b - a for _, a, b in step):
+            return ()
+        mem = self.ctx.memory
+        fillers = []
+        for i in gaps:
+            seq = SEQS_PER_SESSION * i
+            pos = mem.seq_pos_max(seq) + 1
+            if pos + 1 > self.n_ctx_session:
+                continue
+            f = _Filler(self._members[i], (0,), pos, (seq,), OUT_NONE, False)
+            fillers.append(f)
+            step.append((f, 0, 1))
+        if fillers:
+            step.sort(key=lambda s: s[0].member.index)
+        return fillers
+
+    def _unfill(self, fillers):
+        """Cut the fillers' tokens, read back: a cell left would be a token the
+        member's session does not know of (held lock)."""
+        mem = self.ctx.memory
+        self.n_fillers += len(fillers)
+        for f in fillers:
+            seq = f.seqs[0]
+            mem.seq_rm(seq, f.pos, -1)
+            if mem.seq_pos_max(seq) >= f.pos:
+                self.fills = False
+                log.warning("a filler token in sequence %d at %d was not cut: no more fillers",
+                            seq, f.pos)
 
     def _learn(self, step, seconds):
         """Keep the cost of a generation step (per number of generated tokens)
@@ -396,7 +466,10 @@ class BatchDecoder:
                 for s in part.seqs:
                     mem.seq_rm(s, part.pos + a, -1)
 
-    def _finish(self, step, status):
+    def _finish(self, batch, status):
+        """Hand each part of the step its status and output offset (``batch``:
+        the step's slices as decoded, fillers and all)."""
+        step = [s for s in batch if not isinstance(s[0], _Filler)]
         self.n_steps += 1
         members = len({id(p.member) for p, _, _ in step})
         self.n_step_members += members
@@ -418,7 +491,7 @@ class BatchDecoder:
             part.done = True
             self._pending.remove(part)
             if part.outputs != OUT_NONE:
-                part.offset = self._offset_in(step, part)
+                part.offset = self._offset_in(batch, part)
                 if not part.member.holding:
                     part.member.holding = True
                     self._holding += 1
@@ -443,3 +516,10 @@ class BatchDecoder:
 
 def _average(old, new, weight=0.3):
     return new if old is None else old + weight * (new - old)
+
+
+def _layout(step):
+    """decode_parts' parts of a step's slices: a prompt's chunk keeps no logits
+    but at its end."""
+    return [(p.tokens[a:b], p.pos + a, p.seqs, p.outputs if b == len(p.tokens) else OUT_NONE)
+            for p, a, b in step]

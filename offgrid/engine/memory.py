@@ -40,6 +40,9 @@ _ROPE_NAMES = {
     libllama.LLAMA_ROPE_TYPE_IMROPE: "imrope",
 }
 
+# rope types whose tokens have several positions each (llama_hparams::n_pos_per_embd)
+_MULTI_POSITION = (libllama.LLAMA_ROPE_TYPE_MROPE, libllama.LLAMA_ROPE_TYPE_IMROPE)
+
 
 class MemoryClass:
     """The memory of one model (and, after with_context, of its contexts)."""
@@ -109,6 +112,14 @@ class MemoryClass:
         where an image's tokens share one position (M-RoPE media), which llama-server
         does not move either."""
         return self.cuts_anywhere and self.can_shift and not self.mrope_media
+
+    @property
+    def leaves_no_trace(self):
+        """A token decoded into a sequence and cut again leaves the cache as it
+        was: no window cache (one may recycle an old cell for the token), no
+        recurrent state, one position a token (M-RoPE has several: a batch
+        must carry them).  The decoder's stream fillers need this (batch.py)."""
+        return self.kind == "dense" and self.rope_type not in _MULTI_POSITION
 
     def can_take_back(self, n):
         """Whether the last ``n`` tokens can be cut off without a checkpoint."""

@@ -177,6 +177,7 @@ def shared_decoder(model, n_sessions, n_ctx=4096, n_batch=512, n_ubatch=None, sw
     decoder = BatchDecoder(ctx, threads, decode_turn, streams=not kv_unified and n_sessions > 1,
                            has_state=memory.has_state)
     decoder.memory = memory
+    decoder.fills = decoder.streams and memory.leaves_no_trace
     decoder.n_ctx_session = n_ctx if n_sessions > 1 else ctx.n_ctx
     decoder.swa_full = swa_full
     return decoder
