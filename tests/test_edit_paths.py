@@ -68,15 +68,17 @@ def test_zed_ollama_raw_generate_reads_special_tokens_and_stops_cleanly(server):
     before = server.metrics().get("llamacpp:spec_decode_num_draft_tokens_total", 0)
     status, _, out = server.post("/api/generate", {
         "model": model, "prompt": prompt, "raw": True, "stream": False,
-        "options": {"num_predict": 160, "temperature": 0.2, "stop": STOP}})
+        # Zed's temperature; the seed is the test's (Zed sends none): unseeded,
+        # about one answer in twelve wrote the method back without the edit
+        "options": {"num_predict": 160, "temperature": 0.2, "stop": STOP, "seed": 1}})
     assert status == 200, out
     # the prompt's <|file_sep|> are the model's special tokens, not text
     assert out["prompt_eval_count"] == _count(server, prompt, True)
     assert _count(server, prompt, False) > out["prompt_eval_count"]
     text = out["response"]
     assert text and not any(s in text for s in STOP), text
-    # sampled at Zed's 0.2, about one answer in twelve writes on past the
-    # block (the same with --spec-type none); the greedy test checks the stop
+    # sampled at Zed's 0.2, some seeds write on past the block (the same with
+    # --spec-type none); the greedy test checks the stop
     assert out["done"] is True and out["done_reason"] in ("stop", "length"), out
     if out["done_reason"] == "length":
         assert out["eval_count"] == 160, out
