@@ -125,6 +125,21 @@ def _greedy(session, tokens, n, speculate, **kw):
     return session.complete(tokens, gen)
 
 
+def _plain_and_drafted(plain, spec, tokens, n, **kw):
+    """Greedy replies to ``tokens`` without drafts and with (``kw``: the
+    drafted one's GenerationParams), from one evaluation of the prompt: the
+    plain session's cells, copied into the other's context (the same model and
+    settings), so both go on from the same cache, and the prompt costs once."""
+    plain.reset()
+    plain.evaluate(tokens)
+    state = plain.copy_state()
+    assert state is not None and spec.load_state(tokens, state)
+    greedy = dict(n_predict=n, sampling=SamplingParams(temperature=0.0), cache_prompt=True)
+    a = plain.complete(tokens, GenerationParams(speculate=False, **greedy))
+    b = spec.complete(tokens, GenerationParams(speculate=True, **dict(greedy, **kw)))
+    return a, b
+
+
 @pytest.fixture(scope="module")
 def sessions(qwen):
     plain = ChatSession(qwen, n_ctx=2048, n_threads=1)
@@ -147,8 +162,7 @@ def test_greedy_speculation_is_plain_decoding(qwen, sessions, path):
     plain, spec = sessions
     text = path.read_text("utf-8")[:1500]
     tokens = qwen.tokenize(text, add_special=True, parse_special=False)
-    a = _greedy(plain, tokens, 64, speculate=False)
-    b = _greedy(spec, tokens, 64, speculate=True)
+    a, b = _plain_and_drafted(plain, spec, tokens, 64)
     assert b.usage.draft_tokens > 0, "no draft was ever made"
     assert 0 <= b.usage.draft_accepted <= b.usage.draft_tokens
     if a.tokens == b.tokens:
@@ -191,8 +205,7 @@ def test_greedy_copy_drafts_are_plain_decoding_on_edit_prompts(qwen, sessions, k
     import math
     plain, spec = sessions
     tokens = qwen.tokenize(_edit_prompts()[kind], add_special=True, parse_special=True)
-    a = _greedy(plain, tokens, 160, speculate=False)
-    b = _greedy(spec, tokens, 160, speculate=True, drafter="copy")
+    a, b = _plain_and_drafted(plain, spec, tokens, 160, drafter="copy")
     u = b.usage
     assert u.draft_tokens > 0 and u.draft_accepted > 0.5 * u.draft_tokens, u
     if a.tokens == b.tokens:
@@ -220,11 +233,14 @@ def test_sampled_copy_drafts_keep_plain_sampling(qwen, sessions):
     plain, spec = sessions
     tokens = qwen.tokenize(_edit_prompts()["apply-edit"], add_special=True, parse_special=True)
     drafted = 0
-    # both evaluate the prompt afresh once, then keep it: at each seed the two
-    # start from the same cached prompt, so the comparison is as even as with
-    # a fresh prompt each time, and 2 x 325 tokens cheaper a seed
+    # the prompt evaluated once, its cells copied into the other session's
+    # context: at each seed the two start from the same cached prompt, so the
+    # comparison is as even as with a fresh prompt each time, and 2 x 325
+    # tokens cheaper a seed
     plain.reset()
-    spec.reset()
+    plain.evaluate(tokens)
+    state = plain.copy_state()
+    assert state is not None and spec.load_state(tokens, state)
     for seed in (1, 2, 3):
         sampling = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=seed)
         kw = dict(n_predict=96, cache_prompt=True, sampling=sampling)
@@ -257,8 +273,7 @@ def test_drafts_come_true_on_repeating_code(qwen, sessions):
     block = "def add_%d(a, b):\n    return a + b\n\n"
     text = "".join(block % i for i in range(12))
     tokens = qwen.tokenize(text, add_special=True, parse_special=False)
-    a = _greedy(plain, tokens, 48, speculate=False)
-    b = _greedy(spec, tokens, 48, speculate=True)
+    a, b = _plain_and_drafted(plain, spec, tokens, 48)
     assert a.tokens == b.tokens
     assert b.usage.draft_accepted > 0.6 * b.usage.draft_tokens > 0, b.usage
 
@@ -369,8 +384,7 @@ def test_greedy_copy_drafts_are_plain_decoding_on_lines_out_of_order(qwen, sessi
     plain, spec = sessions
     text, user = _out_of_order_prompt()
     tokens = qwen.tokenize(text, add_special=True, parse_special=True)
-    a = _greedy(plain, tokens, 150, speculate=False)
-    b = _greedy(spec, tokens, 150, speculate=True, drafter="copy")
+    a, b = _plain_and_drafted(plain, spec, tokens, 150, drafter="copy")
     prompt_lines = [ln.strip() for ln in user.split("\n") if ln.strip()]
     lines = [ln.strip() for ln in a.text.split("\n")
              if ln.strip() and not ln.startswith("```")][:-1]      # the last may be cut
