@@ -35,8 +35,8 @@ TEST_JOBS ?= 2
 # the conformance suite's, the docs' commands); where PYTHONDONTWRITEBYTECODE
 # is set each compiled offgrid's modules from source again (about 0.2 s of
 # CPU a server start, 3-4 s a collection).  The tests' runs keep the compiled
-# modules under $(VENV)/pycache, out of the source tree, whatever that says.
-PYCACHE  = PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX=$(abspath $(VENV))/pycache
+# modules under build/pycache, out of the source tree, whatever that says.
+PYCACHE  = PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX=$(abspath build)/pycache
 PYTEST   = $(PYCACHE) $(VENV)/bin/python -m pytest -q -ra
 XDIST    = $(if $(filter 1,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadfile)
 
@@ -99,9 +99,10 @@ run: lib/libllama.so lib/libmtmd.so $(MODEL)
 # Test-only tools (pytest; the openai, anthropic, ollama and langchain-ollama clients,
 # openai-agents and llm; selenium, which drives the chat page's tests) live in a local virtualenv;
 # offgrid itself imports nothing outside the standard library.
-$(VENV)/.ready: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check "pytest>=7" \
+# The test-only packages: a virtualenv made once per machine in the cache
+# (scripts/venv.sh), .venv a link to it.
+$(VENV)/.ready: pyproject.toml scripts/venv.sh
+	bash scripts/venv.sh $(VENV) $(PYTHON) "pytest>=7" \
 		"pytest-xdist>=3" "openai>=1.66" "anthropic>=0.50" "ollama>=0.5" "langchain-ollama>=1.0" \
 		"openai-agents>=0.2" "llm>=0.26" "selenium>=4.11"
 	touch $@

@@ -1,6 +1,6 @@
 """What pyproject.toml declares is what the checkout uses.
 
-The Makefile installs the test-only packages into .venv, and
+The Makefile installs the test-only packages into .venv (scripts/venv.sh), and
 tests/conformance/run.py the conformance suite's; pyproject.toml's extras
 (``pip install offgrid[test]``, ``[conformance]``) must name the same, or a
 tester who installs from pyproject gets a suite that cannot run.  Its
@@ -30,7 +30,7 @@ def makefile_installs():
     """The requirements the Makefile's venv recipe hands pip."""
     text = (ROOT / "Makefile").read_text(encoding="utf-8").replace("\\\n", " ")
     recipe = text.split("$(VENV)/.ready:", 1)[1].split("\n\n", 1)[0]
-    (line,) = [ln for ln in recipe.splitlines() if "pip install" in ln]
+    (line,) = [ln for ln in recipe.splitlines() if "bash scripts/venv.sh" in ln]
     return re.findall(r'"([^"]+)"', line)
 
 
