@@ -55,16 +55,16 @@ def _positions(session):
 # -- the engine ------------------------------------------------------------------------
 
 def test_each_session_has_a_stream_of_its_own_context(smollm):
-    decoder, sessions = _streams(smollm, 3, n_ctx=512)
+    decoder, sessions = _streams(smollm, 3, n_ctx=256)
     try:
-        assert decoder.streams and decoder.ctx.n_ctx == 3 * 512
-        assert [s.n_ctx for s in sessions] == [512] * 3
+        assert decoder.streams and decoder.ctx.n_ctx == 3 * 256
+        assert [s.n_ctx for s in sessions] == [256] * 3
         # each stream holds its session's whole context, whatever the others hold
-        filler = smollm.tokenize("the sea and the ships " * 200, add_special=False)[:500]
+        filler = smollm.tokenize("the sea and the ships " * 100, add_special=False)[:250]
         for s in sessions:
             s.evaluate(filler)
         for s in sessions:
-            assert s.cached == filler and _positions(s) == (0, 499)
+            assert s.cached == filler and _positions(s) == (0, 249)
     finally:
         _close(decoder, sessions)
 
