@@ -238,7 +238,7 @@ build() {
       || { tail -30 "$BUILD.configure.log"; exit 1; }
     # the llama target pulls in ggml and, in a portable build, its CPU variants
     case "$GPU" in
-        vulkan) log "building (about 50 minutes on 2 busy cores: ggml-vulkan's shaders)" ;;
+        vulkan) log "building (about 8 minutes on 2 quiet cores, far longer beside other work: ggml-vulkan's shaders)" ;;
         cuda) log "building (hours on 2 cores: each of CUDA_ARCHS=$CUDA_ARCHS compiles ggml-cuda's kernels)" ;;
         *) log "building (about 4 minutes on 2 cores; 8 with PORTABLE=1, 16 with CPU_VARIANTS=all)" ;;
     esac

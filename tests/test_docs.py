@@ -426,7 +426,7 @@ def make_n_runs(needle):
     return check
 
 
-GPU_BUILD = NotRun("a GPU build takes about 50 minutes on 2 cores (Vulkan's shaders) or "
+GPU_BUILD = NotRun("a GPU build takes about 8 minutes on 2 quiet cores (Vulkan's shaders) or "
                    "hours (CUDA's kernels); `make test-gpu` builds lib/vulkan and "
                    "tests/test_gpu.py serves on it; make -n checks the command",
                    make_n_runs("scripts/build_lib.sh lib/"))

@@ -1,7 +1,7 @@
 """`make bundle GPU=vulkan`: the offline tarball with ggml's Vulkan backend, served on lavapipe.
 
 The tarball is built once (a portable libllama with the Vulkan backend beside
-the CPU variants: about 50 minutes on 2 cores the first time, ggml-vulkan's
+the CPU variants: about 8 minutes on 2 quiet cores the first time, ggml-vulkan's
 shaders; cached in ~/.cache/offgrid after), unpacked into an empty folder and
 run as a machine with only python3 and its GPU driver runs it: ``env -i``,
 the bundle's own lib/, with nothing from this checkout but the model file.
