@@ -491,8 +491,7 @@ def main(argv=None):
         print("offgrid: cannot listen on %s:%d: %s" % (args.host, args.port, e), file=sys.stderr)
         return 1
     httpd.RequestHandlerClass.webui = args.webui
-    serving = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2},
-                               name="http", daemon=True)
+    serving = threading.Thread(target=httpd.serve_forever, name="http", daemon=True)
     serving.start()   # /health says "loading" meanwhile
 
     # Decodes take turns across the models' workers as they do across the

@@ -83,3 +83,25 @@ def test_health_says_loading_before_the_model_is_ready():
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def test_shutdown_wakes_the_accept_loop_rather_than_waiting_for_a_poll():
+    """serve_forever with no poll interval sleeps until a connection comes;
+    shutdown() must wake it (socketserver's loop saw a stop only at its next
+    poll: every stop of offgrid waited up to 0.2 s for it).  Then the server
+    can be served and stopped again."""
+    httpd = make_server("127.0.0.1", 0, APP)
+    try:
+        for _ in range(2):
+            serving = threading.Thread(target=httpd.serve_forever, daemon=True,
+                                       kwargs={"poll_interval": None})
+            serving.start()
+            stopping = threading.Thread(target=httpd.shutdown, daemon=True)
+            stopping.start()
+            stopping.join(10)
+            assert not stopping.is_alive(), "shutdown() never returned"
+            serving.join(10)
+            assert not serving.is_alive()
+    finally:
+        httpd.server_close()
+    httpd.shutdown()            # closed: nothing to wake, and no wait

@@ -9,6 +9,8 @@ import errno
 import hashlib
 import ipaddress
 import logging
+import os
+import selectors
 import socket
 import threading
 import time
@@ -88,11 +90,48 @@ class Server(ThreadingHTTPServer):
         self._n_requests = 0            # requests between _dispatch's start and end
         self._handlers = Threads("http-connection")
         self.closing = False
+        # serve_forever's wake-up: shutdown() writes a byte into the pipe
+        self._wake = os.pipe()
+        self._stop_asked = False
+        self._stopped = threading.Event()
         super().__init__(*args, **kwargs)
         name = self.RequestHandlerClass.instance_name
         self.lobby = Lobby(self, min(self.first_byte_timeout, self.RequestHandlerClass.timeout),
                            self.max_waiting, Handler.server_version,
                            "%s: %s\r\n" % (INSTANCE_HEADER, name) if name else "")
+
+    # -- the accept loop ----------------------------------------------------------
+    def serve_forever(self, poll_interval=None):
+        """socketserver's loop, but shutdown() wakes it at once through a pipe
+        beside the listening socket, where socketserver's looks for the stop
+        only at each poll: every stop of a server waited up to the poll
+        interval (0.2 s) before it could drain and exit."""
+        self._stopped.clear()
+        try:
+            with selectors.PollSelector() as selector:
+                selector.register(self, selectors.EVENT_READ)
+                selector.register(self._wake[0], selectors.EVENT_READ)
+                while not self._stop_asked:
+                    ready = selector.select(poll_interval)
+                    if self._stop_asked:
+                        break
+                    for key, _ in ready:
+                        if key.fileobj is self:
+                            self._handle_request_noblock()
+                        else:
+                            os.read(self._wake[0], 512)
+                    self.service_actions()
+        finally:
+            self._stop_asked = False
+            self._stopped.set()
+
+    def shutdown(self):
+        """Stop serve_forever (running on another thread) and wait until it has."""
+        self._stop_asked = True
+        if not self._wake:
+            return              # closed by server_close: the loop is gone too
+        os.write(self._wake[1], b"x")
+        self._stopped.wait()
 
     # -- connections ----------------------------------------------------------------
     def get_request(self):
@@ -189,6 +228,10 @@ class Server(ThreadingHTTPServer):
         if lobby is not None:
             lobby.stop()
         super().server_close()
+        # (TCPServer.__init__ calls this itself when it cannot bind)
+        fds, self._wake = getattr(self, "_wake", ()), ()
+        for fd in fds:
+            os.close(fd)
 
     # -- requests -------------------------------------------------------------------
     def requests_in_flight(self):
@@ -253,7 +296,7 @@ class Servers:
         self.RequestHandlerClass = servers[0].RequestHandlerClass
         self.server_address = servers[0].server_address
 
-    def serve_forever(self, poll_interval=0.5):
+    def serve_forever(self, poll_interval=None):
         for other in self.servers[1:]:
             threading.Thread(target=other.serve_forever, kwargs={"poll_interval": poll_interval},
                              name="http-%s" % other.server_address[0], daemon=True).start()
