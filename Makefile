@@ -97,10 +97,9 @@ run: lib/libllama.so lib/libmtmd.so $(MODEL)
 	$(PYTHON) -m offgrid -m $(MODEL) --host $(HOST) --port $(PORT) $(ARGS)
 
 # Test-only tools (pytest; the openai, anthropic, ollama and langchain-ollama clients,
-# openai-agents and llm; selenium, which drives the chat page's tests) live in a local virtualenv;
-# offgrid itself imports nothing outside the standard library.
-# The test-only packages: a virtualenv made once per machine in the cache
-# (scripts/venv.sh), .venv a link to it.
+# openai-agents and llm; selenium, which drives the chat page's tests) live in a
+# virtualenv made once per machine in the cache (scripts/venv.sh), .venv a link to
+# it; offgrid itself imports nothing outside the standard library.
 $(VENV)/.ready: pyproject.toml scripts/venv.sh
 	bash scripts/venv.sh $(VENV) $(PYTHON) "pytest>=7" \
 		"pytest-xdist>=3" "openai>=1.66" "anthropic>=0.50" "ollama>=0.5" "langchain-ollama>=1.0" \

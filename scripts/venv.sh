@@ -7,8 +7,8 @@
 # keeps one virtualenv per Python and requirement list (the key: the
 # interpreter's version and path, and the requirements as given), as it keeps
 # lib/'s builds and the models; the packages are those the registries gave when
-# it was made (`make clean` and a changed list make or pick another; delete
-# the cache's venv-* folders to take newer releases).
+# it was made.  A changed list makes another; `make clean` removes only the
+# link; delete the cache's venv-* folders to take newer releases.
 set -euo pipefail
 venv=$1 python=$2
 shift 2
