@@ -104,6 +104,11 @@ class FileTurns:
             self._thread_lock.release()
 
 
+# Seconds call_save_states waits for running generations to end: the front
+# asks once the requests it waits for have been answered.
+SAVE_WAIT = 1.0
+
+
 class Worker:
     """Answers the front's frames for one Loaded model."""
 
@@ -129,6 +134,7 @@ class Worker:
         self._cancels = {}              # request id -> RequestCancel of a running generation
         self._jobs = Threads("request")
         self._lock = threading.Lock()
+        self._ended = threading.Condition(self._lock)     # a generation left _cancels
         # the prompt speed decodes show, for FIM's t_max_prompt_ms (engine/promptfit.py)
         first = loaded.sessions[0]
         self.prompt_rate = promptfit.PromptRate(self.model, first.threads.batch.max_threads)
@@ -277,7 +283,10 @@ class Worker:
             return {"written": 0}
         live = []
         with self._lock:
-            running = bool(self._cancels)
+            # a generation whose answer is sent is still in _cancels until its
+            # job ends: a server stopped right after a reply (its SIGTERM reached
+            # here within a millisecond) left that session's cache off disk
+            running = not self._ended.wait_for(lambda: not self._cancels, SAVE_WAIT)
         if not running:
             for s in self.loaded.sessions:
                 # a cache of an adapter set stays off disk (statecache.py)
@@ -533,6 +542,7 @@ class Worker:
         finally:
             with self._lock:
                 self._cancels.pop(rid, None)
+                self._ended.notify_all()
             self.fill.done()
 
     # the calls a generate frame may ask to make its prompt (protocol.py)
