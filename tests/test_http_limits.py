@@ -164,12 +164,19 @@ def test_600_silent_connections_lock_out_neither_health_nor_completions(srv):
 
 
 def take_the_share(port, hog):
-    """PEER_SHARE connections from 127.0.0.1 (into ``hog``), each having spoken (half a
-    request: each holds a handler thread), once the server counts them all: one more
-    from that address is refused.  Returns that refusal's responses."""
+    """PEER_SHARE connections from 127.0.0.1 (into ``hog``), each holding a handler
+    thread, once the server counts them all: one more from that address is refused.
+    Returns that refusal's responses.
+
+    Each sends a whole request head and half its body: a connection still
+    waiting for its head would be dropped for the newcomer once it has waited
+    Seats.min_wait (0.5 s), and opening 256 of them takes longer than that on
+    a loaded machine (CI saw a 200 for every try), while one being answered
+    is never dropped."""
     for _ in range(PEER_SHARE):
         s = connect_from(port)
-        s.sendall(b"GET /health HTTP/1.1\r\n")
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: 40\r\n\r\n{")
         hog.append(s)
     deadline, refused = time.monotonic() + 10, None
     while time.monotonic() < deadline:
