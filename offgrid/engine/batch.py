@@ -58,7 +58,7 @@ class _Part:
     """One member's tokens waiting for (or in) a decode step."""
 
     __slots__ = ("member", "tokens", "pos", "seqs", "outputs", "prompt", "done_n",
-                 "status", "offset", "done", "run", "adapters", "queued")
+                 "status", "offset", "done", "run", "adapters")
 
     def __init__(self, member, tokens, pos, seqs, outputs, prompt):
         self.member = member
@@ -73,7 +73,6 @@ class _Part:
         self.done = False
         self.run = None             # a decode of its own (run_alone), instead of tokens
         self.adapters = member.adapters     # its LoRA adapter key
-        self.queued = time.perf_counter()
 
 
 class _Filler(_Part):
@@ -178,7 +177,6 @@ class BatchDecoder:
     longest_gap = 3.0           # periods: the longest step of one quantum
     stream_pace = WorkerSettings.stream_pace   # tok/s (--stream-pace); 0: prompts take whole batches
     learn_prompt_alone = 64     # prompt tokens a step of them alone must have to teach
-    gather = 0.1                # EXPERIMENT seconds a short prompt waits beside streams (split)
 
     def __init__(self, ctx, threads, turn, streams=False, has_state=False):
         """``ctx``: the ContextHandle (owned from here on); ``threads``: the
@@ -407,13 +405,6 @@ class BatchDecoder:
                     return [(p, p.done_n if p.prompt else 0, (p.done_n if p.prompt else 0) + k)]
             return step
         gen = [p for p in pending if not p.prompt]
-        if self.streams and gen and self.gather:
-            prompts = [p for p in pending if p.prompt]
-            busy = len({p.member.index for p in pending})
-            if prompts and busy < len(self._members) and all(
-                    len(p.tokens) - p.done_n < self.prompt_quantum for p in prompts) and \
-                    time.perf_counter() - min(p.queued for p in prompts) < self.gather:
-                pending = gen
         for p in gen:
             if len(p.tokens) <= cap:
                 step.append((p, 0, len(p.tokens)))
