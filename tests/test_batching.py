@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from offgrid.engine.batch import BatchDecoder
+from offgrid.engine.batch import BatchDecoder, _even_shares
 from offgrid.engine.session import ChatSession, shared_decoder
 from offgrid.request import GenerationParams, RequestCancel, SamplingParams
 
@@ -445,3 +445,35 @@ def test_a_step_of_a_chunk_leaves_the_streams_tokens_out_and_less_than_a_quantum
     d._pending = [long_prompt]              # no stream: the batch
     d._behind = 0.0
     assert d._take() == [(long_prompt, 0, 512)] and not d._streams_wait
+
+
+def test_prompts_that_wait_together_get_even_shares_of_a_step():
+    d = BatchDecoder(_Ctx(), threads=None, turn=None)
+    long_prompt, short = _Part(True, 2000), _Part(True, 40)
+    # no stream: the whole batch, the short prompt all of its need (first come,
+    # first served gave the earlier long prompt all 512, and the short one
+    # waited out its every step)
+    d._pending = [long_prompt, short]
+    assert d._take() == [(long_prompt, 0, 472), (short, 0, 40)]
+    # seven equal prompts beside a stream, a 64-token chunk: 9 or 10 each, so
+    # they end in one step and their streams start together
+    d._gen_step, d._prompt_token = {1: 0.016}, 0.002
+    stream, seven = _Part(False), [_Part(True, 21) for _ in range(7)]
+    d._pending = [stream] + seven
+    step = d._take()
+    assert [b - a for _, a, b in step] == [10, 9, 9, 9, 9, 9, 9] and d._streams_wait
+    # with a cache stream each, the odd token waits for the next step: slices
+    # of unequal length are more ubatches in split_equal
+    d.streams = True
+    assert [b - a for _, a, b in d._take()] == [9] * 7
+
+
+def test_even_shares():
+    assert _even_shares([21] * 7, 64) == [10, 9, 9, 9, 9, 9, 9]
+    assert _even_shares([21] * 7, 64, whole=False) == [9] * 7
+    assert _even_shares([2000, 5, 50], 64) == [30, 5, 29]     # the least in need first
+    assert _even_shares([21] * 7, 500) == [21] * 7
+    assert _even_shares([3, 3], 1, whole=False) == [1, 0]     # never nothing at all
+    assert _even_shares([30, 30], 3, whole=False) == [1, 1]
+    assert _even_shares([], 10) == [] and _even_shares([10], 0) == [0]
+

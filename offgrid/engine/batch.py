@@ -422,11 +422,11 @@ class BatchDecoder:
             elif alone:
                 share = left                # the rest rides with the streams
             share = min(cap, share)
-        for p in pending:
-            if p.prompt and share > 0:
-                k = min(len(p.tokens) - p.done_n, share)
+        prompts = [p for p in pending if p.prompt]
+        needs = [len(p.tokens) - p.done_n for p in prompts]
+        for p, k in zip(prompts, _even_shares(needs, share, whole=not self.streams)):
+            if k:
                 step.append((p, p.done_n, p.done_n + k))
-                share -= k
         return step
 
     def _prompt_share(self, n_gen):
@@ -512,6 +512,41 @@ class BatchDecoder:
                     p.member.cancelled for p, _, _ in self._running)):
                 self.ctx.request_abort()
             self._cond.notify_all()
+
+
+def _even_shares(needs, total, whole=True):
+    """``total`` prompt tokens dealt to prompts that need ``needs``: each as much as
+    the others, less only where it needs less (its rest goes to the others).
+
+    Prompts that arrive together end together, so their streams start in one
+    step and stay in step: first come, first served started them a step or
+    more apart, and apart they kept costing (with a cache stream each,
+    libllama evaluates a step's streams in runs of consecutive ones, one
+    weight read a run; seven 21-token prompts took six steps, and every
+    later round's prompts came in apart).  A short prompt beside a long one
+    is done in its first steps instead of after the long one.  ``whole``:
+    what does not divide evenly goes to the first ones; else it is left for
+    the next step (unless nothing else is dealt), since slices of unequal
+    length make libllama's split_equal (cache streams) evaluate the step in
+    more ubatches."""
+    shares = [0] * len(needs)
+    left = sorted(range(len(needs)), key=lambda i: needs[i])
+    while left and total > 0:
+        each = total // len(left)
+        if each == 0:
+            if whole or not any(shares):       # (never a step without prompt work)
+                for i in sorted(left)[:total]:
+                    shares[i] += 1
+            break
+        if needs[left[0]] - shares[left[0]] <= each:
+            i = left.pop(0)             # the least in need: all of it
+            total -= needs[i] - shares[i]
+            shares[i] = needs[i]
+            continue
+        for i in left:
+            shares[i] += each
+        total -= each * len(left)
+    return shares
 
 
 def _average(old, new, weight=0.3):
