@@ -267,6 +267,10 @@ class GenerationParams:
     # None: the server's global scales, which the front puts here before it
     # sends the request on: server/api/lora.py, engine/adapters.py)
     lora: Optional[list] = None
+    # the choices of one prompt of one request (n > 1) name it alike: the first
+    # to start in the worker evaluates the prompt and keeps its state, the
+    # others wait for it and restore that state (engine/worker.py)
+    prompt_group: Optional[str] = None
 
     def copy(self):
         """A copy whose fields, and whose sampling's, can be set apart from this one's.

@@ -361,6 +361,38 @@ def test_the_choices_of_one_request_are_decoded_together(smollm_path):
         assert events[-1] == "[DONE]"
 
 
+def test_the_choices_of_one_prompt_evaluate_it_once(plain_model_path):
+    """llama-server evaluates an n_cmpl request's prompt once and copies its cells
+    to the other choices; here the first choice to start keeps its prompt's state
+    and the others restore it (engine/worker.py _join_group), so each of them
+    evaluates the last token alone.  A request with cache_prompt off evaluates it
+    in every choice, as before."""
+    prompt = "Numbers: " + ", ".join(str(i) for i in range(60))
+
+    def once(srv, n_cmpl):
+        status, _, body = srv.post("/completion", {
+            "prompt": "%d %s" % (n_cmpl, prompt), "n_cmpl": n_cmpl, "n_predict": 4,
+            "ignore_eos": True, "temperature": 0})
+        assert status == 200, body
+        n = body[0]["tokens_evaluated"]
+        assert n > 100 and all(b["tokens_evaluated"] == n for b in body)
+        done = sorted(b["timings"]["prompt_n"] for b in body)
+        assert done == [1] * (n_cmpl - 1) + [n], done
+        assert all(b["timings"]["cache_n"] == n - 1 for b in body
+                   if b["timings"]["prompt_n"] == 1)
+        assert all(b["tokens_predicted"] == 4 for b in body)
+    with ServerProcess(plain_model_path, "-np", "3", "--no-kv-unified", threads=1) as srv:
+        once(srv, 3)        # a KV stream each: the state copied from stream to stream
+    with ServerProcess(plain_model_path, "-np", "3", threads=1) as srv:
+        once(srv, 3)
+        once(srv, 2)
+        status, _, body = srv.post("/completion", {
+            "prompt": "0 " + prompt, "n_cmpl": 2, "n_predict": 4, "ignore_eos": True,
+            "temperature": 0, "cache_prompt": False})
+        assert status == 200 and [b["timings"]["prompt_n"] for b in body] == \
+            [body[0]["tokens_evaluated"]] * 2
+
+
 class _Member:
     cancelled = False
 

@@ -27,7 +27,8 @@ from .textstream import TextAssembler, TokenLedger
 class Generation:
     """ChatSession's generation (engine/session.py has the rest of it)."""
 
-    def complete(self, tokens, params=None, on_piece=None, cancel=None, on_progress=None):
+    def complete(self, tokens, params=None, on_piece=None, cancel=None, on_progress=None,
+                 on_evaluated=None):
         """Evaluate the prompt ``tokens``, then generate.
 
         ``on_piece(text)`` is called with each piece of text that is final (no
@@ -38,7 +39,8 @@ class Generation:
         and the Completion's ``probs`` holds them all; with
         ``params.piece_tokens`` (and no probs) the second argument is those
         tokens' ids.  ``on_progress``: see
-        evaluate.  Returns a Completion.
+        evaluate.  ``on_evaluated()`` is called once the whole prompt is in the
+        cache, before the first token is sampled.  Returns a Completion.
         """
         params = params or GenerationParams()
         params.sampling.validate()
@@ -63,6 +65,8 @@ class Generation:
                 usage.evaluated = max(0, min(held - usage.cached_tokens,
                                              usage.prompt_tokens - usage.cached_tokens))
                 return Completion("", [], FinishReason.CANCELLED, "none", "", usage)
+            if on_evaluated is not None:
+                on_evaluated()
             if params.n_predict == 0:
                 # warm-up: the prompt is now cached; nothing to generate
                 return Completion("", [], FinishReason.LENGTH, "limit", "", usage)

@@ -424,6 +424,12 @@ class ChatSession(Generation, RecurrentCache):
             states.count(False)
         return None
 
+    def keep_prompt_state(self):
+        """Copy what the cache holds into the StateCache now (if it wants it), for
+        another session to restore: the choices of one prompt (engine/worker.py)."""
+        if self.states is not None and not self.memory.has_state:
+            self._save_state()
+
     def _save_state(self):
         """Copy this session's prompt sequence into the StateCache (if it wants it)."""
         tokens = self.cached

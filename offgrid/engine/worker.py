@@ -135,6 +135,7 @@ class Worker:
         self._jobs = Threads("request")
         self._lock = threading.Lock()
         self._ended = threading.Condition(self._lock)     # a generation left _cancels
+        self._groups = {}               # GenerationParams.prompt_group -> Event: evaluated
         # the prompt speed decodes show, for FIM's t_max_prompt_ms (engine/promptfit.py)
         first = loaded.sessions[0]
         self.prompt_rate = promptfit.PromptRate(self.model, first.threads.batch.max_threads)
@@ -545,6 +546,29 @@ class Worker:
                 self._ended.notify_all()
             self.fill.done()
 
+    def _join_group(self, key, cancel):
+        """The choices of one prompt (GenerationParams.prompt_group): the first to
+        come leads, and gets a function to call once its prompt's state is kept
+        (or its evaluation failed); the others wait for that, then restore the
+        state as any kept one (session.py _swap_state) instead of evaluating the
+        prompt each, and get None.  llama-server's n_cmpl children copy the
+        parent's cells alike.  Whoever comes after the lead is done finds the
+        state kept already."""
+        with self._lock:
+            done = self._groups.get(key)
+            if done is None:
+                done = self._groups[key] = threading.Event()
+
+                def release():
+                    with self._lock:
+                        if self._groups.get(key) is done:
+                            del self._groups[key]
+                    done.set()
+                return release
+        while not done.wait(0.05) and not cancel.cancelled:
+            pass
+        return None
+
     # the calls a generate frame may ask to make its prompt (protocol.py)
     _PREPARE = ("prepare_completion", "prepare_infill")
 
@@ -632,9 +656,19 @@ class Worker:
 
             def on_progress(p):
                 pacer.send({"op": op, "id": rid, key: empty, "progress": p}, now=True)
+        lead = on_evaluated = None
+        if gen.prompt_group is not None and gen.cache_prompt and session.states is not None:
+            lead = self._join_group(gen.prompt_group, cancel)
+        if lead is not None:
+            def on_evaluated():
+                session.keep_prompt_state()
+                lead()
         try:
-            c = session.complete(tokens, gen, on_piece, cancel, on_progress)
+            c = session.complete(tokens, gen, on_piece, cancel, on_progress,
+                                 on_evaluated=on_evaluated)
         finally:
+            if lead is not None:
+                lead()
             cached = session.cached if not session.closed else []
         fit = self._last_fit
         if fit is not None and fit[0] == tokens and gen.cache_prompt:

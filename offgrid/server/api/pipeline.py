@@ -32,6 +32,7 @@ Nothing here knows a dialect's field names or shapes.
 """
 
 import functools
+import itertools
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -121,6 +122,10 @@ class Format:
         raise NotImplementedError
 
 
+# the requests' prompts of several choices, numbered (GenerationParams.prompt_group)
+_PROMPT_GROUPS = itertools.count()
+
+
 def jobs_of(g):
     """The jobs of ``g``, numbered as llama-server numbers its child tasks."""
     n_jobs = len(g.prompts) * g.n
@@ -133,11 +138,17 @@ def jobs_of(g):
     jobs = [Job(i, p, k) for i, (p, k) in
             enumerate((p, k) for p in g.prompts for k in range(g.n))]
     base_seed = g.gen.sampling.seed
+    # (choices on a named slot take turns on its one session: nothing to share)
+    group = next(_PROMPT_GROUPS) if g.n > 1 and g.id_slot < 0 else None
     for job in jobs:
         # its own copy: jobs may run at once; choice k its own seed (llama-server's)
         job.gen = g.gen if n_jobs == 1 else g.gen.copy()
         if base_seed is not None:
             job.gen.sampling.seed = base_seed + job.k
+        if group is not None:
+            # one evaluation of the prompt for all its choices (llama-server's
+            # n_cmpl: the children copy the parent's cells)
+            job.gen.prompt_group = "%d/%d" % (group, job.index // g.n)
     return jobs
 
 
