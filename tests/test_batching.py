@@ -391,6 +391,16 @@ def test_the_choices_of_one_prompt_evaluate_it_once(plain_model_path):
             "temperature": 0, "cache_prompt": False})
         assert status == 200 and [b["timings"]["prompt_n"] for b in body] == \
             [body[0]["tokens_evaluated"]] * 2
+    # one session: the choices take turns on it, and the second finds the prompt
+    # in its cache; no state is copied out for it
+    with ServerProcess(plain_model_path, threads=1) as srv:
+        status, _, body = srv.post("/completion", {
+            "prompt": prompt, "n_cmpl": 2, "n_predict": 4, "ignore_eos": True,
+            "temperature": 0})
+        assert status == 200 and body[1]["timings"]["prompt_n"] == 1
+        saves = [v for k, v in srv.metrics().items()
+                 if k.startswith("offgrid_state_cache_saves_total")]
+        assert saves == [0], saves
 
 
 class _Member:

@@ -138,8 +138,11 @@ def jobs_of(g):
     jobs = [Job(i, p, k) for i, (p, k) in
             enumerate((p, k) for p in g.prompts for k in range(g.n))]
     base_seed = g.gen.sampling.seed
-    # (choices on a named slot take turns on its one session: nothing to share)
-    group = next(_PROMPT_GROUPS) if g.n > 1 and g.id_slot < 0 else None
+    # choices that take turns on one session (a named slot, a pool of one:
+    # Service.run_choices) find the prompt in its cache: nothing to share
+    pool = g.entry.pool
+    group = next(_PROMPT_GROUPS) if g.n > 1 and g.id_slot < 0 and pool is not None \
+        and len(pool.sessions) > 1 else None
     for job in jobs:
         # its own copy: jobs may run at once; choice k its own seed (llama-server's)
         job.gen = g.gen if n_jobs == 1 else g.gen.copy()
