@@ -523,8 +523,9 @@ def _even_shares(needs, total, whole=True):
     more apart, and apart they kept costing (with a cache stream each,
     libllama evaluates a step's streams in runs of consecutive ones, one
     weight read a run; seven 21-token prompts took six steps, and every
-    later round's prompts came in apart).  A short prompt beside a long one
-    is done in its first steps instead of after the long one.  ``whole``:
+    later round's prompts came in apart).  A short prompt that comes while a
+    long one is under way goes in the next step, not after the rest of the
+    long one's part (up to a batch).  ``whole``:
     what does not divide evenly goes to the first ones; else it is left for
     the next step (unless nothing else is dealt), since slices of unequal
     length make libllama's split_equal (cache streams) evaluate the step in
