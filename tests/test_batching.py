@@ -403,6 +403,42 @@ def test_the_choices_of_one_prompt_evaluate_it_once(plain_model_path):
         assert saves == [0], saves
 
 
+def test_a_memory_operation_waiting_for_the_lock_goes_before_the_next_step():
+    """The thread that ends a step and starts the next one would take a plain lock
+    again before the woken waiter ran: a session's cut waited out that step too."""
+    from offgrid.engine.batch import MemoryFirstLock
+    lock = MemoryFirstLock()
+    order = []
+    waiting = threading.Event()
+
+    def memory_operation():
+        waiting.set()
+        with lock:
+            order.append("memory")
+
+    with lock.step():
+        t = threading.Thread(target=memory_operation)
+        t.start()
+        assert waiting.wait(10)
+        deadline = time.monotonic() + 10
+        while not lock._waiting:            # it waits on the lock now
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        order.append("step 1")
+    lock.memory_first()
+    with lock.step():
+        order.append("step 2")
+    t.join(10)
+    assert order == ["step 1", "memory", "step 2"]
+    # with nobody waiting a step does not wait at all, and one that never ends
+    # its wait holds a step back at most max_defer
+    t0 = time.monotonic()
+    lock.memory_first()
+    lock._waiting = 1
+    lock.memory_first()
+    assert lock.max_defer <= time.monotonic() - t0 < lock.max_defer + 1
+
+
 class _Member:
     cancelled = False
 
