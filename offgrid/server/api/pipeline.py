@@ -126,8 +126,9 @@ class Format:
 _PROMPT_GROUPS = itertools.count()
 
 
-def jobs_of(g):
-    """The jobs of ``g``, numbered as llama-server numbers its child tasks."""
+def jobs_of(g, choices_at_once=False):
+    """The jobs of ``g``, numbered as llama-server numbers its child tasks;
+    ``choices_at_once``: a prompt's choices run at once (Service.at_once)."""
     n_jobs = len(g.prompts) * g.n
     if n_jobs > MAX_JOBS:
         raise BadRequest("this request asks for %d generations (%d prompts x %d choices); "
@@ -138,11 +139,9 @@ def jobs_of(g):
     jobs = [Job(i, p, k) for i, (p, k) in
             enumerate((p, k) for p in g.prompts for k in range(g.n))]
     base_seed = g.gen.sampling.seed
-    # choices that take turns on one session (a named slot, a pool of one:
-    # Service.run_choices) find the prompt in its cache: nothing to share
-    pool = g.entry.pool
-    group = next(_PROMPT_GROUPS) if g.n > 1 and g.id_slot < 0 and pool is not None \
-        and len(pool.sessions) > 1 else None
+    # choices that take turns on one session find the prompt in its cache:
+    # nothing to share
+    group = next(_PROMPT_GROUPS) if choices_at_once else None
     for job in jobs:
         # its own copy: jobs may run at once; choice k its own seed (llama-server's)
         job.gen = g.gen if n_jobs == 1 else g.gen.copy()
@@ -160,7 +159,7 @@ def run(h, g, fmt):
     svc = h.service
     # the adapter scales it runs with: its own, else the global ones now (api/lora.py)
     g.gen.lora = lora.resolve(g.entry, g.gen.lora)
-    jobs = jobs_of(g)
+    jobs = jobs_of(g, svc.at_once(g.entry, g.n, g.id_slot))
     svc.metrics.request(g.endpoint)
     out = None
     if g.stream:

@@ -142,6 +142,13 @@ class Service:
         return shelf.use(entry, self._scope())
 
     # -- running a request --------------------------------------------------
+    @staticmethod
+    def at_once(entry, n_jobs, id_slot=-1):
+        """Whether run_choices runs ``n_jobs`` jobs at once, each on a session of
+        its own, rather than one after another (one session, or an ``id_slot``)."""
+        pool = entry.pool
+        return n_jobs > 1 and id_slot < 0 and pool is not None and len(pool.sessions) > 1
+
     def run_choices(self, entry, jobs, id_slot=-1):
         """Run the ``jobs`` of one request (callables returning a Completion: its
         choices, or its prompts) and return their Completions in order, up to
@@ -151,8 +158,7 @@ class Service:
         them in one batch (engine/batch.py), unless they would take turns
         anyway: one session, or an ``id_slot`` (each would supersede the last).
         """
-        pool = entry.pool
-        if len(jobs) == 1 or id_slot >= 0 or pool is None or len(pool.sessions) < 2:
+        if not self.at_once(entry, len(jobs), id_slot):
             done = []
             for job in jobs:
                 done.append(job())
