@@ -166,7 +166,10 @@ class BatchDecoder:
     # A model whose step of generated tokens takes over half the period cannot
     # catch up that way: each step then carries the streams' tokens and as
     # much of the prompt as fits in one period, and at least ``prompt_share``
-    # of a generation step's cost, so the prompt keeps near half its speed.  A
+    # of a generation step's cost, so the prompt keeps near half its speed;
+    # but prompts that fit whole in a step of ``longest_step`` periods beside
+    # them (eight clients' next turns) go whole, so that each ends in the step
+    # it came to, as the others that came with it.  A
     # generation step's cost is kept per number of generated tokens in it
     # (one of 8 took 48 ms, one of 1 21 ms).  Until both costs are known a
     # step takes ``first_prompt_share`` prompt tokens beside the streams'.
@@ -264,6 +267,17 @@ class BatchDecoder:
     def _lead(self):
         """Make one decode step of the queued parts (called holding _cond, which
         it lets go of during the decode)."""
+        if self.lock.wants_first():
+            # a session preparing its prompt's cache: the step waits for that,
+            # and takes the prompt it then queues (MemoryFirstLock)
+            self._running = ()              # no other leader meanwhile
+            self._cond.release()
+            try:
+                self.lock.memory_first()
+            finally:
+                self._cond.acquire()
+                self._running = None
+                self._cond.notify_all()
         step = self._take()
         if not step:
             return
@@ -415,8 +429,8 @@ class BatchDecoder:
         if not step:
             share = cap
         else:
-            share, alone = self._prompt_share(self.ctx.n_batch - cap)
             left = sum(len(p.tokens) - p.done_n for p in pending if p.prompt)
+            share, alone = self._prompt_share(self.ctx.n_batch - cap, left)
             if alone and left >= self.prompt_quantum:
                 # a chunk of whole quanta, a step of its own (class comment)
                 step, cap, share = [], self.ctx.n_batch, min(share, self.ctx.n_batch)
@@ -431,11 +445,11 @@ class BatchDecoder:
                 step.append((p, p.done_n, p.done_n + k))
         return step
 
-    def _prompt_share(self, n_gen):
+    def _prompt_share(self, n_gen, left=None):
         """(prompt tokens for a step beside n_gen generated ones, whether that
         chunk is a step of its own, the generated tokens waiting for the next):
         (0, False) for a step of the generated tokens alone, the streams being
-        behind their pace."""
+        behind their pace.  ``left``: the prompt tokens waiting."""
         if not self.stream_pace:
             return self.ctx.n_batch, False
         gen_step = self._gen_step.get(n_gen)
@@ -456,6 +470,11 @@ class BatchDecoder:
             # a quantum would keep the streams waiting too long: what fits
             fit = int((self.longest_step * period - gen_step) / token)
             return max(self.min_prompt_share, fit), False
+        if left is not None and gen_step + left * token <= self.longest_step * period:
+            # a short prompt (a client's next turn among many streams) whole, in
+            # a step no longer than a chunk's: split, it ended steps after the
+            # others that came with it, and their streams never met again
+            return left, False
         share = int(max(period - gen_step, self.prompt_share * gen_step) / token)
         return max(self.min_prompt_share, share), False
 
@@ -519,47 +538,76 @@ class BatchDecoder:
 class MemoryFirstLock:
     """The decoder's lock: each decode step holds it for the whole llama_decode,
     and every memory operation of a session takes it (a cut, a copy of a state
-    out to the StateCache or into the cache); one waiting goes before the next
-    step.
+    out to the StateCache or into the cache); those waiting or under way go
+    before the next step, and so does what a session queues right after them.
 
     A plain lock let the thread that ended a step take it again for the next
     one before the woken waiter ran, so a session preparing a new prompt's
     cache waited a whole step per operation, often more (8 clients, gemma-3,
     a KV stream each: 85 ms p50, up to 186, from a request's start in the
     worker to its first decode, while the others' steps took 60; the waits on
-    this lock 5.6 s over a 34 s run).  A step waits for the memory operations
-    queued when it comes (each takes microseconds to a few milliseconds), and
+    this lock 5.6 s over a 34 s run).  Serving only those waiting still let a
+    step in between a session's operations (a state copied out, then the
+    cut: two steps' wait) and before the prompt they prepared was queued (a
+    third), so a step also waits while one is under way, and ``linger``
+    seconds after another thread's last one (its prompt then comes in that
+    step): 8 clients, gemma-3, one cache, from a request's prompt made in
+    the worker to the step that takes it 108 ms p50 -> 58 (the step under
+    way when it came: 55), and from a session's last token to its next
+    request's first step 120 ms p50, 220 p90 -> 74, 86.  Each operation
+    takes microseconds to a few milliseconds, and a step waits
     at most ``max_defer`` seconds, so a session that keeps asking cannot hold
-    the others' tokens back."""
+    the others' tokens back.  A step does not linger after its own thread's
+    operations: a lone session's request starts at once."""
 
     max_defer = 0.05
+    linger = 0.002
 
     def __init__(self):
         self._lock = threading.Lock()
         self._cond = threading.Condition(threading.Lock())
-        self._waiting = 0           # memory operations waiting for the lock
+        self._busy = 0              # memory operations waiting for the lock or holding it
+        self._last = (0.0, None)    # when the last one let go, and its thread
 
     def __enter__(self):
         with self._cond:
-            self._waiting += 1
+            self._busy += 1
         try:
             self._lock.acquire()
-        finally:
-            with self._cond:
-                self._waiting -= 1
-                if not self._waiting:
-                    self._cond.notify_all()
+        except BaseException:
+            self._let_go()
+            raise
         return self
 
     def __exit__(self, *exc):
         self._lock.release()
+        self._let_go()
+
+    def _let_go(self):
+        with self._cond:
+            self._busy -= 1
+            self._last = (time.perf_counter(), threading.get_ident())
+            self._cond.notify_all()
+
+    def wants_first(self):
+        """Whether memory operations go before a step now (read without the lock:
+        a hint, which memory_first() settles)."""
+        t, thread = self._last
+        return bool(self._busy) or (thread != threading.get_ident()
+                                    and time.perf_counter() - t < self.linger)
 
     def memory_first(self):
         """Before a step takes the lock (and the process's decode turn): let the
-        memory operations waiting now have it first."""
+        memory operations waiting or under way have it first, and what follows
+        them closely."""
+        deadline = time.perf_counter() + self.max_defer
         with self._cond:
-            if self._waiting:
-                self._cond.wait_for(lambda: not self._waiting, self.max_defer)
+            while self.wants_first():
+                now = time.perf_counter()
+                if now >= deadline:
+                    return
+                wait = deadline - now if self._busy else self._last[0] + self.linger - now
+                self._cond.wait(min(max(wait, 0.0), deadline - now))
 
     @contextlib.contextmanager
     def step(self):
