@@ -267,14 +267,13 @@ class BatchDecoder:
     def _lead(self):
         """Make one decode step of the queued parts (called holding _cond, which
         it lets go of during the decode)."""
-        deadline = None
         if self.lock.wants_first():
             # a session preparing its prompt's cache: the step waits for that,
             # and takes the prompt it then queues (MemoryFirstLock)
             self._running = ()              # no other leader meanwhile
             self._cond.release()
             try:
-                deadline = self.lock.memory_first()
+                self.lock.memory_first()
             finally:
                 self._cond.acquire()
                 self._running = None
@@ -292,7 +291,6 @@ class BatchDecoder:
         self._cond.release()
         try:
             run = step[0][0].run
-            self.lock.memory_first(deadline)
             with self._turn(), self.lock.step():
                 fillers = self._fill(step) if self.fills and not run else ()
                 n = sum(b - a for _, a, b in step)
@@ -597,21 +595,17 @@ class MemoryFirstLock:
         return bool(self._busy) or (thread != threading.get_ident()
                                     and time.perf_counter() - t < self.linger)
 
-    def memory_first(self, deadline=None):
-        """Before a step takes the lock (and the process's decode turn): let the
-        memory operations waiting or under way have it first, and what follows
-        them closely, until ``deadline`` (perf_counter; default max_defer from
-        now).  Returns the deadline, for a second call before the same step."""
-        if deadline is None:
-            deadline = time.perf_counter() + self.max_defer
+    def memory_first(self):
+        """Before a step is packed: let the memory operations waiting or under
+        way have the lock first, and what follows them closely."""
+        deadline = time.perf_counter() + self.max_defer
         with self._cond:
             while self.wants_first():
                 now = time.perf_counter()
                 if now >= deadline:
-                    break
+                    return
                 wait = deadline - now if self._busy else self._last[0] + self.linger - now
                 self._cond.wait(min(max(wait, 0.0), deadline - now))
-        return deadline
 
     @contextlib.contextmanager
     def step(self):
