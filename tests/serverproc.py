@@ -69,7 +69,25 @@ class ServerProcess:
         return ([sys.executable, "-m", "offgrid"] + self.args, str(ROOT),
                 dict(os.environ, PYTHONUNBUFFERED="1", XDG_CACHE_HOME=self.cache_home))
 
+    # free_port() lets go of the port before the server binds it, and another
+    # process may take it in between (another test's server, a client's
+    # ephemeral port): a server that finds it taken starts again on another
+    port_tries = 3
+
     def start(self):
+        for attempt in range(self.port_tries):
+            try:
+                return self._start()
+            except RuntimeError:
+                if attempt + 1 == self.port_tries or not any(
+                        "Address already in use" in line for line in self.output):
+                    raise
+            self.output = []
+            old, self.port = self.port, free_port()
+            self.args = [str(self.port) if a == str(old) and i and self.args[i - 1] == "--port"
+                         else a for i, a in enumerate(self.args)]
+
+    def _start(self):
         argv, cwd, env = self.launch()
         self.proc = subprocess.Popen(argv, cwd=cwd, env=env, text=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
