@@ -153,6 +153,8 @@ def main(argv=None):
                         "(default: each server's own default)")
     p.add_argument("--llama-bin", help="folder with the patched llama-server (default: "
                    "scripts/build_lib.sh --server)")
+    p.add_argument("--parallel", type=int, default=None,
+                   help="each server's sessions/slots, -np (default: --clients)")
     p.add_argument("--out-dir", default="/tmp", help="where perf's recordings go")
     args = p.parse_args(argv)
     names = args.servers.split(",")
@@ -164,7 +166,7 @@ def main(argv=None):
         ">40ms"))
     for rnd in range(args.rounds):
         for name in (names if rnd % 2 == 0 else names[::-1]):
-            cfg = servers.Config(args.model, args.threads, 4096, args.clients,
+            cfg = servers.Config(args.model, args.threads, 4096, args.parallel or args.clients,
                                  extra=tuple(flags.get(name, ())))
             s = trace(name, cfg, bins, args.clients, args.out_dir)
             print("%-13s %6.1f %6d %8.2f %8.2f %7.2f %6.2f ms %5.2f ms %6d" % (
