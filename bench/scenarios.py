@@ -166,7 +166,8 @@ def concurrent(port, clients, requests=REQUESTS_PER_CLIENT, n_predict=CONCURRENT
                                   "to visit, and why." % (c, i),
                         "n_predict": n_predict, "temperature": 0, "ignore_eos": True}
                 obj, wall = post(port, "/completion", body, timeout=CONCURRENT_DEADLINE_S)
-                results[c].append((obj["timings"]["predicted_n"], wall))
+                results[c].append((obj["timings"]["predicted_n"], wall,
+                                   obj["timings"]["prompt_n"]))
         except Exception as e:      # reported after the join
             errors.append(e)
 
@@ -184,10 +185,13 @@ def concurrent(port, clients, requests=REQUESTS_PER_CLIENT, n_predict=CONCURRENT
     if any(th.is_alive() for th in threads):
         raise RuntimeError("concurrent: clients still running after %d s"
                            % CONCURRENT_DEADLINE_S)
-    tokens = sum(n for r in results for n, _ in r)
-    walls = [w for r in results for _, w in r]
+    tokens = sum(n for r in results for n, _, _ in r)
+    walls = [w for r in results for _, w, _ in r]
+    # the prompt tokens the server evaluated (what its cache did not hold):
+    # llama-batched-bench's limit for the same work counts them (run.py)
     return {"tps": [tokens / elapsed], "tokens": [tokens], "elapsed_s": [elapsed],
-            "request_p50_s": [statistics.median(walls)]}
+            "request_p50_s": [statistics.median(walls)],
+            "prompt_tokens": [sum(p for r in results for _, _, p in r)]}
 
 
 # -- 6. a long prompt arriving while another session generates ------------------

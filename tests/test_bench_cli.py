@@ -182,6 +182,29 @@ def test_figures_give_gains_and_llama_servers_best_ngram(bench):
     assert bench.best_spec_type(llama) == "ngram-mod"
 
 
+def test_the_batched_limit_counts_the_prompts_the_server_evaluated(bench):
+    # eight clients: 4096 tokens generated and 944 prompt tokens evaluated, at
+    # llama-batched-bench's 660 tok/s of prompt and 176 of generation: 1.43 s
+    # + 23.27 s, 165.8 tok/s of generation for the same work
+    samples = {"offgrid": {"batched_unified_8": {"tps": [160.0], "tokens": [4096],
+                                                  "prompt_tokens": [944]}}}
+    result = {"samples": samples,
+              "scenarios": {"batched_unified_8_tok_s": {"offgrid": 160.0}},
+              "llama_bench": {"batched": {"unified": {"8": {"tg": 176.0, "pp": 660.0,
+                                                             "all": 220.0}}}}}
+    limit = 4096 / (944 / 660.0 + 4096 / 176.0)
+    assert bench.same_work_limit(result, "batched_unified_8",
+                                 result["llama_bench"]["batched"]["unified"]["8"]) == limit
+    got = {what: (value, met) for what, value, bound, met in bench.goals(result)}
+    assert got["#52 batched 8 clients, unified KV: offgrid / llama-batched-bench's "
+               "generation (tok/s)"] == (160.0 / 176.0, False)
+    assert got["#52 batched 8 clients, unified KV: offgrid / llama-batched-bench's rates "
+               "for the same prompt and generated tokens (tok/s)"] == (160.0 / limit, False)
+    # results from before the prompts were counted: the generation line alone
+    del samples["offgrid"]["batched_unified_8"]["prompt_tokens"]
+    assert not [what for what, *_ in bench.goals(result) if "same prompt" in what]
+
+
 def test_goals_say_which_are_met(bench):
     result = {"llama_server_best_spec_type": "ngram-mod", "scenarios": {
         "continuation_tok_s": {"offgrid": 40.0, "llama_server": 30.0},
