@@ -105,7 +105,10 @@ for f in "$STAGE"/lib/*.so; do [ "$f" = "$GPU_MODULE" ] || BASE_LIBS+=("$f"); do
 SYSTEM_LIBS=$(needed "${BASE_LIBS[@]}" | tr '\n' ' ')
 GPU_LIBS=$([ -z "$GPU" ] || needed "$GPU_MODULE" \
     | while read -r so; do [[ " $SYSTEM_LIBS" == *" $so "* ]] || echo "$so"; done | tr '\n' ' ')
-HOST_GLIBC=$(ldd --version 2>/dev/null | head -1 | grep -oE '[0-9]+\.[0-9]+$' || echo "?")
+# sed reads all of ldd's output: with head, ldd's SIGPIPE failed the pipeline
+# and added a "?" to the version it had printed
+HOST_GLIBC=$(ldd --version 2>/dev/null | sed -n '1s/.* \([0-9][0-9]*\.[0-9][0-9]*\)$/\1/p')
+HOST_GLIBC=${HOST_GLIBC:-?}
 log "oldest glibc: $GLIBC (built on $HOST_GLIBC); libstdc++ with GLIBCXX_$GLIBCXX"
 
 # --- the package, a wheel of it, the model ---------------------------------------

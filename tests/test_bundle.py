@@ -177,6 +177,9 @@ def test_readme_states_a_glibc_floor_this_machine_meets(unpacked):
     assert floor, readme
     here = re.search(r"(\d+)\.(\d+)", os.confstr("CS_GNU_LIBC_VERSION"))
     assert (2, 17) <= tuple(map(int, floor.groups())) <= tuple(map(int, here.groups()))
+    # and the glibc it was built with, this machine's, as ldd prints it
+    built = re.search(r"built portable \(no -march=native\) with glibc (\S+)\n", readme)
+    assert built and built.group(1) == "%s.%s," % here.groups(), readme
 
 
 def test_checksums_list_every_file_and_match(unpacked):
