@@ -42,7 +42,7 @@ XDIST    = $(if $(filter 1,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadfile)
 
 export PORTABLE RPC GPU CUDA_ARCHS
 
-.PHONY: all lib gpu-tools rpc-server model run test test-fast test-gpu venv browser agent-clients \
+.PHONY: all lib gpu-tools rpc-server model run test test-fast test-gpu test-cuda-bundle venv browser agent-clients \
 	test-agents bench bench-rpc \
 	fleet fleet-tools \
 	soak bundle conformance clean
@@ -161,6 +161,14 @@ test: lib/libllama.so lib/libmtmd.so $(MODELS) $(VENV)/.ready $(VENV)/.conforman
 test-gpu: lib/libllama.so $(MODELS) $(VENV)/.ready
 	@$(MAKE) --no-print-directory lib GPU=vulkan
 	$(PYTEST) -m gpu $(PYTEST_ARGS) tests/test_gpu.py tests/test_gpu_bundle.py
+
+# `make bundle GPU=cuda` on a machine without the NVIDIA driver
+# (tests/test_cuda_bundle.py): what it carries, its README, and serving on the
+# CPU saying why.  Its portable CUDA build takes hours on 2 cores for the
+# default CUDA_ARCHS (one card's, e.g. CUDA_ARCHS=90-real, a fraction of it;
+# cached after).  Apart from `make test` and `make test-gpu`.
+test-cuda-bundle: lib/libllama.so $(MODELS) $(VENV)/.ready
+	$(PYTEST) -m gpu $(PYTEST_ARGS) tests/test_cuda_bundle.py
 
 # Claude Code and Codex against a real server (tests/test_agents.py): apart from
 # `make test`, whose 15 minutes on a fresh machine have no room for it (their

@@ -42,12 +42,16 @@
 #                                            without our patches (what users run),
 #                                            for the benchmark's third column;
 #                                            prints the folder holding it
+#        scripts/build_lib.sh --cuda-archs   prints the CUDA architectures a
+#                                            GPU=cuda build compiles (CUDA_ARCHS
+#                                            or the default below), builds nothing
 set -euo pipefail
 
 case "${1:-}" in
     --server) MODE=server; shift ;;
     --rpc-server) MODE=rpc-server; shift ;;
     --stock-server) MODE=stock; shift ;;
+    --cuda-archs) MODE=cuda-archs; shift ;;
     *) MODE=lib ;;
 esac
 
@@ -76,6 +80,7 @@ DEST=${1:-lib${GPU:+/$GPU}}
 # later (90: H100/H200; Blackwell runs it too).  Name only your card's for a
 # build a fraction as long: CUDA_ARCHS=90-real (H100), 86-real (RTX 3090).
 CUDA_ARCHS=${CUDA_ARCHS:-75-virtual;80-virtual;86-real;89-real;90-virtual}
+[ "$MODE" != cuda-archs ] || { echo "$CUDA_ARCHS"; exit 0; }
 # Which of ggml's variants (ggml/src/CMakeLists.txt) a portable build compiles:
 # the baseline x86-64 and SSE4.2 (any x86-64 machine runs one), AVX without
 # AVX2 (2011-2013), AVX2 (from 2013; this machine), AVX-VNNI without AVX-512

@@ -208,6 +208,15 @@ GPU         for layers on the GPU (ggml's $GPU backend, lib/libggml-$GPU.so):
             ${GPU_LIBS% } and the GPU's driver; without them it
             serves on the CPU and says why (--list-devices lists what it finds)"
 fi
+if [ "$GPU" = cuda ]; then
+    # which cards it runs on: a card whose architecture has neither machine
+    # code here nor PTX of an older one finds no kernel for its layers
+    GPU_LINE="$GPU_LINE
+CUDA archs  $(bash scripts/build_lib.sh --cuda-archs)
+            (as CMake names them: -real machine code, -virtual PTX, which the
+            driver compiles at first start for that architecture and every
+            later one; no suffix, both)"
+fi
 cat >"$STAGE/README.txt" <<EOF
 offgrid $VERSION for Linux $ARCH: a local LLM server that needs only python3
 ========================================================================

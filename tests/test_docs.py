@@ -522,6 +522,10 @@ DOCS = {
     r"^make lib GPU=": GPU_BUILD,
     r"^python3 -m offgrid --lib lib/vulkan --list-devices$": GPU_SERVE,
     r"^python3 -m offgrid -m models/qwen\S* --lib lib/vulkan$": GPU_SERVE,
+    r"^make test-cuda-bundle CUDA_ARCHS=": NotRun(
+        "builds a portable CUDA libllama (20 minutes for one architecture on 2 cores, "
+        "hours for the default five); make -n checks the target",
+        make_n_runs("tests/test_cuda_bundle.py")),
     r"^make test-gpu$": NotRun("the GPU suite (tests/test_gpu.py): it builds lib/vulkan "
                                "first; make -n checks the target",
                                make_n_runs("tests/test_gpu.py")),

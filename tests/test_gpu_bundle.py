@@ -33,20 +33,31 @@ from offgrid import __version__
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def unpacked(tmp_path_factory):
+def make_env():
+    """This process's environment less the outer make's flags (jobserver,
+    MODEL=...), which must not reach a make of its own; CUDA_ARCHS stays."""
+    return {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+
+
+def bundle_unpacked(tmp_path_factory, gpu, hours):
+    """`make bundle GPU=gpu` into a folder of its own, its tarball checked by
+    name and unpacked into another: the unpacked bundle's folder."""
     dist = tmp_path_factory.mktemp("dist")
-    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
-    env["DIST"] = str(dist)
-    r = subprocess.run(["make", "--no-print-directory", "bundle", "GPU=vulkan"], cwd=str(ROOT),
-                       env=env, capture_output=True, text=True, timeout=3 * 3600)
-    assert r.returncode == 0, "make bundle GPU=vulkan failed:\n" + r.stdout + r.stderr
+    r = subprocess.run(["make", "--no-print-directory", "bundle", "GPU=" + gpu], cwd=str(ROOT),
+                       env=dict(make_env(), DIST=str(dist)), capture_output=True, text=True,
+                       timeout=hours * 3600)
+    assert r.returncode == 0, "make bundle GPU=%s failed:\n%s%s" % (gpu, r.stdout, r.stderr)
     (tarball,) = dist.glob("offgrid-*.tar.gz")
-    assert tarball.name == "offgrid-%s-linux-x86_64-vulkan.tar.gz" % __version__
+    assert tarball.name == "offgrid-%s-linux-x86_64-%s.tar.gz" % (__version__, gpu)
     target = tmp_path_factory.mktemp("target")
     subprocess.run(["tar", "xf", str(tarball)], cwd=str(target), check=True)
     (folder,) = target.iterdir()
     return folder
+
+
+@pytest.fixture(scope="module")
+def unpacked(tmp_path_factory):
+    return bundle_unpacked(tmp_path_factory, "vulkan", 3)
 
 
 def bundle_env():
