@@ -293,7 +293,7 @@ def test_fifty_clients_cutting_streams_leave_every_session_free(smollm_path):
     with ServerProcess(smollm_path, "-np", "4", threads=1) as srv:
         def greedy(p):
             body = srv.post("/completion", {"prompt": p, "n_predict": 16, "temperature": 0,
-                                            "cache_prompt": False, "n_probs": 2})[2]
+                                            "cache_prompt": False, "n_probs": 4})[2]
             return body["completion_probabilities"]
         expected = [greedy(p) for p in PROMPTS]
         rng = random.Random(20)
@@ -322,14 +322,17 @@ def test_fifty_clients_cutting_streams_leave_every_session_free(smollm_path):
 
 def _same_or_near_tie_over_http(alone, together):
     """Two completion_probabilities lists: the same tokens, or a first
-    difference where the lone run's two likeliest tokens were a near-tie."""
+    difference where the lone run's pick was a near-tie: both picks among its
+    four likeliest there, under NEAR_TIE nats apart, as _same_or_near_tie
+    (a flat step in smollm had 'in', '.' and a third token within 0.2 nats of
+    -2, and the batched run took the third)."""
     a, b = [t["id"] for t in alone], [t["id"] for t in together]
     if a == b:
         return
     i = next(i for i in range(min(len(a), len(b))) if a[i] != b[i])
-    top = alone[i]["top_logprobs"]
-    assert {top[0]["id"], top[1]["id"]} == {a[i], b[i]}, (i, top)
-    margin = top[0]["logprob"] - top[1]["logprob"]
+    top = {t["id"]: t["logprob"] for t in alone[i]["top_logprobs"]}
+    assert a[i] in top and b[i] in top, (i, alone[i]["top_logprobs"])
+    margin = abs(top[a[i]] - top[b[i]])
     print("token %d differs, a near-tie of %.3f nats" % (i, margin))
     assert margin < NEAR_TIE["smollm"], (i, margin)
 
