@@ -11,8 +11,8 @@ carries (ggml-cuda, the CUDA runtime and cuBLAS that NVIDIA's licence lets an
 application carry, and that licence) and what it leaves to the machine (the
 driver's libcuda.so.1), that its README names that library and the
 architectures it was built for, and that without the driver it serves on
-the CPU and says why.  Layers on a real card: docs/gpu.md, the device
-check.  `make test-cuda-bundle` runs it.
+the CPU and says why.  Layers on a real card need a machine with one; none
+has run here yet (docs/gpu.md).  `make test-cuda-bundle` runs it.
 """
 
 import os
