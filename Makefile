@@ -55,17 +55,19 @@ lib: $(if $(GPU),gpu-tools)
 	@bash scripts/build_lib.sh $(if $(GPU),lib/$(GPU),lib)
 
 # What a GPU build needs: for Vulkan, Debian's glslc (the shader compiler),
-# libvulkan-dev and Mesa's drivers (lavapipe too: a Vulkan device on the CPU,
+# libvulkan-dev, spirv-headers (ggml-vulkan's CMake asks for its package
+# config) and Mesa's drivers (lavapipe too: a Vulkan device on the CPU,
 # which `make test-gpu` runs on), installed once with apt-get as `make browser`
 # installs chromium; for CUDA, NVIDIA's toolchain from its PyPI wheels into a
 # cached virtualenv (scripts/cuda_toolchain.sh), no system CUDA.
 gpu-tools:
 	@case "$(GPU)" in \
 	vulkan) if command -v glslc >/dev/null && [ -f /usr/include/vulkan/vulkan.h ] \
+	          && [ -f /usr/share/cmake/SPIRV-Headers/SPIRV-HeadersConfig.cmake ] \
 	          && ls /usr/share/vulkan/icd.d/lvp_icd.*.json >/dev/null 2>&1; then :; else \
-	        echo "[make lib] installing glslc, libvulkan-dev and mesa-vulkan-drivers (apt-get)"; \
+	        echo "[make lib] installing glslc, libvulkan-dev, spirv-headers and mesa-vulkan-drivers (apt-get)"; \
 	        $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install \
-	            -y -qq --no-install-recommends glslc libvulkan-dev mesa-vulkan-drivers; fi ;; \
+	            -y -qq --no-install-recommends glslc libvulkan-dev spirv-headers mesa-vulkan-drivers; fi ;; \
 	cuda) bash scripts/cuda_toolchain.sh >/dev/null ;; \
 	*) echo "GPU=$(GPU): want vulkan or cuda"; exit 2 ;; \
 	esac
