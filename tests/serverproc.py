@@ -36,6 +36,14 @@ def free_port():
         return s.getsockname()[1]
 
 
+def make_env(**extra):
+    """This process's environment for a make of its own, less the outer make's
+    flags (jobserver, MODEL=...), which must not reach it; ``extra`` added."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    env.update(extra)
+    return env
+
+
 class ServerProcess:
     """``python -m offgrid`` with the given flags; use as a context manager."""
 

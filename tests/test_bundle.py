@@ -28,10 +28,10 @@ import pytest
 
 try:
     from . import rawhttp
-    from .serverproc import ROOT, ServerProcess
+    from .serverproc import ROOT, ServerProcess, make_env
 except ImportError:  # tests/ is on sys.path rather than a package
     import rawhttp
-    from serverproc import ROOT, ServerProcess
+    from serverproc import ROOT, ServerProcess, make_env
 
 from offgrid import __version__
 
@@ -116,11 +116,8 @@ def assert_serves(server, package_root):
 @pytest.fixture(scope="module")
 def tarball(tmp_path_factory, plain_model_path):
     dist = tmp_path_factory.mktemp("dist")
-    # The outer make's flags (jobserver, MODEL=...) must not reach this one.
-    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
-    env["DIST"] = str(dist)
     r = subprocess.run(["make", "--no-print-directory", "bundle", "MODEL=%s" % plain_model_path],
-                       cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=2 * 3600)
+                       cwd=str(ROOT), env=make_env(DIST=str(dist)), capture_output=True, text=True, timeout=2 * 3600)
     assert r.returncode == 0, "make bundle failed:\n" + r.stdout + r.stderr
     (path,) = dist.glob("offgrid-*-linux-*.tar.gz")
     return path

@@ -22,15 +22,15 @@ import subprocess
 import pytest
 
 try:
-    from .serverproc import ROOT
+    from .serverproc import ROOT, make_env
     from .test_bundle import PYTHONS, BundledServer
     from .test_gpu import N_ALL, SMOL
-    from .test_gpu_bundle import bundle_unpacked, make_env
+    from .test_gpu_bundle import bundle_unpacked
 except ImportError:  # tests/ is on sys.path rather than a package
-    from serverproc import ROOT
+    from serverproc import ROOT, make_env
     from test_bundle import PYTHONS, BundledServer
     from test_gpu import N_ALL, SMOL
-    from test_gpu_bundle import bundle_unpacked, make_env
+    from test_gpu_bundle import bundle_unpacked
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

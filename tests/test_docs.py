@@ -42,14 +42,14 @@ import pytest
 
 try:
     from . import doctext, loras, mmproj
-    from .serverproc import ROOT, ServerProcess, free_port, parse_sse
+    from .serverproc import ROOT, ServerProcess, free_port, make_env, parse_sse
     from .test_vision import chat_reference
     from .test_vision_engine import TOKENS
 except ImportError:  # tests/ is on sys.path rather than a package
     import doctext
     import loras
     import mmproj
-    from serverproc import ROOT, ServerProcess, free_port, parse_sse
+    from serverproc import ROOT, ServerProcess, free_port, make_env, parse_sse
     from test_vision import chat_reference
     from test_vision_engine import TOKENS
 
@@ -344,8 +344,7 @@ def allows_one_origin(server):
 def scratch_env(scratch):
     """The environment the docs' commands get: this one, HOME in the scratch copy, and
     no make variables of an outer make (`make test` runs this file)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
-    env.update(HOME=str(scratch / "home"), PYTHONUNBUFFERED="1")
+    env = make_env(HOME=str(scratch / "home"), PYTHONUNBUFFERED="1")
     env.setdefault("OFFGRID_CACHE", str(Path("~/.cache/offgrid").expanduser()))
     env.setdefault("PYENV_ROOT", str(Path("~/.pyenv").expanduser()))
     return env

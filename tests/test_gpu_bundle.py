@@ -20,11 +20,11 @@ import subprocess
 import pytest
 
 try:
-    from .serverproc import ROOT, ServerProcess
+    from .serverproc import ROOT, ServerProcess, make_env
     from .test_bundle import PYTHONS, BundledServer
     from .test_gpu import N_ALL, PROMPTS, SMOL, compare_prompts, lavapipe_env
 except ImportError:  # tests/ is on sys.path rather than a package
-    from serverproc import ROOT, ServerProcess
+    from serverproc import ROOT, ServerProcess, make_env
     from test_bundle import PYTHONS, BundledServer
     from test_gpu import N_ALL, PROMPTS, SMOL, compare_prompts, lavapipe_env
 
@@ -33,18 +33,12 @@ from offgrid import __version__
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
-def make_env():
-    """This process's environment less the outer make's flags (jobserver,
-    MODEL=...), which must not reach a make of its own; CUDA_ARCHS stays."""
-    return {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
-
-
 def bundle_unpacked(tmp_path_factory, gpu, hours):
     """`make bundle GPU=gpu` into a folder of its own, its tarball checked by
     name and unpacked into another: the unpacked bundle's folder."""
     dist = tmp_path_factory.mktemp("dist")
     r = subprocess.run(["make", "--no-print-directory", "bundle", "GPU=" + gpu], cwd=str(ROOT),
-                       env=dict(make_env(), DIST=str(dist)), capture_output=True, text=True,
+                       env=make_env(DIST=str(dist)), capture_output=True, text=True,
                        timeout=hours * 3600)
     assert r.returncode == 0, "make bundle GPU=%s failed:\n%s%s" % (gpu, r.stdout, r.stderr)
     (tarball,) = dist.glob("offgrid-*.tar.gz")
