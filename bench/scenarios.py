@@ -96,8 +96,9 @@ def prompt_tokens(port):
     return obj["tokens"]
 
 
-def prompt(port, reps, first=0):
-    """A PROMPT_TOKENS-token prompt, n_predict 1, cache off: prompt_n / prompt_ms.
+def prompt(port, reps, first=0, n_tokens=PROMPT_TOKENS):
+    """An n_tokens-token prompt (PROMPT_TOKENS), n_predict 1, cache off:
+    prompt_n / prompt_ms.
 
     The prompt is sent as token ids, so both servers evaluate exactly the same
     tokens; each repetition starts at a different place in the text.
@@ -105,14 +106,14 @@ def prompt(port, reps, first=0):
     ids = prompt_tokens(port)
     out = {"server_tps": [], "client_tps": [], "prompt_n": []}
     for i in range(first, first + reps):
-        start = (i * 37) % (len(ids) - PROMPT_TOKENS)
-        body = {"prompt": ids[start:start + PROMPT_TOKENS], "n_predict": 1, "temperature": 0,
+        start = (i * 37) % (len(ids) - n_tokens)
+        body = {"prompt": ids[start:start + n_tokens], "n_predict": 1, "temperature": 0,
                 "cache_prompt": False}
         obj, wall = post(port, "/completion", body)
         t = obj["timings"]
-        if t["prompt_n"] != PROMPT_TOKENS:
+        if t["prompt_n"] != n_tokens:
             raise RuntimeError("prompt: evaluated %d tokens, wanted %d"
-                               % (t["prompt_n"], PROMPT_TOKENS))
+                               % (t["prompt_n"], n_tokens))
         out["server_tps"].append(rate(t["prompt_n"], t["prompt_ms"]))
         out["client_tps"].append(t["prompt_n"] / wall)
         out["prompt_n"].append(t["prompt_n"])

@@ -42,6 +42,12 @@
 #                                            without our patches (what users run),
 #                                            for the benchmark's third column;
 #                                            prints the folder holding it
+#        scripts/build_lib.sh --tools [DEST] the same, and llama-server and
+#                                            llama-bench built in this flavour's
+#                                            own tree, linked against the same
+#                                            libraries, beside them in DEST: a
+#                                            GPU machine's like-for-like
+#                                            measurement (bench/gpu.py)
 #        scripts/build_lib.sh --cuda-archs   prints the CUDA architectures a
 #                                            GPU=cuda build compiles (CUDA_ARCHS
 #                                            or the default below), builds nothing
@@ -50,6 +56,7 @@ set -euo pipefail
 case "${1:-}" in
     --server) MODE=server; shift ;;
     --rpc-server) MODE=rpc-server; shift ;;
+    --tools) MODE=tools; shift ;;
     --stock-server) MODE=stock; shift ;;
     --cuda-archs) MODE=cuda-archs; shift ;;
     *) MODE=lib ;;
@@ -269,6 +276,31 @@ build() {
     touch "$INSTALLED/.done"
 }
 
+# llama-server and llama-bench in the flavour's own tree: its options and
+# the very libllama and ggml backends offgrid loads (shared, run path
+# $ORIGIN), so that on a GPU the three differ in the server alone.  The
+# tree's configuration gains the server (nothing the libraries are built
+# from changes, so they are not rebuilt).
+build_tools() {
+    if [ -x "$INSTALLED/tools/llama-server" ] && [ -x "$INSTALLED/tools/llama-bench" ]; then
+        return
+    fi
+    exec 9>"$BUILD.lock"
+    command -v flock >/dev/null && flock 9
+    log "building llama-server and llama-bench against this build's libraries (minutes)"
+    cmake -S "$LIB_SRC" -B "$BUILD/cmake" -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TOOLS=ON \
+        -DLLAMA_BUILD_SERVER=ON >>"$BUILD.configure.log" 2>&1 \
+      || { tail -30 "$BUILD.configure.log" >&2; exit 1; }
+    cmake --build "$BUILD/cmake" --target llama-server llama-bench -j "$(nproc)" \
+        >"$BUILD.tools.log" 2>&1 || { tail -30 "$BUILD.tools.log" >&2; exit 1; }
+    # with the shared libraries they are built on (llama-common and each
+    # tool's own -impl library), which are not libllama's and stay out of lib/
+    rm -rf "$INSTALLED/tools"; mkdir -p "$INSTALLED/tools"
+    find "$BUILD/cmake/bin" -maxdepth 1 \( -name llama-server -o -name llama-bench \
+        -o -name 'libllama-common.so*' -o -name 'libllama-server-impl.so*' \
+        -o -name 'libllama-bench-impl.so*' \) -exec cp -a {} "$INSTALLED/tools/" \;
+}
+
 # llama-server, llama-bench and llama-batched-bench, statically linked
 # against their own build of SOURCE (the patched copy, or for --stock-server
 # the pinned source as it ships), so they never pick up lib/ by accident.  usage: build_server SOURCE DIR
@@ -311,9 +343,12 @@ if [ "$MODE" = server ]; then
     exit 0
 fi
 build
+[ "$MODE" != tools ] || build_tools
 mkdir -p "$DEST"
-rm -f "$DEST"/libllama.so* "$DEST"/libggml*.so* "$DEST"/libmtmd.so* "$DEST"/ggml-rpc-server
+rm -f "$DEST"/libllama*.so* "$DEST"/libggml*.so* "$DEST"/libmtmd.so* "$DEST"/ggml-rpc-server \
+    "$DEST"/llama-server "$DEST"/llama-bench
 cp -a "$INSTALLED"/lib*.so* "$DEST/"
+[ "$MODE" != tools ] || cp -a "$INSTALLED"/tools/. "$DEST/"
 if [ "$MODE" = rpc-server ]; then
     [ -x "$INSTALLED/bin/ggml-rpc-server" ] || { log "no ggml-rpc-server in a build with RPC=0"; exit 1; }
     # beside the libraries: its run path is $ORIGIN, and a portable build's

@@ -29,6 +29,7 @@ ggml's spinning workers wait for each other and run several times slower.
 """
 
 import base64
+import importlib.util
 import json
 import os
 import re
@@ -43,6 +44,7 @@ import pytest
 try:
     from . import doctext, loras, mmproj
     from .serverproc import ROOT, ServerProcess, free_port, make_env, parse_sse
+    from .test_bench_cli import _bench_module
     from .test_vision import chat_reference
     from .test_vision_engine import TOKENS
 except ImportError:  # tests/ is on sys.path rather than a package
@@ -50,6 +52,7 @@ except ImportError:  # tests/ is on sys.path rather than a package
     import loras
     import mmproj
     from serverproc import ROOT, ServerProcess, free_port, make_env, parse_sse
+    from test_bench_cli import _bench_module
     from test_vision import chat_reference
     from test_vision_engine import TOKENS
 
@@ -228,6 +231,10 @@ def version(out):
 
 def bench_help(out):
     assert out.startswith("usage:") and "--only" in out and "--rounds" in out, out
+
+
+def gpu_help(out):
+    assert out.startswith("usage:") and "--kit" in out and "--budget" in out, out
 
 
 def turns_help(out):
@@ -434,6 +441,23 @@ GPU_SERVE = NotRun("needs lib/vulkan (`make lib GPU=vulkan`); tests/test_gpu.py 
                    offgrid_parses)
 
 
+def gpu_bench_parses(command, scratch):
+    """bench/gpu.py's parser takes the command; the tarball is the one its kit writes."""
+    gpu = _bench_module("bench_gpu_docs", "gpu.py")
+    argv = shlex.split(command, comments=True)
+    if argv[0] == "tar":
+        tarball = gpu.KIT.with_suffix(".tar.xz").relative_to(ROOT)
+        assert argv[2] == str(tarball), (argv, tarball)
+        return
+    args = gpu.parse_args(argv[2:])
+    assert args.cmd in ("kit", "run"), args
+
+
+GPU_BENCH = NotRun("bench/gpu.py's kit builds CUDA (20 minutes on 2 cores) and its run needs "
+                   "an NVIDIA GPU; tests/test_bench_gpu.py checks its models, the lavapipe run "
+                   "in docs/gpu.md the rest; its parser checks the command", gpu_bench_parses)
+
+
 def agents_run_this_way(command, scratch):
     """tests/test_agents.py sets each variable and passes each flag of the command."""
     source = (ROOT / "tests" / "test_agents.py").read_text()
@@ -539,6 +563,9 @@ DOCS = {
     r"^make bench": BENCH,
     r"^python3 bench/run\.py --help$": Run(bench_help),
     r"^python3 bench/turns\.py --help$": Run(turns_help),
+    r"^python3 bench/gpu\.py run --help$": Run(gpu_help),
+    r"^python3 bench/gpu\.py (kit|run --kit)": GPU_BENCH,
+    r"^tar xJf build/gpukit": GPU_BENCH,
     r"^python3 bench/wake\.py --help$": Run(wake_help),
     r"^python3 bench/memory\.py --help$": Run(memory_help),
     # docs/testing.md
@@ -782,7 +809,6 @@ def test_every_route_is_in_api_md_or_dialects_md():
 
 
 def _bench_markdown():
-    import importlib.util
     spec = importlib.util.spec_from_file_location("bench_run", ROOT / "bench" / "run.py")
     module = importlib.util.module_from_spec(spec)
     sys.path.insert(0, str(ROOT / "bench"))
