@@ -52,6 +52,7 @@ import struct
 import subprocess
 import sys
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -81,11 +82,11 @@ KIT_LIMIT = 56 << 20            # the device tool carries 64 MiB, the working tr
 CUDA_LIBS = ("libcudart.so.13", "libcublas.so.13", "libcublasLt.so.13")
 
 # ggml_type ids (ggml.h)
-F32, F16, Q4_K, Q6_K, BF16 = 0, 1, 12, 14, 30
+F32, Q4_K, Q6_K = 0, 12, 14
 GEN_TOKENS, PROMPT_TOKENS = 128, 512     # llama-bench's tg128 and pp512
 SCALE = 0.05                    # the random weights: uniform, this standard deviation
 TILED_ABOVE = 2_000_000_000     # elements: a larger model repeats a few rows per tensor
-TILE_ROWS = 61                  # quantized rows repeated (prime: no two tensors align)
+TILE_ROWS = 61                  # quantized rows repeated: the rest of the file is copies
 NEAR_TIE = 0.5                  # nats, as tests/test_gpu.py
 LOGPROB_TOL = 0.4
 
@@ -271,9 +272,9 @@ class Weights:
             return
         block = self.ggml.quantize(t.type, self.floats(t.name, TILE_ROWS * ne0), ne0,
                                    self.threads)
-        row = len(block) // TILE_ROWS
-        chunk = block * max(1, (64 << 20) // len(block))
-        left = rows * row
+        left = rows * (len(block) // TILE_ROWS)
+        # whole blocks, up to 64 MiB at a time
+        chunk = block * max(1, min(-(-left // len(block)), (64 << 20) // len(block)))
         while left:
             piece = chunk[:left]
             out.write(piece)
@@ -316,14 +317,18 @@ def make_kit(args):
     for name in CUDA_LIBS:          # the device's own
         for p in lib.glob(name + "*"):
             p.unlink()
-    ggml = Ggml(ROOT / "lib")
+    ggml = Ggml(lib)
     (KIT / "models").mkdir()
     for name, path in BENCH_MODELS.items():
+        if not path.exists():       # as `make model` fetches it, sha256-checked
+            subprocess.run([sys.executable, "scripts/fetch_model.py",
+                            str(path.relative_to(ROOT))], cwd=str(ROOT), check=True)
         skeleton(path, KIT / "models" / (name + ".skel.gguf"))
     for name, (base, shape) in SHAPES.items():
         meta, tensors = derive(KIT / "models" / (base + ".skel.gguf"), shape)
         write_skeleton(KIT / "models" / (name + ".skel.gguf"), meta, tensors, ggml)
-    manifest = {"revision": git_revision(), "offgrid_source": source_hash(), "gpu": args.gpu, "portable": args.portable,
+    manifest = {"revision": git_revision(), "offgrid_source": source_hash(), "gpu": args.gpu,
+                "portable": args.portable,
                 "cuda_archs": args.cuda_archs if args.gpu == "cuda" else None,
                 "made": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     (KIT / "kit.json").write_text(json.dumps(manifest, indent=1))
@@ -412,15 +417,14 @@ def measure(server, reps):
             "prompt": p["server_tps"], "prompt_client": p["client_tps"]}
 
 
-def greedy_check(model, kit_lib, threads):
+def greedy_check(model, threads, offgrid_flags):
     """offgrid's greedy text with every layer on the GPU against its text on the
     CPU (tests/test_gpu.py's rule): per prompt, the tokens that were the same,
     and where they parted whether the CPU had it as a near-tie."""
     prompts = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time"]
 
     def texts(flags):
-        cfg = servers.Config(str(model), threads=threads,
-                             extra=("--lib", str(kit_lib)) + flags)
+        cfg = servers.Config(str(model), threads=threads, extra=tuple(offgrid_flags) + flags)
         with servers.offgrid(cfg) as s:
             return [servers.post(s.port, "/completion", {
                 "prompt": p, "n_predict": 32, "temperature": 0, "n_probs": 2,
@@ -470,12 +474,15 @@ def run(args):
     if "  %s:" % device not in result["facts"]["devices"]:
         raise SystemExit("offgrid --list-devices names no %s with this kit:\n%s"
                          % (device, result["facts"]["devices"]))
-    bins = {"llama_server": kit_lib}
     ggml = Ggml(kit_lib)
+    # offgrid's flags beyond -ngl: its worker's default memory ceiling
+    # (RLIMIT_DATA) has never met NVIDIA's driver; if offgrid cannot start
+    # under it, the run says so and goes on without one
+    offgrid_flags = ["--lib", str(kit_lib)]
     names = args.models or list(BENCH_MODELS) + list(SHAPES)
     for name in names:
         left = args.budget - (time.monotonic() - t0)
-        need = 240 if name in SHAPES else 60
+        need = 300 if name in SHAPES else 60
         if left < need:
             log("%s: skipped, %.0f s left of the budget (wants %d)" % (name, left, need))
             result["models"][name] = {"skipped": "%.0f s left" % left}
@@ -483,44 +490,72 @@ def run(args):
             continue
         r = result["models"][name] = {}
         path = work / (name + ".gguf")
-        t = time.monotonic()
-        r["file"] = inflate(kit / "models" / (name + ".skel.gguf"), path, ggml,
-                            os.cpu_count() or 2)
-        r["file"]["write_s"] = round(time.monotonic() - t, 1)
-        log("%s: %.2f GB, %.1f B parameters, written in %.1f s"
-            % (name, r["file"]["bytes"] / 1e9, r["file"]["parameters"] / 1e9,
-               r["file"]["write_s"]))
-        r["llama_bench"] = llama_bench(kit_lib, path, threads, args.reps)
-        log("%s: llama-bench %s" % (name, r["llama_bench"]))
-        save(out_dir, result)
-        cfg = {"offgrid": servers.Config(str(path), threads=threads,
-                                         extra=("--lib", str(kit_lib), "-ngl", "all")),
-               "llama_server": servers.Config(str(path), threads=threads,
-                                              extra=("-ngl", "all"))}
-        samples = r["samples"] = {"offgrid": {}, "llama_server": {}}
-        for rnd in range(args.rounds):
-            order = ["offgrid", "llama_server"][::1 if rnd % 2 == 0 else -1]
-            for server in order:
-                with servers.SERVERS[server](cfg[server], bins) as s:
-                    got = measure(s, args.reps)
-                    if server == "offgrid":
-                        r["load_line"] = load_line(s)
-                        if "%s (" % device not in r["load_line"]:
-                            raise SystemExit("offgrid put no layer on %s: %s"
-                                             % (device, r["load_line"]))
-                for k, v in got.items():
-                    samples[server].setdefault(k, []).extend(v)
-                log("%s round %d %s: generation %s, prompt %s" % (
-                    name, rnd + 1, server, ["%.0f" % x for x in got["generation"]],
-                    ["%.0f" % x for x in got["prompt"]]))
-            r["figures"] = figures(r)
+        try:
+            measure_model(name, path, kit, ggml, device, threads, offgrid_flags, args, r,
+                          lambda: save(out_dir, result))
+        except Exception as e:      # the next model may still run: say what broke
+            r["error"] = traceback.format_exc()[-4000:]
+            log("%s: %s: %s" % (name, type(e).__name__, e))
+        finally:
             save(out_dir, result)
-        if name in BENCH_MODELS:
-            r["greedy_vs_cpu"] = greedy_check(path, kit_lib, threads)
-            log("%s: greedy on the GPU against the CPU: %s" % (name, r["greedy_vs_cpu"]))
-        save(out_dir, result)
-        path.unlink()
+            if path.exists():
+                path.unlink()
     log("done in %.0f s" % (time.monotonic() - t0))
+
+
+def measure_model(name, path, kit, ggml, device, threads, offgrid_flags, args, r, checkpoint):
+    """One model: write it, llama-bench, both servers alternating, the greedy check."""
+    kit_lib = kit / "lib"
+    t = time.monotonic()
+    r["file"] = inflate(kit / "models" / (name + ".skel.gguf"), path, ggml, os.cpu_count() or 2)
+    r["file"]["write_s"] = round(time.monotonic() - t, 1)
+    log("%s: %.2f GB, %.1f B parameters, written in %.1f s" % (
+        name, r["file"]["bytes"] / 1e9, r["file"]["parameters"] / 1e9, r["file"]["write_s"]))
+    r["llama_bench"] = llama_bench(kit_lib, path, threads, args.reps)
+    log("%s: llama-bench %s" % (name, r["llama_bench"]))
+    checkpoint()
+    samples = r["samples"] = {"offgrid": {}, "llama_server": {}}
+    for rnd in range(args.rounds):
+        for server in ["offgrid", "llama_server"][::1 if rnd % 2 == 0 else -1]:
+            srv = start_server(server, path, threads, kit_lib, offgrid_flags, r)
+            try:
+                got = measure(srv, args.reps)
+                if server == "offgrid":
+                    r["load_line"] = load_line(srv)
+                    if "%s (" % device not in r["load_line"]:
+                        raise SystemExit("offgrid put no layer on %s: %s"
+                                         % (device, r["load_line"]))
+            finally:
+                srv.__exit__(None, None, None)
+            for k, v in got.items():
+                samples[server].setdefault(k, []).extend(v)
+            log("%s round %d %s: generation %s, prompt %s" % (
+                name, rnd + 1, server, ["%.0f" % x for x in got["generation"]],
+                ["%.0f" % x for x in got["prompt"]]))
+        r["figures"] = figures(r)
+        checkpoint()
+    if name in BENCH_MODELS:
+        r["greedy_vs_cpu"] = greedy_check(path, threads, offgrid_flags)
+        log("%s: greedy on the GPU against the CPU: %s" % (name, r["greedy_vs_cpu"]))
+
+
+def start_server(server, path, threads, kit_lib, offgrid_flags, r):
+    """A started offgrid (``offgrid_flags``, -ngl all) or llama-server (-ngl all);
+    offgrid that exits while starting is started once more without its memory
+    ceiling (--worker-max-rss 0), which then holds for the rest of the run."""
+    if server == "llama_server":
+        cfg = servers.Config(str(path), threads=threads, extra=("-ngl", "all"))
+        return servers.llama_server(cfg, {"llama_server": kit_lib}).start()
+    cfg = servers.Config(str(path), threads=threads, extra=tuple(offgrid_flags) + ("-ngl", "all"))
+    try:
+        return servers.offgrid(cfg).start()
+    except RuntimeError as e:
+        if "--worker-max-rss" in offgrid_flags:
+            raise
+        r["offgrid_failed_start"] = str(e)[-4000:]
+        log("offgrid did not start; again with --worker-max-rss 0:\n%s" % e)
+        offgrid_flags += ["--worker-max-rss", "0"]
+        return start_server(server, path, threads, kit_lib, offgrid_flags, r)
 
 
 def figures(r):
@@ -548,7 +583,9 @@ def markdown(result):
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in result["models"].items():
         if "figures" not in r:
-            lines.append("| %s | %s | | | | | |" % (name, r.get("skipped", "not finished")))
+            why = r.get("skipped") or ("error: %s" % r["error"].strip().splitlines()[-1]
+                                       if r.get("error") else "not finished")
+            lines.append("| %s | %s | | | | | |" % (name, why.replace("|", "/")))
             continue
         for what, label in (("prompt", "pp%d tok/s" % PROMPT_TOKENS),
                             ("generation", "tg%d tok/s" % GEN_TOKENS)):
@@ -559,6 +596,9 @@ def markdown(result):
                 _num(x["vs_llama_bench"], 2)))
     notes = []
     for name, r in result["models"].items():
+        if r.get("offgrid_failed_start"):
+            notes.append("- %s: offgrid did not start with its default memory ceiling; "
+                         "measured with --worker-max-rss 0 (gpu.json has its log)" % name)
         if r.get("load_line"):
             notes.append("- %s: `%s`" % (name, r["load_line"]))
         if r.get("greedy_vs_cpu"):
@@ -608,7 +648,7 @@ def parse_args(argv=None):
     r.add_argument("--rounds", type=int, default=2)
     r.add_argument("--reps", type=int, default=5)
     r.add_argument("--threads", type=int, default=None)
-    r.add_argument("--budget", type=float, default=480,
+    r.add_argument("--budget", type=float, default=500,
                    help="seconds; a model that would not finish in what is left is skipped")
     args = p.parse_args(argv)
     if args.cmd == "run" and args.models:
