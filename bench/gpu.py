@@ -26,7 +26,7 @@ published shape of Qwen2.5-32B, llama-quant's Q4_K_M choice of types; the
 (random floats quantized by ggml itself, so every block is valid): for a
 timing, each tensor's shape and type is what counts, not the numbers.  The
 large one repeats a few quantized rows through each tensor, so that writing
-19 GB takes seconds.
+its 19.8 GB is a copy (69 s on the 2-core VM's disk).
 
 Then for each model: llama-bench pp512/tg128 (``-ngl 99``), and offgrid
 (``-ngl all``) and llama-server (``-ngl all``) alternating, each measured as
@@ -455,8 +455,10 @@ def run(args):
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     LOG_FILE[0] = open(out_dir / "gpu.log", "a")
-    work = Path(args.work)
+    work = Path(args.work) if args.work else roomiest(["/tmp", str(ROOT / "build"), "/var/tmp",
+                                                       os.path.expanduser("~")])
     work.mkdir(parents=True, exist_ok=True)
+    log("models written in %s (%.0f GB free)" % (work, shutil.disk_usage(str(work)).free / 1e9))
     if (kit_lib / "libggml-cuda.so").exists():
         paths = cuda_library_path()
         os.environ["LD_LIBRARY_PATH"] = ":".join(
@@ -501,6 +503,18 @@ def run(args):
             if path.exists():
                 path.unlink()
     log("done in %.0f s" % (time.monotonic() - t0))
+
+
+def roomiest(folders):
+    """A folder for the models under the one of ``folders`` with the most free space
+    (the large model is 20 GB; a machine's /tmp may be a small tmpfs)."""
+    free = {}
+    for f in folders:
+        try:
+            free[f] = shutil.disk_usage(f).free
+        except OSError:
+            continue
+    return Path(max(free, key=free.get)) / "gpu-models"
 
 
 def measure_model(name, path, kit, ggml, device, threads, offgrid_flags, args, r, checkpoint):
@@ -642,7 +656,8 @@ def parse_args(argv=None):
     r = sub.add_parser("run", help="measure on this machine's GPU with a kit")
     r.add_argument("--kit", required=True, help="the unpacked kit (gpukit/)")
     r.add_argument("--out", required=True, help="folder for gpu.json, gpu.md, gpu.log")
-    r.add_argument("--work", default="/tmp/gpu-models", help="where the models are written")
+    r.add_argument("--work", help="where the models are written (default: gpu-models in "
+                   "the roomiest of /tmp, build/, /var/tmp and ~)")
     r.add_argument("--models", type=lambda s: s.split(","),
                    help="comma-separated, of: %s" % ", ".join(list(BENCH_MODELS) + list(SHAPES)))
     r.add_argument("--rounds", type=int, default=2)
