@@ -157,8 +157,9 @@ def derive(skel, shape):
     each tensor of layer 0 repeated for every layer, every dimension mapped
     from the skeleton's value to the shape's, and the types llama-quant gives
     a Q4_K_M file (src/llama-quant.cpp of the pinned source: attn_v and
-    ffn_down Q6_K in the layers its use_more_bits picks, the output Q6_K,
-    every other matrix Q4_K, vectors F32)."""
+    ffn_down Q6_K in the layers its use_more_bits picks, the output Q6_K, and
+    so the token embeddings where the output is theirs, every other matrix
+    Q4_K, vectors F32)."""
     f = gguf.read(skel)
     arch = f.metadata["general.architecture"].value
     m = {k: v for k, v in f.metadata.items()}
@@ -186,6 +187,7 @@ def derive(skel, shape):
                                     % (shape["n_embd"], shape["n_ff"], shape["n_layer"]))
     m["general.file_type"] = gguf.uint32(15)        # LLAMA_FTYPE_MOSTLY_Q4_K_M
     n = shape["n_layer"]
+    tied = not any(t.name == "output.weight" for t in f.tensors)
 
     def more_bits(i):
         return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
@@ -193,7 +195,7 @@ def derive(skel, shape):
     def ttype(name, ndim, layer):
         if ndim == 1:
             return F32
-        if name == "output.weight":
+        if name == "output.weight" or (tied and name == "token_embd.weight"):
             return Q6_K
         if name.endswith(("attn_v.weight", "ffn_down.weight")) and more_bits(layer):
             return Q6_K

@@ -24,8 +24,8 @@ except ImportError:  # tests/ is on sys.path rather than a package
 
 SMOL = ROOT / "models" / "smollm2-135m-instruct-q4_1.gguf"
 QWEN = ROOT / "models" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-# a small model of the code model's family: every row a multiple of Q4_K's
-# 256-wide blocks, as in the large shapes, so no tensor falls back to another type
+# a small sibling of a bench model: every row a multiple of Q4_K's 256-wide
+# blocks, as in the large shapes, so no tensor falls back to another type
 SMALL_SHAPE = dict(n_embd=256, n_layer=8, n_head=4, n_head_kv=2, n_ff=512)
 LLAMA_FTYPE_MOSTLY_Q4_K_M = 15
 
@@ -95,13 +95,14 @@ def _quantize(src, dst, ftype):
                                     ctypes.byref(params)) == 0
 
 
-def test_a_derived_shape_loads_with_the_types_llama_quantize_gives(gpu, ggml, tmp_path):
-    base = tmp_path / "qwen.skel.gguf"
-    gpu.skeleton(QWEN, base)
+@pytest.mark.parametrize("model", [QWEN, SMOL], ids=["output-of-its-own", "tied-embeddings"])
+def test_a_derived_shape_loads_with_the_types_llama_quantize_gives(gpu, ggml, tmp_path, model):
+    base = tmp_path / "base.skel.gguf"
+    gpu.skeleton(model, base)
     meta, tensors = gpu.derive(base, SMALL_SHAPE)
     n = SMALL_SHAPE["n_layer"]
     assert len([t for t in tensors if t[0].startswith("blk.")]) == n * len(
-        [t for t in gguf.read(QWEN).tensors if t.name.startswith("blk.0.")])
+        [t for t in gguf.read(model).tensors if t.name.startswith("blk.0.")])
     # the same shape in F32, written and then quantized by libllama itself
     f32_skel, f32 = tmp_path / "f32.skel.gguf", tmp_path / "f32.gguf"
     gpu.write_skeleton(f32_skel, meta, [(name, shape, gpu.F32) for name, shape, _ in tensors],
