@@ -62,7 +62,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import gguf  # noqa: E402  (tests/gguf.py: standard library only)
 import scenarios  # noqa: E402
 import servers  # noqa: E402
-from run import git_revision, machine, source_hash  # noqa: E402
+from run import git_revision, llama_bench, machine, source_hash  # noqa: E402
 
 BENCH_MODELS = {
     "qwen2.5-coder-0.5b-q4_k_m": ROOT / "models" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
@@ -83,7 +83,7 @@ CUDA_LIBS = ("libcudart.so.13", "libcublas.so.13", "libcublasLt.so.13")
 
 # ggml_type ids (ggml.h)
 F32, Q4_K, Q6_K = 0, 12, 14
-GEN_TOKENS, PROMPT_TOKENS = 128, 512     # llama-bench's tg128 and pp512
+GEN_TOKENS, PROMPT_TOKENS = 128, 512     # llama-bench's tg128 and pp512 (bench/run.py)
 SCALE = 0.05                    # the random weights: uniform, this standard deviation
 TILED_ABOVE = 2_000_000_000     # elements: a larger model repeats a few rows per tensor
 TILE_ROWS = 61                  # quantized rows repeated: the rest of the file is copies
@@ -395,18 +395,6 @@ def facts(kit_lib):
     return out
 
 
-def llama_bench(kit_lib, model, threads, reps):
-    cmd = [str(kit_lib / "llama-bench"), "-m", str(model), "-ngl", "99", "-t", str(threads),
-           "-p", str(PROMPT_TOKENS), "-n", str(GEN_TOKENS), "-r", str(reps), "-o", "json"]
-    out = subprocess.check_output(cmd, cwd=str(ROOT), text=True, timeout=600)
-    res = {}
-    for entry in json.loads(out):
-        key = "prompt" if entry["n_prompt"] else "generation"
-        res[key] = entry["avg_ts"]
-        res[key + "_stddev"] = entry["stddev_ts"]
-    return res
-
-
 def load_line(server):
     return next((ln for ln in server.log_text().splitlines() if "offgrid: loaded" in ln), "")
 
@@ -527,7 +515,9 @@ def measure_model(name, path, kit, ggml, device, threads, offgrid_flags, args, r
     r["file"]["write_s"] = round(time.monotonic() - t, 1)
     log("%s: %.2f GB, %.1f B parameters, written in %.1f s" % (
         name, r["file"]["bytes"] / 1e9, r["file"]["parameters"] / 1e9, r["file"]["write_s"]))
-    r["llama_bench"] = llama_bench(kit_lib, path, threads, args.reps)
+    lb = llama_bench(kit_lib, path, threads, args.reps, ["-ngl", "99"])
+    r["llama_bench"] = {"prompt": lb["pp%d" % PROMPT_TOKENS]["tok_s"],
+                        "generation": lb["tg%d" % GEN_TOKENS]["tok_s"], "runs": lb}
     log("%s: llama-bench %s" % (name, r["llama_bench"]))
     checkpoint()
     samples = r["samples"] = {"offgrid": {}, "llama_server": {}}

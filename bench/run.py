@@ -256,10 +256,10 @@ def llama_bins(args):
     return bins
 
 
-def llama_bench(bindir, model, threads, reps):
-    """llama-bench pp512 and tg128: {test: tok/s}."""
-    cmd = [str(bindir / "llama-bench"), "-m", model, "-t", str(threads), "-p", "512",
-           "-n", "128", "-r", str(reps), "-o", "json"]
+def llama_bench(bindir, model, threads, reps, extra=()):
+    """llama-bench pp512 and tg128 (``extra``: more of its flags): {test: tok/s}."""
+    cmd = [str(bindir / "llama-bench"), "-m", str(model), "-t", str(threads), "-p", "512",
+           "-n", "128", "-r", str(reps), "-o", "json"] + list(extra)
     out = subprocess.check_output(cmd, cwd=str(ROOT), text=True, stderr=subprocess.DEVNULL,
                                   timeout=900)
     res = {}

@@ -117,7 +117,8 @@ def assert_serves(server, package_root):
 def tarball(tmp_path_factory, plain_model_path):
     dist = tmp_path_factory.mktemp("dist")
     r = subprocess.run(["make", "--no-print-directory", "bundle", "MODEL=%s" % plain_model_path],
-                       cwd=str(ROOT), env=make_env(DIST=str(dist)), capture_output=True, text=True, timeout=2 * 3600)
+                       cwd=str(ROOT), env=make_env(DIST=str(dist)), capture_output=True,
+                       text=True, timeout=2 * 3600)
     assert r.returncode == 0, "make bundle failed:\n" + r.stdout + r.stderr
     (path,) = dist.glob("offgrid-*-linux-*.tar.gz")
     return path
