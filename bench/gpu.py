@@ -19,14 +19,14 @@ CUDA runtime and cuBLAS are the device's own (its image has CUDA 13's; the
 kit carries neither: cuBLAS Lt alone is 540 MB).
 
 The models are the bench's two (gemma-3-270m and Qwen2.5-Coder-0.5B, Q4_K_M)
-and a large one derived from the code model's skeleton (``SHAPES``: the
-published shape of Qwen2.5-32B, llama-quant's Q4_K_M choice of types; the
-0.5B's vocabulary of 151,936 tokens where the 32B pads to 152,064).  There,
-``run`` writes each as a GGUF of exactly its tensor table with random weights
-(random floats quantized by ggml itself, so every block is valid): for a
-timing, each tensor's shape and type is what counts, not the numbers.  The
-large one repeats a few quantized rows through each tensor, so that writing
-its 19.8 GB is a copy (69 s on the 2-core VM's disk).
+and the largest that fits of two derived from the code model's skeleton
+(``SHAPES``: the published shapes of Qwen2.5-72B and -32B, llama-quant's
+Q4_K_M choice of types; the 0.5B's vocabulary of 151,936 tokens where they pad
+to 152,064).  There, ``run`` writes each as a GGUF of exactly its tensor table
+with random weights (random floats quantized by ggml itself, so every block is
+valid): for a timing, each tensor's shape and type is what counts, not the
+numbers.  A large one repeats a few quantized rows through each tensor, so
+that writing it is a copy (the 32B's 19.8 GB: 69 s on the 2-core VM's disk).
 
 Then for each model: llama-bench pp512/tg128 (``-ngl 99``), and offgrid
 (``-ngl all``) and llama-server (``-ngl all``) alternating, each measured as
@@ -46,6 +46,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import statistics
 import struct
@@ -68,10 +69,16 @@ BENCH_MODELS = {
     "qwen2.5-coder-0.5b-q4_k_m": ROOT / "models" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
     "gemma-3-270m-q4_k_m": ROOT / "models" / "gemma-3-270m-q4_k_m.gguf",
 }
-# name -> (skeleton it is derived from, hyperparameters): Qwen2.5-32B's
+# name -> (skeleton it is derived from, hyperparameters): each model's
 # config.json (hidden_size, num_hidden_layers, num_attention_heads,
-# num_key_value_heads, intermediate_size); untied output as in that model
+# num_key_value_heads, intermediate_size); untied output as in those models
+# (Qwen2.5-72B's ffn_down rows are 29,568 wide, no whole number of Q4_K's
+# blocks: derive() falls back as llama-quant does).  Largest first: by default
+# ``run`` measures the first that fits the GPU, the disk and the time left.
 SHAPES = {
+    "qwen2.5-72b-shape-q4_k_m": ("qwen2.5-coder-0.5b-q4_k_m",
+                                 dict(n_embd=8192, n_layer=80, n_head=64, n_head_kv=8,
+                                      n_ff=29568)),
     "qwen2.5-32b-shape-q4_k_m": ("qwen2.5-coder-0.5b-q4_k_m",
                                  dict(n_embd=5120, n_layer=64, n_head=40, n_head_kv=8,
                                       n_ff=27648)),
@@ -82,11 +89,21 @@ KIT_LIMIT = 56 << 20            # the device tool carries 64 MiB, the working tr
 CUDA_LIBS = ("libcudart.so.13", "libcublas.so.13", "libcublasLt.so.13")
 
 # ggml_type ids (ggml.h)
-F32, Q4_K, Q6_K = 0, 12, 14
+F32, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 0, 6, 7, 8, 12, 13, 14
+QK_K = 256
 GEN_TOKENS, PROMPT_TOKENS = 128, 512     # llama-bench's tg128 and pp512 (bench/run.py)
 SCALE = 0.05                    # the random weights: uniform, this standard deviation
+# a model is measured where this much of the GPU's memory, and a fiftieth of
+# its size, are left beside its weights and KV cache (compute buffers, the
+# server's own CUDA context; llama-server's --fit leaves 1 GiB), and where
+# this many seconds a GB of it are left of the budget (a guess: a 47 GB file
+# written at ~1 GB/s, loaded five times, 128 tokens generated 25 times at
+# ~40 tok/s)
+DEVICE_MARGIN = 1 << 30
+SECONDS_PER_GB = 6
 TILED_ABOVE = 2_000_000_000     # elements: a larger model repeats a few rows per tensor
 TILE_ROWS = 61                  # quantized rows repeated: the rest of the file is copies
+NO_CEILING = ["--worker-max-rss", "0"]     # offgrid's flags for no worker memory ceiling
 NEAR_TIE = 0.5                  # nats, as tests/test_gpu.py
 LOGPROB_TOL = 0.4
 
@@ -159,7 +176,9 @@ def derive(skel, shape):
     a Q4_K_M file (src/llama-quant.cpp of the pinned source: attn_v and
     ffn_down Q6_K in the layers its use_more_bits picks, the output Q6_K, and
     so the token embeddings where the output is theirs, every other matrix
-    Q4_K, vectors F32)."""
+    Q4_K, vectors F32; a "70B" model's other attn_v Q5_K; a matrix whose rows
+    are no whole number of 256-wide blocks the 32-wide type its fallback
+    names)."""
     f = gguf.read(skel)
     arch = f.metadata["general.architecture"].value
     m = {k: v for k, v in f.metadata.items()}
@@ -192,14 +211,28 @@ def derive(skel, shape):
     def more_bits(i):
         return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
-    def ttype(name, ndim, layer):
-        if ndim == 1:
+    # llama-model's type table: 80 layers of grouped-query attention is its "70B"
+    # (models/qwen2.cpp, models/llama.cpp), whose attn_v llama-quant gives Q5_K
+    seventy_b = n == 80 and shape["n_head_kv"] < shape["n_head"]
+
+    def ttype(name, shape_new, layer):
+        if len(shape_new) == 1:
             return F32
         if name == "output.weight" or (tied and name == "token_embd.weight"):
-            return Q6_K
-        if name.endswith(("attn_v.weight", "ffn_down.weight")) and more_bits(layer):
-            return Q6_K
-        return Q4_K
+            t = Q6_K
+        elif name.endswith(("attn_v.weight", "ffn_down.weight")) and more_bits(layer):
+            t = Q6_K
+        elif name.endswith("attn_v.weight") and seventy_b:
+            t = Q5_K
+        else:
+            t = Q4_K
+        # tensor_type_fallback: rows that are no whole number of 256-wide blocks
+        # (Qwen2.5-72B's ffn_down, 29,568 wide) take a 32-wide type
+        if shape_new[0] % QK_K:
+            t = {Q4_K: Q5_0, Q5_K: Q5_1, Q6_K: Q8_0}[t]
+            if shape_new[0] % 32:
+                raise ValueError("%s: %d wide, no quantized type fits" % (name, shape_new[0]))
+        return t
 
     tensors = []
     for t in f.tensors:
@@ -211,10 +244,10 @@ def derive(skel, shape):
             raise ValueError("%s: dimension of %s not among %s" % (skel, t.name, sorted(dims)))
         if t.name.startswith("blk.0."):
             rest = t.name[len("blk.0."):]
-            tensors += [("blk.%d.%s" % (i, rest), shape_new, ttype(rest, len(shape_new), i))
+            tensors += [("blk.%d.%s" % (i, rest), shape_new, ttype(rest, shape_new, i))
                         for i in range(n)]
         else:
-            tensors.append((t.name, shape_new, ttype(t.name, len(shape_new), 0)))
+            tensors.append((t.name, shape_new, ttype(t.name, shape_new, 0)))
     return m, tensors
 
 
@@ -445,10 +478,6 @@ def run(args):
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     LOG_FILE[0] = open(out_dir / "gpu.log", "a")
-    work = Path(args.work) if args.work else roomiest(["/tmp", str(ROOT / "build"), "/var/tmp",
-                                                       os.path.expanduser("~")])
-    work.mkdir(parents=True, exist_ok=True)
-    log("models written in %s (%.0f GB free)" % (work, shutil.disk_usage(str(work)).free / 1e9))
     if (kit_lib / "libggml-cuda.so").exists():
         paths = cuda_library_path()
         os.environ["LD_LIBRARY_PATH"] = ":".join(
@@ -472,12 +501,21 @@ def run(args):
     # under it, the run says so and goes on without one
     offgrid_flags = ["--lib", str(kit_lib)]
     names = args.models or list(BENCH_MODELS) + list(SHAPES)
+    sizes = {n: model_size(kit / "models" / (n + ".skel.gguf"), ggml) for n in names}
+    work = Path(args.work) if args.work else work_folder(max(b for b, _ in sizes.values()))
+    work.mkdir(parents=True, exist_ok=True)
+    log("models written in %s (%.0f GB free)" % (work, shutil.disk_usage(str(work)).free / 1e9))
+    device_free = free_mib(result["facts"]["devices"], device) << 20
+    large_done = False
     for name in names:
         left = args.budget - (time.monotonic() - t0)
-        need = 300 if name in SHAPES else 60
-        if left < need:
-            log("%s: skipped, %.0f s left of the budget (wants %d)" % (name, left, need))
-            result["models"][name] = {"skipped": "%.0f s left" % left}
+        if name in SHAPES and large_done and not args.models:
+            why = "a larger shape was measured"
+        else:
+            why = room_for(*sizes[name], device_free, shutil.disk_usage(str(work)).free, left)
+        if why:
+            log("%s: skipped: %s" % (name, why))
+            result["models"][name] = {"skipped": why}
             save(out_dir, result)
             continue
         r = result["models"][name] = {}
@@ -485,6 +523,7 @@ def run(args):
         try:
             measure_model(name, path, kit, ggml, device, threads, offgrid_flags, args, r,
                           lambda: save(out_dir, result))
+            large_done = large_done or name in SHAPES
         except Exception as e:      # the next model may still run: say what broke
             r["error"] = traceback.format_exc()[-4000:]
             log("%s: %s: %s" % (name, type(e).__name__, e))
@@ -495,9 +534,61 @@ def run(args):
     log("done in %.0f s" % (time.monotonic() - t0))
 
 
+def free_mib(listing, device):
+    """The free memory --list-devices gives ``device``'s kind of GPU, all of them
+    together ("  CUDA0: NVIDIA H100 80GB HBM3 (81079 MiB, 80521 MiB free)")."""
+    kind = device.rstrip("0123456789")
+    return sum(int(m.group(1)) for m in re.finditer(
+        r"^  %s\d+: .*, (\d+) MiB free\)$" % kind, listing, re.M))
+
+
+def model_size(skel, ggml):
+    """(bytes of the file written from ``skel``, bytes of its KV cache for the
+    bench's 4096 tokens in F16)."""
+    f = gguf.read(skel)
+    size = f.data_offset + sum(gguf.pad(ggml.nbytes(t), gguf.DEFAULT_ALIGNMENT)
+                               for t in f.tensors)
+    arch = f.metadata["general.architecture"].value
+
+    def hp(key):
+        return f.metadata["%s.%s" % (arch, key)].value
+    kv = (2 * 2 * 4096 * hp("block_count") * hp("attention.head_count_kv")
+          * hp("embedding_length") // hp("attention.head_count"))
+    return size, kv
+
+
+def room_for(size, kv, device_free, disk_free, seconds_left):
+    """Why a model of ``size`` bytes and ``kv`` bytes of KV cache cannot be
+    measured here, or None: with DEVICE_MARGIN and a fiftieth of the size they
+    must fit the GPU's free memory, the file the disk, and SECONDS_PER_GB of it
+    what is left of the budget."""
+    need_s = 60 + SECONDS_PER_GB * size / 1e9
+    if size + kv + DEVICE_MARGIN + size // 50 > device_free:
+        return "%.1f GiB of weights and KV cache, %.1f GiB free on the GPU" % (
+            (size + kv) / (1 << 30), device_free / (1 << 30))
+    if size + (1 << 30) > disk_free:
+        return "a %.1f GB file, %.1f GB free where models are written" % (
+            size / 1e9, disk_free / 1e9)
+    if need_s > seconds_left:
+        return "%.0f s left of the budget, wants %.0f" % (seconds_left, need_s)
+    return None
+
+
+def work_folder(largest):
+    """Where the models are written: /dev/shm where it holds the ``largest``
+    file with 8 GB to spare (memory: a 47 GB file is written at memory speed,
+    not a disk's), else gpu-models in the roomiest of /tmp, build/, /var/tmp
+    and ~ (a machine's /tmp may be a small tmpfs)."""
+    try:
+        if shutil.disk_usage("/dev/shm").free > largest + 8e9:
+            return Path("/dev/shm/gpu-models")
+    except OSError:
+        pass
+    return roomiest(["/tmp", str(ROOT / "build"), "/var/tmp", os.path.expanduser("~")])
+
+
 def roomiest(folders):
-    """A folder for the models under the one of ``folders`` with the most free space
-    (the large model is 20 GB; a machine's /tmp may be a small tmpfs)."""
+    """A folder for the models under the one of ``folders`` with the most free space."""
     free = {}
     for f in folders:
         try:
@@ -523,16 +614,9 @@ def measure_model(name, path, kit, ggml, device, threads, offgrid_flags, args, r
     samples = r["samples"] = {"offgrid": {}, "llama_server": {}}
     for rnd in range(args.rounds):
         for server in ["offgrid", "llama_server"][::1 if rnd % 2 == 0 else -1]:
-            srv = start_server(server, path, threads, kit_lib, offgrid_flags, r)
-            try:
-                got = measure(srv, args.reps)
-                if server == "offgrid":
-                    r["load_line"] = load_line(srv)
-                    if "%s (" % device not in r["load_line"]:
-                        raise SystemExit("offgrid put no layer on %s: %s"
-                                         % (device, r["load_line"]))
-            finally:
-                srv.__exit__(None, None, None)
+            got = measure_server(server, path, threads, kit_lib, offgrid_flags, args, r)
+            if server == "offgrid" and "%s (" % device not in r["load_line"]:
+                raise SystemExit("offgrid put no layer on %s: %s" % (device, r["load_line"]))
             for k, v in got.items():
                 samples[server].setdefault(k, []).extend(v)
             log("%s round %d %s: generation %s, prompt %s" % (
@@ -543,6 +627,32 @@ def measure_model(name, path, kit, ggml, device, threads, offgrid_flags, args, r
     if name in BENCH_MODELS:
         r["greedy_vs_cpu"] = greedy_check(path, threads, offgrid_flags)
         log("%s: greedy on the GPU against the CPU: %s" % (name, r["greedy_vs_cpu"]))
+
+
+def measure_server(server, path, threads, kit_lib, offgrid_flags, args, r):
+    """One server's samples (measure()), and its peak RSS, front and worker
+    together, in r["peak_rss_mib"].  An offgrid whose worker is killed at its
+    memory ceiling (its default, never yet met on an NVIDIA GPU) is measured
+    again without one (--worker-max-rss 0, from then on), the kill recorded."""
+    srv = start_server(server, path, threads, kit_lib, offgrid_flags, r)
+    try:
+        got = measure(srv, args.reps)
+        if server == "offgrid":
+            r["load_line"] = load_line(srv)
+        r.setdefault("peak_rss_mib", {}).setdefault(server, []).append(round(srv.peak_rss_mb()))
+        return got
+    except Exception as e:
+        kill = next((ln for ln in srv.log_text().splitlines() if "over --worker-max-rss" in ln),
+                    None)
+        if server != "offgrid" or kill is None or offgrid_flags[-2:] == NO_CEILING:
+            raise
+        r["offgrid_ceiling_kill"] = kill
+        log("offgrid's worker was killed at its memory ceiling (%s: %s); again with "
+            "--worker-max-rss 0:\n%s" % (type(e).__name__, e, kill))
+        offgrid_flags += NO_CEILING
+    finally:
+        srv.__exit__(None, None, None)
+    return measure_server(server, path, threads, kit_lib, offgrid_flags, args, r)
 
 
 def start_server(server, path, threads, kit_lib, offgrid_flags, r):
@@ -556,11 +666,11 @@ def start_server(server, path, threads, kit_lib, offgrid_flags, r):
     try:
         return servers.offgrid(cfg).start()
     except RuntimeError as e:
-        if "--worker-max-rss" in offgrid_flags:
+        if offgrid_flags[-2:] == NO_CEILING:
             raise
         r["offgrid_failed_start"] = str(e)[-4000:]
         log("offgrid did not start; again with --worker-max-rss 0:\n%s" % e)
-        offgrid_flags += ["--worker-max-rss", "0"]
+        offgrid_flags += NO_CEILING
         return start_server(server, path, threads, kit_lib, offgrid_flags, r)
 
 
@@ -605,8 +715,16 @@ def markdown(result):
         if r.get("offgrid_failed_start"):
             notes.append("- %s: offgrid did not start with its default memory ceiling; "
                          "measured with --worker-max-rss 0 (gpu.json has its log)" % name)
+        if r.get("offgrid_ceiling_kill"):
+            notes.append("- %s: offgrid's worker was killed at its default memory ceiling "
+                         "(`%s`); measured again with --worker-max-rss 0"
+                         % (name, r["offgrid_ceiling_kill"].strip()))
         if r.get("load_line"):
             notes.append("- %s: `%s`" % (name, r["load_line"]))
+        if r.get("peak_rss_mib"):
+            notes.append("- %s: peak RSS, MiB (front and worker together for offgrid): %s"
+                         % (name, "; ".join("%s %s" % (k, ", ".join(map(str, v)))
+                                            for k, v in sorted(r["peak_rss_mib"].items()))))
         if r.get("greedy_vs_cpu"):
             notes.append("- %s, greedy text with every layer on the GPU against the CPU's "
                          "(tokens the same, of 32, per prompt): %s" % (name, ", ".join(
@@ -648,8 +766,8 @@ def parse_args(argv=None):
     r = sub.add_parser("run", help="measure on this machine's GPU with a kit")
     r.add_argument("--kit", required=True, help="the unpacked kit (gpukit/)")
     r.add_argument("--out", required=True, help="folder for gpu.json, gpu.md, gpu.log")
-    r.add_argument("--work", help="where the models are written (default: gpu-models in "
-                   "the roomiest of /tmp, build/, /var/tmp and ~)")
+    r.add_argument("--work", help="where the models are written (default: /dev/shm where it "
+                   "has room, else gpu-models in the roomiest of /tmp, build/, /var/tmp and ~)")
     r.add_argument("--models", type=lambda s: s.split(","),
                    help="comma-separated, of: %s" % ", ".join(list(BENCH_MODELS) + list(SHAPES)))
     r.add_argument("--rounds", type=int, default=2)

@@ -6,7 +6,7 @@ header whole; a model written from one has the real file's size and tensor
 table, and libllama loads it and generates; a shape derived from a skeleton
 loads (libllama checks every tensor's shape against the hyperparameters) and
 has the types libllama's own quantizer gives a Q4_K_M file; and the large
-shape is Qwen2.5-32B's size.
+shapes are Qwen2.5-32B's and -72B's sizes.
 """
 
 import ctypes
@@ -25,8 +25,13 @@ except ImportError:  # tests/ is on sys.path rather than a package
 SMOL = ROOT / "models" / "smollm2-135m-instruct-q4_1.gguf"
 QWEN = ROOT / "models" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 # a small sibling of a bench model: every row a multiple of Q4_K's 256-wide
-# blocks, as in the large shapes, so no tensor falls back to another type
+# blocks, as in Qwen2.5-32B, so no tensor falls back to another type
 SMALL_SHAPE = dict(n_embd=256, n_layer=8, n_head=4, n_head_kv=2, n_ff=512)
+# and one with what sets Qwen2.5-72B apart: 80 layers of grouped-query
+# attention (libllama's "70B", whose attn_v is Q5_K) and a feed-forward width
+# that is no whole number of 256-wide blocks (its ffn_down falls back to Q5_0
+# and Q8_0)
+SMALL_70B_SHAPE = dict(n_embd=256, n_layer=80, n_head=4, n_head_kv=2, n_ff=288)
 LLAMA_FTYPE_MOSTLY_Q4_K_M = 15
 
 
@@ -95,12 +100,15 @@ def _quantize(src, dst, ftype):
                                     ctypes.byref(params)) == 0
 
 
-@pytest.mark.parametrize("model", [QWEN, SMOL], ids=["output-of-its-own", "tied-embeddings"])
-def test_a_derived_shape_loads_with_the_types_llama_quantize_gives(gpu, ggml, tmp_path, model):
+@pytest.mark.parametrize("model,shape", [(QWEN, SMALL_SHAPE), (SMOL, SMALL_SHAPE),
+                                         (QWEN, SMALL_70B_SHAPE)],
+                         ids=["output-of-its-own", "tied-embeddings", "70b-and-fallbacks"])
+def test_a_derived_shape_loads_with_the_types_llama_quantize_gives(gpu, ggml, tmp_path, model,
+                                                                   shape):
     base = tmp_path / "base.skel.gguf"
     gpu.skeleton(model, base)
-    meta, tensors = gpu.derive(base, SMALL_SHAPE)
-    n = SMALL_SHAPE["n_layer"]
+    meta, tensors = gpu.derive(base, shape)
+    n = shape["n_layer"]
     assert len([t for t in tensors if t[0].startswith("blk.")]) == n * len(
         [t for t in gguf.read(model).tensors if t.name.startswith("blk.0.")])
     # the same shape in F32, written and then quantized by libllama itself
@@ -120,19 +128,49 @@ def test_a_derived_shape_loads_with_the_types_llama_quantize_gives(gpu, ggml, tm
     generates(made)
 
 
-def test_the_large_shape_is_qwen2_5_32b_q4_k_m(gpu, ggml, tmp_path):
-    """llama-bench prints a Qwen2.5-32B-Instruct Q4_K_M file as "qwen2 32B Q4_K -
-    Medium | 18.48 GiB | 32.76 B"; the derived one has 151,936 tokens where that
-    file has 152,064 (0.004% of its parameters)."""
+# name -> (parameters in billions, tensor bytes in GiB, file in GB).  llama-bench
+# prints a Qwen2.5-32B-Instruct Q4_K_M file as "qwen2 32B Q4_K - Medium |
+# 18.48 GiB | 32.76 B"; Qwen2.5-72B-Instruct-Q4_K_M.gguf is 47.4 GB as
+# published (bartowski/Qwen2.5-72B-Instruct-GGUF), 72.71 B parameters by Qwen's
+# config.  The derived ones have 151,936 tokens where those have 152,064
+# (0.004% of the parameters, 1.4 MB of the 72B's file).
+LARGE = {"qwen2.5-32b-shape-q4_k_m": (32.76, 18.48, 19.9),
+         "qwen2.5-72b-shape-q4_k_m": (72.70, 44.15, 47.4)}
+
+
+@pytest.mark.parametrize("name", sorted(LARGE))
+def test_the_large_shapes_are_the_real_q4_k_m_files_size(gpu, ggml, tmp_path, name):
     base = tmp_path / "qwen.skel.gguf"
     gpu.skeleton(QWEN, base)
-    source, shape = gpu.SHAPES["qwen2.5-32b-shape-q4_k_m"]
+    source, shape = gpu.SHAPES[name]
     assert source == "qwen2.5-coder-0.5b-q4_k_m"
-    _, tensors = gpu.derive(base, shape)
+    meta, tensors = gpu.derive(base, shape)
     params = sum(gguf.TensorInfo(n, s, t, 0).n_elements for n, s, t in tensors)
     size = sum(ggml.nbytes(gguf.TensorInfo(n, s, t, 0)) for n, s, t in tensors)
-    assert round(params / 1e9, 2) == 32.76, params
-    assert round(size / (1 << 30), 2) == 18.48, size
+    want_params, want_gib, want_gb = LARGE[name]
+    assert round(params / 1e9, 2) == want_params, params
+    assert round(size / (1 << 30), 2) == want_gib, size
+    skel = tmp_path / "large.skel.gguf"
+    gpu.write_skeleton(skel, meta, tensors, ggml)
+    file_bytes, kv = gpu.model_size(skel, ggml)
+    assert round(file_bytes / 1e9, 1) == want_gb, file_bytes
+    # the bench's 4096 tokens of F16 keys and values in every layer
+    assert kv == 2 * 2 * 4096 * shape["n_layer"] * shape["n_head_kv"] * (
+        shape["n_embd"] // shape["n_head"])
+
+
+def test_run_measures_the_largest_shape_that_fits(gpu, ggml, tmp_path):
+    """The free memory --list-devices gives, and what does not fit the GPU,
+    the disk or the time left, said."""
+    listing = ("Available devices:\n  CUDA0: NVIDIA H100 80GB HBM3 (81079 MiB, 80521 MiB free)\n"
+               "  CUDA1: NVIDIA H100 80GB HBM3 (81079 MiB, 1000 MiB free)\n")
+    assert gpu.free_mib(listing, "CUDA0") == 81521
+    assert gpu.free_mib("Available devices:\n  (none)\n", "CUDA0") == 0
+    gib = 1 << 30
+    assert gpu.room_for(44 * gib, 1 * gib, 80 * gib, 60e9, 400) is None
+    assert "free on the GPU" in gpu.room_for(44 * gib, 1 * gib, 46 * gib, 60e9, 400)
+    assert "where models are written" in gpu.room_for(44 * gib, 1 * gib, 80 * gib, 40e9, 400)
+    assert "of the budget" in gpu.room_for(44 * gib, 1 * gib, 80 * gib, 60e9, 200)
 
 
 def test_the_kit_and_run_commands_parse(gpu):
