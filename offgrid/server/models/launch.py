@@ -95,14 +95,24 @@ def worker_args(path, args, chat_template=None, decode_lock=None):
     return ["--settings", json.dumps(protocol.encode_settings(settings))]
 
 
+# What a worker whose layers are on a discrete GPU holds in host memory for the GPU
+# itself: the driver's and runtime's state, the math libraries' handles (CUDA's
+# context, cuBLAS).  Not yet measured on an NVIDIA GPU (bench/gpu.py records the
+# peak RSS when it runs there); a gigabyte, so that a small model's 1 GiB margin
+# is not all the runtime's.
+GPU_RUNTIME_HOST = 1 << 30
+
+
 def default_max_rss(info, cache_bytes=0):
     """A worker's memory ceiling: its model file, its KV caches, its kept prompt states
     (``cache_bytes``: --cache-ram) and a margin for the rest (compute buffers, the
-    logits of a batch, Python): half the model, 1 GiB at least."""
+    logits of a batch, Python): half the model, 1 GiB at least; GPU_RUNTIME_HOST
+    more where a discrete GPU holds some of it."""
     # what a discrete GPU holds of its weights and caches is not in the worker's RSS
-    on_host = max(0, info.file_size + info.kv_bytes - getattr(info, "device_bytes", 0))
+    device_bytes = getattr(info, "device_bytes", 0)
+    on_host = max(0, info.file_size + info.kv_bytes - device_bytes)
     return (on_host + cache_bytes + max(1 << 30, info.file_size // 2)
-            + draft_ceiling(info.draft_bytes))
+            + (GPU_RUNTIME_HOST if device_bytes else 0) + draft_ceiling(info.draft_bytes))
 
 
 def media_ceiling(path, args):
