@@ -96,11 +96,12 @@ SCALE = 0.05                    # the random weights: uniform, this standard dev
 # a model is measured where this much of the GPU's memory, and a fiftieth of
 # its size, are left beside its weights and KV cache (compute buffers, the
 # server's own CUDA context; llama-server's --fit leaves 1 GiB), and where
-# this many seconds a GB of it are left of the budget (a guess: a 47 GB file
-# written at ~1 GB/s, loaded five times, 128 tokens generated 25 times at
-# ~40 tok/s)
+# a minute and this many seconds a GB of it are left of the budget (a guess for
+# the 72B's 47 GB: written in ~50 s, loaded five times at ~5 GB/s, 128 tokens
+# generated some 25 times at ~40 tok/s; a run cut short keeps its finished
+# rounds)
 DEVICE_MARGIN = 1 << 30
-SECONDS_PER_GB = 6
+SECONDS_PER_GB = 4
 TILED_ABOVE = 2_000_000_000     # elements: a larger model repeats a few rows per tensor
 TILE_ROWS = 61                  # quantized rows repeated: the rest of the file is copies
 NO_CEILING = ["--worker-max-rss", "0"]     # offgrid's flags for no worker memory ceiling
