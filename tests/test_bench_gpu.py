@@ -131,8 +131,8 @@ def test_a_derived_shape_loads_with_the_types_llama_quantize_gives(gpu, ggml, tm
 # name -> (parameters in billions, tensor bytes in GiB, file in GB).  llama-bench
 # prints a Qwen2.5-32B-Instruct Q4_K_M file as "qwen2 32B Q4_K - Medium |
 # 18.48 GiB | 32.76 B"; Qwen2.5-72B-Instruct-Q4_K_M.gguf is 47.4 GB as
-# published (bartowski/Qwen2.5-72B-Instruct-GGUF), 72.71 B parameters by Qwen's
-# config.  The derived ones have 151,936 tokens where those have 152,064
+# published (bartowski/Qwen2.5-72B-Instruct-GGUF), of a model of 72.7 B
+# parameters.  The derived ones have 151,936 tokens where those have 152,064
 # (0.004% of the parameters, 1.4 MB of the 72B's file).
 LARGE = {"qwen2.5-32b-shape-q4_k_m": (32.76, 18.48, 19.9),
          "qwen2.5-72b-shape-q4_k_m": (72.70, 44.15, 47.4)}
@@ -159,9 +159,9 @@ def test_the_large_shapes_are_the_real_q4_k_m_files_size(gpu, ggml, tmp_path, na
         shape["n_embd"] // shape["n_head"])
 
 
-def test_run_measures_the_largest_shape_that_fits(gpu, ggml, tmp_path):
-    """The free memory --list-devices gives, and what does not fit the GPU,
-    the disk or the time left, said."""
+def test_a_model_is_measured_where_the_gpu_the_disk_and_the_time_left_hold_it(gpu):
+    """run's choice (the largest shape first): the free memory --list-devices
+    gives, and what does not fit the GPU, the disk or the time left, said."""
     listing = ("Available devices:\n  CUDA0: NVIDIA H100 80GB HBM3 (81079 MiB, 80521 MiB free)\n"
                "  CUDA1: NVIDIA H100 80GB HBM3 (81079 MiB, 1000 MiB free)\n")
     assert gpu.free_mib(listing, "CUDA0") == 81521
