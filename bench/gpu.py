@@ -235,7 +235,9 @@ def derive(skel, shape):
                 raise ValueError("%s: %d wide, no quantized type fits" % (name, shape_new[0]))
         return t
 
-    tensors = []
+    # layer by layer, as a converted file lays them out, where the skeleton's
+    # layer 0 stood among the other tensors
+    tensors, layer0, at = [], [], None
     for t in f.tensors:
         if t.name.startswith("blk.") and not t.name.startswith("blk.0."):
             continue
@@ -244,12 +246,13 @@ def derive(skel, shape):
         except KeyError:
             raise ValueError("%s: dimension of %s not among %s" % (skel, t.name, sorted(dims)))
         if t.name.startswith("blk.0."):
-            rest = t.name[len("blk.0."):]
-            tensors += [("blk.%d.%s" % (i, rest), shape_new, ttype(rest, shape_new, i))
-                        for i in range(n)]
+            at = len(tensors) if at is None else at
+            layer0.append((t.name[len("blk.0."):], shape_new))
         else:
             tensors.append((t.name, shape_new, ttype(t.name, shape_new, 0)))
-    return m, tensors
+    blocks = [("blk.%d.%s" % (i, rest), shape_new, ttype(rest, shape_new, i))
+              for i in range(n) for rest, shape_new in layer0]
+    return m, tensors[:at] + blocks + tensors[at:]
 
 
 def write_skeleton(dest, metadata, tensors, ggml):
