@@ -29,7 +29,6 @@ ggml's spinning workers wait for each other and run several times slower.
 """
 
 import base64
-import importlib.util
 import json
 import os
 import re
@@ -809,14 +808,7 @@ def test_every_route_is_in_api_md_or_dialects_md():
 
 
 def _bench_markdown():
-    spec = importlib.util.spec_from_file_location("bench_run", ROOT / "bench" / "run.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    return module.markdown
+    return _bench_module("bench_run", "run.py").markdown
 
 
 def test_each_measured_run_says_where_what_when_and_beside_what():
