@@ -23,8 +23,8 @@ an output row of zeros, so a generation runs to its token limit.
 
     path = build("qwen35", directory)      # cached by recipe, like tinymodels
 
-The models are tiny (2-3 layers, n_embd 256): a prompt of a few hundred tokens
-evaluates in milliseconds.
+The models are tiny (2-4 layers, n_embd 64; 128 with latent attention): a
+prompt of a few hundred tokens evaluates in milliseconds.
 """
 
 import ctypes
@@ -73,7 +73,32 @@ ARCHS = {
     # of an image's embedding (n_embd_inp = 2 n_embd)
     "qwen3vl": dict(template="Qwen-Qwen2.5-7B-Instruct.jinja", sections=[4, 6, 6, 0],
                     std_layer=0.4, deepstack=1),
+    # Qwen3.5's MoE (Qwen3.5-35B-A3B): hybrid, snapshots of its recurrent state
+    "qwen35moe": dict(template="Qwen3.5-4B.jinja", moe=True),
+    # multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash, Kimi-K2): a
+    # cache row is a compressed latent and a rotary part, not per-head keys
+    # and values; the sizes are those of llama.cpp's test-llama-archs
+    "deepseek2": dict(template="deepseek-ai-DeepSeek-V3.1.jinja", moe=True, mla=True,
+                      n_embd=128, n_head=1, n_ff=192),
+    # Llama 4: chunked attention (libllama's 8192-token chunks: a window layer
+    # sees its own chunk only), every fourth layer without rotary positions; a
+    # context past the first chunk
+    "llama4": dict(template="meta-llama-Llama-3.2-3B-Instruct.jinja", moe=True, n_layer=4,
+                   n_ctx_train=16384),
+    # hybrids whose state libllama keeps no snapshots of: Falcon-H1 (attention
+    # and Mamba2 side by side in every layer), Jamba (Mamba-1 layers between
+    # attention ones); their families' templates are not in the pinned source,
+    # so a ChatML one
+    "falcon-h1": dict(template="Qwen-Qwen2.5-7B-Instruct.jinja"),
+    "jamba": dict(template="Qwen-Qwen2.5-7B-Instruct.jinja"),
+    # recurrent, not a Mamba: RWKV-6's time mixing
+    "rwkv6": dict(template="llama-cpp-rwkv-world.jinja",
+                  u32={"time_mix_extra_dim": 64, "time_decay_extra_dim": 128,
+                       "wkv.head_size": 32}),
 }
+
+# architectures that mark a recurrent layer by its 0 attention heads
+LAYER_HEADS = {"nemotron_h", "granitehybrid", "lfm2", "jamba"}
 
 N_CTX_TRAIN = 4096
 N_EMBD = 64
@@ -176,6 +201,7 @@ class _Builder:
     def __init__(self, arch, spec, vocab, template):
         self.g = _Ggml()
         self.arch, self.spec = arch, spec
+        self.n_embd = spec.get("n_embd", N_EMBD)
         self.vocab, self.template = vocab, template
         meta = gguf.read(vocab).metadata
         self.control = [i for i, t in enumerate(meta["tokenizer.ggml.token_type"].value)
@@ -206,7 +232,8 @@ class _Builder:
                 g.gguf_remove_key(ctx, k)
         n_layer = spec.get("n_layer", 2)
         moe = spec.get("moe", False)
-        head_dim = N_EMBD // N_HEAD
+        n_embd, n_head, n_ff = self.n_embd, spec.get("n_head", N_HEAD), spec.get("n_ff", N_FF)
+        head_dim = n_embd // n_head
 
         def u32(k, v):
             g.gguf_set_val_u32(ctx, (k % a).encode(), v)
@@ -222,26 +249,38 @@ class _Builder:
         g.gguf_set_val_str(ctx, b"general.name", ("offgrid-tiny-" + a).encode())
         g.gguf_set_val_str(ctx, b"tokenizer.chat_template", self.template.encode())
         u32("%s.vocab_size", self.n_vocab)
-        u32("%s.context_length", N_CTX_TRAIN)
-        u32("%s.embedding_length", N_EMBD)
-        u32("%s.features_length", N_EMBD)
+        u32("%s.context_length", spec.get("n_ctx_train", N_CTX_TRAIN))
+        u32("%s.embedding_length", n_embd)
+        u32("%s.features_length", n_embd)
         u32("%s.block_count", n_layer)
         u32("%s.leading_dense_block_count", 1)
         if a == "nemotron_h":
-            arr("%s.feed_forward_length", [0 if i <= 1 else N_FF for i in range(n_layer)])
+            arr("%s.feed_forward_length", [0 if i <= 1 else n_ff for i in range(n_layer)])
         else:
-            u32("%s.feed_forward_length", N_FF)
+            u32("%s.feed_forward_length", n_ff)
         g.gguf_set_val_bool(ctx, ("%s.use_parallel_residual" % a).encode(), False)
         f32("%s.logit_scale", 1.0)
         u32("%s.full_attention_interval", 2)
-        if a in ("nemotron_h", "granitehybrid", "lfm2"):
+        if a in LAYER_HEADS:
             # layer 1 is recurrent (no attention heads); the others attend
-            heads = [0 if i == 1 else N_HEAD for i in range(n_layer)]
+            heads = [0 if i == 1 else n_head for i in range(n_layer)]
             arr("%s.attention.head_count", heads)
             arr("%s.attention.head_count_kv", heads)
         else:
-            u32("%s.attention.head_count", N_HEAD)
-            u32("%s.attention.head_count_kv", N_HEAD)
+            u32("%s.attention.head_count", n_head)
+            u32("%s.attention.head_count_kv", n_head)
+        if spec.get("mla"):
+            # multi-head latent attention (DeepSeek-V2 and its kin): a cache row is
+            # the compressed latent (512) and the rotary part (64)
+            u32("%s.attention.key_length", 576)
+            u32("%s.attention.value_length", 512)
+            u32("%s.rope.dimension_count", 64)
+            u32("%s.attention.key_length_mla", 192)
+            u32("%s.attention.value_length_mla", 128)
+            u32("%s.attention.q_lora_rank", 512)
+            u32("%s.attention.kv_lora_rank", 512)
+        for k, v in spec.get("u32", {}).items():
+            u32("%s." + k, v)
         f32("%s.attention.clamp_kqv", 1.0)
         f32("%s.attention.layer_norm_epsilon", 1e-5)
         f32("%s.attention.layer_norm_rms_epsilon", 1e-5)
@@ -254,18 +293,18 @@ class _Builder:
         if spec.get("deepstack"):
             u32("%s.n_deepstack_layers", spec["deepstack"])
         if moe:
-            u32("%s.expert_feed_forward_length", N_FF)
-            u32("%s.expert_shared_feed_forward_length", N_FF // 2)
+            u32("%s.expert_feed_forward_length", n_ff)
+            u32("%s.expert_shared_feed_forward_length", n_ff // 2)
             u32("%s.interleave_moe_layer_step", 2)
             u32("%s.expert_count", 4)
             u32("%s.expert_used_count", 2)
             u32("%s.expert_shared_count", 1)
             u32("%s.expert_gating_func", 2)
-        inner = 256 if a in ("qwen3next", "qwen35") else 2 * N_EMBD
+        inner = 256 if a in ("qwen3next", "qwen35", "qwen35moe") else 2 * n_embd
         u32("%s.ssm.inner_size", inner)
         u32("%s.ssm.conv_kernel", 4)
         u32("%s.ssm.state_size", 128)
-        u32("%s.ssm.time_step_rank", N_HEAD)
+        u32("%s.ssm.time_step_rank", n_head)
         u32("%s.ssm.group_count", 2)
         u32("%s.shortconv.l_cache", 3)
         f32("%s.residual_scale", 1.0)
@@ -290,9 +329,9 @@ class _Builder:
                                                    struct.unpack("<%df" % n, values)])
             if name == "output.weight":
                 rows = bytearray(values)
-                zero = bytes(4 * N_EMBD)
+                zero = bytes(4 * self.n_embd)
                 for t in self.control:
-                    rows[t * 4 * N_EMBD:(t + 1) * 4 * N_EMBD] = zero
+                    rows[t * 4 * self.n_embd:(t + 1) * 4 * self.n_embd] = zero
                 values = bytes(rows)
         if ggml_type == _GGML_F16:
             floats = struct.unpack("<%df" % n, values)

@@ -8,12 +8,15 @@ tests/test_memory_classes.py, test_memory_states.py and test_memory_cuts.py
 from serverproc import ServerProcess
 
 CLASSES = {
-    "llama": "dense", "qwen3moe": "dense", "gemma3": "swa", "gpt-oss": "swa",
+    "llama": "dense", "qwen3moe": "dense", "deepseek2": "dense", "qwen2vl": "dense",
+    "gemma3": "swa", "gpt-oss": "swa", "llama4": "swa",
     "lfm2": "hybrid", "granitehybrid": "hybrid", "qwen3next": "hybrid",
-    "nemotron_h": "hybrid", "qwen35": "hybrid", "mamba2": "recurrent",
+    "nemotron_h": "hybrid", "qwen35": "hybrid", "qwen35moe": "hybrid",
+    "falcon-h1": "hybrid", "jamba": "hybrid",
+    "mamba2": "recurrent", "rwkv6": "recurrent",
 }
 # architectures whose recurrent state libllama snapshots (llm_arch_supports_rs_rollback)
-ROLLBACK = {"lfm2", "nemotron_h", "qwen35"}
+ROLLBACK = {"lfm2", "nemotron_h", "qwen35", "qwen35moe"}
 
 WORDS = ("river stone cloud maple harbor lantern copper meadow violet thunder anchor "
          "willow ember falcon garnet orchard pebble saffron tundra velvet").split()

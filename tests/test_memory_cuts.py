@@ -8,7 +8,7 @@ import concurrent.futures
 import pytest
 
 import archmodels
-from memclass import BASE, ROLLBACK, complete, fresh, reference_server, text
+from memclass import BASE, ROLLBACK, complete, fresh, reference_server, text, tokens_of
 from serverproc import TEST_THREADS, ServerProcess
 
 
@@ -39,6 +39,29 @@ def test_no_swa_full_gives_the_default_text(swa_arch, tiny_dir):
             reference_server(path, ctx=4096) as ref:
         for prompt in edits:
             assert complete(windowed, prompt) == fresh(ref, prompt)
+
+
+def test_a_chunked_window_past_its_first_chunk_gives_the_fresh_text(tiny_dir):
+    """Llama 4's window layers attend within their own 8192-token chunk: a
+    prompt past the first chunk, edited in either chunk.  The full-size window
+    (the default) keeps every cell, so all before the edit is reused; a
+    windowed cache (--no-swa-full) has let the first chunk's window cells go,
+    and what it cannot serve is evaluated again."""
+    path = archmodels.build("llama4", tiny_dir)
+    words = text(4200, 1).split()             # 8,233 tokens
+    edits = [(at, " ".join(words[:at] + ["granite"] + words[at + 1:])) for at in (4150, 4190)]
+    with reference_server(path, ctx=16384) as ref:
+        want = {at: fresh(ref, prompt) for at, prompt in edits}
+        before = {at: len(tokens_of(ref, " ".join(words[:at]))) for at, _ in edits}
+        assert before[4150] < 8192 < before[4190]
+        for flags in ((), ("--no-swa-full",)):
+            with ServerProcess(path, *flags, ctx=16384) as srv:
+                for at, prompt in edits:
+                    complete(srv, " ".join(words))
+                    body = complete(srv, prompt)
+                    assert body == want[at], (flags, at)
+                    if not flags:    # all before the edit
+                        assert body["timings"]["cache_n"] >= before[at] - 1
 
 
 def test_a_hybrid_with_no_kv_unified_shares_one_cache_and_serves(tiny_dir):

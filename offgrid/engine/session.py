@@ -380,13 +380,12 @@ class ChatSession(Generation, RecurrentCache):
     def use_states(self, states):
         """Keep states in ``states`` (a StateCache shared by the worker's sessions)
         before losing most of the cache, and restore one that serves a prompt
-        better than the cache does.  Only where the memory can be cut and moved
-        (a recurrent model's state is its last token's, not a prefix's: its
-        states are restored only whole, for a prompt that goes on from them),
-        or cut where images take M-RoPE positions (no keys moved there)."""
-        self.states = states if states is not None and states.enabled \
-            and (self._can_shift or self.memory.has_state
-                 or (self.memory.mrope_media and self.memory.cuts_anywhere)) else None
+        better than the cache does: every memory class.  Where keys cannot move
+        (M-RoPE positions, or libllama says so) a state serves the prompts that
+        share a prefix with it (_prepare_cache plans no moved runs); a recurrent
+        model's state is its last token's, not a prefix's: restored only whole,
+        for a prompt that goes on from it."""
+        self.states = states if states is not None and states.enabled else None
 
     def _swap_state(self, tokens, min_run, need_logits):
         """Before _prepare_cache plans ``tokens``: restore the kept state that gives
