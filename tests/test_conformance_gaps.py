@@ -345,3 +345,35 @@ def test_a_prefilled_assistant_message_in_parts_is_continued_with_blank_lines(sr
     parts = [{"type": "text", "text": "Wh"}, {"type": "text", "text": "ill"}]
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": parts}]
     assert srv.post("/apply-template", {"messages": msgs})[2]["prompt"].endswith("Wh\n\nill")
+
+
+# -- n_cache_reuse on any completion ------------------------------------------------------
+
+@pytest.mark.parametrize("path", ["/completion", "/v1/completions"])
+def test_a_request_asking_n_cache_reuse_moves_cached_runs(srv, path):
+    """llama-server reads ``n_cache_reuse`` from any completion request (FIM
+    ones take --cache-reuse by default): a prompt with a piece cut out of its
+    middle then reuses the cached text after the cut, moved back, instead of
+    evaluating it again; without it, only the common prefix."""
+    # notes of their own: no state another test kept serves them
+    lines = ["Line %d of the %s notes: the %s came by the %s." % (i, path, a, b) for i, (a, b) in
+             enumerate(zip(["river", "stone", "cloud", "maple", "harbor"] * 6,
+                           ["lantern", "copper", "meadow", "violet", "anchor", "willow"] * 5))]
+    # two cuts: a state kept of the first does not serve the second
+    whole = "\n".join(lines)
+    cut, other_cut = ("\n".join(lines[:8] + lines[n:]) for n in (14, 16))
+    head = len(srv.post("/tokenize", {"content": "\n".join(lines[:8])})[2]["tokens"])
+    n_cut = len(srv.post("/tokenize", {"content": other_cut})[2]["tokens"])
+
+    def cached(prompt, **extra):
+        status, _, body = srv.post(path, dict({"prompt": prompt, "max_tokens": 1, "n_predict": 1,
+                                               "id_slot": 0}, **extra))
+        assert status == 200, body
+        return body["timings"]["cache_n"] if "timings" in body else \
+            body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached(whole)
+    assert head <= cached(cut) <= head + 8          # the prefix ("\nLine 1" shared) only
+    cached(whole)
+    # all but the prompt's last token, whose logits the answer needs
+    assert cached(other_cut, n_cache_reuse=16) == n_cut - 1

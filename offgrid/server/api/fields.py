@@ -31,6 +31,7 @@ MAX_N_PREDICT = 2 ** 31 - 1
 # libllama allocates a buffer of repeat_last_n tokens per request; a window
 # wider than any context would only waste memory (2**31 would be 8 GiB).
 MAX_REPEAT_LAST_N = 1 << 20
+MAX_N_CACHE_REUSE = 1 << 20
 # Token probabilities: llama-server sets no upper bound on n_probs (it clips
 # to the vocabulary), but each generated token then carries n_probs entries
 # in the response (95 KB of JSON and 1 MB of the front's memory per token at
@@ -280,7 +281,15 @@ def generation_from(f, n_vocab, n_predict_default=-1, max_tokens_names=MAX_TOKEN
     g.n_keep = f.int("n_keep", 0, lo=-1, hi=MAX_N_PREDICT)
     g.n_discard = f.int("n_discard", 0, lo=0, hi=MAX_N_PREDICT)
     g.lora = request_lora(f.raw("lora"))      # llama-server's per-request adapters
+    g.cache_reuse = cache_reuse_from(f)
     return g
+
+
+def cache_reuse_from(f, default=0):
+    """llama-server's ``n_cache_reuse``: move cached runs of at least that many
+    tokens to where the prompt needs them.  Any request may ask for it; FIM
+    requests default to --cache-reuse (native.cache_reuse_of), the rest to 0."""
+    return f.int("n_cache_reuse", default, lo=0, hi=MAX_N_CACHE_REUSE)
 
 
 def response_fields_from(f):

@@ -2,9 +2,9 @@
 
 from ..httpd.httperrors import BadRequest
 from . import formats, media, pipeline
-from .fields import (Fields, choices_from, generation_from, id_slot_from, infill_from,
-                     native_probs_from, output_schema_from, prompts_from, response_fields_from,
-                     text_tokenizer)
+from .fields import (Fields, cache_reuse_from, choices_from, generation_from, id_slot_from,
+                     infill_from, native_probs_from, output_schema_from, prompts_from,
+                     response_fields_from, text_tokenizer)
 from .pipeline import Format, Generation, Prompt
 from .prompts import infill_prepare, infill_tokens
 
@@ -93,7 +93,7 @@ def infill(h, body):
 
 def cache_reuse_of(f, svc):
     """Chunk reuse for a FIM request: llama-server's n_cache_reuse, else the server's."""
-    return f.int("n_cache_reuse", svc.cache_reuse, lo=0, hi=1 << 20)
+    return cache_reuse_from(f, svc.cache_reuse)
 
 
 def _run(h, f, entry, prompts, gen, n, endpoint):
