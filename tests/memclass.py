@@ -11,7 +11,7 @@ CLASSES = {
     "llama": "dense", "qwen3moe": "dense", "deepseek2": "dense", "qwen2vl": "dense",
     "gemma3": "swa", "gpt-oss": "swa", "llama4": "swa",
     "lfm2": "hybrid", "granitehybrid": "hybrid", "qwen3next": "hybrid",
-    "nemotron_h": "hybrid", "qwen35": "hybrid", "qwen35moe": "hybrid",
+    "nemotron_h": "hybrid", "qwen35": "hybrid",
     "falcon-h1": "hybrid", "jamba": "hybrid",
     "mamba2": "recurrent", "rwkv6": "recurrent",
 }
