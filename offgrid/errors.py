@@ -16,6 +16,7 @@ every layer may import this module.
         ├── ContextFull         the prompt (plus generation) cannot fit the context
         ├── InvalidToken        a token id outside the vocabulary
         └── NotSupported        the model lacks what the request needs (FIM tokens)
+            └── EncoderOnly     text generation asked of an encoder (embeddings only)
 """
 
 
@@ -91,3 +92,13 @@ class InvalidToken(InvalidRequest):
 
 class NotSupported(InvalidRequest):
     """The model cannot do what was asked (e.g. fill-in-the-middle without FIM tokens)."""
+
+
+class EncoderOnly(NotSupported):
+    """Text generation asked of an encoder (BERT and its kin): it has no memory
+    to generate from, and libllama computes no logits for it."""
+
+    @classmethod
+    def of(cls, arch):
+        return cls("this model is an encoder (%s): it makes embeddings (/v1/embeddings, "
+                   "/embedding, /api/embed) and generates no text" % arch)

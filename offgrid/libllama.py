@@ -1571,6 +1571,12 @@ class Memory:
             raise ValueError("the context is closed")
         return self._ptr
 
+    @property
+    def exists(self):
+        """Whether the context has a memory at all: an encoder (BERT and its kin)
+        has none, and libllama answers every call on it with a default."""
+        return bool(self._ptr)
+
     def clear(self, data):
         """Drop every cell; ``data`` also zeroes the buffers (slow, rarely needed)."""
         self._lib.llama_memory_clear(self._mem(), data)

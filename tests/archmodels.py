@@ -91,6 +91,11 @@ ARCHS = {
     # so a ChatML one
     "falcon-h1": dict(template="Qwen-Qwen2.5-7B-Instruct.jinja"),
     "jamba": dict(template="Qwen-Qwen2.5-7B-Instruct.jinja"),
+    # an encoder (bge-small, all-MiniLM, nomic-embed's kin): every token sees every
+    # other, no memory, embeddings only; the real BERT vocabulary and bge's
+    # pooling (the first token's state), no classifier head
+    "bert": dict(vocab="bert-bge", u32={"pooling_type": 2}, bool={"attention.causal": False},
+                 drop=["cls."]),
     # recurrent, not a Mamba: RWKV-6's time mixing
     "rwkv6": dict(template="llama-cpp-rwkv-world.jinja",
                   u32={"time_mix_extra_dim": 64, "time_decay_extra_dim": 128,
@@ -115,14 +120,15 @@ _U32, _F32, _BOOL = 4, 6, 7
 _GGML_F32, _GGML_F16 = 0, 1
 
 
-def build(arch, directory, vocab=VOCAB, template=None):
+def build(arch, directory, vocab=None, template=None):
     """The path of a tiny ``arch`` model in ``directory``, built once per recipe;
     with another of the pinned source's vocabularies (``ggml-vocab-NAME.gguf``)
     and template (a file name in models/templates) where given."""
     spec = ARCHS[arch]
     src = tinymodels.llama_cpp_source()
-    vocab = src / "models" / ("ggml-vocab-%s.gguf" % vocab)
-    template = (src / "models" / "templates" / (template or spec["template"])).read_text()
+    vocab = src / "models" / ("ggml-vocab-%s.gguf" % (vocab or spec.get("vocab", VOCAB)))
+    template = template or spec.get("template")
+    template = (src / "models" / "templates" / template).read_text() if template else ""
     recipe = {"format": FORMAT_VERSION, "arch": arch, "spec": spec, "n_embd": N_EMBD,
               "seed": SEED, "std": [STD_LAYER, STD_EMBD, STD_OUTPUT],
               "vocab": hashlib.sha256(vocab.read_bytes()).hexdigest(),
@@ -247,7 +253,8 @@ class _Builder:
 
         g.gguf_set_val_str(ctx, b"general.architecture", a.encode())
         g.gguf_set_val_str(ctx, b"general.name", ("offgrid-tiny-" + a).encode())
-        g.gguf_set_val_str(ctx, b"tokenizer.chat_template", self.template.encode())
+        if self.template:
+            g.gguf_set_val_str(ctx, b"tokenizer.chat_template", self.template.encode())
         u32("%s.vocab_size", self.n_vocab)
         u32("%s.context_length", spec.get("n_ctx_train", N_CTX_TRAIN))
         u32("%s.embedding_length", n_embd)
@@ -281,6 +288,8 @@ class _Builder:
             u32("%s.attention.kv_lora_rank", 512)
         for k, v in spec.get("u32", {}).items():
             u32("%s." + k, v)
+        for k, v in spec.get("bool", {}).items():
+            g.gguf_set_val_bool(ctx, ("%s.%s" % (a, k)).encode(), v)
         f32("%s.attention.clamp_kqv", 1.0)
         f32("%s.attention.layer_norm_epsilon", 1e-5)
         f32("%s.attention.layer_norm_rms_epsilon", 1e-5)
@@ -364,3 +373,27 @@ class _Builder:
             if model:
                 llama.llama_model_free(model)
             g.gguf_free(meta)
+        self._mend(path)
+
+    def _mend(self, path):
+        """What libllama's saver leaves out: the token embeddings of a model with
+        no output matrix (llama-model-saver.cpp writes tok_embd only beside an
+        output of another name: an encoder has none); and the tensors the spec
+        drops (``drop``: name prefixes, e.g. BERT's classifier head)."""
+        f = gguf.read(path)
+        names = {t.name for t in f.tensors}
+        drop = tuple(self.spec.get("drop", ()))
+        dropped = [n for n in names if drop and n.startswith(drop)]
+        if "token_embd.weight" in names and not dropped:
+            return
+        w = gguf.Writer()
+        for key, value in f.metadata.items():
+            w.add(key, value)
+        if "token_embd.weight" not in names:
+            n = self.n_embd * self.n_vocab
+            w.add_tensor("token_embd.weight", (self.n_embd, self.n_vocab), gguf.TensorType.F32,
+                         self._tile("token_embd.weight", n, self.pools[STD_EMBD]))
+        for t in f.tensors:
+            if t.name not in dropped:
+                w.add_tensor(t.name, t.shape, gguf.TensorType(t.type), f.tensor_bytes(t))
+        w.write(path)

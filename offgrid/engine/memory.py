@@ -10,6 +10,8 @@ which:
     hybrid      attention's KV cells beside a recurrent state per sequence
                 (Qwen3.5/3.6, LFM2, Granite-4.0-H, Nemotron-H, Qwen3-Next)
     recurrent   a recurrent state per sequence only (Mamba, RWKV)
+    none        no memory at all: an encoder (BERT, nomic-bert) reads each
+                input whole into embeddings and cannot generate text
 
 A recurrent state is that of the sequence's last token: it cannot be cut
 back to an earlier position, unless the context keeps snapshots of its last
@@ -49,7 +51,7 @@ class MemoryClass:
 
     def __init__(self, kind, n_swa=0, rope_type=0, n_expert=0, n_expert_used=0,
                  can_shift=True, rollback=0, copies=True, mrope_media=False):
-        self.kind = kind                # "dense", "swa", "hybrid" or "recurrent"
+        self.kind = kind                # "dense", "swa", "hybrid", "recurrent" or "none"
         self.n_swa = n_swa              # the attention window, 0 for none
         self.rope_type = rope_type      # enum llama_rope_type
         self.n_expert = n_expert        # MoE experts, 0 for a dense FFN
@@ -80,10 +82,11 @@ class MemoryClass:
                    n_expert_used=_int(meta.get("%s.expert_used_count" % arch)))
 
     def with_context(self, ctx, copies=True):
-        """This class as a made context has it: whether its memory moves keys,
-        how many tokens its recurrent state can be taken back, and whether a
-        state can be copied out of it (``copies``)."""
-        return MemoryClass(self.kind, self.n_swa, self.rope_type, self.n_expert,
+        """This class as a made context has it: whether it has a memory at all,
+        whether its memory moves keys, how many tokens its recurrent state can
+        be taken back, and whether a state can be copied out of it (``copies``)."""
+        kind = self.kind if ctx.memory.exists else "none"
+        return MemoryClass(kind, self.n_swa, self.rope_type, self.n_expert,
                            self.n_expert_used, can_shift=ctx.memory.can_shift(),
                            rollback=ctx.n_rs_seq if self.has_state else 0, copies=copies,
                            mrope_media=self.mrope_media)
@@ -96,6 +99,12 @@ class MemoryClass:
                            rollback=self.rollback, copies=self.copies, mrope_media=mrope)
 
     # -- what the memory can do ------------------------------------------------
+    @property
+    def generates(self):
+        """Text can be generated: every class but an encoder's (no memory, and no
+        logits either: llama-server refuses its completions too)."""
+        return self.kind != "none"
+
     @property
     def has_state(self):
         """A recurrent state per sequence (hybrid or recurrent)."""
@@ -130,6 +139,8 @@ class MemoryClass:
         """The longest draft a wrong guess of which can be taken back: any
         length (None) where cells are cut or the state is checkpointed before
         each check (``replays``), else the snapshots kept (0: no drafts)."""
+        if not self.generates:
+            return 0
         if self.rollback:
             return self.rollback
         return None if self.cuts_anywhere or self.copies else 0
@@ -154,6 +165,8 @@ class MemoryClass:
     def describe(self):
         """One line for the load line and /props, e.g. "hybrid: prompt reuse from
         checkpoints, drafts rolled back natively up to 16 tokens"."""
+        if not self.generates:
+            return "none: an encoder, embeddings only (no text generation)"
         parts = []
         if self.kind == "swa":
             parts.append("window %d" % self.n_swa)
@@ -182,7 +195,8 @@ class MemoryClass:
                 "rollback": self.rollback, "chunk_reuse": self.moves_keys,
                 "mrope_media": self.mrope_media,
                 "checkpoints": self.needs_checkpoints,
-                "speculation": self.drafts != 0, "draft_rollback": "cut" if self.cuts_anywhere
+                "speculation": self.drafts != 0, "draft_rollback": "none" if not self.generates
+                else "cut" if self.cuts_anywhere
                 else "native" if self.rollback else "checkpoint and replay" if self.copies
                 else "none",
                 "description": self.describe()}

@@ -43,7 +43,7 @@ from ..chat.reply import Delta as ReplyDelta, ReplyStream, parse_reply
 from ..chat.jsonschema import schema_to_grammar
 from ..chat.select import template_for
 from ..chat.template import ReplyFormat, new_tool_call_id
-from ..errors import InvalidRequest, OffgridError, PromptTooLong
+from ..errors import EncoderOnly, InvalidRequest, OffgridError, PromptTooLong
 from ..request import RequestCancel
 from .copydraft import drafter_for
 from .embed import to_le
@@ -589,6 +589,9 @@ class Worker:
     def _run(self, frame, cancel):
         rid = frame["id"]
         session = self.loaded.sessions[frame["session"]]
+        if not session.memory.generates:
+            # libllama would decode it and hand back logits it never computed
+            raise EncoderOnly.of(self.model.meta.get("general.architecture", "?"))
         gen = protocol.decode_gen(frame["gen"])
         # its cache must be of the request's adapter set (engine/adapters.py)
         session.use_adapters(self.loaded.adapters.key(gen.lora))

@@ -21,6 +21,7 @@ from ... import __version__
 from ..httpd.httperrors import NotFound
 from .ollama import entry_named, model_name, rfc3339
 from .fields import Fields
+from .router_models import embeds_only
 
 # The Ollama version whose endpoints offgrid serves (docs/api.md of that
 # release; clients gate features on it): 0.13.4 is the first whose
@@ -196,6 +197,10 @@ def _template(entry):
 
 
 def _capabilities(entry):
+    """Ollama's words for what the model does: an embedding model's is "embedding"
+    alone, another's "completion" and what its template and files add."""
+    if embeds_only(entry.info):
+        return ["embedding"]
     caps = ["completion"]
     if (entry.info.caps or {}).get("supports_tools"):
         caps.append("tools")

@@ -28,6 +28,14 @@ def _preset_ini(name, preset):
     return "\n".join(lines) + "\n"
 
 
+def embeds_only(info):
+    """An embedding (or rerank) model: its GGUF names a pooling type, or it is an
+    encoder, which generates no text (the memory class "none": engine/memory.py)."""
+    arch = info.meta.get("general.architecture", "")
+    return info.meta.get("%s.pooling_type" % arch) is not None \
+        or (info.memory or {}).get("class") == "none"
+
+
 def capabilities(info):
     """What a model is for, from its worker's report: "chat", "infill", "embedding".
 
@@ -36,8 +44,7 @@ def capabilities(info):
     would fall back to chatml, which it was never trained on).  The chat page
     offers chat with the others only.
     """
-    arch = info.meta.get("general.architecture", "")
-    dedicated = info.meta.get("%s.pooling_type" % arch) is not None
+    dedicated = embeds_only(info)
     caps = []
     if not dedicated and (info.chat_template or not info.has_fim):
         caps.append("chat")
@@ -203,4 +210,4 @@ def metric_lines(shelf, label):
     return out
 
 
-__all__ = ["capabilities", "load", "metric_lines", "model_object", "unload"]
+__all__ = ["capabilities", "embeds_only", "load", "metric_lines", "model_object", "unload"]

@@ -25,7 +25,7 @@ import time
 from ...request import (Completion, FinishReason, PromptProgress, RequestCancel, SamplingParams,
                        Usage)
 from ... import protocol
-from ...errors import PromptTooLong
+from ...errors import EncoderOnly, PromptTooLong
 from ..httpd.httperrors import BadRequest, Unavailable
 from ..models.folders import parse_duration
 from ..models.shelf import Shelf
@@ -269,13 +269,16 @@ class Service:
 
     def admit(self, entry, prompts):
         """Raise what a job would meet before it runs: the server shutting down, the
-        model gone, a prompt (tokens, or None: the worker makes it) the context
-        cannot hold.  Refused before queueing: waiting for a session only to fail
-        wastes the wait, and a stream can still answer with the real status."""
+        model gone, an encoder asked for text, a prompt (tokens, or None: the
+        worker makes it) the context cannot hold.  Refused before queueing:
+        waiting for a session only to fail wastes the wait, and a stream can
+        still answer with the real status."""
         if self.state != "ready":
             raise Unavailable("server is shutting down")
         if entry.pool is None or entry.worker is None:
             raise Unavailable("model %s was unloaded" % entry.id)
+        if entry.info.memory.get("class") == "none":      # the worker refuses it too
+            raise EncoderOnly.of(entry.info.meta.get("general.architecture", "?"))
         entry.pool.check_room()     # --max-queue: a stream still gets its 503 as a status
         for tokens in prompts:
             if tokens is not None and len(tokens) >= entry.n_ctx:

@@ -1,0 +1,144 @@
+"""An encoder (BERT and its kin: bge, all-MiniLM, nomic-embed) served as an
+embedding model: a tiny BERT built by libllama with the real BERT vocabulary
+(archmodels.py), over HTTP.
+
+An encoder has no memory: each input is read whole, every token seeing every
+other, and pooled (bge's: the first token's state).  Its embeddings are
+checked against libllama's own pooling of the same model; the requests it
+cannot serve (text generation: libllama would decode and hand back logits it
+never computed) are refused in every dialect's shape before a stream opens,
+and what it is shows as Ollama and the model list say it.
+"""
+
+import array
+import math
+
+import pytest
+
+import archmodels
+from serverproc import ServerProcess
+
+from offgrid import libllama
+from offgrid.engine.model import Model
+
+TEXTS = ["The quick brown fox jumps over the lazy dog.",
+         "hello world",
+         "An encoder reads the whole input at once, both ways."]
+
+
+@pytest.fixture(scope="module")
+def bert(tiny_dir):
+    return archmodels.build("bert", tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def srv(bert):
+    with ServerProcess(bert, "-np", "2", ctx=512) as s:
+        yield s
+
+
+def unit(v):
+    norm = math.sqrt(sum(x * x for x in v))
+    return [x / norm for x in v]
+
+
+def libllamas_own(path, texts):
+    """Each text's embedding as libllama pools it (CLS, in the graph), one text a
+    decode, normalized as /v1/embeddings normalizes."""
+    model = Model.load(str(path), progress=False)
+    try:
+        ctx = libllama.ContextHandle(model.lib, model.handle, 512, 512, 512, 1, 1,
+                                     embeddings=True, pooling=libllama.LLAMA_POOLING_TYPE_CLS)
+        try:
+            out = []
+            for t in texts:
+                tokens = model.tokenize(t, add_special=True)
+                assert ctx.decode_sequences([(0, tokens, 0)]) == 0
+                out.append(unit(array.array("f", ctx.embedding_seq(0, model.n_embd))))
+                ctx.memory.clear(False)
+            return out
+        finally:
+            ctx.close()
+    finally:
+        model.close()
+
+
+def embed(srv, inputs):
+    status, _, body = srv.post("/v1/embeddings", {"input": inputs})
+    assert status == 200, body
+    return [d["embedding"] for d in body["data"]]
+
+
+def test_embeddings_are_libllamas_own_pooling(srv, bert):
+    got = embed(srv, TEXTS)
+    want = libllamas_own(bert, TEXTS)
+    assert [len(v) for v in got] == [len(v) for v in want]
+    for g, w in zip(got, want):
+        assert max(abs(a - b) for a, b in zip(g, w)) < 1e-5
+
+
+def test_inputs_batched_together_do_not_see_each_other(srv):
+    # every token attends to every other of its input: one batch of three
+    # inputs must keep them apart, as three requests do
+    alone = [embed(srv, [t])[0] for t in TEXTS]
+    together = embed(srv, TEXTS)
+    for a, b in zip(alone, together):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5
+    assert max(abs(x - y) for x, y in zip(alone[0], alone[1])) > 1e-3
+
+
+def test_the_ollama_and_llama_cpp_routes_embed_the_same(srv):
+    want = embed(srv, ["hello world"])[0]
+    status, _, body = srv.post("/api/embed", {"model": "x", "input": "hello world"})
+    assert status == 200, body
+    assert max(abs(x - y) for x, y in zip(body["embeddings"][0], want)) < 1e-5
+
+
+def test_an_input_longer_than_a_batch_is_refused_with_the_flag_to_change(bert):
+    with ServerProcess(bert, "-b", "64", "-ub", "64", ctx=512) as s:
+        status, _, body = s.post("/v1/embeddings", {"input": " ".join(["word"] * 100)})
+        assert status == 400, body
+        assert "one batch" in body["error"]["message"] and "-ub" in body["error"]["message"]
+        assert embed(s, ["short"])
+
+
+GENERATE = [
+    ("/completion", {"prompt": "hi", "n_predict": 4}),
+    ("/completion", {"prompt": "hi", "n_predict": 4, "stream": True}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 4}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True}),
+    ("/v1/messages", {"model": "x", "max_tokens": 4,
+                      "messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/responses", {"model": "x", "input": "hi"}),
+    ("/api/generate", {"model": "x", "prompt": "hi"}),
+    ("/api/chat", {"model": "x", "messages": [{"role": "user", "content": "hi"}]}),
+]
+
+
+@pytest.mark.parametrize("path,body", GENERATE, ids=["%s%s" % (p, " stream" if b.get("stream")
+                                                            or p.startswith("/api/") else "")
+                                                     for p, b in GENERATE])
+def test_text_generation_is_refused_in_each_dialects_shape(srv, path, body):
+    # (Ollama's routes stream unless told not to)
+    status, headers, answer = srv.post(path, body)
+    assert status == 501, answer
+    text = str(answer)
+    assert "encoder" in text and "embeddings" in text
+    if path.startswith("/api/"):
+        assert isinstance(answer["error"], str)
+    elif path == "/v1/messages":
+        assert answer["type"] == "error"
+    else:
+        assert answer["error"]["type"] == "not_supported_error"
+
+
+def test_what_it_is_shows_in_props_the_model_list_and_ollamas_show(srv):
+    memory = srv.get("/props")[2]["memory"]
+    assert memory["class"] == "none" and memory["speculation"] is False
+    assert memory["description"].startswith("none: an encoder")
+    models = srv.get("/v1/models")[2]["data"]
+    assert [m["capabilities"] for m in models] == [["embedding"]]
+    status, _, show = srv.post("/api/show", {"model": models[0]["id"]})
+    assert status == 200 and show["capabilities"] == ["embedding"]
+    assert any("memory none: an encoder" in line for line in srv.output)
