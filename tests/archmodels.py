@@ -47,7 +47,8 @@ from offgrid import libllama
 FORMAT_VERSION = 1
 VOCAB = "llama-spm"
 
-# arch -> what differs: the family's template, layer count, MoE, SWA window,
+# name -> what differs (``arch``: the architecture, where the name is another):
+# the family's template, layer count, MoE, SWA window,
 # and the spread of the layer weights (std_layer): too small and a random model
 # hardly looks past its last token, too large and it repeats one token; each
 # value was chosen so that changing one word early, midway or late in a
@@ -96,6 +97,10 @@ ARCHS = {
     # pooling (the first token's state), no classifier head
     "bert": dict(vocab="bert-bge", u32={"pooling_type": 2}, bool={"attention.causal": False},
                  drop=["cls."]),
+    # the same with its classifier head and the rank pooling: a reranker
+    # (bge-reranker's kind)
+    "bert-rank": dict(arch="bert", vocab="bert-bge", u32={"pooling_type": 4},
+                      bool={"attention.causal": False}),
     # recurrent, not a Mamba: RWKV-6's time mixing
     "rwkv6": dict(template="llama-cpp-rwkv-world.jinja",
                   u32={"time_mix_extra_dim": 64, "time_decay_extra_dim": 128,
@@ -206,7 +211,7 @@ class _Ggml:
 class _Builder:
     def __init__(self, arch, spec, vocab, template):
         self.g = _Ggml()
-        self.arch, self.spec = arch, spec
+        self.arch, self.spec = spec.get("arch", arch), spec
         self.n_embd = spec.get("n_embd", N_EMBD)
         self.vocab, self.template = vocab, template
         meta = gguf.read(vocab).metadata

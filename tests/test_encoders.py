@@ -7,7 +7,8 @@ other, and pooled (bge's: the first token's state).  Its embeddings are
 checked against libllama's own pooling of the same model; the requests it
 cannot serve (text generation: libllama would decode and hand back logits it
 never computed) are refused in every dialect's shape before a stream opens,
-and what it is shows as Ollama and the model list say it.
+and what it is shows as Ollama and the model list say it.  A reranker (the
+same with its classifier head) scores as libllama's rank pooling does.
 """
 
 import array
@@ -100,6 +101,55 @@ def test_an_input_longer_than_a_batch_is_refused_with_the_flag_to_change(bert):
         assert status == 400, body
         assert "one batch" in body["error"]["message"] and "-ub" in body["error"]["message"]
         assert embed(s, ["short"])
+
+
+@pytest.fixture(scope="module")
+def ranker(tiny_dir):
+    path = archmodels.build("bert-rank", tiny_dir)
+    with ServerProcess(path, ctx=512) as s:     # its GGUF's pooling: rank
+        yield path, s
+
+
+def libllamas_own_scores(path, query, docs):
+    """Each document's score as libllama's rank pooling gives it, on the pair laid
+    out as llama-server's format_prompt_rerank lays it out (no rerank template:
+    BOS if the vocabulary adds one, the query, EOS (else SEP) if it adds EOS,
+    SEP if it adds SEP, the document, EOS again)."""
+    model = Model.load(str(path), progress=False)
+    try:
+        ctx = libllama.ContextHandle(model.lib, model.handle, 512, 512, 512, 1, 1,
+                                     embeddings=True, pooling=libllama.LLAMA_POOLING_TYPE_RANK)
+        try:
+            eos = model.eos if model.eos is not None else model.sep
+            out = []
+            for d in docs:
+                tokens = ([model.bos] if model.add_bos else []) \
+                    + model.tokenize(query, add_special=False) \
+                    + ([eos] if model.add_eos else []) + ([model.sep] if model.add_sep else []) \
+                    + model.tokenize(d, add_special=False) + ([eos] if model.add_eos else [])
+                assert ctx.decode_sequences([(0, tokens, 0)]) == 0
+                out.append(array.array("f", ctx.embedding_seq(0, 1))[0])
+                ctx.memory.clear(False)
+            return out
+        finally:
+            ctx.close()
+    finally:
+        model.close()
+
+
+def test_a_reranker_scores_as_libllamas_rank_head_and_sorts(ranker):
+    path, s = ranker
+    query = "what is a fox"
+    status, _, body = s.post("/rerank", {"query": query, "documents": TEXTS})
+    assert status == 200, body
+    want = libllamas_own_scores(path, query, TEXTS)
+    got = {r["index"]: r["relevance_score"] for r in body["results"]}
+    assert sorted(got) == [0, 1, 2]
+    for i, w in enumerate(want):
+        assert abs(got[i] - w) < 1e-5
+    assert [r["index"] for r in body["results"]] == sorted(range(3), key=lambda i: -want[i])
+    status, _, body = s.post("/v1/embeddings", {"input": "hello"})
+    assert status == 501, body          # it pools for ranking: no embeddings
 
 
 GENERATE = [
