@@ -332,6 +332,8 @@ _PROTOTYPES = {
     "llama_model_is_recurrent": (c_bool, [const_llama_model_p]),
     # bool llama_model_is_hybrid(const struct llama_model * model);
     "llama_model_is_hybrid": (c_bool, [const_llama_model_p]),
+    # bool llama_model_has_encoder(const struct llama_model * model);
+    "llama_model_has_encoder": (c_bool, [const_llama_model_p]),
     # enum llama_rope_type llama_model_rope_type(const struct llama_model * model);
     "llama_model_rope_type": (c_int, [const_llama_model_p]),
     # uint64_t llama_model_n_params(const struct llama_model * model);
@@ -965,6 +967,11 @@ class ModelHandle:
     def is_recurrent(self):
         """Whether the model's whole memory is recurrent state (Mamba, RWKV)."""
         return bool(self.lib.llama_model_is_recurrent(self.ptr))
+
+    def has_encoder(self):
+        """An encoder whose output the decoder reads (T5, and llama.cpp's EAGLE3 and
+        DFlash drafters): each generation needs llama_encode first."""
+        return bool(self.lib.llama_model_has_encoder(self.ptr))
 
     def is_hybrid(self):
         """Whether the model keeps recurrent state beside its attention's cache."""

@@ -101,6 +101,10 @@ ARCHS = {
     # (bge-reranker's kind)
     "bert-rank": dict(arch="bert", vocab="bert-bge", u32={"pooling_type": 4},
                       bool={"attention.causal": False}),
+    # an encoder-decoder (T5): not served; libllama's saver does not take it, so
+    # this writes the file
+    "t5": dict(captured=True, u32={"decoder_start_token_id": 0,
+                                   "attention.relative_buckets_count": 8}),
     # recurrent, not a Mamba: RWKV-6's time mixing
     "rwkv6": dict(template="llama-cpp-rwkv-world.jinja",
                   u32={"time_mix_extra_dim": 64, "time_decay_extra_dim": 128,
@@ -192,6 +196,8 @@ class _Ggml:
             "ggml_nelements": (c_int64, [c_void_p]),
             "ggml_nbytes": (c_size_t, [c_void_p]),
             "ggml_backend_tensor_set": (None, [c_void_p, c_void_p, c_size_t, c_size_t]),
+            "ggml_n_dims": (c_int, [c_void_p]),
+            "gguf_write_to_file": (c_bool, [c_void_p, c_char_p, c_bool]),
         }
         for name, (res, args) in sig.items():
             fn = getattr(base, name)
@@ -213,6 +219,8 @@ class _Builder:
         self.g = _Ggml()
         self.arch, self.spec = spec.get("arch", arch), spec
         self.n_embd = spec.get("n_embd", N_EMBD)
+        # (name, shape, type, data) of every tensor, where this writes the file
+        self.captured = [] if spec.get("captured") else None
         self.vocab, self.template = vocab, template
         meta = gguf.read(vocab).metadata
         self.control = [i for i, t in enumerate(meta["tokenizer.ggml.token_type"].value)
@@ -354,6 +362,12 @@ class _Builder:
             raise RuntimeError("tensor %s of ggml type %d" % (name, ggml_type))
         buf = ctypes.create_string_buffer(values, len(values))
         g.ggml_backend_tensor_set(tensor, buf, 0, len(values))
+        if self.captured is not None:
+            # ggml_tensor: an enum, a buffer pointer, then int64 ne[4]
+            ne = (ctypes.c_int64 * 4).from_address(tensor + 16)
+            self.captured.append((name, tuple(ne[:g.ggml_n_dims(tensor)]),
+                                  gguf.TensorType.F16 if ggml_type == _GGML_F16
+                                  else gguf.TensorType.F32, values))
 
     def _tile(self, name, n, pool):
         """n float32s of ``pool``, from an offset that the tensor's name picks."""
@@ -373,12 +387,28 @@ class _Builder:
             if not model:
                 raise RuntimeError("libllama could not make a %s model from the recipe"
                                    % self.arch)
-            llama.llama_model_save_to_file(model, str(path).encode())
+            if self.captured is None:
+                llama.llama_model_save_to_file(model, str(path).encode())
+            else:
+                self._write_captured(meta, path)
         finally:
             if model:
                 llama.llama_model_free(model)
             g.gguf_free(meta)
         self._mend(path)
+
+    def _write_captured(self, meta, path):
+        """The file written here, for an architecture libllama's saver does not
+        take (llama_model_saver_supports_arch: T5, Gemma 3n): the metadata as
+        gguf writes it, the tensors as libllama asked for them."""
+        if not self.g.base.gguf_write_to_file(meta, str(path).encode(), True):
+            raise RuntimeError("gguf could not write %s" % path)
+        w = gguf.Writer()
+        for key, value in gguf.read(path).metadata.items():
+            w.add(key, value)
+        for name, shape, ttype, data in self.captured:
+            w.add_tensor(name, shape, ttype, data)
+        w.write(path)
 
     def _mend(self, path):
         """What libllama's saver leaves out: the token embeddings of a model with

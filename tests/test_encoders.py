@@ -8,11 +8,14 @@ checked against libllama's own pooling of the same model; the requests it
 cannot serve (text generation: libllama would decode and hand back logits it
 never computed) are refused in every dialect's shape before a stream opens,
 and what it is shows as Ollama and the model list say it.  A reranker (the
-same with its classifier head) scores as libllama's rank pooling does.
+same with its classifier head) scores as libllama's rank pooling does.  An
+encoder-decoder (T5), whose every decode libllama aborts without an encode
+first, is a load error for that model alone.
 """
 
 import array
 import math
+import shutil
 
 import pytest
 
@@ -192,3 +195,15 @@ def test_what_it_is_shows_in_props_the_model_list_and_ollamas_show(srv):
     status, _, show = srv.post("/api/show", {"model": models[0]["id"]})
     assert status == 200 and show["capabilities"] == ["embedding"]
     assert any("memory none: an encoder" in line for line in srv.output)
+
+
+def test_an_encoder_decoder_is_a_load_error_for_it_alone(bert, tiny_dir, tmp_path):
+    shutil.copy(archmodels.build("t5", tiny_dir), tmp_path / "t5-tiny.gguf")
+    with ServerProcess(bert, "--models-dir", tmp_path, ctx=512) as s:
+        status, _, body = s.post("/v1/chat/completions", {
+            "model": "t5-tiny", "messages": [{"role": "user", "content": "hi"}]})
+        assert status == 500, body
+        assert "encoder-decoder model (t5)" in body["error"]["message"]
+        listed = {m["id"]: m for m in s.get("/v1/models")[2]["data"]}
+        assert listed["t5-tiny"]["status"]["value"] == "error"
+        assert embed(s, ["still serving"])      # the default model goes on

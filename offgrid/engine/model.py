@@ -179,6 +179,14 @@ class Model:
                     % (path, ", ".join(d.name for d in devices)))
             raise ModelLoadError("libllama could not load the model %s "
                                  "(not a GGUF file, or an unsupported architecture)" % path)
+        if not vocab_only and handle.has_encoder():
+            # libllama aborts the first decode without a llama_encode before it
+            arch = handle.meta().get("general.architecture", "?")
+            handle.close()
+            raise ModelLoadError(
+                "%s is an encoder-decoder model (%s): each generation needs its encoder "
+                "run first (llama_encode), which offgrid does not do (nor llama-server); "
+                "it is not served" % (os.path.basename(str(path)), arch))
         try:
             model = cls(handle, path, devices, n_gpu_layers, tensor_split)
             model._device_objs = list(zip(devices, before))
