@@ -101,6 +101,10 @@ ARCHS = {
     # (bge-reranker's kind)
     "bert-rank": dict(arch="bert", vocab="bert-bge", u32={"pooling_type": 4},
                       bool={"attention.causal": False}),
+    # a decoder reranker (Qwen3-Reranker's kind): its classifier reads the last
+    # token, softmax over "yes" and "no"; the score is "yes"
+    "qwen3-rank": dict(arch="qwen3", vocab="qwen2", template="Qwen-Qwen3-0.6B.jinja",
+                       u32={"pooling_type": 4}, labels=["yes", "no"]),
     # an encoder-decoder (T5): not served; libllama's saver does not take it, so
     # this writes the file
     "t5": dict(captured=True, u32={"decoder_start_token_id": 0,
@@ -192,6 +196,7 @@ class _Ggml:
             "gguf_set_val_bool": (None, [c_void_p, c_char_p, c_bool]),
             "gguf_set_val_str": (None, [c_void_p, c_char_p, c_char_p]),
             "gguf_set_arr_data": (None, [c_void_p, c_char_p, c_int, c_void_p, c_size_t]),
+            "gguf_set_arr_str": (None, [c_void_p, c_char_p, ctypes.POINTER(c_char_p), c_size_t]),
             "ggml_get_name": (c_char_p, [c_void_p]),
             "ggml_nelements": (c_int64, [c_void_p]),
             "ggml_nbytes": (c_size_t, [c_void_p]),
@@ -303,6 +308,11 @@ class _Builder:
             u32("%s." + k, v)
         for k, v in spec.get("bool", {}).items():
             g.gguf_set_val_bool(ctx, ("%s.%s" % (a, k)).encode(), v)
+        if spec.get("labels"):
+            # a classifier's outputs (n_cls_out): a reranker's "yes" and "no"
+            labels = (c_char_p * len(spec["labels"]))(*[x.encode() for x in spec["labels"]])
+            g.gguf_set_arr_str(ctx, ("%s.classifier.output_labels" % a).encode(), labels,
+                               len(spec["labels"]))
         f32("%s.attention.clamp_kqv", 1.0)
         f32("%s.attention.layer_norm_epsilon", 1e-5)
         f32("%s.attention.layer_norm_rms_epsilon", 1e-5)

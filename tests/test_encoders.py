@@ -1,6 +1,7 @@
-"""An encoder (BERT and its kin: bge, all-MiniLM, nomic-embed) served as an
-embedding model: a tiny BERT built by libllama with the real BERT vocabulary
-(archmodels.py), over HTTP.
+"""The embedding and rerank models people bring, over HTTP: an encoder (BERT
+and its kin: bge, all-MiniLM, nomic-embed) as an embedding model, a tiny BERT
+built by libllama with the real BERT vocabulary (archmodels.py); a BERT
+reranker; a decoder reranker; and what is not served, an encoder-decoder.
 
 An encoder has no memory: each input is read whole, every token seeing every
 other, and pooled (bge's: the first token's state).  Its embeddings are
@@ -8,7 +9,9 @@ checked against libllama's own pooling of the same model; the requests it
 cannot serve (text generation: libllama would decode and hand back logits it
 never computed) are refused in every dialect's shape before a stream opens,
 and what it is shows as Ollama and the model list say it.  A reranker (the
-same with its classifier head) scores as libllama's rank pooling does.  An
+same with its classifier head) scores as libllama's rank pooling does, and a
+decoder reranker (Qwen3-Reranker's kind) as well, a pair longer than a batch
+too.  An
 encoder-decoder (T5), whose every decode libllama aborts without an encode
 first, is a load error for that model alone.
 """
@@ -20,6 +23,7 @@ import shutil
 import pytest
 
 import archmodels
+from memclass import text
 from serverproc import ServerProcess
 
 from offgrid import libllama
@@ -113,14 +117,14 @@ def ranker(tiny_dir):
         yield path, s
 
 
-def libllamas_own_scores(path, query, docs):
+def libllamas_own_scores(path, query, docs, n_ctx=512):
     """Each document's score as libllama's rank pooling gives it, on the pair laid
     out as llama-server's format_prompt_rerank lays it out (no rerank template:
     BOS if the vocabulary adds one, the query, EOS (else SEP) if it adds EOS,
     SEP if it adds SEP, the document, EOS again)."""
     model = Model.load(str(path), progress=False)
     try:
-        ctx = libllama.ContextHandle(model.lib, model.handle, 512, 512, 512, 1, 1,
+        ctx = libllama.ContextHandle(model.lib, model.handle, n_ctx, n_ctx, n_ctx, 1, 1,
                                      embeddings=True, pooling=libllama.LLAMA_POOLING_TYPE_RANK)
         try:
             eos = model.eos if model.eos is not None else model.sep
@@ -153,6 +157,24 @@ def test_a_reranker_scores_as_libllamas_rank_head_and_sorts(ranker):
     assert [r["index"] for r in body["results"]] == sorted(range(3), key=lambda i: -want[i])
     status, _, body = s.post("/v1/embeddings", {"input": "hello"})
     assert status == 501, body          # it pools for ranking: no embeddings
+
+
+def test_a_causal_reranker_scores_a_document_longer_than_a_batch(tiny_dir):
+    """A decoder reranker (Qwen3-Reranker's kind) scores the pair's last token,
+    which attends to all before it: a pair longer than a batch goes in chunks
+    through the cache, as llama-server takes it, and scores as in one batch
+    (within what the chunks' other rounding moves)."""
+    path = archmodels.build("qwen3-rank", tiny_dir)
+    query, docs = "what is a fox", ["a fox is an animal", text(400, 3)]
+    with ServerProcess(path, "-b", "64", "-ub", "64", ctx=4096) as s:
+        status, _, body = s.post("/rerank", {"query": query, "documents": docs})
+    assert status == 200, body
+    assert body["usage"]["prompt_tokens"] > 500
+    got = {r["index"]: r["relevance_score"] for r in body["results"]}
+    want = libllamas_own_scores(path, query, docs, n_ctx=1024)
+    assert len(set(want)) == 2 and 0 < min(want) and max(want) < 1   # p("yes")
+    for i, w in enumerate(want):
+        assert abs(got[i] - w) < 1e-3
 
 
 GENERATE = [

@@ -280,7 +280,16 @@ class Embedder:
 
     def _batch(self, ctx, inputs, group, out):
         if self.rank:
-            self._decode(ctx, [(j, inputs[i], 0) for j, i in enumerate(group)])
+            if len(group) == 1 and len(inputs[group[0]]) > self.n_batch:
+                # a causal reranker (Qwen3-Reranker's kind) scores its last token,
+                # which attends to the earlier chunks' cells: the input in chunks,
+                # the score after the last (an encoder's input is refused longer
+                # than a batch: check)
+                tokens = inputs[group[0]]
+                for start in range(0, len(tokens), self.n_batch):
+                    self._decode(ctx, [(0, tokens[start:start + self.n_batch], start)])
+            else:
+                self._decode(ctx, [(j, inputs[i], 0) for j, i in enumerate(group)])
             for j, i in enumerate(group):
                 data = ctx.embedding_seq(j, 1)
                 if data is None:
