@@ -1,8 +1,8 @@
 """MemoryClass: what a model's memory can do, read once at load.
 
-A model remembers a prompt in one of four ways, and every cache feature
-(prefix reuse, chunk reuse, drafts, kept states, context shift) depends on
-which:
+A model remembers a prompt in one of four ways, or (an encoder) not at all,
+and every cache feature (prefix reuse, chunk reuse, drafts, kept states,
+context shift) depends on which:
 
     dense       a KV cell per position: cut anywhere, move (re-rotate) keys
     swa         the same, plus a window cache that keeps only the last window
