@@ -11,9 +11,8 @@ never computed) are refused in every dialect's shape before a stream opens,
 and what it is shows as Ollama and the model list say it.  A reranker (the
 same with its classifier head) scores as libllama's rank pooling does, and a
 decoder reranker (Qwen3-Reranker's kind) as well, a pair longer than a batch
-too.  An
-encoder-decoder (T5), whose every decode libllama aborts without an encode
-first, is a load error for that model alone.
+too.  An encoder-decoder (T5), whose every decode libllama aborts without an
+encode first, is a load error for that model alone.
 """
 
 import array
