@@ -97,6 +97,13 @@ ARCHS = {
     # pooling (the first token's state), no classifier head
     "bert": dict(vocab="bert-bge", u32={"pooling_type": 2}, bool={"attention.causal": False},
                  drop=["cls."]),
+    # EmbeddingGemma: bidirectional attention, mean pooling, then two dense
+    # projections of the pooled vector (up and back down); written here, as
+    # libllama's saver leaves the projections out
+    "gemma-embedding": dict(vocab="gemma-4", captured=True, bool={"attention.causal": False},
+                            u32={"pooling_type": 1, "dense_2_feat_in": 64,
+                                 "dense_2_feat_out": 192, "dense_3_feat_in": 192,
+                                 "dense_3_feat_out": 64}),
     # the same with its classifier head and the rank pooling: a reranker
     # (bge-reranker's kind)
     "bert-rank": dict(arch="bert", vocab="bert-bge", u32={"pooling_type": 4},

@@ -1,7 +1,8 @@
 """The embedding and rerank models people bring, over HTTP: an encoder (BERT
 and its kin: bge, all-MiniLM, nomic-embed) as an embedding model, a tiny BERT
-built by libllama with the real BERT vocabulary (archmodels.py); a BERT
-reranker; a decoder reranker; and what is not served, an encoder-decoder.
+built by libllama with the real BERT vocabulary (archmodels.py); EmbeddingGemma
+and its projections after the pooling; a BERT reranker; a decoder reranker;
+and what is not served, an encoder-decoder.
 
 An encoder has no memory: each input is read whole, every token seeing every
 other, and pooled (bge's: the first token's state).  Its embeddings are
@@ -49,19 +50,19 @@ def unit(v):
     return [x / norm for x in v]
 
 
-def libllamas_own(path, texts):
-    """Each text's embedding as libllama pools it (CLS, in the graph), one text a
+def libllamas_own(path, texts, pooling=libllama.LLAMA_POOLING_TYPE_CLS):
+    """Each text's embedding as libllama pools it (in the graph), one text a
     decode, normalized as /v1/embeddings normalizes."""
     model = Model.load(str(path), progress=False)
     try:
         ctx = libllama.ContextHandle(model.lib, model.handle, 512, 512, 512, 1, 1,
-                                     embeddings=True, pooling=libllama.LLAMA_POOLING_TYPE_CLS)
+                                     embeddings=True, pooling=pooling)
         try:
             out = []
             for t in texts:
                 tokens = model.tokenize(t, add_special=True)
                 assert ctx.decode_sequences([(0, tokens, 0)]) == 0
-                out.append(unit(array.array("f", ctx.embedding_seq(0, model.n_embd))))
+                out.append(unit(array.array("f", ctx.embedding_seq(0, model.n_embd_out))))
                 ctx.memory.clear(False)
             return out
         finally:
@@ -80,6 +81,19 @@ def test_embeddings_are_libllamas_own_pooling(srv, bert):
     got = embed(srv, TEXTS)
     want = libllamas_own(bert, TEXTS)
     assert [len(v) for v in got] == [len(v) for v in want]
+    for g, w in zip(got, want):
+        assert max(abs(a - b) for a, b in zip(g, w)) < 1e-5
+
+
+def test_projections_after_the_pooling_are_applied_as_libllama_applies_them(tiny_dir):
+    """EmbeddingGemma's two dense layers project the pooled vector; offgrid pools
+    the per-token rows libllama gives (each already projected), and the mean of
+    the projected rows is the projection of the mean: the same vector."""
+    path = archmodels.build("gemma-embedding", tiny_dir)
+    with ServerProcess(path, ctx=512) as s:
+        got = embed(s, TEXTS)
+        assert s.get("/props")[2]["memory"]["class"] == "none"
+    want = libllamas_own(path, TEXTS, libllama.LLAMA_POOLING_TYPE_MEAN)
     for g, w in zip(got, want):
         assert max(abs(a - b) for a, b in zip(g, w)) < 1e-5
 
