@@ -50,25 +50,32 @@ def unit(v):
     return [x / norm for x in v]
 
 
-def libllamas_own(path, texts, pooling=libllama.LLAMA_POOLING_TYPE_CLS):
-    """Each text's embedding as libllama pools it (in the graph), one text a
-    decode, normalized as /v1/embeddings normalizes."""
+def pooled_by_libllama(path, inputs, pooling, n_ctx=512):
+    """Each input's output as libllama's graph pools it, one input a decode;
+    ``inputs(model)`` gives the token lists."""
     model = Model.load(str(path), progress=False)
     try:
-        ctx = libllama.ContextHandle(model.lib, model.handle, 512, 512, 512, 1, 1,
+        ctx = libllama.ContextHandle(model.lib, model.handle, n_ctx, n_ctx, n_ctx, 1, 1,
                                      embeddings=True, pooling=pooling)
         try:
+            n = 1 if pooling == libllama.LLAMA_POOLING_TYPE_RANK else model.n_embd_out
             out = []
-            for t in texts:
-                tokens = model.tokenize(t, add_special=True)
+            for tokens in inputs(model):
                 assert ctx.decode_sequences([(0, tokens, 0)]) == 0
-                out.append(unit(array.array("f", ctx.embedding_seq(0, model.n_embd_out))))
+                out.append(array.array("f", ctx.embedding_seq(0, n)))
                 ctx.memory.clear(False)
             return out
         finally:
             ctx.close()
     finally:
         model.close()
+
+
+def libllamas_own(path, texts, pooling=libllama.LLAMA_POOLING_TYPE_CLS):
+    """Each text's embedding as libllama pools it, normalized as /v1/embeddings
+    normalizes."""
+    return [unit(v) for v in pooled_by_libllama(
+        path, lambda m: [m.tokenize(t, add_special=True) for t in texts], pooling)]
 
 
 def embed(srv, inputs):
@@ -135,26 +142,15 @@ def libllamas_own_scores(path, query, docs, n_ctx=512):
     out as llama-server's format_prompt_rerank lays it out (no rerank template:
     BOS if the vocabulary adds one, the query, EOS (else SEP) if it adds EOS,
     SEP if it adds SEP, the document, EOS again)."""
-    model = Model.load(str(path), progress=False)
-    try:
-        ctx = libllama.ContextHandle(model.lib, model.handle, n_ctx, n_ctx, n_ctx, 1, 1,
-                                     embeddings=True, pooling=libllama.LLAMA_POOLING_TYPE_RANK)
-        try:
-            eos = model.eos if model.eos is not None else model.sep
-            out = []
-            for d in docs:
-                tokens = ([model.bos] if model.add_bos else []) \
-                    + model.tokenize(query, add_special=False) \
-                    + ([eos] if model.add_eos else []) + ([model.sep] if model.add_sep else []) \
-                    + model.tokenize(d, add_special=False) + ([eos] if model.add_eos else [])
-                assert ctx.decode_sequences([(0, tokens, 0)]) == 0
-                out.append(array.array("f", ctx.embedding_seq(0, 1))[0])
-                ctx.memory.clear(False)
-            return out
-        finally:
-            ctx.close()
-    finally:
-        model.close()
+    def pairs(model):
+        eos = model.eos if model.eos is not None else model.sep
+        return [([model.bos] if model.add_bos else [])
+                + model.tokenize(query, add_special=False)
+                + ([eos] if model.add_eos else []) + ([model.sep] if model.add_sep else [])
+                + model.tokenize(d, add_special=False) + ([eos] if model.add_eos else [])
+                for d in docs]
+    return [v[0] for v in pooled_by_libllama(path, pairs, libllama.LLAMA_POOLING_TYPE_RANK,
+                                             n_ctx)]
 
 
 def test_a_reranker_scores_as_libllamas_rank_head_and_sorts(ranker):
