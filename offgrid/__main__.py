@@ -23,8 +23,7 @@ import time
 from . import __version__
 from .errors import OffgridError
 from .protocol import WorkerSettings
-from .request import (POOLINGS, REASONING_FORMATS, REASONING_MODES, SPEC_TYPES,
-                      SamplingParams)
+from .request import POOLINGS, REASONING_FORMATS, REASONING_MODES, SPEC_TYPES
 
 
 def thread_count(value):
@@ -180,11 +179,8 @@ def parse_args(argv=None):
                    "the streams wait, as llama-server)")
     p.add_argument("-n", "--n-predict", type=int, default=-1,
                    help="default tokens to generate when a request sets none (-1: no limit)")
-    p.add_argument("--temp", type=float, default=0.8,
-                   help="temperature of requests that set none (default 0.8; 0: greedy)")
-    p.add_argument("-s", "--seed", type=int, default=-1,
-                   help="sampling seed of requests that set none (default -1: random "
-                   "each request)")
+    from .server.models import sampling
+    sampling.add_flags(p)
     p.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True,
                    help="serve /metrics (default on; llama-server's default is off)")
     p.add_argument("--slots", action=argparse.BooleanOptionalAction, default=True,
@@ -350,6 +346,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     try:
         args.lora_specs = lora.specs_from(args)
+        args.sampling = sampling.from_args(args)
     except ValueError as e:
         p.error(str(e))
     if args.lora_specs and not args.model:
@@ -527,11 +524,9 @@ def main(argv=None):
             print("offgrid: warning: %s has no rank head (its GGUF pooling_type is not rank): "
                   "/rerank scores are the first component of its hidden state, not relevance"
                   % entry.id, file=sys.stderr)
-    sampling = SamplingParams(temperature=max(0.0, args.temp),
-                              seed=None if args.seed < 0 or args.seed == 0xFFFFFFFF else args.seed)
     service = Service(text, fim, n_predict_default=args.n_predict,
                       shutdown_grace=args.shutdown_grace, cache_reuse=max(0, args.cache_reuse),
-                      sampling_default=sampling, endpoints_off=[
+                      endpoints_off=[
                           name for name, on in (("metrics", args.metrics),
                                                 ("slots", args.slots),
                                                 ("embeddings", args.embeddings)) if not on],

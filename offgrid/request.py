@@ -16,6 +16,7 @@ front may use it.
 """
 
 import enum
+import json
 import math
 import threading
 import dataclasses
@@ -48,6 +49,36 @@ SAMPLER_ALIASES = {
     # FIM: merges candidates that share a prefix, prefers ending when likely
     "infill": "infill",
 }
+
+# llama-server's one-letter names (its "samplers" as a string, --sampling-seq)
+SAMPLER_LETTERS = {"e": "penalties", "k": "top_k", "y": "typ_p", "p": "top_p", "m": "min_p",
+                   "t": "temperature", "d": "dry", "x": "xtc", "s": "top_n_sigma"}
+
+# Samplers offgrid does not run, by the field that makes each act and the value at
+# which it does nothing (llama-server's defaults): a request or a flag that asks one
+# to act is refused rather than silently sampled without it.
+SAMPLERS_NOT_RUN = (("mirostat", 0, "mirostat"), ("dry_multiplier", 0.0, "DRY"),
+                    ("xtc_probability", 0.0, "XTC"), ("top_n_sigma", -1.0, "top-n-sigma"))
+
+
+def sampler_acts(name, value):
+    """Whether ``value`` of SAMPLERS_NOT_RUN's field ``name`` would make its sampler act
+    (top_n_sigma is off at any value of 0 or less)."""
+    idle = next(i for n, i, _ in SAMPLERS_NOT_RUN if n == name)
+    return value != idle and not (name == "top_n_sigma" and value <= 0)
+
+
+def sampler_chain(names):
+    """The samplers that run, in order, from llama-server's names (a list) or
+    letters (a string, "kfypmt"); raises ValueError naming the first it does not know."""
+    if isinstance(names, str):
+        names = [SAMPLER_LETTERS.get(c, c) for c in names]
+    unknown = [n for n in names if n not in SAMPLER_ALIASES]
+    if unknown:
+        raise ValueError("unknown sampler %s; offgrid runs %s (and accepts dry, top_n_sigma "
+                         "and xtc at their default, inactive settings)"
+                         % (json.dumps(unknown[0][:64]), ", ".join(DEFAULT_SAMPLERS)))
+    return tuple(SAMPLER_ALIASES[n] for n in names if SAMPLER_ALIASES[n] is not None)
 
 
 @dataclass

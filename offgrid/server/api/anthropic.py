@@ -341,7 +341,7 @@ def messages(h, body):
     what = "POST /v1/messages"
     plan = _prepare(f, entry, what)
     gen = generation_from(f, entry.n_vocab, svc.n_predict_default, ("max_tokens",),
-                          svc.sampling_default)
+                          entry.sampling)
     gen.stop = f.stop_list("stop_sequences")
     chat.apply_plan(gen, plan)
     g = Generation(entry, gen, [Prompt(plan["tokens"])], "v1/messages", what,

@@ -13,8 +13,8 @@ import re
 from dataclasses import dataclass
 from typing import List, Union
 
-from ...request import (DEFAULT_SAMPLERS, SAMPLER_ALIASES, GenerationParams, InfillRequest,
-                        SamplingParams)
+from ...request import (SAMPLERS_NOT_RUN, GenerationParams, InfillRequest, SamplingParams,
+                        sampler_acts, sampler_chain)
 from ..httpd.httperrors import BadRequest
 from .lora import request_lora
 
@@ -124,8 +124,8 @@ class Fields:
 def sampling_from(f, n_vocab, base=None, tokenize=None):
     """SamplingParams from llama-server's / OpenAI's sampling fields.
 
-    A field the request leaves out takes its value from ``base``: the
-    server-wide defaults of ``--temp`` and ``--seed``, as llama-server's do.
+    A field the request leaves out takes its value from ``base``: the model's
+    defaults (its file's, its preset's, the command line's: models/sampling.py).
     ``tokenize`` (text -> token ids) lets ``logit_bias`` name tokens by their
     text; without it only ids are taken.
     """
@@ -146,40 +146,23 @@ def sampling_from(f, n_vocab, base=None, tokenize=None):
     p.seed = None if seed < 0 or seed == 0xFFFFFFFF else seed
     samplers = f.raw("samplers")
     if samplers is not None:
-        if isinstance(samplers, str):
-            samplers = list(samplers)   # llama-server's one-letter form, e.g. "kfypmt"
-            samplers = [_LETTERS.get(c, c) for c in samplers]
-        if not isinstance(samplers, list) or not all(isinstance(s, str) for s in samplers):
+        if not (isinstance(samplers, str) or isinstance(samplers, list)
+                and all(isinstance(s, str) for s in samplers)):
             raise BadRequest("'samplers' must be a list of sampler names")
-        unknown = [s for s in samplers if s not in SAMPLER_ALIASES]
-        if unknown:
-            raise BadRequest("'samplers': unknown sampler %s; offgrid runs %s (and accepts dry, "
-                             "top_n_sigma and xtc at their default, inactive settings)"
-                             % (json.dumps(unknown[0][:64]), ", ".join(DEFAULT_SAMPLERS)))
-        p.samplers = tuple(SAMPLER_ALIASES[s] for s in samplers
-                           if SAMPLER_ALIASES[s] is not None)
+        try:
+            p.samplers = sampler_chain(samplers)
+        except ValueError as e:
+            raise BadRequest("'samplers': %s" % e)
     _refuse_inactive_samplers(f)
     p.logit_bias = _logit_bias(f.raw("logit_bias"), n_vocab, tokenize)
     return p
 
 
-# Samplers offgrid does not run, by the field that makes each act and the value at
-# which it does nothing (llama-server's defaults): a request that asks them to act
-# is refused rather than silently sampled without them.
-_NOT_RUN = (("mirostat", 0, "mirostat"), ("dry_multiplier", 0.0, "DRY"),
-            ("xtc_probability", 0.0, "XTC"), ("top_n_sigma", -1.0, "top-n-sigma"))
-
-
 def _refuse_inactive_samplers(f):
-    for name, idle, what in _NOT_RUN:
-        v = f.float(name, idle)
-        if v != idle and not (name == "top_n_sigma" and v <= 0):
+    for name, idle, what in SAMPLERS_NOT_RUN:
+        if sampler_acts(name, f.float(name, idle)):
             raise BadRequest("'%s': offgrid does not run the %s sampler; leave '%s' at %s"
                              % (name, what, name, idle))
-
-
-_LETTERS = {"e": "penalties", "k": "top_k", "y": "typ_p", "p": "top_p", "m": "min_p",
-            "t": "temperature", "d": "dry", "x": "xtc", "s": "top_n_sigma"}
 
 
 def _logit_bias(v, n_vocab, tokenize=None):

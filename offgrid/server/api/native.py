@@ -51,7 +51,7 @@ def completion(h, body):
     prompts = prompts_from(raw)
     n = choices_from(f)
     gen = generation_from(f, entry.n_vocab, svc.n_predict_default,
-                          sampling_default=svc.sampling_default, tokenize=text_tokenizer(entry))
+                          sampling_default=entry.sampling, tokenize=text_tokenizer(entry))
     native_probs_from(f, gen, entry.n_vocab)
     schema, grammar = output_schema_from(f)
     stream = f.bool("stream", False)
@@ -80,7 +80,7 @@ def infill(h, body):
     req = infill_from(f)
     n = choices_from(f)
     gen = generation_from(f, entry.n_vocab, svc.n_predict_default,
-                          sampling_default=svc.sampling_default, tokenize=text_tokenizer(entry))
+                          sampling_default=entry.sampling, tokenize=text_tokenizer(entry))
     native_probs_from(f, gen, entry.n_vocab)
     gen.cache_reuse = cache_reuse_of(f, svc)
     if svc.deferred_prepare(entry, n, f.bool("stream", False)):

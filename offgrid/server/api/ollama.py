@@ -133,7 +133,7 @@ def _generation(f, entry, svc):
     # read for its type only: the session's context was fixed at start (see the docstring)
     o.int("num_ctx", None, lo=0)
     return generation_from(Fields(mapped), entry.n_vocab, svc.n_predict_default,
-                           sampling_default=svc.sampling_default)
+                           sampling_default=entry.sampling)
 
 
 def _output_schema(f):

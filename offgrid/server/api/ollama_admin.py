@@ -18,6 +18,7 @@ import threading
 import time
 
 from ... import __version__
+from ...request import SamplingParams
 from ..httpd.httperrors import NotFound
 from .ollama import entry_named, model_name, rfc3339
 from .fields import Fields
@@ -211,6 +212,21 @@ def _capabilities(entry):
     return caps
 
 
+# Ollama's names of the sampling settings a Modelfile may set
+_OLLAMA_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "typical_p", "repeat_penalty",
+                    "repeat_last_n", "presence_penalty", "frequency_penalty", "seed")
+
+
+def _sampling_parameters(s):
+    """A model's own sampling defaults (its file's, its preset's, the flags':
+    models/sampling.py) where they are not llama-server's, as Ollama lists the
+    PARAMETERs of a Modelfile: "top_k 20"."""
+    base = SamplingParams()
+    return ["%s %s" % (name, "%g" % getattr(s, name))
+            for name in _OLLAMA_SAMPLING
+            if getattr(s, name) is not None and getattr(s, name) != getattr(base, name)]
+
+
 def show(h, body):
     """POST /api/show: one model's template outline, capabilities, metadata and parameters."""
     f = Fields(body)
@@ -226,13 +242,14 @@ def show(h, body):
                   if k != "tokenizer.chat_template"}
     model_info.setdefault("general.parameter_count", info.n_params)
     # one "name value" a line: Continue reads num_ctx from here and fails on any other form
-    parameters = "num_ctx %d" % entry.n_ctx
+    parameters = ["num_ctx %d" % entry.n_ctx] + _sampling_parameters(entry.sampling)
     # a LoRA adapter (--lora) as Ollama's Modelfile names one: ADAPTER <file>
     adapters = "".join("ADAPTER %s\n" % p for p in entry.lora_paths)
     h.send_json(200, {
-        "modelfile": "# Served by offgrid %s\nFROM %s\n%sPARAMETER %s\n"
-                     % (__version__, entry.path, adapters, parameters),
-        "parameters": parameters,
+        "modelfile": "# Served by offgrid %s\nFROM %s\n%s%s"
+                     % (__version__, entry.path, adapters,
+                        "".join("PARAMETER %s\n" % p for p in parameters)),
+        "parameters": "\n".join(parameters),
         "template": _template(entry),
         "details": _details(entry),
         "model_info": model_info,

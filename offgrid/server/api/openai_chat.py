@@ -176,7 +176,7 @@ def chat_completions(h, body):
     entry = svc.entry_for(f.raw("model"))
     plan = _prepare(f, entry)
     gen = generation_from(f, entry.n_vocab, svc.n_predict_default,
-                          sampling_default=svc.sampling_default, tokenize=text_tokenizer(entry))
+                          sampling_default=entry.sampling, tokenize=text_tokenizer(entry))
     apply_plan(gen, plan)
     chat_probs_from(f, gen)
     stream = f.bool("stream", False)

@@ -26,7 +26,7 @@ def v1_completions(h, body):
             raise BadRequest("with 'suffix', 'prompt' must be a string")
         entry = svc.entry_for(f.raw("model"), fim=True)
         gen = generation_from(f, entry.n_vocab, svc.n_predict_default,
-                              sampling_default=svc.sampling_default,
+                              sampling_default=entry.sampling,
                               tokenize=text_tokenizer(entry))
         completion_probs_from(f, gen, entry.n_vocab)
         gen.cache_reuse = cache_reuse_of(f, svc)
@@ -35,7 +35,7 @@ def v1_completions(h, body):
     else:
         entry = svc.entry_for(f.raw("model"))
         gen = generation_from(f, entry.n_vocab, svc.n_predict_default,
-                              sampling_default=svc.sampling_default,
+                              sampling_default=entry.sampling,
                               tokenize=text_tokenizer(entry))
         completion_probs_from(f, gen, entry.n_vocab)
         schema, grammar = output_schema_from(f)

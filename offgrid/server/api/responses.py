@@ -401,7 +401,7 @@ def responses(h, body):
     what = "POST /v1/responses"
     entry, plan, tool_choice, spaces = _prepare(h, f, what)
     gen = generation_from(f, entry.n_vocab, svc.n_predict_default, ("max_output_tokens",),
-                          svc.sampling_default)
+                          entry.sampling)
     gen.stop = []       # the Responses API has no stop strings
     chat.apply_plan(gen, plan)
     stream = f.bool("stream", False)

@@ -86,7 +86,7 @@ def props(h, _body):
             "infill": bool(svc.fim is not None and svc.fim.has_fim),
         })
         return
-    defaults = GenerationParams(n_predict=svc.n_predict_default, sampling=svc.sampling_default)
+    defaults = GenerationParams(n_predict=svc.n_predict_default, sampling=e.sampling)
     settings = formats.generation_settings(defaults, e.n_ctx, e.id)
     pool = e.pool
     h.send_json(200, {

@@ -7,7 +7,9 @@ sessions (``sessions.ChatPool``).
 
 import time
 
+from ...request import SamplingParams
 from ..httpd.httperrors import Unavailable
+from .sampling import model_defaults
 from .sessions import ChatPool, SessionSlot
 
 
@@ -40,6 +42,10 @@ class ModelEntry:
         # and /props still describe the model without waking it
         self._info = worker.info if worker is not None else None
         self._status = "loaded" if worker is not None else "unloaded"
+        # what its requests sample with where they do not say, set at each load
+        # (models/sampling.py), and the lines that say what of its file's was left out
+        self.sampling = SamplingParams()
+        self.sampling_notes = []
         self.error = None               # why it is in "error"
         self.progress = None            # 0..1 while loading, as its worker reports
         self.file_key = None            # (size, mtime) of the file when last looked at
@@ -85,6 +91,13 @@ class ModelEntry:
         self.pool = ChatPool([SessionSlot(i) for i in range(info.n_sessions)],
                              getattr(self.shelf, "max_queue", None))
         self._status, self.error, self.progress = "loaded", None, None
+        try:
+            self.sampling, self.sampling_notes = model_defaults(
+                info.meta, self.preset, getattr(self.shelf, "sampling_flags", None))
+        except ValueError as e:       # a preset read again since the start, now wrong
+            self.sampling, self.sampling_notes = model_defaults(
+                info.meta, None, getattr(self.shelf, "sampling_flags", None))
+            self.sampling_notes.append("its preset's sampling keys left out: %s" % e)
 
     def detach(self, status="unloaded", error=None):
         """Forget the worker (the caller closes it); returns it."""

@@ -12,6 +12,8 @@ import math
 import os
 import re
 
+from . import sampling
+
 # -- sizes and durations ---------------------------------------------------------------------
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.I)
@@ -195,6 +197,7 @@ _PRESET_KEYS = {
     "load-on-startup": ("load_on_startup", "bool"), "stop-timeout": ("stop_timeout", float),
     "pin": ("pin", "bool"), "keep-alive": ("keep_alive", "duration"),
 }
+_PRESET_KEYS.update(sampling.preset_keys())      # temp, top-k, ... (models/sampling.py)
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True,
           "0": False, "false": False, "no": False, "off": False}
 

@@ -13,6 +13,7 @@ import sys
 
 from ... import protocol
 from ...errors import ModelLoadError
+from . import sampling
 from .entry import ModelEntry
 from .folders import PresetError, default_memory_budget, parse_size, read_preset
 from .shelf import Shelf
@@ -240,6 +241,11 @@ def build_shelf(args, decode_lock):
             print("offgrid: --models-preset: ignoring %s (not an offgrid setting)" % what,
                   file=sys.stderr)
         preset = (defaults, sections)
+        for name, settings in [("*", defaults)] + sorted(sections.items()):
+            try:
+                sampling.from_preset(dict(defaults, **settings), "[%s]" % name)
+            except ValueError as e:
+                raise ValueError("--models-preset: %s" % e)
     for d in args.models_dir:
         if not os.path.isdir(d):
             raise ValueError("--models-dir %s is not a folder" % d)
@@ -254,7 +260,8 @@ def build_shelf(args, decode_lock):
                   preset=preset, models_max=args.models_max, memory=memory,
                   autoload=args.models_autoload, sleep_idle=args.sleep_idle_seconds,
                   fallback=not (args.models_dir or args.models_preset),
-                  max_queue=getattr(args, "max_queue", None))
+                  max_queue=getattr(args, "max_queue", None),
+                  sampling_flags=getattr(args, "sampling", None))
     text = fim = None
     if args.model:
         stem = os.path.basename(args.model)

@@ -77,7 +77,8 @@ class Shelf:
     room_wait = 2.0
 
     def __init__(self, start_worker=None, dirs=(), preset=None, models_max=0, memory=0,
-                 autoload=True, sleep_idle=None, fallback=True, announce=None, max_queue=None):
+                 autoload=True, sleep_idle=None, fallback=True, announce=None, max_queue=None,
+                 sampling_flags=None):
         self.start_worker = start_worker    # entry -> started WorkerClient (raises ModelLoadError)
         self.dirs = [os.path.abspath(d) for d in dirs]
         self.preset = preset                # (defaults, {name: settings}) or None
@@ -86,6 +87,8 @@ class Shelf:
         self.autoload = autoload
         self.sleep_idle = sleep_idle        # seconds, or None: never
         self.max_queue = max_queue          # jobs each model's pool lets wait (None: no bound)
+        # the command line's sampling flags, {field: value} (models/sampling.py)
+        self.sampling_flags = dict(sampling_flags or {})
         # an unknown name is served by the default model (no --models-dir)
         self.fallback = fallback
         self.announce = announce or (lambda line: sys.stderr.write("offgrid: %s\n" % line))
@@ -405,6 +408,8 @@ class Shelf:
                          worker.info.memory.get("description", "?"),
                          "; layers: " + worker.info.placement if worker.info.placement
                          else ""))
+        for note in entry.sampling_notes:
+            self.announce("%s: %s" % (entry.id, note))
 
     def estimate(self, entry):
         """Bytes a model will hold once loaded: what it held last time, else its file

@@ -22,8 +22,7 @@ import contextlib
 import threading
 import time
 
-from ...request import (Completion, FinishReason, PromptProgress, RequestCancel, SamplingParams,
-                       Usage)
+from ...request import Completion, FinishReason, PromptProgress, RequestCancel, Usage
 from ... import protocol
 from ...errors import EncoderOnly, PromptTooLong
 from ..httpd.httperrors import BadRequest, Unavailable
@@ -51,7 +50,7 @@ class Service:
     """Models, pools, supersede table, counters, and the lifecycle of requests."""
 
     def __init__(self, text, fim=None, n_predict_default=-1, shutdown_grace=10.0,
-                 cache_reuse=64, sampling_default=None, endpoints_off=(), shelf=None,
+                 cache_reuse=64, endpoints_off=(), shelf=None,
                  fim_given=None):
         self.text = text                # ModelEntry for text and chat requests (None: a
                                         # router with no default model)
@@ -67,8 +66,6 @@ class Service:
                     shelf.add(e)
         self.shelf = shelf
         self.n_predict_default = n_predict_default
-        # what a request's sampling fields default to (--temp, --seed)
-        self.sampling_default = sampling_default or SamplingParams()
         # optional endpoints switched off (--no-metrics, --no-slots): they answer 501
         self.endpoints_off = frozenset(endpoints_off)
         # --slot-save-path: POST /slots/ID?action=... (api/slot_actions.py); None: refused

@@ -1,0 +1,179 @@
+"""What a model's requests sample with where they do not say: llama-server's order.
+
+A sampling field a request leaves out takes its model's default, which is, from
+the weakest: llama-server's own (SamplingParams'), the model file's
+``general.sampling.*`` keys (convert_hf_to_gguf.py writes the model's
+generation_config.json there: Qwen3's temperature 0.6, top_k 20 and top_p
+0.95, for one), the model's preset keys (``[*]``, then its section), and the
+flags given on the command line (``--temp``, ``--top-k``, ...).  So a flag the
+user gave wins over the file, as in llama.cpp's common_init_sampler_from_model,
+and over a preset, as every flag does.
+
+Samplers offgrid does not run (mirostat, DRY, XTC, top-n-sigma) are taken at
+the values that leave them off: a flag or a preset key that turns one on is an
+error at start, and a file that does is served without it, with a line saying
+so (llama-server would run it).
+"""
+
+import argparse
+import dataclasses
+
+from ...errors import InvalidRequest
+from ...request import SAMPLERS_NOT_RUN, SamplingParams, sampler_acts, sampler_chain
+
+# SamplingParams' fields with llama-server's flags for them, their values' type and
+# what each is.  A preset key is any of the long flags without its dashes ("top-k").
+FLAGS = (
+    ("temperature", ("--temp", "--temperature"), float, "temperature (0: greedy)"),
+    ("top_k", ("--top-k",), int, "top-k (0: off)"),
+    ("top_p", ("--top-p",), float, "top-p (1: off)"),
+    ("min_p", ("--min-p",), float, "min-p (0: off)"),
+    ("typical_p", ("--typical", "--typical-p"), float, "locally typical p (1: off)"),
+    ("repeat_penalty", ("--repeat-penalty",), float, "repeat penalty (1: off)"),
+    ("repeat_last_n", ("--repeat-last-n",), int, "tokens the penalties look back on"),
+    ("presence_penalty", ("--presence-penalty",), float, "presence penalty"),
+    ("frequency_penalty", ("--frequency-penalty",), float, "frequency penalty"),
+    ("dynatemp_range", ("--dynatemp-range",), float, "dynamic temperature range"),
+    ("dynatemp_exponent", ("--dynatemp-exp",), float, "dynamic temperature exponent"),
+    ("seed", ("-s", "--seed"), int, "seed (-1: random each request)"),
+    ("samplers", ("--samplers",), str, "the samplers in order: names split by ';'"),
+    ("sampling_seq", ("--sampling-seq", "--sampler-seq"), str,
+     "the samplers in order, as letters (kfypmt)"),
+)
+# the samplers offgrid does not run, by the flag that makes each act (SAMPLERS_NOT_RUN):
+# taken at the values that leave them off
+NOT_RUN_FLAGS = (("mirostat", ("--mirostat",), int, "0 only (offgrid runs no mirostat)"),
+                 ("dry_multiplier", ("--dry-multiplier",), float, "0 only (no DRY)"),
+                 ("xtc_probability", ("--xtc-probability",), float, "0 only (no XTC)"),
+                 ("top_n_sigma", ("--top-nsigma", "--top-n-sigma"), float,
+                  "-1 only (no top-n-sigma)"))
+# their parameters' flags, taken and unused: they do nothing while their sampler is off
+IDLE_FLAGS = ("--mirostat-lr", "--mirostat-ent", "--dry-base", "--dry-allowed-length",
+              "--dry-penalty-last-n", "--dry-sequence-breaker", "--xtc-threshold")
+
+# the file's keys (general.sampling.NAME), as common_init_sampler_from_model reads them
+FILE_KEYS = (("temp", "temperature", float), ("top_k", "top_k", int),
+             ("top_p", "top_p", float), ("min_p", "min_p", float),
+             ("penalty_last_n", "repeat_last_n", int),
+             ("penalty_repeat", "repeat_penalty", float))
+FILE_NOT_RUN = (("mirostat", "mirostat", int), ("xtc_probability", "xtc_probability", float))
+
+
+def add_flags(p):
+    """The sampling flags on the command line's parser (dest: the field's name; default
+    None, so that only a flag given counts)."""
+    for field, flags, kind, what in FLAGS + NOT_RUN_FLAGS:
+        p.add_argument(*flags, dest=field, type=kind, default=None, metavar="N",
+                       help="requests' default %s" % what)
+    for flag in IDLE_FLAGS:
+        p.add_argument(flag, action="append", default=None, metavar="V",
+                       help="taken and unused (its sampler is not run)")
+
+
+def _read(field, value):
+    """(field, value) as SamplingParams takes it; ValueError where it cannot be."""
+    if field == "samplers":
+        return field, sampler_chain([s for s in value.split(";") if s])
+    if field == "sampling_seq":
+        return "samplers", sampler_chain(value)
+    return field, value
+
+
+def _refuse_not_run(values, where):
+    for name, _idle, what in SAMPLERS_NOT_RUN:
+        if values.get(name) is not None and sampler_acts(name, values[name]):
+            raise ValueError("%s: offgrid does not run the %s sampler; leave %s off"
+                             % (where, what, name))
+
+
+def from_args(args):
+    """{field: value} of the sampling flags given; ValueError for one that asks a sampler
+    offgrid does not run to act, or names an unknown sampler."""
+    _refuse_not_run(vars(args), "the command line")
+    got = {}
+    for field, flags, _kind, _what in FLAGS:
+        v = getattr(args, field, None)
+        if v is not None:
+            try:
+                k, v = _read(field, v)
+            except ValueError as e:
+                raise ValueError("%s: %s" % (flags[-1], e))
+            got[k] = v
+    return checked(got, "the command line")
+
+
+def preset_keys():
+    """{preset key: ("sampling.FIELD", type)}: every long flag of FLAGS and
+    NOT_RUN_FLAGS without its dashes (folders.read_preset reads them)."""
+    return {flag[2:]: ("sampling." + field, kind)
+            for field, flags, kind, _what in FLAGS + NOT_RUN_FLAGS
+            for flag in flags if flag.startswith("--")}
+
+
+def from_preset(preset, where="--models-preset"):
+    """{field: value} of a model's preset settings (their "sampling.FIELD" keys)."""
+    values = {k[len("sampling."):]: v for k, v in (preset or {}).items()
+              if k.startswith("sampling.")}
+    _refuse_not_run(values, where)
+    got = {}
+    for field, v in values.items():
+        if field not in (n for n, _i, _w in SAMPLERS_NOT_RUN):
+            try:
+                k, v = _read(field, v)
+            except ValueError as e:
+                raise ValueError("%s: %s" % (where, e))
+            got[k] = v
+    return checked(got, where)
+
+
+def from_file(meta):
+    """({field: value}, notes) of a GGUF's general.sampling.* keys (``meta``: its
+    metadata as strings); a value that does not read, is out of range or asks for a
+    sampler offgrid does not run is left out with a note."""
+    got, notes = {}, []
+    for key, field, kind in FILE_KEYS + FILE_NOT_RUN:
+        raw = meta.get("general.sampling." + key)
+        if raw is None:
+            continue
+        try:
+            v = kind(raw)
+            if (key, field, kind) in FILE_NOT_RUN:
+                if sampler_acts(field, v):
+                    notes.append("general.sampling.%s = %s asks for a sampler offgrid does "
+                                 "not run: left out" % (key, raw))
+                continue
+            checked({field: v}, "general.sampling.%s" % key)
+        except ValueError:
+            notes.append("general.sampling.%s = %r: not a value it takes, left out"
+                         % (key, raw))
+            continue
+        got[field] = v
+    raw = meta.get("general.sampling.sequence")
+    if raw is not None:
+        try:
+            got["samplers"] = sampler_chain([s for s in raw.split(";") if s])
+        except ValueError as e:
+            notes.append("general.sampling.sequence: %s: left out" % e)
+    return got, notes
+
+
+def checked(values, where):
+    """``values`` if SamplingParams takes them; ValueError naming ``where`` if not."""
+    try:
+        dataclasses.replace(SamplingParams(), **values).validate()
+    except InvalidRequest as e:
+        raise ValueError("%s: %s" % (where, e))
+    return values
+
+
+def model_defaults(meta, preset, flags):
+    """(SamplingParams, notes): a model's defaults from its file's metadata, its preset
+    settings and the command line's flags (``from_args``), the last winning."""
+    got, notes = from_file(meta or {})
+    got.update(from_preset(preset))
+    got.update(flags or {})
+    if "seed" in got and (got["seed"] < 0 or got["seed"] == 0xFFFFFFFF):
+        got["seed"] = None
+    if "temperature" in got:
+        got["temperature"] = max(0.0, got["temperature"])
+    return dataclasses.replace(SamplingParams(), **got), notes
