@@ -9,6 +9,7 @@ period, the process exits 0.
 
 import argparse
 import ipaddress
+import json
 import logging
 import os
 import re
@@ -35,6 +36,30 @@ def thread_count(value):
     except ValueError:
         raise argparse.ArgumentTypeError("a number of threads or auto, not %r" % value)
     return n if n > 0 else "auto"
+
+
+def template_kwargs(args):
+    """--chat-template-kwargs and --reasoning-effort as one dict, and --reasoning-budget
+    0 as -rea off (llama-server's flags); ValueError for a value they do not take."""
+    kwargs = {}
+    if args.chat_template_kwargs is not None:
+        try:
+            kwargs = json.loads(args.chat_template_kwargs)
+        except ValueError as e:
+            raise ValueError("--chat-template-kwargs: not JSON (%s)" % e)
+        if not isinstance(kwargs, dict):
+            raise ValueError("--chat-template-kwargs must be a JSON object")
+        if not isinstance(kwargs.get("enable_thinking", False), bool):
+            raise ValueError("--chat-template-kwargs: enable_thinking must be true or false")
+    if args.reasoning_effort not in (None, "default"):
+        kwargs["reasoning_effort"] = args.reasoning_effort
+    if args.reasoning_budget == 0 and args.reasoning == "auto":
+        args.reasoning = "off"
+    elif args.reasoning_budget > 0 or args.reasoning_budget < -1:
+        raise ValueError("--reasoning-budget %d: offgrid takes -1 (no bound) or 0 (no "
+                         "thinking); it cuts no thinking short at a count of tokens"
+                         % args.reasoning_budget)
+    return kwargs
 
 
 def gpu_layers(value):
@@ -258,10 +283,24 @@ def parse_args(argv=None):
     p.add_argument("--no-swa-full", action="store_true",
                    help="windowed KV cache for sliding-window models: less memory, "
                    "but no prompt-cache reuse")
+    p.add_argument("--swa-full", dest="no_swa_full", action="store_false",
+                   help="the whole window's KV cache for sliding-window models (the default)")
     p.add_argument("--chat-template", metavar="NAME|FILE|TEXT",
                    help="chat template for --model instead of its own: a Jinja file, "
                    "\"chatml\", the name of a libllama built-in template, or the "
                    "template's Jinja text itself")
+    p.add_argument("--chat-template-file", metavar="FILE", default=None,
+                   help="chat template for --model instead of its own: a Jinja file")
+    p.add_argument("--chat-template-kwargs", metavar="JSON", default=None,
+                   help="variables for the chat template, a JSON object (as llama-server's: "
+                   "'{\"enable_thinking\": false}'); a request's chat_template_kwargs are "
+                   "laid over them")
+    p.add_argument("--reasoning-effort", metavar="LEVEL", default=None,
+                   help="the template's reasoning_effort where a request does not say "
+                   "(\"low\", \"high\", ...; default: the template's own)")
+    p.add_argument("--reasoning-budget", type=int, default=-1, metavar="N",
+                   help="-1: thinking as long as the model thinks (the default); 0: no "
+                   "thinking (as -rea off); offgrid cuts no thinking short at N tokens")
     p.add_argument("-rea", "--reasoning", choices=REASONING_MODES, default="auto",
                    help="thinking in chat replies, where a request does not say: on, off, or "
                    "auto (the template's own default)")
@@ -269,6 +308,14 @@ def parse_args(argv=None):
                    default="auto", help="where a chat reply's thinking goes, where a request "
                    "does not say: reasoning_content (auto, deepseek), content too "
                    "(deepseek-legacy), or left in content (none)")
+    # llama-server's switches for what offgrid always does, so its command lines run
+    for flags, what in ((("--jinja",), "render chat with the model's Jinja template"),
+                        (("-cb", "--cont-batching"), "batch the -np sessions' decodes"),
+                        (("--offline",), "never download anything")):
+        p.add_argument(*flags, action="store_true", dest="as_default",
+                       help="taken: offgrid always does (%s)" % what)
+    p.add_argument("--no-jinja", action="store_true",
+                   help="taken, with a line: offgrid renders every template as Jinja")
     p.add_argument("--no-tool-call-rescue", action="store_true",
                    help="with tools and tool_choice auto, leave a reply that opens as a bare "
                    "JSON call ({\"name\": <a tool>, \"arguments\": ...}, maybe in a ```json "
@@ -347,8 +394,16 @@ def parse_args(argv=None):
     try:
         args.lora_specs = lora.specs_from(args)
         args.sampling = sampling.from_args(args)
+        args.template_kwargs = template_kwargs(args)
     except ValueError as e:
         p.error(str(e))
+    if args.chat_template_file is not None:
+        if not os.path.isfile(args.chat_template_file):
+            p.error("--chat-template-file %s: no such file" % args.chat_template_file)
+        args.chat_template = args.chat_template or args.chat_template_file
+    if args.no_jinja:
+        print("offgrid: --no-jinja: offgrid renders every chat template as Jinja, the "
+              "model's own unless --chat-template names another", file=sys.stderr)
     if args.lora_specs and not args.model:
         p.error("--lora adapters are for -m's model: give one")
     if args.list_devices:

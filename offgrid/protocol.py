@@ -212,6 +212,9 @@ class WorkerSettings:
     split_mode: Optional[str] = None    # -sm: none, layer, row; None: layer
     main_gpu: int = 0               # -mg: the device of -sm none
     kv_offload: bool = True         # False: --no-kv-offload
+    # --chat-template-kwargs (and --reasoning-effort): what every chat request's
+    # chat_template_kwargs are laid over
+    template_kwargs: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass

@@ -114,10 +114,11 @@ class Worker:
 
     def __init__(self, loaded, out, reasoning="auto", reasoning_format="auto", out_lock=None,
                  spec_type="none", stream_interval=0.0, spm_infill=False,
-                 tool_call_rescue=True):
+                 tool_call_rescue=True, template_kwargs=None):
         """``stream_interval``: seconds a streamed request's pieces are gathered
         over (engine/pacing.py; --stream-interval-ms).  ``tool_call_rescue``:
-        chat/rescue.py (off with --no-tool-call-rescue)."""
+        chat/rescue.py (off with --no-tool-call-rescue).  ``template_kwargs``:
+        --chat-template-kwargs, under each request's own."""
         self.loaded = loaded
         self.tool_call_rescue = tool_call_rescue
         self.stream_interval = stream_interval
@@ -127,7 +128,10 @@ class Worker:
         self.spec_type = spec_type
         # what a chat request that does not say gets: enable_thinking (None: as
         # the template does by default) and how its reasoning is returned
-        self.enable_thinking = {"on": True, "off": False}.get(reasoning)
+        # (-rea on/off, else --chat-template-kwargs' enable_thinking)
+        self.template_kwargs = dict(template_kwargs or {})
+        self.enable_thinking = {"on": True, "off": False}.get(
+            reasoning, self.template_kwargs.get("enable_thinking"))
         self.reasoning_format = reasoning_format
         self._out = out
         self._out_lock = out_lock or threading.Lock()
@@ -504,6 +508,7 @@ class Worker:
                           tokenize=True, continuation=None):
         if enable_thinking is None:
             enable_thinking = self.enable_thinking
+        kwargs = dict(self.template_kwargs, **(kwargs or {}))
         if reasoning_format is None:
             reasoning_format = self.reasoning_format
         plan = prepare_chat(self.model, template_for(self.loaded),
@@ -833,7 +838,7 @@ def main(argv=None):
     loaded.model.grammar_facts
     worker = Worker(loaded, out, args.reasoning, args.reasoning_format, out_lock,
                     args.spec_type, args.stream_interval_ms / 1000.0, args.spm_infill,
-                    args.tool_call_rescue)
+                    args.tool_call_rescue, args.template_kwargs)
     worker.slot_save_path = args.slot_save_path
     worker.send({"op": "ready", "info": protocol.encode_info(loaded.info())})
     worker.serve(inp)

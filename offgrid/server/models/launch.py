@@ -46,6 +46,7 @@ def worker_settings(path, args, chat_template=None, decode_lock=None):
         stream_pace=getattr(args, "stream_pace", protocol.WorkerSettings.stream_pace),
         context_shift=args.context_shift, spm_infill=args.spm_infill,
         tool_call_rescue=not args.no_tool_call_rescue, reasoning=args.reasoning,
+        template_kwargs=getattr(args, "template_kwargs", None) or {},
         reasoning_format=args.reasoning_format, lib=args.lib, decode_lock=decode_lock,
         rpc=args.rpc or None, n_gpu_layers=args.n_gpu_layers,
         tensor_split=list(args.tensor_split) if args.tensor_split else None,

@@ -1,0 +1,83 @@
+"""llama-server command lines, as model cards give them, run on offgrid as they are.
+
+The switches for what offgrid always does (--jinja, -cb, --offline,
+--swa-full) are taken; --chat-template-kwargs and --reasoning-effort are the
+template's variables under each request's own; --reasoning-budget 0 is no
+thinking; --chat-template-file names a Jinja file.
+"""
+
+import pytest
+
+from offgrid.__main__ import parse_args
+from serverproc import ServerProcess
+
+# Qwen3's model card (Unsloth's llama-server line, less its -ngl and download flags)
+QWEN3_CARD = ["--jinja", "-c", "40960", "-n", "32768", "--temp", "0.6", "--top-k", "20",
+              "--top-p", "0.95", "--min-p", "0", "--presence-penalty", "1.5",
+              "--no-context-shift", "-fa", "on", "--reasoning-format", "deepseek",
+              "-cb", "--offline", "--swa-full"]
+
+
+def test_a_model_cards_command_line_parses_to_its_settings():
+    args = parse_args(["-m", "x.gguf"] + QWEN3_CARD)
+    assert args.sampling == {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.0,
+                             "presence_penalty": 1.5}
+    assert (args.ctx_size, args.n_predict, args.flash_attn) == (40960, 32768, "on")
+    assert not args.no_swa_full and not args.context_shift
+
+
+def test_reasoning_budget_0_is_no_thinking_and_a_count_is_refused(capsys):
+    assert parse_args(["-m", "x.gguf", "--reasoning-budget", "0"]).reasoning == "off"
+    assert parse_args(["-m", "x.gguf", "--reasoning-budget", "-1"]).reasoning == "auto"
+    with pytest.raises(SystemExit):
+        parse_args(["-m", "x.gguf", "--reasoning-budget", "512"])
+    assert "--reasoning-budget 512" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value,what", [("{nope", "not JSON"), ("[1]", "JSON object"),
+                                        ('{"enable_thinking": "no"}', "true or false")])
+def test_chat_template_kwargs_that_are_not_an_object_of_values_are_refused(value, what, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["-m", "x.gguf", "--chat-template-kwargs", value])
+    assert what in capsys.readouterr().err
+
+
+def test_a_chat_template_file_must_be_a_file(tmp_path, capsys):
+    f = tmp_path / "t.jinja"
+    f.write_text("{{ messages[0].content }}")
+    assert parse_args(["-m", "x.gguf", "--chat-template-file", str(f)]).chat_template == str(f)
+    with pytest.raises(SystemExit):
+        parse_args(["-m", "x.gguf", "--chat-template-file", str(tmp_path / "missing.jinja")])
+    assert "no such file" in capsys.readouterr().err
+
+
+# a template that shows the variables it is given
+SHOWS = ("{% for m in messages %}{{ m.content }}{% endfor %}|thinking={{ enable_thinking }}"
+         "|effort={{ reasoning_effort }}|flavour={{ flavour }}|")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, plain_model_path):
+    template = tmp_path_factory.mktemp("kwargs") / "shows.jinja"
+    template.write_text(SHOWS)
+    with ServerProcess(plain_model_path, "--chat-template-file", template, "--jinja",
+                       "--chat-template-kwargs", '{"flavour": "mint", "enable_thinking": false}',
+                       "--reasoning-effort", "high", ctx=256) as s:
+        yield s
+
+
+def rendered(server, **body):
+    status, _, out = server.post("/apply-template",
+                                 dict({"messages": [{"role": "user", "content": "hi"}]}, **body))
+    assert status == 200, out
+    return out["prompt"].lower()
+
+
+def test_the_servers_template_kwargs_reach_the_template(server):
+    assert "hi|thinking=false|effort=high|flavour=mint|" in rendered(server)
+
+
+def test_a_requests_own_template_kwargs_win(server):
+    got = rendered(server, chat_template_kwargs={"flavour": "lime", "enable_thinking": True},
+                   reasoning_effort="low")
+    assert "hi|thinking=true|effort=low|flavour=lime|" in got
