@@ -24,7 +24,8 @@ import time
 from . import __version__
 from .errors import OffgridError
 from .protocol import WorkerSettings
-from .request import POOLINGS, REASONING_FORMATS, REASONING_MODES, SPEC_TYPES
+from .request import (KV_CACHE_TYPES, POOLINGS, REASONING_FORMATS, REASONING_MODES,
+                      SPEC_TYPES)
 
 
 def thread_count(value):
@@ -280,6 +281,11 @@ def parse_args(argv=None):
                    "default with an explicit -np): a prompt's text does not depend on "
                    "where the other sessions' cells lie, and sessions decoding at once "
                    "take one step per run of consecutive sessions")
+    p.add_argument("-ctk", "--cache-type-k", choices=KV_CACHE_TYPES, default="f16",
+                   help="the KV cache's key type (default f16): q8_0 halves the keys' memory")
+    p.add_argument("-ctv", "--cache-type-v", choices=KV_CACHE_TYPES, default="f16",
+                   help="the KV cache's value type (default f16); a quantized one needs flash "
+                   "attention (-fa on or auto)")
     p.add_argument("--no-swa-full", action="store_true",
                    help="windowed KV cache for sliding-window models: less memory, "
                    "but no prompt-cache reuse")
@@ -401,6 +407,9 @@ def parse_args(argv=None):
         if not os.path.isfile(args.chat_template_file):
             p.error("--chat-template-file %s: no such file" % args.chat_template_file)
         args.chat_template = args.chat_template or args.chat_template_file
+    if args.cache_type_v not in ("f32", "f16", "bf16") and args.flash_attn == "off":
+        p.error("-ctv %s (a quantized value cache) needs flash attention: -fa on or auto, "
+                "not off" % args.cache_type_v)
     if args.no_jinja:
         print("offgrid: --no-jinja: offgrid renders every chat template as Jinja, the "
               "model's own unless --chat-template names another", file=sys.stderr)

@@ -1295,7 +1295,7 @@ class ContextHandle:
     def __init__(self, lib, model, n_ctx, n_batch, n_ubatch, n_threads, n_threads_batch,
                  swa_full=True, n_seq_max=1, embeddings=False,
                  pooling=LLAMA_POOLING_TYPE_UNSPECIFIED, seq_width=1, flash_attn=None,
-                 seq_per_stream=0, n_rs_seq=0):
+                 seq_per_stream=0, n_rs_seq=0, type_k=1, type_v=1):
         """``n_seq_max`` sequences share one unified cache (so extra ones cost
         no memory), or with ``seq_per_stream`` (a divisor of n_seq_max), each
         run of that many consecutive sequences has a cache stream of its own,
@@ -1309,7 +1309,8 @@ class ContextHandle:
         device supports it, which the CPU's does).  ``n_rs_seq``: snapshots
         of each sequence's recurrent state, so that its last n_rs_seq tokens
         can be taken back (libllama keeps it 0 for an architecture that
-        cannot; ``n_rs_seq`` reads what it kept)."""
+        cannot; ``n_rs_seq`` reads what it kept).  ``type_k``, ``type_v``: the
+        KV cache's ggml types (1: f16)."""
         self.lib = lib
         if seq_per_stream > 0 and n_seq_max % seq_per_stream:
             # libllama would refuse it with a null context and a log line
@@ -1331,6 +1332,7 @@ class ContextHandle:
         params.n_threads_batch = n_threads_batch
         params.swa_full = swa_full
         params.n_rs_seq = max(0, n_rs_seq)
+        params.type_k, params.type_v = type_k, type_v
         if flash_attn is not None:
             params.flash_attn_type = 1 if flash_attn else 0
         params.no_perf = True

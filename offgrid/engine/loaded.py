@@ -55,7 +55,8 @@ class Loaded:
                            n_ctx_hint=(args.ctx_size or 4096) * max(1, args.parallel))
         n_sessions = max(1, args.parallel)
         if on_sized is not None:
-            on_sized(kv_bytes_of(model.meta, context_size(model, args.ctx_size) * n_sessions))
+            on_sized(kv_bytes_of(model.meta, context_size(model, args.ctx_size) * n_sessions,
+                                 args.cache_type_k, args.cache_type_v))
         sessions = []
         decoder = draft_model = media = None
         try:
@@ -86,7 +87,8 @@ class Loaded:
                                      # of 32 batched requests, lfm2 and qwen35); several
                                      # sessions take a draft back by checkpoint and replay
                                      n_rs_seq=draft_max if n_sessions == 1 else 0,
-                                     state_copies=not on_rpc(model))
+                                     state_copies=not on_rpc(model),
+                                     type_k=args.cache_type_k, type_v=args.cache_type_v)
             decoder.stream_pace = args.stream_pace
             media = make_media(args, model, decoder)
             if media is not None:
@@ -181,8 +183,9 @@ class Loaded:
         return os.path.getsize(d.model.path) + kv_bytes_of(d.model.meta, d.ctx.n_ctx)
 
     def kv_bytes(self):
-        """The KV caches' size, from the model's shape (f16 keys and values)."""
-        return kv_bytes_of(self.model.meta, self.sessions[0].n_ctx * len(self.sessions))
+        """The KV caches' size, from the model's shape and the caches' types."""
+        types = (getattr(self.decoder, "type_k", "f16"), getattr(self.decoder, "type_v", "f16"))
+        return kv_bytes_of(self.model.meta, self.sessions[0].n_ctx * len(self.sessions), *types)
 
 
 def make_states(args, model, session):
@@ -205,7 +208,9 @@ def make_states(args, model, session):
             ident = statedisk.identity(model.path, model.lib.path, {
                 "n_ctx": session.n_ctx, "n_batch": session.n_batch,
                 "swa_full": not args.no_swa_full, "n_seq": session.decoder.ctx.n_ctx,
-                "cache_type": "f16",
+                # -ctk/-ctv: "f16" alone for the default, as before they were flags
+                "cache_type": "f16" if (args.cache_type_k, args.cache_type_v) == (
+                    "f16", "f16") else "%s/%s" % (args.cache_type_k, args.cache_type_v),
                 # a stream per session lays states out by stream (only named where
                 # on, so that the default's states keep their identity)
                 **({} if session.decoder.kv_unified else {"kv_unified": False}),

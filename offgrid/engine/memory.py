@@ -209,9 +209,16 @@ def _int(value):
         return 0
 
 
-def kv_bytes_of(meta, n_cells):
-    """Bytes of a KV cache of ``n_cells`` tokens for a model of this metadata (f16 keys
-    and values)."""
+# -ctk/-ctv's types (request.KV_CACHE_TYPES): ggml's type id, and bytes per block of
+# so many values (ggml.c's type_traits)
+KV_TYPES = {"f32": (0, 4, 1), "f16": (1, 2, 1), "bf16": (30, 2, 1), "q8_0": (8, 34, 32),
+            "q4_0": (2, 18, 32), "q4_1": (3, 20, 32), "iq4_nl": (20, 18, 32),
+            "q5_0": (6, 22, 32), "q5_1": (7, 24, 32)}
+
+
+def kv_bytes_of(meta, n_cells, type_k="f16", type_v="f16"):
+    """Bytes of a KV cache of ``n_cells`` tokens for a model of this metadata, its keys
+    and values of these types (-ctk, -ctv)."""
     arch = meta.get("general.architecture", "")
 
     def num(key, default=0):
@@ -219,9 +226,20 @@ def kv_bytes_of(meta, n_cells):
             return int(meta.get("%s.%s" % (arch, key), default))
         except (TypeError, ValueError):
             return default
-    n_head = num("attention.head_count", 1) or 1
-    head = num("embedding_length", 0) // n_head
-    n_kv = num("attention.head_count_kv", n_head)
-    per_token = num("block_count") * n_kv * (num("attention.key_length", head)
-                                             + num("attention.value_length", head)) * 2
-    return per_token * n_cells
+    n_kv = num("attention.head_count_kv", num("attention.head_count", 1) or 1)
+    k_len, v_len = kv_head_sizes(meta)
+    _, k_bytes, k_block = KV_TYPES[type_k]
+    _, v_bytes, v_block = KV_TYPES[type_v]
+    per_token = num("block_count") * n_kv * (k_len * k_bytes / k_block
+                                             + v_len * v_bytes / v_block)
+    return int(per_token * n_cells)
+
+
+def kv_head_sizes(meta):
+    """(values of a key, of a value) per head of the model's attention, from its metadata
+    (llama.cpp's n_embd_head_k and n_embd_head_v)."""
+    arch = meta.get("general.architecture", "")
+    n_head = _int(meta.get("%s.attention.head_count" % arch)) or 1
+    head = _int(meta.get("%s.embedding_length" % arch)) // n_head
+    return (_int(meta.get("%s.attention.key_length" % arch)) or head,
+            _int(meta.get("%s.attention.value_length" % arch)) or head)

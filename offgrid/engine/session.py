@@ -35,6 +35,7 @@ from .batch import OUT_ALL, OUT_LAST, OUT_NONE, SEQS_PER_SESSION, BatchDecoder
 from .checkpoints import Checkpoints
 from .generate import Generation
 from .media import floor_to_media
+from .memory import KV_TYPES, kv_head_sizes
 from .positions import IDENTITY
 from .recurrent import RecurrentCache
 from .threads import DecodeThreads
@@ -128,7 +129,8 @@ def context_size(model, n_ctx):
 
 def shared_decoder(model, n_sessions, n_ctx=4096, n_batch=512, n_ubatch=None, swa_full=True,
                    threads=None, n_threads=None, n_threads_batch=None, flash_attn=None,
-                   kv_unified=True, n_rs_seq=0, state_copies=True):
+                   kv_unified=True, n_rs_seq=0, state_copies=True, type_k="f16",
+                   type_v="f16"):
     """The BatchDecoder of ``n_sessions`` sessions of ``n_ctx`` tokens each: one
     context whose unified cache holds n_sessions * n_ctx cells, which its
     sessions (ChatSession(..., decoder=it)) share.
@@ -154,6 +156,7 @@ def shared_decoder(model, n_sessions, n_ctx=4096, n_batch=512, n_ubatch=None, sw
     ``decoder.memory.rollback`` says what it kept).  Each costs a copy of the
     recurrent state per sequence.  ``state_copies``: False where a sequence's
     state cannot be copied out (layers on --rpc devices): no checkpoints.
+    ``type_k``, ``type_v``: the KV cache's types (-ctk, -ctv; memory.KV_TYPES).
     """
     if model.vocab_only:
         # libllama makes the context, then aborts the process at the first decode
@@ -162,13 +165,15 @@ def shared_decoder(model, n_sessions, n_ctx=4096, n_batch=512, n_ubatch=None, sw
     if threads is None:
         threads = decode_threads(model, n_threads, n_threads_batch)
     n_ctx = context_size(model, n_ctx)
+    check_cache_types(model, type_k, type_v, flash_attn)
     n_gen, n_batch_threads = threads.generation.max_threads, threads.batch.max_threads
     ctx = libllama.ContextHandle(
         model.lib, model.handle, n_ctx * n_sessions, n_batch, n_ubatch or n_batch, n_gen,
         n_batch_threads, swa_full=swa_full, n_seq_max=SEQS_PER_SESSION * n_sessions,
         seq_width=2, flash_attn=flash_attn,
         seq_per_stream=0 if kv_unified or n_sessions == 1 else SEQS_PER_SESSION,
-        n_rs_seq=n_rs_seq if model.memory.has_state else 0)
+        n_rs_seq=n_rs_seq if model.memory.has_state else 0,
+        type_k=KV_TYPES[type_k][0], type_v=KV_TYPES[type_v][0])
     if not ctx.ptr:
         raise ContextError("libllama could not create a context of %d tokens "
                            "(not enough memory?)" % (n_ctx * n_sessions))
@@ -180,7 +185,29 @@ def shared_decoder(model, n_sessions, n_ctx=4096, n_batch=512, n_ubatch=None, sw
     decoder.fills = decoder.streams and memory.leaves_no_trace
     decoder.n_ctx_session = n_ctx if n_sessions > 1 else ctx.n_ctx
     decoder.swa_full = swa_full
+    decoder.type_k, decoder.type_v = type_k, type_v
     return decoder
+
+
+def check_cache_types(model, type_k, type_v, flash_attn):
+    """Raise ContextError for KV cache types libllama would refuse with a null context
+    (llama_init_from_model's checks), naming the flag: a quantized value cache needs
+    flash attention, whose quantized rows must divide each head, and a model of
+    latent attention (DeepSeek-V2/V3) keeps keys and values of one type."""
+    k_len, v_len = kv_head_sizes(model.meta)
+    arch = model.meta.get("general.architecture", "")
+    if type_k != type_v and model.meta.get("%s.attention.kv_lora_rank" % arch) is not None:
+        raise ContextError("%s keeps its keys and values in one latent cache: give -ctk "
+                           "and -ctv the same type, not %s and %s" % (model.name, type_k, type_v))
+    if KV_TYPES[type_v][2] > 1 and flash_attn is False:
+        raise ContextError("-ctv %s (a quantized value cache) needs flash attention, which "
+                           "-fa off turns off" % type_v)
+    for flag, kind, size in (("-ctk", type_k, k_len), ("-ctv", type_v, v_len)):
+        block = KV_TYPES[kind][2]
+        if flash_attn is not False and size % block:
+            raise ContextError("%s %s: its blocks of %d values do not divide %s's heads of "
+                               "%d under flash attention (-fa off takes a quantized key cache "
+                               "of any size)" % (flag, kind, block, model.name, size))
 
 
 class ChatSession(Generation, RecurrentCache):
