@@ -40,8 +40,8 @@ def thread_count(value):
 
 
 def template_kwargs(args):
-    """--chat-template-kwargs and --reasoning-effort as one dict, and --reasoning-budget
-    0 as -rea off (llama-server's flags); ValueError for a value they do not take."""
+    """--chat-template-kwargs and --reasoning-effort as one dict (llama-server's flags);
+    ValueError for a value they, or --reasoning-budget, do not take."""
     kwargs = {}
     if args.chat_template_kwargs is not None:
         try:
@@ -54,11 +54,8 @@ def template_kwargs(args):
             raise ValueError("--chat-template-kwargs: enable_thinking must be true or false")
     if args.reasoning_effort not in (None, "default"):
         kwargs["reasoning_effort"] = args.reasoning_effort
-    if args.reasoning_budget == 0 and args.reasoning == "auto":
-        args.reasoning = "off"
-    elif args.reasoning_budget > 0 or args.reasoning_budget < -1:
-        raise ValueError("--reasoning-budget %d: offgrid takes -1 (no bound) or 0 (no "
-                         "thinking); it cuts no thinking short at a count of tokens"
+    if args.reasoning_budget < -1:
+        raise ValueError("--reasoning-budget %d: give -1 (no bound), 0 or more"
                          % args.reasoning_budget)
     return kwargs
 
@@ -305,8 +302,11 @@ def parse_args(argv=None):
                    help="the template's reasoning_effort where a request does not say "
                    "(\"low\", \"high\", ...; default: the template's own)")
     p.add_argument("--reasoning-budget", type=int, default=-1, metavar="N",
-                   help="-1: thinking as long as the model thinks (the default); 0: no "
-                   "thinking (as -rea off); offgrid cuts no thinking short at N tokens")
+                   help="tokens of thinking a chat reply may take before its end is forced "
+                   "(-1: no bound, the default; 0: it ends at once), where a request does "
+                   "not say (reasoning_budget_tokens)")
+    p.add_argument("--reasoning-budget-message", metavar="TEXT", default="",
+                   help="words forced before the end of thinking when the budget is spent")
     p.add_argument("-rea", "--reasoning", choices=REASONING_MODES, default="auto",
                    help="thinking in chat replies, where a request does not say: on, off, or "
                    "auto (the template's own default)")

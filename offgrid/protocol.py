@@ -215,6 +215,8 @@ class WorkerSettings:
     # --chat-template-kwargs (and --reasoning-effort): what every chat request's
     # chat_template_kwargs are laid over
     template_kwargs: dict = dataclasses.field(default_factory=dict)
+    reasoning_budget: int = -1      # --reasoning-budget (engine/thinkbudget.py); -1: no bound
+    reasoning_budget_message: str = ""
     cache_type_k: str = "f16"       # -ctk, -ctv: the KV cache's types (request.KV_CACHE_TYPES)
     cache_type_v: str = "f16"
 

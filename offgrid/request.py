@@ -304,6 +304,13 @@ class GenerationParams:
     # to start in the worker evaluates the prompt and keeps its state, the
     # others wait for it and restore that state (engine/worker.py)
     prompt_group: Optional[str] = None
+    # chat: tokens of thinking before its end is forced (llama-server's
+    # reasoning_budget_tokens; -1: no bound; None: the server's --reasoning-budget),
+    # and the words forced before that end (None: --reasoning-budget-message)
+    reasoning_budget: Optional[int] = None
+    reasoning_budget_message: Optional[str] = None
+    # ... as the worker makes them ready for engine/thinkbudget.py (worker.think_spec)
+    think: Optional[dict] = None
 
     def copy(self):
         """A copy whose fields, and whose sampling's, can be set apart from this one's.

@@ -2,8 +2,8 @@
 
 The switches for what offgrid always does (--jinja, -cb, --offline,
 --swa-full) are taken; --chat-template-kwargs and --reasoning-effort are the
-template's variables under each request's own; --reasoning-budget 0 is no
-thinking; --chat-template-file names a Jinja file.
+template's variables under each request's own; --chat-template-file names a
+Jinja file (--reasoning-budget: tests/test_reasoning_budget.py).
 """
 
 import pytest
@@ -26,12 +26,11 @@ def test_a_model_cards_command_line_parses_to_its_settings():
     assert not args.no_swa_full and not args.context_shift
 
 
-def test_reasoning_budget_0_is_no_thinking_and_a_count_is_refused(capsys):
-    assert parse_args(["-m", "x.gguf", "--reasoning-budget", "0"]).reasoning == "off"
-    assert parse_args(["-m", "x.gguf", "--reasoning-budget", "-1"]).reasoning == "auto"
+def test_a_reasoning_budget_below_minus_1_is_refused(capsys):
+    assert parse_args(["-m", "x.gguf", "--reasoning-budget", "512"]).reasoning_budget == 512
     with pytest.raises(SystemExit):
-        parse_args(["-m", "x.gguf", "--reasoning-budget", "512"])
-    assert "--reasoning-budget 512" in capsys.readouterr().err
+        parse_args(["-m", "x.gguf", "--reasoning-budget", "-2"])
+    assert "--reasoning-budget -2" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("value,what", [("{nope", "not JSON"), ("[1]", "JSON object"),

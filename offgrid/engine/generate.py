@@ -22,6 +22,7 @@ from .copydraft import CopyDraft
 from .lookup import PromptLookup
 from .sampling import ProbsReader, build_sampler
 from .textstream import TextAssembler, TokenLedger
+from .thinkbudget import ThinkBudget
 
 
 class Generation:
@@ -123,12 +124,24 @@ class Generation:
             draft_cap = min(draft_cap, self.memory.drafts)     # what can be taken back
         pending, idx = [], self._out
         drafted = accepted = steps = 0
+        budget = ThinkBudget(params.think) if params.think else None
 
         while True:
             if cancel.cancelled:
                 finish, stop_type = FinishReason.CANCELLED, "none"
                 break
-            token = sampler.sample(ctx, idx)
+            forced = budget.forced() if budget is not None else None
+            if forced is not None and sampler.allows(forced):
+                # the reasoning budget is spent: its end, whatever the model would pick
+                token = forced
+                sampler.accept(token)
+                sampler.observe(token)
+            else:
+                if forced is not None:
+                    budget.give_up()
+                token = sampler.sample(ctx, idx)
+            if budget is not None and token is not None:
+                budget.accept(token, model.token_bytes(token))
             in_cache = False
             if pending:
                 if token == pending[0]:

@@ -118,6 +118,10 @@ class TokenSampler:
         chain.accept(token)
         return token
 
+    def allows(self, token):
+        """Whether the grammar (if any) lets ``token`` come next."""
+        return self._grammar is None or self._grammar.allows(token)
+
     def _allowed(self, picked):
         return (picked is not None and math.isfinite(picked[1])
                 and self._grammar.allows(picked[0]))

@@ -130,6 +130,8 @@ class Worker:
         # the template does by default) and how its reasoning is returned
         # (-rea on/off, else --chat-template-kwargs' enable_thinking)
         self.template_kwargs = dict(template_kwargs or {})
+        # --reasoning-budget and its message: a chat request's that does not say
+        self.reasoning_budget, self.reasoning_budget_message = -1, ""
         self.enable_thinking = {"on": True, "off": False}.get(
             reasoning, self.template_kwargs.get("enable_thinking"))
         self.reasoning_format = reasoning_format
@@ -591,6 +593,26 @@ class Worker:
             raise PromptTooLong(n_prompt_tokens=len(tokens), n_ctx=session.n_ctx)
         return tokens
 
+    def think_spec(self, gen, fmt):
+        """The reasoning budget of a chat generation (engine/thinkbudget.py) as token
+        sequences of the reply format's markers, or None where it has none: llama-server's
+        reasoning_budget_* fields, which it makes from the template's thinking tags."""
+        budget = gen.reasoning_budget if gen.reasoning_budget is not None \
+            else self.reasoning_budget
+        if budget is None or budget < 0 or not fmt.reasoning_markers:
+            return None
+        message = gen.reasoning_budget_message if gen.reasoning_budget_message is not None \
+            else self.reasoning_budget_message
+
+        def tokens(text):
+            return self.model.tokenize(text, add_special=False, parse_special=True)
+        pairs = fmt.reasoning_markers
+        end = fmt.reasoning_end if fmt.starts_in_reasoning else pairs[0][1]
+        return {"budget": budget, "starts": [tokens(s) for s, _ in pairs],
+                "ends": [tokens(e) for e in dict.fromkeys([end] + [e for _, e in pairs])],
+                "forced": (tokens(message) if message else []) + tokens(end),
+                "counting": fmt.starts_in_reasoning}
+
     def _run(self, frame, cancel):
         rid = frame["id"]
         session = self.loaded.sessions[frame["session"]]
@@ -631,6 +653,7 @@ class Worker:
                 s.rescue_names = tuple(rescue["names"])
                 s.rescue_watch_chars = rescue["watch_chars"]
             fmt = _reply_format(chat["fmt"])
+            gen.think = self.think_spec(gen, fmt)
             rs = ReplyStream(fmt, chat["id_length"])
             if stream:
                 def on_piece(text, probs=None):
@@ -839,6 +862,8 @@ def main(argv=None):
     worker = Worker(loaded, out, args.reasoning, args.reasoning_format, out_lock,
                     args.spec_type, args.stream_interval_ms / 1000.0, args.spm_infill,
                     args.tool_call_rescue, args.template_kwargs)
+    worker.reasoning_budget = args.reasoning_budget
+    worker.reasoning_budget_message = args.reasoning_budget_message
     worker.slot_save_path = args.slot_save_path
     worker.send({"op": "ready", "info": protocol.encode_info(loaded.info())})
     worker.serve(inp)

@@ -235,6 +235,17 @@ def _thinking_from(v):
     return kind != "disabled"
 
 
+def _budget_from(v):
+    """thinking.budget_tokens of {"type": "enabled"}: the reasoning budget (None: the
+    server's --reasoning-budget)."""
+    if not isinstance(v, dict) or v.get("type") != "enabled" or v.get("budget_tokens") is None:
+        return None
+    n = v["budget_tokens"]
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < 2 ** 31:
+        raise BadRequest("thinking.budget_tokens: must be a whole number, 0 or more")
+    return n
+
+
 def _effort_from(v):
     """output_config.effort as the template's reasoning_effort ({} when not given)."""
     effort = v.get("effort") if isinstance(v, dict) else None
@@ -344,6 +355,7 @@ def messages(h, body):
                           entry.sampling)
     gen.stop = f.stop_list("stop_sequences")
     chat.apply_plan(gen, plan)
+    gen.reasoning_budget = _budget_from(f.raw("thinking"))
     g = Generation(entry, gen, [Prompt(plan["tokens"])], "v1/messages", what,
                    stream=f.bool("stream", False), id_slot=id_slot_from(f), chat=plan["chat"])
     pipeline.run(h, g, MessagesFormat(entry.id, len(plan["tokens"])))

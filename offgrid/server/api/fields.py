@@ -207,6 +207,16 @@ def _logit_bias(v, n_vocab, tokenize=None):
     return out
 
 
+def reasoning_budget_from(f):
+    """llama-server's reasoning_budget_tokens (or thinking_budget_tokens): tokens of
+    thinking before its end is forced; None (and -1): the server's --reasoning-budget."""
+    for name in ("reasoning_budget_tokens", "thinking_budget_tokens"):
+        v = f.int(name, None, lo=-1, hi=2 ** 31 - 1)
+        if v is not None:
+            return None if v == -1 else v
+    return None
+
+
 def text_tokenizer(entry):
     """For ``logit_bias`` keyed by text: text -> its token ids by the model's worker, as
     llama-server's common_tokenize (no BOS, special tokens read as text)."""

@@ -15,7 +15,7 @@ from ..httpd.httperrors import BadRequest
 from . import formats, pipeline
 from .chat_fields import chat_messages_from, tool_choice_from, tools_from
 from .fields import (Fields, include_usage_from, chat_probs_from, choices_from, generation_from,
-                     id_slot_from, output_schema_from, text_tokenizer)
+                     id_slot_from, output_schema_from, reasoning_budget_from, text_tokenizer)
 from .pipeline import Format, Generation, Prompt
 
 
@@ -178,6 +178,8 @@ def chat_completions(h, body):
     gen = generation_from(f, entry.n_vocab, svc.n_predict_default,
                           sampling_default=entry.sampling, tokenize=text_tokenizer(entry))
     apply_plan(gen, plan)
+    gen.reasoning_budget = reasoning_budget_from(f)
+    gen.reasoning_budget_message = f.str("reasoning_budget_message")
     chat_probs_from(f, gen)
     stream = f.bool("stream", False)
     gen.return_progress = stream and f.bool("return_progress", False)

@@ -47,6 +47,8 @@ def worker_settings(path, args, chat_template=None, decode_lock=None):
         context_shift=args.context_shift, spm_infill=args.spm_infill,
         tool_call_rescue=not args.no_tool_call_rescue, reasoning=args.reasoning,
         template_kwargs=getattr(args, "template_kwargs", None) or {},
+        reasoning_budget=getattr(args, "reasoning_budget", -1),
+        reasoning_budget_message=getattr(args, "reasoning_budget_message", ""),
         cache_type_k=getattr(args, "cache_type_k", "f16"),
         cache_type_v=getattr(args, "cache_type_v", "f16"),
         reasoning_format=args.reasoning_format, lib=args.lib, decode_lock=decode_lock,
