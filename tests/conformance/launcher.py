@@ -56,6 +56,7 @@ SAME_VALUE = {
     "--reasoning-format": "--reasoning-format", "--tags": "--tags",
     "-md": "-md", "--model-draft": "-md", "--spec-draft-n-max": "--spec-draft-n-max",
     "--spec-draft-n-min": "--spec-draft-n-min",
+    "-ctk": "-ctk", "--cache-type-k": "-ctk", "-ctv": "-ctv", "--cache-type-v": "-ctv",
     "--slot-save-path": "--slot-save-path", "--cache-ram": "--cache-ram", "-cram": "--cache-ram",
 }
 # --spec-type values offgrid has (request.SPEC_TYPES); any other is dropped
