@@ -39,6 +39,27 @@ def thread_count(value):
     return n if n > 0 else "auto"
 
 
+def kv_override(item):
+    """One --override-kv item, KEY=TYPE:VALUE, as [key, type, value] (as llama.cpp's
+    string_parse_kv_override reads it); ValueError where it is not one."""
+    key, sep, rest = item.partition("=")
+    kind, colon, text = rest.partition(":")
+    if not sep or not key or len(key.encode()) >= 128 or not colon:
+        raise ValueError("--override-kv %s: give KEY=TYPE:VALUE (TYPE int, float, bool or "
+                         "str)" % item)
+    try:
+        value = {"int": int, "float": float, "str": str,
+                 "bool": {"true": True, "false": False}.__getitem__}[kind](text)
+    except (KeyError, ValueError):
+        raise ValueError("--override-kv %s: not a value of type int, float, bool (true or "
+                         "false) or str" % item)
+    if kind == "int" and not -2 ** 63 <= value < 2 ** 63:
+        raise ValueError("--override-kv %s: an int is 64 bits" % item)
+    if kind == "str" and len(text.encode()) > 127:
+        raise ValueError("--override-kv %s: a str value may be at most 127 bytes" % key)
+    return [key, kind, value]
+
+
 def template_kwargs(args):
     """--chat-template-kwargs and --reasoning-effort as one dict (llama-server's flags);
     ValueError for a value they, or --reasoning-budget, do not take."""
@@ -223,6 +244,8 @@ def parse_args(argv=None):
     p.add_argument("--api-key-file", help="file with one API key per line")
     p.add_argument("--cors-origin", action="append", default=[],
                    help="origin allowed to call the API from a browser (repeatable)")
+    p.add_argument("--cors-origins", action="append", default=[], metavar="A,B,...",
+                   help="origins allowed, a comma list (llama-server's form of --cors-origin)")
     p.add_argument("--max-body", type=int, default=8 * 1024 * 1024,
                    help="largest request body in bytes (default 8 MiB)")
     p.add_argument("--timeout", type=float, default=30.0,
@@ -317,7 +340,12 @@ def parse_args(argv=None):
     # llama-server's switches for what offgrid always does, so its command lines run
     for flags, what in ((("--jinja",), "render chat with the model's Jinja template"),
                         (("-cb", "--cont-batching"), "batch the -np sessions' decodes"),
-                        (("--offline",), "never download anything")):
+                        (("--offline",), "never download anything"),
+                        (("--no-warmup", "--warmup"), "no warm-up run: a model's first "
+                         "request reads its weights"),
+                        (("--repack",), "repack the CPU's weights unless -nr"),
+                        (("--mmproj-offload",), "the projector on a GPU where there is one, "
+                         "unless --no-mmproj-offload")):
         p.add_argument(*flags, action="store_true", dest="as_default",
                        help="taken: offgrid always does (%s)" % what)
     p.add_argument("--no-jinja", action="store_true",
@@ -377,6 +405,9 @@ def parse_args(argv=None):
     p.add_argument("--media-path", metavar="DIR",
                    help="let requests name images by file:// URLs under this folder "
                    "(refused otherwise; http(s) URLs always are: offgrid fetches nothing)")
+    p.add_argument("--override-kv", action="append", default=[], metavar="KEY=TYPE:VALUE,...",
+                   help="the model's metadata values in place of its file's (TYPE int, float, "
+                   "bool or str), as llama-server's: tokenizer.ggml.add_bos_token=bool:false")
     p.add_argument("--lib", help="path to libllama.so or its folder (default: $OFFGRID_LIB, "
                    "then lib/, then the system's)")
     p.add_argument("--worker-max-rss", type=float, default=None, metavar="MIB",
@@ -401,8 +432,12 @@ def parse_args(argv=None):
         args.lora_specs = lora.specs_from(args)
         args.sampling = sampling.from_args(args)
         args.template_kwargs = template_kwargs(args)
+        args.override_kv = [kv_override(item) for value in args.override_kv
+                            for item in value.split(",") if item]
     except ValueError as e:
         p.error(str(e))
+    args.cors_origin += [o.strip() for value in args.cors_origins for o in value.split(",")
+                         if o.strip()]
     if args.chat_template_file is not None:
         if not os.path.isfile(args.chat_template_file):
             p.error("--chat-template-file %s: no such file" % args.chat_template_file)

@@ -176,6 +176,24 @@ class llama_model_params(Structure):
     ]
 
 
+class _kv_override_value(ctypes.Union):
+    _fields_ = [("val_i64", ctypes.c_int64), ("val_f64", ctypes.c_double),
+                ("val_bool", c_bool), ("val_str", ctypes.c_char * 128)]
+
+
+class llama_model_kv_override(Structure):
+    """struct llama_model_kv_override: one metadata value in place of the file's; an
+    array of them ends with an empty key."""
+    _anonymous_ = ("value",)
+    _fields_ = [("tag", c_int),                 # enum llama_model_kv_override_type
+                ("key", ctypes.c_char * 128),
+                ("value", _kv_override_value)]
+
+
+# enum llama_model_kv_override_type, by --override-kv's words
+KV_OVERRIDE_TYPES = {"int": 0, "float": 1, "bool": 2, "str": 3}
+
+
 class llama_context_params(Structure):
     """struct llama_context_params (passed by value to llama_init_from_model)."""
     _fields_ = [
@@ -874,7 +892,8 @@ class ModelHandle:
     """
 
     def __init__(self, lib, path, progress=None, vocab_only=False, devices=(), n_gpu_layers=None,
-                 tensor_split=None, repack=True, split_mode=None, main_gpu=0, kv_offload=True):
+                 tensor_split=None, repack=True, split_mode=None, main_gpu=0, kv_offload=True,
+                 kv_overrides=()):
         """Load ``path``; ``progress(fraction)`` is called while loading.
 
         ``vocab_only`` loads the tokenizer and metadata but no weights: enough
@@ -897,6 +916,10 @@ class ModelHandle:
         ``devices[main_gpu]``.  ``kv_offload`` False keeps the KV cache of
         every context made from this model in host memory, whatever device
         holds a layer (llama-server's --no-kv-offload): ContextHandle reads it.
+
+        ``kv_overrides``: (key, type, value) metadata in place of the file's
+        (llama-server's --override-kv; type a word of KV_OVERRIDE_TYPES, the
+        key and a str value under 128 bytes).
         """
         self.lib = lib
         params = lib.llama_model_default_params()
@@ -927,6 +950,20 @@ class ModelHandle:
                 params.tensor_split = ctypes.cast(split, POINTER(c_float))
         else:
             params.n_gpu_layers = 0      # no devices: the CPU holds every layer
+        if kv_overrides:
+            arr = (llama_model_kv_override * (len(kv_overrides) + 1))()
+            for o, (key, kind, value) in zip(arr, kv_overrides):
+                o.tag, o.key = KV_OVERRIDE_TYPES[kind], key.encode()
+                if kind == "int":
+                    o.val_i64 = value
+                elif kind == "float":
+                    o.val_f64 = value
+                elif kind == "bool":
+                    o.val_bool = value
+                else:
+                    o.val_str = value.encode()
+            keep.append(arr)
+            params.kv_overrides = ctypes.cast(arr, c_void_p)
         if progress is not None:
             def on_progress(fraction, _user_data):
                 progress(fraction)

@@ -217,6 +217,8 @@ class WorkerSettings:
     template_kwargs: dict = dataclasses.field(default_factory=dict)
     reasoning_budget: int = -1      # --reasoning-budget (engine/thinkbudget.py); -1: no bound
     reasoning_budget_message: str = ""
+    # --override-kv: [key, "int"|"float"|"bool"|"str", value] in place of the file's
+    override_kv: list = dataclasses.field(default_factory=list)
     cache_type_k: str = "f16"       # -ctk, -ctv: the KV cache's types (request.KV_CACHE_TYPES)
     cache_type_v: str = "f16"
 

@@ -80,3 +80,34 @@ def test_a_requests_own_template_kwargs_win(server):
     got = rendered(server, chat_template_kwargs={"flavour": "lime", "enable_thinking": True},
                    reasoning_effort="low")
     assert "hi|thinking=true|effort=low|flavour=lime|" in got
+
+
+def test_cors_origins_is_a_comma_list_of_cors_origin():
+    args = parse_args(["-m", "x.gguf", "--cors-origins", "http://a.test, http://b.test",
+                       "--cors-origin", "http://c.test", "--no-warmup", "--repack"])
+    assert sorted(args.cors_origin) == ["http://a.test", "http://b.test", "http://c.test"]
+
+
+@pytest.mark.parametrize("item", ["nokey", "k=int", "k=int:x", "k=bool:yes", "k=list:1",
+                                  "k=str:" + "x" * 128, "=int:1"])
+def test_an_override_kv_that_does_not_read_is_refused(item, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["-m", "x.gguf", "--override-kv", item])
+    assert "--override-kv" in capsys.readouterr().err
+
+
+def test_override_kv_puts_a_value_in_place_of_the_files(gemma_path):
+    """The classic use: a file whose tokenizer adds a BOS a client's prompt already has."""
+    args = parse_args(["-m", "x.gguf", "--override-kv",
+                       "tokenizer.ggml.add_bos_token=bool:false,gemma3.block_count=int:18",
+                       "--override-kv", "general.name=str:renamed"])
+    assert args.override_kv == [["tokenizer.ggml.add_bos_token", "bool", False],
+                                ["gemma3.block_count", "int", 18],
+                                ["general.name", "str", "renamed"]]
+    with ServerProcess(gemma_path, "--override-kv", "tokenizer.ggml.add_bos_token=bool:false",
+                       ctx=256) as s:
+        _, _, show = s.post("/api/show", {"model": "x"})
+        assert show["model_info"]["tokenizer.ggml.add_bos_token"] in (True, "true")  # the file's
+        with_special = s.post("/tokenize", {"content": "hi", "add_special": True})[2]
+        without = s.post("/tokenize", {"content": "hi", "add_special": False})[2]
+    assert with_special["tokens"] == without["tokens"] == [2202]

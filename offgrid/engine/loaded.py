@@ -52,7 +52,8 @@ class Loaded:
                            device_names=args.device,
                            split_mode=gpus.SPLIT_MODES.get(args.split_mode),
                            main_gpu=args.main_gpu, kv_offload=args.kv_offload,
-                           n_ctx_hint=(args.ctx_size or 4096) * max(1, args.parallel))
+                           n_ctx_hint=(args.ctx_size or 4096) * max(1, args.parallel),
+                           kv_overrides=args.override_kv)
         n_sessions = max(1, args.parallel)
         if on_sized is not None:
             on_sized(kv_bytes_of(model.meta, context_size(model, args.ctx_size) * n_sessions,
@@ -214,6 +215,8 @@ def make_states(args, model, session):
                 # a stream per session lays states out by stream (only named where
                 # on, so that the default's states keep their identity)
                 **({} if session.decoder.kv_unified else {"kv_unified": False}),
+                # the model's metadata as --override-kv made it
+                **({"override_kv": args.override_kv} if args.override_kv else {}),
                 # images' cells are the projector's: another mmproj, other states
                 **({"mmproj": [args.mmproj, os.path.getsize(args.mmproj)]}
                    if getattr(args, "mmproj", None) else {})})

@@ -117,7 +117,7 @@ class Model:
     def load(cls, path, lib_path=None, progress=True, verbose=False, vocab_only=False,
              rpc_endpoints=(), n_gpu_layers=None, tensor_split=None, repack=True,
              on_rpc_stall=None, device_names=None, split_mode=None, main_gpu=0,
-             kv_offload=True, n_ctx_hint=0):
+             kv_offload=True, n_ctx_hint=0, kv_overrides=()):
         """Load a GGUF file.  Raises ModelLoadError (or LibraryError, RpcUnavailable).
 
         With ``vocab_only`` only the tokenizer and metadata are loaded (no
@@ -167,7 +167,8 @@ class Model:
                                       n_gpu_layers=n_gpu_layers, tensor_split=tensor_split,
                                       repack=repack, split_mode=split_mode,
                                       # pick() kept -sm none's device alone: index 0
-                                      main_gpu=0, kv_offload=kv_offload)
+                                      main_gpu=0, kv_offload=kv_offload,
+                                      kv_overrides=[tuple(o) for o in kv_overrides or ()])
         if not handle.ptr:
             if any(d.endpoint is None for d in devices):
                 # libllama logs "unable to allocate <device> buffer" and returns
@@ -177,8 +178,10 @@ class Model:
                     "unsupported architecture, or more than the device's memory holds "
                     "(fewer layers with -ngl N, or -dev none for the CPU alone)"
                     % (path, ", ".join(d.name for d in devices)))
-            raise ModelLoadError("libllama could not load the model %s "
-                                 "(not a GGUF file, or an unsupported architecture)" % path)
+            raise ModelLoadError("libllama could not load the model %s (not a GGUF file, or "
+                                 "an unsupported architecture%s)" % (path, (
+                                     ", or an --override-kv of another type than the "
+                                     "file's key" if kv_overrides else "")))
         if not vocab_only and handle.has_encoder():
             # libllama aborts the first decode without a llama_encode before it
             arch = handle.meta().get("general.architecture", "?")
