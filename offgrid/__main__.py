@@ -405,6 +405,15 @@ def parse_args(argv=None):
     p.add_argument("--media-path", metavar="DIR",
                    help="let requests name images by file:// URLs under this folder "
                    "(refused otherwise; http(s) URLs always are: offgrid fetches nothing)")
+    p.add_argument("-lm", "--load-mode", default="auto",
+                   choices=("auto", "none", "mmap", "mlock", "mmap+mlock", "dio"),
+                   help="how libllama reads the model file, as llama-server's: mmap (auto), "
+                   "none (read into memory), mlock or mmap+mlock (kept in RAM), dio (direct "
+                   "I/O)")
+    p.add_argument("--mlock", dest="load_mode", action="store_const", const="mmap+mlock",
+                   help="older llama-server's form of -lm mmap+mlock")
+    p.add_argument("--no-mmap", dest="load_mode", action="store_const", const="none",
+                   help="older llama-server's form of -lm none")
     p.add_argument("--override-kv", action="append", default=[], metavar="KEY=TYPE:VALUE,...",
                    help="the model's metadata values in place of its file's (TYPE int, float, "
                    "bool or str), as llama-server's: tokenizer.ggml.add_bos_token=bool:false")

@@ -190,6 +190,9 @@ class llama_model_kv_override(Structure):
                 ("value", _kv_override_value)]
 
 
+# enum llama_load_mode, by -lm's words
+LOAD_MODES = {"auto": -1, "none": 0, "mmap": 1, "mlock": 2, "mmap+mlock": 3, "dio": 4}
+
 # enum llama_model_kv_override_type, by --override-kv's words
 KV_OVERRIDE_TYPES = {"int": 0, "float": 1, "bool": 2, "str": 3}
 
@@ -893,7 +896,7 @@ class ModelHandle:
 
     def __init__(self, lib, path, progress=None, vocab_only=False, devices=(), n_gpu_layers=None,
                  tensor_split=None, repack=True, split_mode=None, main_gpu=0, kv_offload=True,
-                 kv_overrides=()):
+                 kv_overrides=(), load_mode="auto"):
         """Load ``path``; ``progress(fraction)`` is called while loading.
 
         ``vocab_only`` loads the tokenizer and metadata but no weights: enough
@@ -919,12 +922,14 @@ class ModelHandle:
 
         ``kv_overrides``: (key, type, value) metadata in place of the file's
         (llama-server's --override-kv; type a word of KV_OVERRIDE_TYPES, the
-        key and a str value under 128 bytes).
+        key and a str value under 128 bytes).  ``load_mode``: a word of
+        LOAD_MODES (llama-server's -lm: mmap, mlock, dio, ...).
         """
         self.lib = lib
         params = lib.llama_model_default_params()
         params.vocab_only = vocab_only
         params.use_extra_bufts = repack
+        params.load_mode = LOAD_MODES[load_mode]
         self.vocab_only = vocab_only
         self.kv_offload = kv_offload
         # the arrays libllama reads while loading (it copies the device list)

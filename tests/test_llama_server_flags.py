@@ -111,3 +111,14 @@ def test_override_kv_puts_a_value_in_place_of_the_files(gemma_path):
         with_special = s.post("/tokenize", {"content": "hi", "add_special": True})[2]
         without = s.post("/tokenize", {"content": "hi", "add_special": False})[2]
     assert with_special["tokens"] == without["tokens"] == [2202]
+
+
+def test_the_load_mode_reaches_libllama(smollm_path):
+    assert parse_args(["-m", "x.gguf", "--mlock"]).load_mode == "mmap+mlock"
+    assert parse_args(["-m", "x.gguf", "--no-mmap"]).load_mode == "none"
+    assert parse_args(["-m", "x.gguf"]).load_mode == "auto"
+    with ServerProcess(smollm_path, "-lm", "none", "-v", ctx=256) as s:
+        status, _, out = s.post("/completion", {"prompt": "Hello", "n_predict": 2})
+        assert status == 200 and out["tokens_predicted"] == 2, out
+    # libllama's own line: the file was read into memory, not mapped
+    assert any("(load_mode = none)" in line for line in s.output), "".join(s.output)[-2000:]

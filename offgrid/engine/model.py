@@ -117,7 +117,7 @@ class Model:
     def load(cls, path, lib_path=None, progress=True, verbose=False, vocab_only=False,
              rpc_endpoints=(), n_gpu_layers=None, tensor_split=None, repack=True,
              on_rpc_stall=None, device_names=None, split_mode=None, main_gpu=0,
-             kv_offload=True, n_ctx_hint=0, kv_overrides=()):
+             kv_offload=True, n_ctx_hint=0, kv_overrides=(), load_mode="auto"):
         """Load a GGUF file.  Raises ModelLoadError (or LibraryError, RpcUnavailable).
 
         With ``vocab_only`` only the tokenizer and metadata are loaded (no
@@ -168,7 +168,8 @@ class Model:
                                       repack=repack, split_mode=split_mode,
                                       # pick() kept -sm none's device alone: index 0
                                       main_gpu=0, kv_offload=kv_offload,
-                                      kv_overrides=[tuple(o) for o in kv_overrides or ()])
+                                      kv_overrides=[tuple(o) for o in kv_overrides or ()],
+                                      load_mode=load_mode)
         if not handle.ptr:
             if any(d.endpoint is None for d in devices):
                 # libllama logs "unable to allocate <device> buffer" and returns
