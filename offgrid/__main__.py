@@ -24,8 +24,8 @@ import time
 from . import __version__
 from .errors import OffgridError
 from .protocol import WorkerSettings
-from .request import (KV_CACHE_TYPES, POOLINGS, REASONING_FORMATS, REASONING_MODES,
-                      SPEC_TYPES)
+from .request import (KV_CACHE_TYPES, LOAD_MODES, POOLINGS, REASONING_FORMATS,
+                      REASONING_MODES, SPEC_TYPES)
 
 
 def thread_count(value):
@@ -405,8 +405,7 @@ def parse_args(argv=None):
     p.add_argument("--media-path", metavar="DIR",
                    help="let requests name images by file:// URLs under this folder "
                    "(refused otherwise; http(s) URLs always are: offgrid fetches nothing)")
-    p.add_argument("-lm", "--load-mode", default="auto",
-                   choices=("auto", "none", "mmap", "mlock", "mmap+mlock", "dio"),
+    p.add_argument("-lm", "--load-mode", default="auto", choices=LOAD_MODES,
                    help="how libllama reads the model file, as llama-server's: mmap (auto), "
                    "none (read into memory), mlock or mmap+mlock (kept in RAM), dio (direct "
                    "I/O)")

@@ -32,6 +32,7 @@ POOLINGS = ("none", "mean", "cls", "last", "rank")      # --pooling (engine/embe
 SPEC_TYPES = ("none", "edits", "auto", "ngram-simple", "ngram-mod", "draft-simple")  # --spec-type
 # -ctk / -ctv: the KV cache's types, llama-server's (common/arg.cpp kv_cache_types)
 KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+LOAD_MODES = ("auto", "none", "mmap", "mlock", "mmap+mlock", "dio")   # -lm (libllama.LOAD_MODES)
 
 # llama-server's default sampler order (common_params_sampling::samplers);
 # a request may reorder or drop them with "samplers".

@@ -574,3 +574,28 @@ def test_keep_alive_that_is_no_duration_is_refused(value):
     from offgrid.server.models.folders import parse_duration
     with pytest.raises(ValueError):
         parse_duration(value)
+
+
+def test_a_preset_takes_the_cache_types_load_mode_and_reasoning_budget_under_the_flags(tmp_path):
+    """A preset's -ctk/-ctv, -lm and --reasoning-budget reach that model's worker
+    settings; a flag given on the command line wins; a value they do not take is an
+    error naming it."""
+    from offgrid.__main__ import parse_args
+    from offgrid.server.models.entry import ModelEntry
+    from offgrid.server.models.folders import PresetError, read_preset
+    from offgrid.server.models.launch import model_args, worker_settings
+    ini = tmp_path / "p.ini"
+    ini.write_text("[m]\nctk = q8_0\ncache-type-v = q4_0\nlm = none\nreasoning-budget = 64\n")
+    _, models, ignored = read_preset(str(ini))
+    assert not ignored
+    entry = ModelEntry("m", path="m.gguf")
+    entry.preset = models["m"]
+    s = worker_settings("m.gguf", model_args(entry, parse_args(["-m", "x.gguf"])))
+    assert (s.cache_type_k, s.cache_type_v, s.load_mode, s.reasoning_budget) == (
+        "q8_0", "q4_0", "none", 64)
+    s = worker_settings("m.gguf", model_args(entry, parse_args(["-m", "x.gguf", "-ctk", "f16"])))
+    assert (s.cache_type_k, s.cache_type_v) == ("f16", "q4_0")
+    for bad in ("ctk = q3_k", "lm = fast", "reasoning-budget = -2"):
+        ini.write_text("[m]\n%s\n" % bad)
+        with pytest.raises(PresetError, match=bad.split(" ")[0]):
+            read_preset(str(ini))

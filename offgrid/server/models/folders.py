@@ -12,6 +12,7 @@ import math
 import os
 import re
 
+from ...request import KV_CACHE_TYPES, LOAD_MODES
 from . import sampling
 
 # -- sizes and durations ---------------------------------------------------------------------
@@ -196,6 +197,11 @@ _PRESET_KEYS = {
     "model": ("model", str), "m": ("model", str), "llama_arg_model": ("model", str),
     "load-on-startup": ("load_on_startup", "bool"), "stop-timeout": ("stop_timeout", float),
     "pin": ("pin", "bool"), "keep-alive": ("keep_alive", "duration"),
+    # a choice among these words
+    "cache-type-k": ("cache_type_k", KV_CACHE_TYPES), "ctk": ("cache_type_k", KV_CACHE_TYPES),
+    "cache-type-v": ("cache_type_v", KV_CACHE_TYPES), "ctv": ("cache_type_v", KV_CACHE_TYPES),
+    "load-mode": ("load_mode", LOAD_MODES), "lm": ("load_mode", LOAD_MODES),
+    "reasoning-budget": ("reasoning_budget", int),
 }
 _PRESET_KEYS.update(sampling.preset_keys())      # temp, top-k, ... (models/sampling.py)
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True,
@@ -213,7 +219,10 @@ def _setting(section, key, raw):
     name, kind = _PRESET_KEYS[key_l]
     value = raw.strip()
     try:
-        if kind == "bool":
+        if isinstance(kind, tuple):
+            if value not in kind:
+                raise ValueError(value)
+        elif kind == "bool":
             value = _BOOLS[value.lower()]
         elif kind == "duration":
             value = parse_duration(value)
@@ -222,6 +231,8 @@ def _setting(section, key, raw):
                 value = [a.strip() for a in value.split(",") if a.strip()]
         else:
             value = kind(value)
+        if name == "reasoning_budget" and value < -1:
+            raise ValueError(value)
     except (KeyError, ValueError):
         raise PresetError("[%s] %s = %s: not a valid value" % (section, key, raw))
     return name, value

@@ -145,7 +145,7 @@ def draft_ceiling(draft_bytes):
 
 # A preset's settings that are our flags, by their argparse names.
 PRESET_FLAGS = ("ctx_size", "parallel", "threads", "threads_batch", "batch_size",
-                "ubatch_size")
+                "ubatch_size", "cache_type_k", "cache_type_v", "load_mode", "reasoning_budget")
 
 
 def model_args(entry, args):
