@@ -39,6 +39,33 @@ def thread_count(value):
     return n if n > 0 else "auto"
 
 
+# llama.cpp's LLM_FFN_EXPS_REGEX (common.h): a Mixture of Experts layer's expert weights
+FFN_EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
+
+
+def tensor_overrides(args):
+    """-ot's REGEX=BUFT items, then --cpu-moe's and --n-cpu-moe's, as [regex, buffer type
+    name] (llama-server's order); ValueError for one that does not read."""
+    out = []
+    for value in args.override_tensor:
+        for item in value.split(","):
+            pattern, sep, buft = item.rpartition("=")
+            if not sep or not pattern or not buft:
+                raise ValueError("-ot %s: give REGEX=BUFFER_TYPE, e.g. "
+                                 "'\\.ffn_.*_exps\\.=CPU'" % item)
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError("-ot %s: not a regular expression (%s)" % (item, e))
+            out.append([pattern, buft])
+    if args.n_cpu_moe < 0:
+        raise ValueError("--n-cpu-moe must be 0 or more")
+    if args.cpu_moe:
+        out.append([FFN_EXPS_REGEX, "CPU"])
+    out += [[r"blk\.%d%s" % (i, FFN_EXPS_REGEX), "CPU"] for i in range(args.n_cpu_moe)]
+    return out
+
+
 def kv_override(item):
     """One --override-kv item, KEY=TYPE:VALUE, as [key, type, value] (as llama.cpp's
     string_parse_kv_override reads it); ValueError where it is not one."""
@@ -405,6 +432,13 @@ def parse_args(argv=None):
     p.add_argument("--media-path", metavar="DIR",
                    help="let requests name images by file:// URLs under this folder "
                    "(refused otherwise; http(s) URLs always are: offgrid fetches nothing)")
+    p.add_argument("-ot", "--override-tensor", action="append", default=[],
+                   metavar="REGEX=BUFT,...", help="tensors whose names match REGEX go to "
+                   "that buffer type (CPU, Vulkan0, CUDA0, ...), as llama-server's")
+    p.add_argument("-cmoe", "--cpu-moe", action="store_true",
+                   help="every layer's Mixture of Experts weights on the CPU")
+    p.add_argument("-ncmoe", "--n-cpu-moe", type=int, default=0, metavar="N",
+                   help="the first N layers' Mixture of Experts weights on the CPU")
     p.add_argument("-lm", "--load-mode", default="auto", choices=LOAD_MODES,
                    help="how libllama reads the model file, as llama-server's: mmap (auto), "
                    "none (read into memory), mlock or mmap+mlock (kept in RAM), dio (direct "
@@ -442,6 +476,7 @@ def parse_args(argv=None):
         args.template_kwargs = template_kwargs(args)
         args.override_kv = [kv_override(item) for value in args.override_kv
                             for item in value.split(",") if item]
+        args.override_tensor = tensor_overrides(args)
     except ValueError as e:
         p.error(str(e))
     args.cors_origin += [o.strip() for value in args.cors_origins for o in value.split(",")

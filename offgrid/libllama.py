@@ -197,6 +197,23 @@ LOAD_MODES = {"auto": -1, "none": 0, "mmap": 1, "mlock": 2, "mmap+mlock": 3, "di
 KV_OVERRIDE_TYPES = {"int": 0, "float": 1, "bool": 2, "str": 3}
 
 
+class llama_model_tensor_buft_override(Structure):
+    """struct llama_model_tensor_buft_override: the tensors whose names match a
+    regex go to this buffer type; an array of them ends with a NULL pattern."""
+    _fields_ = [("pattern", c_char_p), ("buft", c_void_p)]
+
+
+def buffer_types(lib):
+    """{name: ggml_backend_buffer_type_t} of every device's own buffer type ("CPU",
+    "Vulkan0", "CUDA0", ...), as llama-server's -ot looks them up."""
+    out = {}
+    for i in range(lib.ggml_backend_dev_count()):
+        buft = lib.ggml_backend_dev_buffer_type(lib.ggml_backend_dev_get(i))
+        if buft:
+            out[lib.ggml_backend_buft_name(buft).decode("utf-8", "replace")] = buft
+    return out
+
+
 class llama_context_params(Structure):
     """struct llama_context_params (passed by value to llama_init_from_model)."""
     _fields_ = [
@@ -594,6 +611,10 @@ _GGML_PROTOTYPES = {
     "ggml_backend_dev_get": (ggml_backend_dev_t, [c_size_t]),
     # enum ggml_backend_dev_type ggml_backend_dev_type(ggml_backend_dev_t device);
     "ggml_backend_dev_type": (enum_ggml_backend_dev_type, [ggml_backend_dev_t]),
+    # ggml_backend_buffer_type_t ggml_backend_dev_buffer_type(ggml_backend_dev_t device);
+    "ggml_backend_dev_buffer_type": (c_void_p, [ggml_backend_dev_t]),
+    # const char * ggml_backend_buft_name(ggml_backend_buffer_type_t buft);
+    "ggml_backend_buft_name": (c_char_p, [c_void_p]),
     # const char * ggml_backend_reg_name(ggml_backend_reg_t reg);
     "ggml_backend_reg_name": (c_char_p, [ggml_backend_reg_t]),
     # size_t ggml_backend_reg_count(void);
@@ -896,7 +917,7 @@ class ModelHandle:
 
     def __init__(self, lib, path, progress=None, vocab_only=False, devices=(), n_gpu_layers=None,
                  tensor_split=None, repack=True, split_mode=None, main_gpu=0, kv_offload=True,
-                 kv_overrides=(), load_mode="auto"):
+                 kv_overrides=(), load_mode="auto", tensor_overrides=()):
         """Load ``path``; ``progress(fraction)`` is called while loading.
 
         ``vocab_only`` loads the tokenizer and metadata but no weights: enough
@@ -924,6 +945,8 @@ class ModelHandle:
         (llama-server's --override-kv; type a word of KV_OVERRIDE_TYPES, the
         key and a str value under 128 bytes).  ``load_mode``: a word of
         LOAD_MODES (llama-server's -lm: mmap, mlock, dio, ...).
+        ``tensor_overrides``: (regex, buffer type) pairs, buffer_types()'s values
+        (llama-server's -ot): the tensors whose names match go there.
         """
         self.lib = lib
         params = lib.llama_model_default_params()
@@ -969,6 +992,11 @@ class ModelHandle:
                     o.val_str = value.encode()
             keep.append(arr)
             params.kv_overrides = ctypes.cast(arr, c_void_p)
+        if tensor_overrides and not vocab_only:
+            arr = (llama_model_tensor_buft_override * (len(tensor_overrides) + 1))(
+                *[(pattern.encode(), buft) for pattern, buft in tensor_overrides], (None, None))
+            keep.append(arr)
+            params.tensor_buft_overrides = ctypes.cast(arr, c_void_p)
         if progress is not None:
             def on_progress(fraction, _user_data):
                 progress(fraction)

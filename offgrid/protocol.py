@@ -219,6 +219,8 @@ class WorkerSettings:
     reasoning_budget_message: str = ""
     # --override-kv: [key, "int"|"float"|"bool"|"str", value] in place of the file's
     override_kv: list = dataclasses.field(default_factory=list)
+    # -ot, --cpu-moe, --n-cpu-moe: [regex, buffer type name] (engine/model.py)
+    override_tensor: list = dataclasses.field(default_factory=list)
     load_mode: str = "auto"         # -lm: how libllama reads the file (libllama.LOAD_MODES)
     cache_type_k: str = "f16"       # -ctk, -ctv: the KV cache's types (request.KV_CACHE_TYPES)
     cache_type_v: str = "f16"

@@ -288,6 +288,32 @@ def test_partial_offload_holds_the_last_layers_and_gives_the_cpus_text(cpu):
         assert s.get("/props")[2]["devices"] == [{"name": "CPU", "layers": N_ALL}]
 
 
+def buffer_mib(output, name):
+    """libllama's "<name> model buffer size = N MiB" load line (-v), as N."""
+    import re
+    for line in output:
+        m = re.search(r"\b%s model buffer size = +([0-9.]+) MiB" % re.escape(name), line)
+        if m:
+            return float(m.group(1))
+    return 0.0
+
+
+def test_tensor_overrides_keep_their_weights_in_host_memory_with_the_cpus_text(cpu):
+    """-ot (llama-server's; --cpu-moe is one for experts): every layer on the device,
+    the feed-forward weights of each kept in host memory, as libllama's load lines
+    say; the text is the CPU's."""
+    with GpuServer(SMOL, "-ngl", "all", "-v", ctx=1024) as whole:
+        on_device = buffer_mib(whole.output, "Vulkan0")
+    with GpuServer(SMOL, "-ngl", "all", "-v", "-ot", r"\.ffn_(up|down|gate)\.=CPU",
+                   ctx=1024) as s:
+        assert device(s.get("/props")[2], "Vulkan0")["layers"] == N_ALL
+        left = buffer_mib(s.output, "Vulkan0")
+        host = buffer_mib(s.output, "CPU_Mapped") or buffer_mib(s.output, "CPU")
+        compare_prompts(cpu, s, PROMPTS[:2], 8)
+    # SmolLM2-135M: the feed-forward weights are about two thirds of its layers'
+    assert 0 < left < 0.6 * on_device and host > 0.4 * on_device, (left, host, on_device)
+
+
 # -- an rpc-server beside the local device ------------------------------------------------
 
 def test_an_rpc_server_beside_the_local_device_comes_first_and_both_hold_layers(

@@ -122,3 +122,25 @@ def test_the_load_mode_reaches_libllama(smollm_path):
         assert status == 200 and out["tokens_predicted"] == 2, out
     # libllama's own line: the file was read into memory, not mapped
     assert any("(load_mode = none)" in line for line in s.output), "".join(s.output)[-2000:]
+
+
+def test_tensor_overrides_read_as_llama_servers(capsys):
+    args = parse_args(["-m", "x.gguf", "-ot", r"blk\.1\.=CPU,exps=Vulkan0", "--cpu-moe",
+                       "--n-cpu-moe", "2"])
+    exps = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
+    assert args.override_tensor == [[r"blk\.1\.", "CPU"], ["exps", "Vulkan0"], [exps, "CPU"],
+                                    [r"blk\.0" + exps, "CPU"], [r"blk\.1" + exps, "CPU"]]
+    for bad in (["-ot", "noequals"], ["-ot", "(=CPU"], ["--n-cpu-moe", "-1"]):
+        with pytest.raises(SystemExit):
+            parse_args(["-m", "x.gguf"] + bad)
+        assert "-ot" in capsys.readouterr().err or "n-cpu-moe" in bad[0]
+
+
+def test_a_tensor_override_serves_and_a_buffer_type_not_there_is_a_load_error(smollm_path):
+    with ServerProcess(smollm_path, "-ot", r"blk\.1\.=CPU", "--cpu-moe", ctx=256) as s:
+        status, _, out = s.post("/completion", {"prompt": "Hello", "n_predict": 2})
+        assert status == 200 and out["tokens_predicted"] == 2, out
+    s = ServerProcess(smollm_path, "-ot", "ffn=Vulkan0", ctx=256)
+    with pytest.raises(RuntimeError) as e:
+        s.start()
+    assert "-ot ffn=Vulkan0: no such buffer type in this library; it has CPU" in str(e.value)

@@ -53,7 +53,8 @@ class Loaded:
                            split_mode=gpus.SPLIT_MODES.get(args.split_mode),
                            main_gpu=args.main_gpu, kv_offload=args.kv_offload,
                            n_ctx_hint=(args.ctx_size or 4096) * max(1, args.parallel),
-                           kv_overrides=args.override_kv, load_mode=args.load_mode)
+                           kv_overrides=args.override_kv, load_mode=args.load_mode,
+                           tensor_overrides=args.override_tensor)
         n_sessions = max(1, args.parallel)
         if on_sized is not None:
             on_sized(kv_bytes_of(model.meta, context_size(model, args.ctx_size) * n_sessions,

@@ -117,7 +117,8 @@ class Model:
     def load(cls, path, lib_path=None, progress=True, verbose=False, vocab_only=False,
              rpc_endpoints=(), n_gpu_layers=None, tensor_split=None, repack=True,
              on_rpc_stall=None, device_names=None, split_mode=None, main_gpu=0,
-             kv_offload=True, n_ctx_hint=0, kv_overrides=(), load_mode="auto"):
+             kv_offload=True, n_ctx_hint=0, kv_overrides=(), load_mode="auto",
+             tensor_overrides=()):
         """Load a GGUF file.  Raises ModelLoadError (or LibraryError, RpcUnavailable).
 
         With ``vocab_only`` only the tokenizer and metadata are loaded (no
@@ -154,6 +155,7 @@ class Model:
         if devices:
             n_gpu_layers = _layers_for(lib, path, devices, n_gpu_layers, n_ctx_hint,
                                        kv_offload)
+        overrides = _tensor_overrides(lib, tensor_overrides) if not vocab_only else []
         before = [d.memory()[0] for d in devices]
         # progress: True draws a bar on a terminal; a callable gets each fraction too
         bar = _terminal_progress(os.path.basename(str(path))) if progress else None
@@ -169,7 +171,7 @@ class Model:
                                       # pick() kept -sm none's device alone: index 0
                                       main_gpu=0, kv_offload=kv_offload,
                                       kv_overrides=[tuple(o) for o in kv_overrides or ()],
-                                      load_mode=load_mode)
+                                      load_mode=load_mode, tensor_overrides=overrides)
         if not handle.ptr:
             if any(d.endpoint is None for d in devices):
                 # libllama logs "unable to allocate <device> buffer" and returns
@@ -180,9 +182,11 @@ class Model:
                     "(fewer layers with -ngl N, or -dev none for the CPU alone)"
                     % (path, ", ".join(d.name for d in devices)))
             raise ModelLoadError("libllama could not load the model %s (not a GGUF file, or "
-                                 "an unsupported architecture%s)" % (path, (
+                                 "an unsupported architecture%s%s)" % (path, (
                                      ", or an --override-kv of another type than the "
-                                     "file's key" if kv_overrides else "")))
+                                     "file's key" if kv_overrides else ""), (
+                                     ", or an -ot pattern C++'s std::regex does not take"
+                                     if overrides else "")))
         if not vocab_only and handle.has_encoder():
             # libllama aborts the first decode without a llama_encode before it
             arch = handle.meta().get("general.architecture", "?")
@@ -392,6 +396,21 @@ class Model:
 
     def builtin_template_names(self):
         return libllama.builtin_chat_templates(self.lib)
+
+
+def _tensor_overrides(lib, overrides):
+    """-ot's [regex, buffer type name] pairs with the buffer types' handles; ModelLoadError
+    for a name no device of this library has (llama-server lists the ones there are)."""
+    if not overrides:
+        return []
+    known = libllama.buffer_types(lib)
+    out = []
+    for pattern, name in overrides:
+        if name not in known:
+            raise ModelLoadError("-ot %s=%s: no such buffer type in this library; it has %s"
+                                 % (pattern, name, ", ".join(sorted(known))))
+        out.append((pattern, known[name]))
+    return out
 
 
 def _layers_for(lib, path, devices, n_gpu_layers, n_ctx, kv_offload):

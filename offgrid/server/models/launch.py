@@ -52,6 +52,7 @@ def worker_settings(path, args, chat_template=None, decode_lock=None):
         cache_type_k=getattr(args, "cache_type_k", "f16"),
         override_kv=getattr(args, "override_kv", None) or [],
         load_mode=getattr(args, "load_mode", "auto"),
+        override_tensor=getattr(args, "override_tensor", None) or [],
         cache_type_v=getattr(args, "cache_type_v", "f16"),
         reasoning_format=args.reasoning_format, lib=args.lib, decode_lock=decode_lock,
         rpc=args.rpc or None, n_gpu_layers=args.n_gpu_layers,
