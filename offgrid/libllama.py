@@ -95,6 +95,7 @@ const_char_pp = _spelled(POINTER(c_char_p), "const char **")
 ggml_abort_callback_p = _spelled(c_void_p, "ggml_abort_callback")
 ggml_threadpool_t = _spelled(c_void_p, "ggml_threadpool_t")
 ggml_backend_dev_t = _spelled(c_void_p, "ggml_backend_dev_t")
+ggml_backend_buffer_type_t = _spelled(c_void_p, "ggml_backend_buffer_type_t")
 ggml_backend_reg_t = _spelled(c_void_p, "ggml_backend_reg_t")
 enum_ggml_log_level = _spelled(c_int, "enum ggml_log_level")
 enum_ggml_backend_dev_type = _spelled(c_int, "enum ggml_backend_dev_type")
@@ -327,7 +328,8 @@ class ggml_threadpool_params(Structure):
 # The struct classes the layout test checks against llama.h (and the ggml.h it includes).
 STRUCTS = (llama_model_params, llama_context_params, llama_batch, llama_token_data,
            llama_token_data_array, llama_logit_bias, llama_sampler_chain_params,
-           llama_chat_message, ggml_threadpool_params)
+           llama_chat_message, ggml_threadpool_params, llama_model_kv_override,
+           llama_model_tensor_buft_override)
 
 # ---------------------------------------------------------------------------
 # Prototypes: name -> (restype, argtypes), bound on first use
@@ -612,9 +614,9 @@ _GGML_PROTOTYPES = {
     # enum ggml_backend_dev_type ggml_backend_dev_type(ggml_backend_dev_t device);
     "ggml_backend_dev_type": (enum_ggml_backend_dev_type, [ggml_backend_dev_t]),
     # ggml_backend_buffer_type_t ggml_backend_dev_buffer_type(ggml_backend_dev_t device);
-    "ggml_backend_dev_buffer_type": (c_void_p, [ggml_backend_dev_t]),
+    "ggml_backend_dev_buffer_type": (ggml_backend_buffer_type_t, [ggml_backend_dev_t]),
     # const char * ggml_backend_buft_name(ggml_backend_buffer_type_t buft);
-    "ggml_backend_buft_name": (c_char_p, [c_void_p]),
+    "ggml_backend_buft_name": (c_char_p, [ggml_backend_buffer_type_t]),
     # const char * ggml_backend_reg_name(ggml_backend_reg_t reg);
     "ggml_backend_reg_name": (c_char_p, [ggml_backend_reg_t]),
     # size_t ggml_backend_reg_count(void);

@@ -18,6 +18,7 @@ Python but not in C fails to compile, and the test says which.
 """
 
 import ctypes
+import platform
 import re
 import subprocess
 
@@ -54,11 +55,14 @@ def _strip_comments(text):
 def header_fields(header_text, struct_name):
     """(name, declaration) of each field of ``struct struct_name { ... }``, in order."""
     text = _strip_comments(header_text)
-    m = re.search(r"\bstruct\s+%s\s*\{([^{}]*)\}" % re.escape(struct_name), text)
+    m = re.search(r"\bstruct\s+%s\s*\{((?:[^{}]|\{[^{}]*\})*)\}" % re.escape(struct_name),
+                  text)
     if m is None:
         raise LookupError("struct %s has no body in llama.h" % struct_name)
+    # an anonymous union's members are the struct's own fields (at one offset)
+    body = re.sub(r"\bunion\s*\{([^{}]*)\}\s*;", r"\1", m.group(1))
     fields = []
-    for decl in m.group(1).split(";"):
+    for decl in body.split(";"):
         decl = " ".join(decl.split())
         if not decl:
             continue
@@ -98,6 +102,18 @@ int main(void) {
 """
 
 
+def flat_fields(cls):
+    """cls._fields_ with an anonymous union (``_anonymous_``) given as its members, which
+    C names as the struct's own."""
+    out = []
+    for field, ctype in cls._fields_:
+        if field in getattr(cls, "_anonymous_", ()):
+            out += flat_fields(ctype)
+        else:
+            out.append((field, ctype))
+    return out
+
+
 def c_program(structs):
     """C source printing the layout of every struct and every field ctypes names."""
     lines = [_C_PRELUDE]
@@ -105,7 +121,7 @@ def c_program(structs):
         name = cls.__name__
         lines.append('    printf("S %s %%zu %%zu\\n", sizeof(struct %s), _Alignof(struct %s));'
                      % (name, name, name))
-        for field, ctype in cls._fields_:
+        for field, ctype in flat_fields(cls):
             macro = "ARRAY" if issubclass(ctype, ctypes.Array) else "FIELD"
             lines.append("    %s(%s, %s);" % (macro, name, field))
     lines.append("    return 0;\n}\n")
@@ -124,6 +140,8 @@ def ctypes_kind(ctype):
         return "float"
     if code == "?":
         return "bool"
+    if code == "c":         # C's plain char: signed on x86, unsigned on ARM
+        return "uint" if platform.machine().lower().startswith(("arm", "aarch64")) else "int"
     if isinstance(code, str) and code in "bBhHiIlLqQ":
         return "int" if code.islower() else "uint"
     return "other"
@@ -170,7 +188,7 @@ def mismatches(cls, c_layout, declared):
     """Every way ``cls`` differs from the C struct of the same name, as text."""
     name = cls.__name__
     problems = []
-    names = [f for f, _ in cls._fields_]
+    names = [f for f, _ in flat_fields(cls)]
     header_names = [f for f, _ in declared]
     enums = {f for f, decl in declared if decl.startswith("enum ")}
     if names != header_names:
@@ -180,7 +198,7 @@ def mismatches(cls, c_layout, declared):
     if (ctypes.sizeof(cls), ctypes.alignment(cls)) != (c_size, c_align):
         problems.append("sizeof/alignof: C %d/%d, ctypes %d/%d"
                         % (c_size, c_align, ctypes.sizeof(cls), ctypes.alignment(cls)))
-    for field, ctype in cls._fields_:
+    for field, ctype in flat_fields(cls):
         if field not in c_fields:
             problems.append("%s: not in the C struct" % field)
             continue
