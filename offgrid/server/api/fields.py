@@ -210,11 +210,10 @@ def _logit_bias(v, n_vocab, tokenize=None):
 def reasoning_budget_from(f):
     """llama-server's reasoning_budget_tokens (or thinking_budget_tokens): tokens of
     thinking before its end is forced; None (and -1): the server's --reasoning-budget."""
-    for name in ("reasoning_budget_tokens", "thinking_budget_tokens"):
-        v = f.int(name, None, lo=-1, hi=2 ** 31 - 1)
-        if v is not None:
-            return None if v == -1 else v
-    return None
+    v = f.int("reasoning_budget_tokens", None, lo=-1, hi=2 ** 31 - 1)
+    if v is None:
+        v = f.int("thinking_budget_tokens", None, lo=-1, hi=2 ** 31 - 1)
+    return None if v is None or v == -1 else v
 
 
 def text_tokenizer(entry):
