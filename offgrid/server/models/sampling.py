@@ -3,8 +3,8 @@
 A sampling field a request leaves out takes its model's default, which is, from
 the weakest: llama-server's own (SamplingParams'), the model file's
 ``general.sampling.*`` keys (convert_hf_to_gguf.py writes the model's
-generation_config.json there: Qwen3's temperature 0.6, top_k 20 and top_p
-0.95, for one), the model's preset keys (``[*]``, then its section), and the
+generation_config.json there: the temperature, top_k, top_p, ... its makers
+recommend), the model's preset keys (``[*]``, then its section), and the
 flags given on the command line (``--temp``, ``--top-k``, ...).  So a flag the
 user gave wins over the file, as in llama.cpp's common_init_sampler_from_model,
 and over a preset, as every flag does.
