@@ -465,7 +465,20 @@ def parse_args(argv=None):
                    "long (or makes no decode step for 4 times this with generations running, "
                    "or leaves a call unanswered for 10 times this) is stuck: it is killed and "
                    "restarted, and its requests get a 500 naming the model (default: 30)")
-    p.add_argument("-v", "--verbose", action="store_true", help="log requests and libllama")
+    p.add_argument("-v", "--verbose", "--log-verbose", action="store_true",
+                   help="log requests and libllama")
+    # llama-server's logging and HTTP-thread flags, taken so its command lines run:
+    # offgrid's log is a few plain lines on stderr, and each connection has a thread
+    p.add_argument("--log-disable", "--log-timestamps", "--no-log-timestamps", "--log-prefix",
+                   "--no-log-prefix", action="store_true", dest="log_as_default",
+                   help="taken and unused: offgrid's log is a few plain lines on stderr "
+                   "(-v: more)")
+    p.add_argument("--log-colors", nargs="?", const="auto", choices=("on", "off", "auto"),
+                   default=None, help="taken and unused: offgrid logs no colours")
+    p.add_argument("-lv", "--verbosity", "--log-verbosity", type=int, default=None,
+                   metavar="N", help="llama-server's log threshold: 4 or more is -v")
+    p.add_argument("--threads-http", type=int, default=None, metavar="N",
+                   help="taken and unused: each connection has a thread of its own")
     p.add_argument("--version", action="version", version="offgrid " + __version__)
     from .server.api import lora
     lora.add_flags(p)
@@ -479,6 +492,8 @@ def parse_args(argv=None):
         args.override_tensor = tensor_overrides(args)
     except ValueError as e:
         p.error(str(e))
+    if args.verbosity is not None and args.verbosity >= 4:
+        args.verbose = True             # llama-server's debug level
     args.cors_origin += [o.strip() for value in args.cors_origins for o in value.split(",")
                          if o.strip()]
     if args.chat_template_file is not None:

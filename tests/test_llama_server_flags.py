@@ -144,3 +144,11 @@ def test_a_tensor_override_serves_and_a_buffer_type_not_there_is_a_load_error(sm
     with pytest.raises(RuntimeError) as e:
         s.start()
     assert "-ot ffn=Vulkan0: no such buffer type in this library; it has CPU" in str(e.value)
+
+
+def test_the_logging_and_http_thread_flags_are_taken_and_lv_4_is_verbose():
+    args = parse_args(["-m", "x.gguf", "--log-disable", "--log-colors", "--log-timestamps",
+                       "--no-log-prefix", "--threads-http", "4", "-lv", "1"])
+    assert not args.verbose
+    assert parse_args(["-m", "x.gguf", "--verbosity", "4"]).verbose
+    assert parse_args(["-m", "x.gguf", "--log-verbose", "--log-colors", "off"]).verbose
