@@ -15,7 +15,6 @@ error at start, and a file that does is served without it, with a line saying
 so (llama-server would run it).
 """
 
-import argparse
 import dataclasses
 
 from ...errors import InvalidRequest
