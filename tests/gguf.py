@@ -409,6 +409,19 @@ def merged_weight(weight: Sequence[float], a: Sequence[float], b: Sequence[float
     return out
 
 
+def with_metadata(src: PathLike, dst: PathLike, metadata: Dict[str, Value]) -> PathLike:
+    """Write a copy of the F32/F16 GGUF file ``src`` to ``dst`` with ``metadata`` added
+    to (or in place of) its own; returns ``dst``."""
+    f = read(src)
+    w = Writer()
+    for key, value in {**f.metadata, **metadata}.items():
+        w.add(key, value)
+    for info in f.tensors:
+        w.add_tensor(info.name, info.shape, TensorType(info.type), f.tensor_bytes(info))
+    w.write(dst)
+    return dst
+
+
 def rewrite(src: PathLike, dst: PathLike, tensors: Dict[str, bytes]) -> None:
     """Write a copy of the F32/F16 GGUF file ``src`` to ``dst`` with the data of
     the tensors named in ``tensors`` replaced (same shape and type)."""

@@ -65,15 +65,8 @@ GONE_WITHIN = 3.0           # seconds a worker may outlive its front
 
 def with_template(src_path, out_path, template):
     """A copy of the GGUF at ``src_path`` whose tokenizer.chat_template is ``template``."""
-    g = gguf.read(src_path)
-    w = gguf.Writer()
-    for k, v in g.metadata.items():
-        w.add(k, v)
-    w.add("tokenizer.chat_template", gguf.string(template))
-    for t in g.tensors:
-        w.add_tensor(t.name, t.shape, gguf.TensorType(t.type), g.tensor_bytes(t))
-    w.write(out_path)
-    return out_path
+    return gguf.with_metadata(src_path, out_path,
+                              {"tokenizer.chat_template": gguf.string(template)})
 
 
 @pytest.fixture(scope="module")

@@ -23,16 +23,7 @@ FILE_KEYS = {"top_k": gguf.int32(1), "temp": gguf.float32(1.5), "top_p": gguf.fl
 
 
 def with_sampling(src, dst, keys):
-    g = gguf.read(src)
-    w = gguf.Writer()
-    for k, v in g.metadata.items():
-        w.add(k, v)
-    for k, v in keys.items():
-        w.add("general.sampling." + k, v)
-    for t in g.tensors:
-        w.add_tensor(t.name, t.shape, gguf.TensorType(t.type), g.tensor_bytes(t))
-    w.write(dst)
-    return dst
+    return gguf.with_metadata(src, dst, {"general.sampling." + k: v for k, v in keys.items()})
 
 
 # -- the order, without a model -------------------------------------------------------------

@@ -114,11 +114,13 @@ class Worker:
 
     def __init__(self, loaded, out, reasoning="auto", reasoning_format="auto", out_lock=None,
                  spec_type="none", stream_interval=0.0, spm_infill=False,
-                 tool_call_rescue=True, template_kwargs=None):
+                 tool_call_rescue=True, template_kwargs=None, reasoning_budget=-1,
+                 reasoning_budget_message=""):
         """``stream_interval``: seconds a streamed request's pieces are gathered
         over (engine/pacing.py; --stream-interval-ms).  ``tool_call_rescue``:
         chat/rescue.py (off with --no-tool-call-rescue).  ``template_kwargs``:
-        --chat-template-kwargs, under each request's own."""
+        --chat-template-kwargs, under each request's own; ``reasoning_budget`` and
+        its message: --reasoning-budget's, for a chat request that does not say."""
         self.loaded = loaded
         self.tool_call_rescue = tool_call_rescue
         self.stream_interval = stream_interval
@@ -130,8 +132,8 @@ class Worker:
         # the template does by default) and how its reasoning is returned
         # (-rea on/off, else --chat-template-kwargs' enable_thinking)
         self.template_kwargs = dict(template_kwargs or {})
-        # --reasoning-budget and its message: a chat request's that does not say
-        self.reasoning_budget, self.reasoning_budget_message = -1, ""
+        self.reasoning_budget = reasoning_budget
+        self.reasoning_budget_message = reasoning_budget_message
         self.enable_thinking = {"on": True, "off": False}.get(
             reasoning, self.template_kwargs.get("enable_thinking"))
         self.reasoning_format = reasoning_format
@@ -861,9 +863,8 @@ def main(argv=None):
     loaded.model.grammar_facts
     worker = Worker(loaded, out, args.reasoning, args.reasoning_format, out_lock,
                     args.spec_type, args.stream_interval_ms / 1000.0, args.spm_infill,
-                    args.tool_call_rescue, args.template_kwargs)
-    worker.reasoning_budget = args.reasoning_budget
-    worker.reasoning_budget_message = args.reasoning_budget_message
+                    args.tool_call_rescue, args.template_kwargs, args.reasoning_budget,
+                    args.reasoning_budget_message)
     worker.slot_save_path = args.slot_save_path
     worker.send({"op": "ready", "info": protocol.encode_info(loaded.info())})
     worker.serve(inp)

@@ -85,20 +85,28 @@ def _refuse_not_run(values, where):
                              % (where, what, name))
 
 
-def from_args(args):
-    """{field: value} of the sampling flags given; ValueError for one that asks a sampler
-    offgrid does not run to act, or names an unknown sampler."""
-    _refuse_not_run(vars(args), "the command line")
+def _given(values, where, label=None):
+    """{field: value} of given sampling settings (``values``, None: not given) as
+    SamplingParams takes them; ValueError naming ``where`` (or a field's ``label``) for
+    one that asks a sampler offgrid does not run to act, or does not read."""
+    _refuse_not_run(values, where)
+    not_run = {n for n, _i, _w in SAMPLERS_NOT_RUN}
     got = {}
-    for field, flags, _kind, _what in FLAGS:
-        v = getattr(args, field, None)
-        if v is not None:
-            try:
-                k, v = _read(field, v)
-            except ValueError as e:
-                raise ValueError("%s: %s" % (flags[-1], e))
-            got[k] = v
-    return checked(got, "the command line")
+    for field, v in values.items():
+        if v is None or field in not_run:
+            continue
+        try:
+            k, v = _read(field, v)
+        except ValueError as e:
+            raise ValueError("%s: %s" % ((label or {}).get(field, where), e))
+        got[k] = v
+    return checked(got, where)
+
+
+def from_args(args):
+    """{field: value} of the sampling flags given (``from_preset``'s reading)."""
+    return _given({field: getattr(args, field, None) for field, *_ in FLAGS + NOT_RUN_FLAGS},
+                  "the command line", {field: flags[-1] for field, flags, *_ in FLAGS})
 
 
 def preset_keys():
@@ -111,18 +119,8 @@ def preset_keys():
 
 def from_preset(preset, where="--models-preset"):
     """{field: value} of a model's preset settings (their "sampling.FIELD" keys)."""
-    values = {k[len("sampling."):]: v for k, v in (preset or {}).items()
-              if k.startswith("sampling.")}
-    _refuse_not_run(values, where)
-    got = {}
-    for field, v in values.items():
-        if field not in (n for n, _i, _w in SAMPLERS_NOT_RUN):
-            try:
-                k, v = _read(field, v)
-            except ValueError as e:
-                raise ValueError("%s: %s" % (where, e))
-            got[k] = v
-    return checked(got, where)
+    return _given({k[len("sampling."):]: v for k, v in (preset or {}).items()
+                   if k.startswith("sampling.")}, where)
 
 
 def from_file(meta):
