@@ -13,7 +13,8 @@ try:
 except ImportError:  # tests/ is on sys.path rather than a package
     from serverproc import ROOT
 
-from offgrid.__main__ import device_list, gpu_layers, parse_args
+from offgrid.flags import parse_args
+from offgrid.flagvalues import device_list, gpu_layers
 from offgrid.engine import devices
 
 

@@ -18,7 +18,7 @@ import types
 
 import pytest
 
-from offgrid.__main__ import parse_args
+from offgrid.flags import parse_args
 from offgrid.engine.memory import kv_bytes_of
 from offgrid.engine.session import check_cache_types
 from offgrid.errors import ContextError

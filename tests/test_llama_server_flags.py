@@ -8,7 +8,7 @@ Jinja file (--reasoning-budget: tests/test_reasoning_budget.py).
 
 import pytest
 
-from offgrid.__main__ import parse_args
+from offgrid.flags import parse_args
 from serverproc import ServerProcess
 
 # Qwen3's model card (Unsloth's llama-server line, less its -ngl and download flags)

@@ -117,7 +117,7 @@ def test_a_post_sets_the_global_scales_and_leaves_out_means_zero(srv):
 
 
 def test_both_forms_of_lora_scaled_parse(files):
-    from offgrid.__main__ import parse_args
+    from offgrid.flags import parse_args
     args = parse_args(["-m", str(files["base"]), "--lora", "%s,%s" % (files["a"], files["b"]),
                        "--lora-scaled", str(files["a"]), "0.25",
                        "--lora-scaled", "%s:-1.5" % files["b"]])

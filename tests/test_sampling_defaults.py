@@ -12,7 +12,7 @@ with a line saying so.
 import pytest
 
 import gguf
-from offgrid.__main__ import parse_args
+from offgrid.flags import parse_args
 from offgrid.request import SamplingParams
 from offgrid.server.models import sampling
 from serverproc import ServerProcess

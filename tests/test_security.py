@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from offgrid.__main__ import is_loopback
+from offgrid.flagvalues import is_loopback
 from offgrid.server.api.routes import APP
 from offgrid.server.httpd.server import make_server
 

@@ -5,7 +5,7 @@ and expects two identical requests to sample the same text; a request's own
 field still wins.
 """
 
-from offgrid.__main__ import parse_args
+from offgrid.flags import parse_args
 from offgrid.request import SamplingParams
 from offgrid.server.api.fields import Fields, generation_from
 

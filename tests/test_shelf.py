@@ -511,7 +511,7 @@ def test_without_autoload_a_model_not_loaded_is_a_400_until_loaded(preset):
 # -- loading progress -------------------------------------------------------------------------
 
 def test_a_loading_worker_reports_its_progress_to_the_front():
-    from offgrid.__main__ import parse_args
+    from offgrid.flags import parse_args
     from offgrid.server.models.launch import worker_args
     from offgrid.server.models.worker_client import WorkerClient
 
@@ -580,7 +580,7 @@ def test_a_preset_takes_the_cache_types_load_mode_and_reasoning_budget_under_the
     """A preset's -ctk/-ctv, -lm and --reasoning-budget reach that model's worker
     settings; a flag given on the command line wins; a value they do not take is an
     error naming it."""
-    from offgrid.__main__ import parse_args
+    from offgrid.flags import parse_args
     from offgrid.server.models.entry import ModelEntry
     from offgrid.server.models.folders import PresetError, read_preset
     from offgrid.server.models.launch import model_args, worker_settings

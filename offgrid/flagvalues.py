@@ -1,0 +1,155 @@
+"""The command line's values that need reading: each a function that takes what
+argparse gives and returns what the flags module keeps, or raises
+(argparse.ArgumentTypeError where argparse calls it, ValueError where
+parse_args does), naming the flag and what it takes."""
+
+import argparse
+import ipaddress
+import json
+import re
+
+def thread_count(value):
+    """-t / -tb: "auto", or a count (0 and below mean auto, as llama-server's -1)."""
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError("a number of threads or auto, not %r" % value)
+    return n if n > 0 else "auto"
+
+
+# llama.cpp's LLM_FFN_EXPS_REGEX (common.h): a Mixture of Experts layer's expert weights
+FFN_EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
+
+
+def tensor_overrides(args):
+    """-ot's REGEX=BUFT items, then --cpu-moe's and --n-cpu-moe's, as [regex, buffer type
+    name] (llama-server's order); ValueError for one that does not read."""
+    out = []
+    for value in args.override_tensor:
+        for item in value.split(","):
+            pattern, sep, buft = item.rpartition("=")
+            if not sep or not pattern or not buft:
+                raise ValueError("-ot %s: give REGEX=BUFFER_TYPE, e.g. "
+                                 "'\\.ffn_.*_exps\\.=CPU'" % item)
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError("-ot %s: not a regular expression (%s)" % (item, e))
+            out.append([pattern, buft])
+    if args.n_cpu_moe < 0:
+        raise ValueError("--n-cpu-moe must be 0 or more")
+    if args.cpu_moe:
+        out.append([FFN_EXPS_REGEX, "CPU"])
+    out += [[r"blk\.%d%s" % (i, FFN_EXPS_REGEX), "CPU"] for i in range(args.n_cpu_moe)]
+    return out
+
+
+def kv_override(item):
+    """One --override-kv item, KEY=TYPE:VALUE, as [key, type, value] (as llama.cpp's
+    string_parse_kv_override reads it); ValueError where it is not one."""
+    key, sep, rest = item.partition("=")
+    kind, colon, text = rest.partition(":")
+    if not sep or not key or len(key.encode()) >= 128 or not colon:
+        raise ValueError("--override-kv %s: give KEY=TYPE:VALUE (TYPE int, float, bool or "
+                         "str)" % item)
+    try:
+        value = {"int": int, "float": float, "str": str,
+                 "bool": {"true": True, "false": False}.__getitem__}[kind](text)
+    except (KeyError, ValueError):
+        raise ValueError("--override-kv %s: not a value of type int, float, bool (true or "
+                         "false) or str" % item)
+    if kind == "int" and not -2 ** 63 <= value < 2 ** 63:
+        raise ValueError("--override-kv %s: an int is 64 bits" % item)
+    if kind == "str" and len(text.encode()) > 127:
+        raise ValueError("--override-kv %s: a str value may be at most 127 bytes" % key)
+    return [key, kind, value]
+
+
+def template_kwargs(args):
+    """--chat-template-kwargs and --reasoning-effort as one dict (llama-server's flags);
+    ValueError for a value they, or --reasoning-budget, do not take."""
+    kwargs = {}
+    if args.chat_template_kwargs is not None:
+        try:
+            kwargs = json.loads(args.chat_template_kwargs)
+        except ValueError as e:
+            raise ValueError("--chat-template-kwargs: not JSON (%s)" % e)
+        if not isinstance(kwargs, dict):
+            raise ValueError("--chat-template-kwargs must be a JSON object")
+        if not isinstance(kwargs.get("enable_thinking", False), bool):
+            raise ValueError("--chat-template-kwargs: enable_thinking must be true or false")
+    if args.reasoning_effort not in (None, "default"):
+        kwargs["reasoning_effort"] = args.reasoning_effort
+    if args.reasoning_budget < -1:
+        raise ValueError("--reasoning-budget %d: give -1 (no bound), 0 or more"
+                         % args.reasoning_budget)
+    return kwargs
+
+
+def gpu_layers(value):
+    """-ngl: a count of layers, or auto (-1: as many as the devices' memory holds) or
+    all (-2), as llama-server's common/arg.cpp keeps them (engine/devices.py)."""
+    if value == "auto":
+        return -1
+    if value == "all":
+        return -2
+    try:
+        n = int(value)
+    except ValueError:
+        n = None
+    if n is None or n < -2:
+        raise argparse.ArgumentTypeError("a number of layers, auto or all, not %r" % value)
+    return n
+
+
+def device_list(value):
+    """-dev: "Vulkan0,Vulkan1" as a list; "none": the CPU alone."""
+    names = [x.strip() for x in value.split(",") if x.strip()]
+    if not names or ("none" in names and len(names) > 1):
+        raise argparse.ArgumentTypeError("device names such as Vulkan0,Vulkan1 (or none), "
+                                         "not %r" % value)
+    return names
+
+
+def tensor_split(value):
+    """-ts: proportions, "3,1" (llama-server also takes "3/1")."""
+    try:
+        parts = [float(x) for x in value.replace("/", ",").split(",") if x.strip()]
+    except ValueError:
+        parts = []
+    if not parts or any(not (x >= 0) or x == float("inf") for x in parts) or not any(parts):
+        raise argparse.ArgumentTypeError("proportions such as 3,1, not %r" % value)
+    return parts
+
+
+def rpc_endpoints(value, allow_remote):
+    """--rpc's "HOST:PORT[,HOST:PORT...]" as a list; raises ValueError for a malformed one,
+    and for a host that is not this machine's unless ``allow_remote``: rpc-server has no
+    authentication, so nobody should point a model at one on a network by accident."""
+    out = []
+    for endpoint in (e.strip() for e in value.split(",")):
+        host, _, port = endpoint.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError("--rpc %s: give HOST:PORT, e.g. 127.0.0.1:50052" % endpoint)
+        if not allow_remote and not is_loopback(host):
+            raise ValueError("--rpc %s is not on this machine; rpc-server has no "
+                             "authentication, so offgrid only reaches one elsewhere with "
+                             "--rpc-allow-remote, over a private network or a tunnel "
+                             "(docs/rpc.md)" % endpoint)
+        out.append(endpoint)
+    return out
+
+
+def is_loopback(host):
+    """Whether ``host`` (one address, or a comma list) only accepts connections from this
+    machine."""
+    if "," in host:
+        return all(is_loopback(h.strip()) for h in host.split(",") if h.strip())
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
