@@ -20,6 +20,7 @@ import time
 from .errors import OffgridError
 from .flags import parse_args
 from .flagvalues import is_loopback
+from .request import GenerationParams
 
 
 def read_api_keys(args):
@@ -127,7 +128,9 @@ def main(argv=None):
             print("offgrid: warning: %s has no rank head (its GGUF pooling_type is not rank): "
                   "/rerank scores are the first component of its hidden state, not relevance"
                   % entry.id, file=sys.stderr)
-    service = Service(text, fim, n_predict_default=args.n_predict,
+    defaults = GenerationParams(n_predict=args.n_predict, ignore_eos=args.ignore_eos,
+                                n_keep=args.keep, cache_prompt=args.cache_prompt)
+    service = Service(text, fim, generation_default=defaults,
                       shutdown_grace=args.shutdown_grace, cache_reuse=max(0, args.cache_reuse),
                       endpoints_off=[
                           name for name, on in (("metrics", args.metrics),

@@ -8,7 +8,9 @@ import re
 import sys
 
 from . import __version__
-from .flagvalues import (device_list, gpu_layers, kv_override, rpc_endpoints,
+from .flagvalues import (device_list, gpu_layers, grammar_file, grammar_text,
+                         json_schema_file, json_schema_text, kv_override, logit_bias,
+                         rpc_endpoints,
                          template_kwargs, tensor_overrides, tensor_split, thread_count)
 from .protocol import WorkerSettings
 from .request import (KV_CACHE_TYPES, LOAD_MODES, POOLINGS, REASONING_FORMATS,
@@ -103,6 +105,31 @@ def parse_args(argv=None):
                    "the streams wait, as llama-server)")
     p.add_argument("-n", "--n-predict", type=int, default=-1,
                    help="default tokens to generate when a request sets none (-1: no limit)")
+    # what a request that does not say gets (llama-server's params_base); the sampling
+    # ones are models/sampling.py's, and -l's ids are checked against each model's vocabulary
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="requests go on past the end-of-generation tokens unless they set "
+                   "ignore_eos false (llama-server's flag)")
+    p.add_argument("--keep", type=int, default=0, metavar="N",
+                   help="tokens of the prompt a context shift keeps (-1: all) for requests "
+                   "that set no n_keep (default 0)")
+    p.add_argument("--cache-prompt", action=argparse.BooleanOptionalAction, default=True,
+                   help="requests reuse what their session's cache holds of their prompt "
+                   "unless they set cache_prompt false (default on)")
+    for flags, read, what in ((("--grammar",), grammar_text, "GBNF"),
+                              (("--grammar-file",), grammar_file, "a file of GBNF"),
+                              (("-j", "--json-schema"), json_schema_text, "a JSON schema"),
+                              (("-jf", "--json-schema-file"), json_schema_file,
+                               "a file of a JSON schema")):
+        p.add_argument(*flags, dest="output_default", type=read, default=None,
+                       metavar="FILE" if "file" in flags[-1] else "TEXT",
+                       help="%s every request that sets no grammar, schema or "
+                       "response_format (and a chat without tools) is held to; the last of "
+                       "the four grammar and schema flags given wins" % what)
+    p.add_argument("-l", "--logit-bias", action="append", default=None, type=logit_bias,
+                   metavar="TOKEN_ID(+/-)BIAS",
+                   help="a bias on a token's logit for requests that set no logit_bias, "
+                   "e.g. 15043+1, or 15043-inf to ban it (repeatable)")
     from .server.models import sampling
     sampling.add_flags(p)
     p.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True,
@@ -407,6 +434,8 @@ def parse_args(argv=None):
             args.rpc = ",".join(rpc_endpoints(args.rpc, args.rpc_allow_remote))
         except ValueError as e:
             p.error(str(e))
+    if args.keep < -1:
+        p.error("--keep %d: give -1 (the whole prompt), 0 or more" % args.keep)
     if args.main_gpu < 0:
         p.error("-mg %d: give a device's index, 0 or more" % args.main_gpu)
     # the flags given on the command line win over a preset's (llama-server's rule)

@@ -153,3 +153,55 @@ def is_loopback(host):
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def logit_bias(value):
+    """-l: TOKEN_ID(+/-)BIAS, e.g. 15043+1 or 15043-inf, as (id, bias) (llama.cpp's
+    common/arg.cpp reads it alike); a bias of -inf bans the token."""
+    m = re.fullmatch(r"\s*(\d+)\s*([+-])\s*(\S+)\s*", value)
+    try:
+        bias = float(m.group(3)) * (-1 if m.group(2) == "-" else 1) if m else None
+    except ValueError:
+        bias = None
+    if bias is None or bias != bias or bias == float("inf"):
+        raise argparse.ArgumentTypeError("TOKEN_ID(+/-)BIAS such as 15043+1 or 15043-inf, "
+                                         "not %r" % value)
+    return (int(m.group(1)), bias)
+
+
+def _read_text(path, flag):
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise argparse.ArgumentTypeError("%s %s: %s" % (flag, path, getattr(e, "strerror", None)
+                                                         or e))
+
+
+def _schema(text, where):
+    try:
+        schema = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError("%s: not JSON (%s)" % (where, e))
+    if not isinstance(schema, (dict, bool)):
+        raise argparse.ArgumentTypeError("%s: a JSON schema is an object" % where)
+    return ["schema", schema if schema != {} else {"type": "object"}]
+
+
+# --grammar, --grammar-file, -j and -jf: the output format of a request that sets none,
+# as ["grammar", GBNF] or ["schema", a JSON schema] (the worker turns it into a checked
+# grammar at load: engine/loaded.py); the last given wins, as llama-server's
+def grammar_text(value):
+    return ["grammar", value]
+
+
+def grammar_file(path):
+    return ["grammar", _read_text(path, "--grammar-file")]
+
+
+def json_schema_text(value):
+    return _schema(value, "--json-schema")
+
+
+def json_schema_file(path):
+    return _schema(_read_text(path, "--json-schema-file"), "--json-schema-file %s" % path)

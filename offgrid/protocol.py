@@ -224,6 +224,9 @@ class WorkerSettings:
     load_mode: str = "auto"         # -lm: how libllama reads the file (libllama.LOAD_MODES)
     cache_type_k: str = "f16"       # -ctk, -ctv: the KV cache's types (request.KV_CACHE_TYPES)
     cache_type_v: str = "f16"
+    # --grammar(-file), -j/-jf: ["grammar", GBNF] or ["schema", a JSON schema], what a
+    # request that sets no output format of its own is held to (engine/loaded.py)
+    output_default: Optional[list] = None
 
 
 @dataclasses.dataclass
@@ -305,6 +308,7 @@ class ModelInfo:
     # what the model holds in a GPU's own memory (not the host's: an integrated GPU's
     # or lavapipe's count as the host's), which the host memory accounting leaves out
     device_bytes: int = 0
+    grammar: str = ""               # --grammar(-file), -j/-jf as GBNF ("": none)
 
 
 def encode_info(info):

@@ -333,6 +333,20 @@ def asks_for_the_key(server):
     assert status == 200
 
 
+def answers_yes_or_no_objects(server):
+    """docs/cli.md's -j server: a chat reply is the schema's object, a request's own
+    format wins, and /props shows the grammar."""
+    status, _, out = server.post("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Is the sky blue?"}], "max_tokens": 32})
+    assert status == 200, out
+    assert json.loads(out["choices"][0]["message"]["content"])["answer"] in ("yes", "no"), out
+    status, _, out = server.post("/completion", {"prompt": "The sky is", "n_predict": 4,
+                                                 "grammar": 'root ::= " blue"'})
+    assert status == 200 and out["content"] == " blue", out
+    status, _, props = server.get("/props")
+    assert 'answer' in props["default_generation_settings"]["params"]["grammar"], props
+
+
 def allows_one_origin(server):
     status, headers, _ = server.request("OPTIONS", "/v1/chat/completions", headers={
         "Origin": "http://localhost:5173", "Access-Control-Request-Method": "POST"})
@@ -507,6 +521,7 @@ DOCS = {
     r"8080/v1/embeddings ": Curl(embeddings),
     # docs/cli.md
     r"^python3 -m offgrid --version$": Run(version),
+    r"^python3 -m offgrid -m models/gemma\S* -j ": Server(answers_yes_or_no_objects),
     # docs/models.md
     r"^make run MODEL=models/gemma": Server(serves_gemma_without_fim),
     r"^python3 -m offgrid -m models/smollm.* --fim-model models/qwen":

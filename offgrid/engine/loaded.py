@@ -9,7 +9,10 @@ import logging
 import os
 
 from .. import protocol
+from ..chat.gbnf import check_grammar
+from ..chat.jsonschema import schema_to_grammar
 from ..chat.select import template_for
+from ..errors import ModelLoadError, OffgridError
 from . import devices as gpus
 from . import rpc, statedisk
 from .adapters import Adapters
@@ -19,6 +22,22 @@ from .memory import kv_bytes_of
 from .model import Model
 from .session import ChatSession, context_size, decode_threads, shared_decoder
 from .statecache import StateCache
+
+
+def default_grammar(model, given):
+    """The server's output format (WorkerSettings.output_default: ["grammar", GBNF] or
+    ["schema", a JSON schema]) as GBNF checked against ``model``, or None; a
+    ModelLoadError naming the flag where it cannot be one."""
+    if not given:
+        return None
+    kind, value = given
+    try:
+        grammar = schema_to_grammar(value) if kind == "schema" else value
+        check_grammar(model, grammar)
+    except (OffgridError, RecursionError) as e:
+        raise ModelLoadError("%s: %s" % ("-j/--json-schema(-file)" if kind == "schema"
+                                         else "--grammar(-file)", e))
+    return grammar
 
 
 class Loaded:
@@ -39,6 +58,9 @@ class Loaded:
         self.media = None           # --mmproj's MediaStore (engine/media.py), or None
         self.adapters = Adapters()  # its LoRA adapters (--lora: engine/adapters.py)
         self.flash_attn = "libllama's choice (-fa auto)"    # Loaded.load says which
+        # --grammar(-file), -j/-jf as checked GBNF: what a request that sets no output
+        # format of its own is held to (worker.py), or None
+        self.output_grammar = None
 
     @classmethod
     def load(cls, args, progress=True, on_rpc_stall=None, on_sized=None):
@@ -62,6 +84,7 @@ class Loaded:
         sessions = []
         decoder = draft_model = media = None
         try:
+            output_grammar = default_grammar(model, getattr(args, "output_default", None))
             adapters = Adapters.load(model, getattr(args, "lora", None) or ())
         except BaseException:
             model.close()
@@ -117,6 +140,7 @@ class Loaded:
                 threads=decode_threads(model, args.threads, args.threads_batch))
             loaded = cls(model, sessions, args.chat_template, embedder, decoder, draft_model)
             loaded.flash_attn = flash_attn_words
+            loaded.output_grammar = output_grammar
             loaded.adapters = decoder.adapters = embedder.adapters = adapters
             # the media first: an M-RoPE projector changes what the sessions' memory
             # may do, which use_states asks
@@ -175,7 +199,8 @@ class Loaded:
             draft_bytes=self.draft_bytes(), flash_attn=self.flash_attn,
             memory=self.sessions[0].memory.as_dict(), lora=self.adapters.info(),
             modalities=[k for k in ("vision", "audio")
-                        if self.media is not None and getattr(self.media, k)])
+                        if self.media is not None and getattr(self.media, k)],
+            grammar=self.output_grammar or "")
 
     def draft_bytes(self):
         """The draft model's file and KV cache (-md), 0 without one."""

@@ -499,7 +499,10 @@ class Worker:
         return plan_of
 
     def _constraint(self, schema, grammar):
-        """llama-server's ``json_schema`` or ``grammar``, as checked GBNF (or None)."""
+        """llama-server's ``json_schema`` or ``grammar``, as checked GBNF; where the
+        request gives neither, the server's (--grammar, -j ...: Loaded.output_grammar)."""
+        if schema is None and grammar is None:
+            return self.loaded.output_grammar
         if schema is not None:
             grammar = schema_to_grammar(schema)
         if grammar is not None:
@@ -515,6 +518,10 @@ class Worker:
         kwargs = dict(self.template_kwargs, **(kwargs or {}))
         if reasoning_format is None:
             reasoning_format = self.reasoning_format
+        if schema is None and grammar is None and (not tools or tool_choice == "none"):
+            # the server's output format, as llama-server keeps it unless the template's
+            # tool grammar takes its place
+            grammar = self.loaded.output_grammar
         plan = prepare_chat(self.model, template_for(self.loaded),
                             protocol.decode_messages(messages), protocol.decode_tools(tools),
                             tool_choice, schema, grammar, add_generation_prompt,

@@ -351,7 +351,7 @@ def messages(h, body):
     entry = svc.entry_for(f.raw("model"))
     what = "POST /v1/messages"
     plan = _prepare(f, entry, what)
-    gen = generation_from(f, entry.n_vocab, svc.n_predict_default, ("max_tokens",),
+    gen = generation_from(f, entry.n_vocab, svc.generation_default, ("max_tokens",),
                           entry.sampling)
     gen.stop = f.stop_list("stop_sequences")
     chat.apply_plan(gen, plan)

@@ -154,7 +154,10 @@ def sampling_from(f, n_vocab, base=None, tokenize=None):
         except ValueError as e:
             raise BadRequest("'samplers': %s" % e)
     _refuse_inactive_samplers(f)
-    p.logit_bias = _logit_bias(f.raw("logit_bias"), n_vocab, tokenize)
+    if f.raw("logit_bias") is not None:     # else the server's (-l), as llama-server
+        p.logit_bias = _logit_bias(f.raw("logit_bias"), n_vocab, tokenize)
+    else:
+        p.logit_bias = list(p.logit_bias)
     return p
 
 
@@ -248,12 +251,14 @@ def choices_from(f):
     return f.int("n_cmpl" if f.has("n_cmpl") else "n", 1, lo=1, hi=MAX_N_CMPL)
 
 
-def generation_from(f, n_vocab, n_predict_default=-1, max_tokens_names=MAX_TOKENS_NAMES,
+def generation_from(f, n_vocab, defaults=None, max_tokens_names=MAX_TOKENS_NAMES,
                     sampling_default=None, tokenize=None):
-    """GenerationParams from a request's generation fields (``sampling_default``,
-    ``tokenize``: see sampling_from)."""
+    """GenerationParams from a request's generation fields; what it leaves out comes
+    from ``defaults`` (the server's: -n, --ignore-eos, --keep, --cache-prompt) and
+    ``sampling_default`` (``tokenize``: see sampling_from)."""
+    d = defaults if defaults is not None else GenerationParams()
     g = GenerationParams()
-    n_predict = n_predict_default
+    n_predict = d.n_predict
     for name in max_tokens_names:
         if f.has(name):
             lo = -1 if name == "n_predict" else 0
@@ -262,15 +267,15 @@ def generation_from(f, n_vocab, n_predict_default=-1, max_tokens_names=MAX_TOKEN
     g.n_predict = n_predict
     g.stop = f.stop_list("stop")
     g.sampling = sampling_from(f, n_vocab, sampling_default, tokenize)
-    g.ignore_eos = f.bool("ignore_eos", False)
-    g.cache_prompt = f.bool("cache_prompt", True)
+    g.ignore_eos = f.bool("ignore_eos", d.ignore_eos)
+    g.cache_prompt = f.bool("cache_prompt", d.cache_prompt)
     g.t_max_predict_ms = f.int("t_max_predict_ms", 0, lo=0, hi=MAX_N_PREDICT)
     # llama-server's default is -1 (none), as any value <= 0 here
     g.t_max_prompt_ms = f.int("t_max_prompt_ms", 0, lo=-1, hi=MAX_N_PREDICT)
     # llama-server's per-request draft limit: 0 turns speculation off for the request
     g.speculate = f.int("speculative.n_max", 16, lo=0, hi=MAX_N_PREDICT) > 0
     g.n_indent = f.int("n_indent", 0, lo=0, hi=MAX_N_PREDICT)
-    g.n_keep = f.int("n_keep", 0, lo=-1, hi=MAX_N_PREDICT)
+    g.n_keep = f.int("n_keep", d.n_keep, lo=-1, hi=MAX_N_PREDICT)
     g.n_discard = f.int("n_discard", 0, lo=0, hi=MAX_N_PREDICT)
     g.lora = request_lora(f.raw("lora"))      # llama-server's per-request adapters
     g.cache_reuse = cache_reuse_from(f)

@@ -50,7 +50,7 @@ def completion(h, body):
     raw, files = media.native_prompts(f.raw("prompt"))
     prompts = prompts_from(raw)
     n = choices_from(f)
-    gen = generation_from(f, entry.n_vocab, svc.n_predict_default,
+    gen = generation_from(f, entry.n_vocab, svc.generation_default,
                           sampling_default=entry.sampling, tokenize=text_tokenizer(entry))
     native_probs_from(f, gen, entry.n_vocab)
     schema, grammar = output_schema_from(f)
@@ -79,7 +79,7 @@ def infill(h, body):
     entry = svc.entry_for(f.raw("model"), fim=True)
     req = infill_from(f)
     n = choices_from(f)
-    gen = generation_from(f, entry.n_vocab, svc.n_predict_default,
+    gen = generation_from(f, entry.n_vocab, svc.generation_default,
                           sampling_default=entry.sampling, tokenize=text_tokenizer(entry))
     native_probs_from(f, gen, entry.n_vocab)
     gen.cache_reuse = cache_reuse_of(f, svc)

@@ -132,7 +132,7 @@ def _generation(f, entry, svc):
     mapped["stop"] = o.stop_list("stop")
     # read for its type only: the session's context was fixed at start (see the docstring)
     o.int("num_ctx", None, lo=0)
-    return generation_from(Fields(mapped), entry.n_vocab, svc.n_predict_default,
+    return generation_from(Fields(mapped), entry.n_vocab, svc.generation_default,
                            sampling_default=entry.sampling)
 
 

@@ -175,7 +175,7 @@ def chat_completions(h, body):
     n = choices_from(f)
     entry = svc.entry_for(f.raw("model"))
     plan = _prepare(f, entry)
-    gen = generation_from(f, entry.n_vocab, svc.n_predict_default,
+    gen = generation_from(f, entry.n_vocab, svc.generation_default,
                           sampling_default=entry.sampling, tokenize=text_tokenizer(entry))
     apply_plan(gen, plan)
     gen.reasoning_budget = reasoning_budget_from(f)

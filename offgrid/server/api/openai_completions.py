@@ -25,7 +25,7 @@ def v1_completions(h, body):
         if not prompt.is_text:
             raise BadRequest("with 'suffix', 'prompt' must be a string")
         entry = svc.entry_for(f.raw("model"), fim=True)
-        gen = generation_from(f, entry.n_vocab, svc.n_predict_default,
+        gen = generation_from(f, entry.n_vocab, svc.generation_default,
                               sampling_default=entry.sampling,
                               tokenize=text_tokenizer(entry))
         completion_probs_from(f, gen, entry.n_vocab)
@@ -34,7 +34,7 @@ def v1_completions(h, body):
         prompts = [Prompt(infill_tokens(f, entry, req, gen, "POST /v1/completions"))]
     else:
         entry = svc.entry_for(f.raw("model"))
-        gen = generation_from(f, entry.n_vocab, svc.n_predict_default,
+        gen = generation_from(f, entry.n_vocab, svc.generation_default,
                               sampling_default=entry.sampling,
                               tokenize=text_tokenizer(entry))
         completion_probs_from(f, gen, entry.n_vocab)

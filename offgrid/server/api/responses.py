@@ -400,7 +400,7 @@ def responses(h, body):
     svc = h.service
     what = "POST /v1/responses"
     entry, plan, tool_choice, spaces = _prepare(h, f, what)
-    gen = generation_from(f, entry.n_vocab, svc.n_predict_default, ("max_output_tokens",),
+    gen = generation_from(f, entry.n_vocab, svc.generation_default, ("max_output_tokens",),
                           entry.sampling)
     gen.stop = []       # the Responses API has no stop strings
     chat.apply_plan(gen, plan)

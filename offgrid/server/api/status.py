@@ -3,9 +3,9 @@
 None of these loads a model: they read the shelf as it is.
 """
 
+import dataclasses
 from urllib.parse import unquote
 
-from ...request import GenerationParams
 from ..httpd.httperrors import HTTPError, NotFound, Unavailable
 from . import formats, router_models
 from .errormap import error_body
@@ -86,8 +86,9 @@ def props(h, _body):
             "infill": bool(svc.fim is not None and svc.fim.has_fim),
         })
         return
-    defaults = GenerationParams(n_predict=svc.n_predict_default, sampling=e.sampling)
+    defaults = dataclasses.replace(svc.generation_default, sampling=e.sampling)
     settings = formats.generation_settings(defaults, e.n_ctx, e.id)
+    settings["grammar"] = info.grammar      # --grammar(-file), -j/-jf's, as GBNF
     pool = e.pool
     h.send_json(200, {
         "default_generation_settings": {

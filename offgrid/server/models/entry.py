@@ -93,10 +93,11 @@ class ModelEntry:
         self._status, self.error, self.progress = "loaded", None, None
         try:
             self.sampling, self.sampling_notes = model_defaults(
-                info.meta, self.preset, getattr(self.shelf, "sampling_flags", None))
+                info.meta, self.preset, getattr(self.shelf, "sampling_flags", None),
+                info.n_vocab)
         except ValueError as e:       # a preset read again since the start, now wrong
             self.sampling, self.sampling_notes = model_defaults(
-                info.meta, None, getattr(self.shelf, "sampling_flags", None))
+                info.meta, None, getattr(self.shelf, "sampling_flags", None), info.n_vocab)
             self.sampling_notes.append("its preset's sampling keys left out: %s" % e)
 
     def detach(self, status="unloaded", error=None):

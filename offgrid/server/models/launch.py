@@ -54,6 +54,7 @@ def worker_settings(path, args, chat_template=None, decode_lock=None):
         load_mode=getattr(args, "load_mode", "auto"),
         override_tensor=getattr(args, "override_tensor", None) or [],
         cache_type_v=getattr(args, "cache_type_v", "f16"),
+        output_default=getattr(args, "output_default", None),
         reasoning_format=args.reasoning_format, lib=args.lib, decode_lock=decode_lock,
         rpc=args.rpc or None, n_gpu_layers=args.n_gpu_layers,
         tensor_split=list(args.tensor_split) if args.tensor_split else None,

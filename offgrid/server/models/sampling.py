@@ -104,9 +104,12 @@ def _given(values, where, label=None):
 
 
 def from_args(args):
-    """{field: value} of the sampling flags given (``from_preset``'s reading)."""
-    return _given({field: getattr(args, field, None) for field, *_ in FLAGS + NOT_RUN_FLAGS},
-                  "the command line", {field: flags[-1] for field, flags, *_ in FLAGS})
+    """{field: value} of the sampling flags given (``from_preset``'s reading), and -l's
+    (token id, bias) pairs as ``logit_bias`` (model_defaults checks the ids)."""
+    values = {field: getattr(args, field, None) for field, *_ in FLAGS + NOT_RUN_FLAGS}
+    values["logit_bias"] = getattr(args, "logit_bias", None)
+    return _given(values, "the command line",
+                  dict({field: flags[-1] for field, flags, *_ in FLAGS}, logit_bias="-l"))
 
 
 def preset_keys():
@@ -163,12 +166,18 @@ def checked(values, where):
     return values
 
 
-def model_defaults(meta, preset, flags):
+def model_defaults(meta, preset, flags, n_vocab=None):
     """(SamplingParams, notes): a model's defaults from its file's metadata, its preset
-    settings and the command line's flags (``from_args``), the last winning."""
+    settings and the command line's flags (``from_args``), the last winning.  -l's
+    token ids outside the model's vocabulary (``n_vocab``) are left out with a note."""
     got, notes = from_file(meta or {})
     got.update(from_preset(preset))
     got.update(flags or {})
+    if got.get("logit_bias") and n_vocab is not None:
+        bias = got["logit_bias"]
+        got["logit_bias"] = [(t, b) for t, b in bias if t < n_vocab]
+        notes += ["-l %d: not a token of this model (its vocabulary has %d): left out"
+                  % (t, n_vocab) for t, _b in bias if t >= n_vocab]
     if "seed" in got and (got["seed"] < 0 or got["seed"] == 0xFFFFFFFF):
         got["seed"] = None
     if "temperature" in got:

@@ -22,7 +22,8 @@ import contextlib
 import threading
 import time
 
-from ...request import Completion, FinishReason, PromptProgress, RequestCancel, Usage
+from ...request import (Completion, FinishReason, GenerationParams, PromptProgress,
+                        RequestCancel, Usage)
 from ... import protocol
 from ...errors import EncoderOnly, PromptTooLong
 from ..httpd.httperrors import BadRequest, Unavailable
@@ -49,7 +50,7 @@ class _Scope:
 class Service:
     """Models, pools, supersede table, counters, and the lifecycle of requests."""
 
-    def __init__(self, text, fim=None, n_predict_default=-1, shutdown_grace=10.0,
+    def __init__(self, text, fim=None, generation_default=None, shutdown_grace=10.0,
                  cache_reuse=64, endpoints_off=(), shelf=None,
                  fim_given=None):
         self.text = text                # ModelEntry for text and chat requests (None: a
@@ -65,7 +66,9 @@ class Service:
                 if e is not None:
                     shelf.add(e)
         self.shelf = shelf
-        self.n_predict_default = n_predict_default
+        # what a request leaves out, past its model's sampling defaults (-n,
+        # --ignore-eos, --keep, --cache-prompt): api/fields.generation_from reads it
+        self.generation_default = generation_default or GenerationParams()
         # optional endpoints switched off (--no-metrics, --no-slots): they answer 501
         self.endpoints_off = frozenset(endpoints_off)
         # --slot-save-path: POST /slots/ID?action=... (api/slot_actions.py); None: refused
