@@ -240,6 +240,10 @@ def test_continue_replay_enables_fim_and_completes_the_middle(srv):
             num_ctx = int(parts.group(2))
     assert num_ctx == 2048
     assert ".Suffix" in show["template"]      # fimSupported
+    # model_info's values in their JSON types, as Ollama's (a GGUF bool is no string)
+    info = show["model_info"]
+    assert info["tokenizer.ggml.add_bos_token"] is False
+    assert info["qwen2.block_count"] == 24 and info["general.architecture"] == "qwen2"
     # _streamFim: /api/generate with prompt, suffix, its options and keep_alive
     status, _, lines = ndjson(srv, "/api/generate", {
         "model": "qwen2.5-coder:0.5b", "prompt": "def add(a, b):\n    return ",

@@ -67,7 +67,10 @@ DIGESTS = _Digests()
 
 
 def _meta_value(v):
-    """A GGUF metadata value (the worker reports strings) as the JSON number it is, if it is."""
+    """A GGUF metadata value (the worker reports strings, libllama's gguf_kv_to_str) as the
+    JSON number or boolean it is, as Ollama gives it, if it is one."""
+    if v in ("true", "false"):
+        return v == "true"
     for kind in (int, float):
         try:
             n = kind(v)
