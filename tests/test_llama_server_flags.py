@@ -107,10 +107,20 @@ def test_override_kv_puts_a_value_in_place_of_the_files(gemma_path):
     with ServerProcess(gemma_path, "--override-kv", "tokenizer.ggml.add_bos_token=bool:false",
                        ctx=256) as s:
         _, _, show = s.post("/api/show", {"model": "x"})
-        assert show["model_info"]["tokenizer.ggml.add_bos_token"] in (True, "true")  # the file's
+        assert show["model_info"]["tokenizer.ggml.add_bos_token"] is True  # the file's
         with_special = s.post("/tokenize", {"content": "hi", "add_special": True})[2]
         without = s.post("/tokenize", {"content": "hi", "add_special": False})[2]
     assert with_special["tokens"] == without["tokens"] == [2202]
+
+
+def test_an_override_kv_of_another_type_than_the_files_key_fails_the_load(plain_model_path):
+    # libllama would read the file's value and say so only in its log (-v)
+    server = ServerProcess(plain_model_path, "--override-kv", "general.name=int:3", ctx=256)
+    with pytest.raises(RuntimeError) as e:
+        server.start()
+    assert server.stop() == 1
+    assert "--override-kv general.name=int:...: the file's general.name is a str" \
+        in str(e.value), e.value
 
 
 def test_the_load_mode_reaches_libllama(smollm_path):

@@ -15,6 +15,7 @@ from .. import libllama
 from ..errors import InvalidToken, ModelLoadError
 from . import devices as gpus
 from . import rpc
+from .ggufheader import read_header
 from .memory import MemoryClass, kv_bytes_of
 
 # Texts this long or longer have their tokens kept (Model.tokenize), the last
@@ -156,6 +157,7 @@ class Model:
             n_gpu_layers = _layers_for(lib, path, devices, n_gpu_layers, n_ctx_hint,
                                        kv_offload)
         overrides = _tensor_overrides(lib, tensor_overrides) if not vocab_only else []
+        _check_kv_overrides(path, kv_overrides)
         before = [d.memory()[0] for d in devices]
         # progress: True draws a bar on a terminal; a callable gets each fraction too
         bar = _terminal_progress(os.path.basename(str(path))) if progress else None
@@ -183,8 +185,8 @@ class Model:
                     % (path, ", ".join(d.name for d in devices)))
             raise ModelLoadError("libllama could not load the model %s (not a GGUF file, or "
                                  "an unsupported architecture%s%s)" % (path, (
-                                     ", or an --override-kv of another type than the "
-                                     "file's key" if kv_overrides else ""), (
+                                     ", or an --override-kv value it does not take"
+                                     if kv_overrides else ""), (
                                      ", or an -ot pattern C++'s std::regex does not take"
                                      if overrides else "")))
         if not vocab_only and handle.has_encoder():
@@ -396,6 +398,24 @@ class Model:
 
     def builtin_template_names(self):
         return libllama.builtin_chat_templates(self.lib)
+
+
+def _check_kv_overrides(path, kv_overrides):
+    """Raise ModelLoadError for an --override-kv of another type than the file's key:
+    libllama would read the file's value instead, with a warning few see (a key the
+    file lacks is libllama's to take or leave)."""
+    if not kv_overrides:
+        return
+    meta, _ = read_header(path)
+    for key, kind, _value in kv_overrides:
+        have = meta.get(key)
+        if have is None:
+            continue
+        # a GGUF bool reads as bool, its ints (any width) as int, its floats as float
+        file_kind = {bool: "bool", int: "int", float: "float", str: "str"}[type(have)]
+        if file_kind != kind:
+            raise ModelLoadError("--override-kv %s=%s:...: the file's %s is a %s, give "
+                                 "%s=%s:VALUE" % (key, kind, key, file_kind, key, file_kind))
 
 
 def _tensor_overrides(lib, overrides):
