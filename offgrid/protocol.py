@@ -309,6 +309,8 @@ class ModelInfo:
     # or lavapipe's count as the host's), which the host memory accounting leaves out
     device_bytes: int = 0
     grammar: str = ""               # --grammar(-file), -j/-jf as GBNF ("": none)
+    # a transcription's chat turn for its template: [system, user] (chat/adjust.asr_prompt)
+    asr_prompt: list = dataclasses.field(default_factory=lambda: ["", "Transcribe audio to text"])
 
 
 def encode_info(info):

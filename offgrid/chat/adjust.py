@@ -50,6 +50,15 @@ def leading_system(msgs):
 # Template families: the ones whose messages or prompt llama-server adjusts
 # ---------------------------------------------------------------------------
 
+def asr_prompt(src):
+    """(system, user) text of a transcription's chat turn for a template of source ``src``
+    (llama.cpp's common_chat_get_asr_prompt): LFM2's audio models are told in a system
+    turn, the others in the user's, before the audio."""
+    if "<|tool_list_start|>" in src and "<|tool_list_end|>" in src:     # is_lfm2_template
+        return "Perform ASR.", ""
+    return "", "Transcribe audio to text"
+
+
 def template_family(src):
     """llama-server's specialised-template detection, in its order (first match wins)."""
     has = src.__contains__

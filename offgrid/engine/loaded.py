@@ -9,6 +9,7 @@ import logging
 import os
 
 from .. import protocol
+from ..chat.adjust import asr_prompt
 from ..chat.gbnf import check_grammar
 from ..chat.jsonschema import schema_to_grammar
 from ..chat.select import template_for
@@ -200,7 +201,8 @@ class Loaded:
             memory=self.sessions[0].memory.as_dict(), lora=self.adapters.info(),
             modalities=[k for k in ("vision", "audio")
                         if self.media is not None and getattr(self.media, k)],
-            grammar=self.output_grammar or "")
+            grammar=self.output_grammar or "",
+            asr_prompt=list(asr_prompt(self.template.source or "")))
 
     def draft_bytes(self):
         """The draft model's file and KV cache (-md), 0 without one."""

@@ -118,7 +118,8 @@ class Format:
         writes the dialect's error event (errormap)."""
 
     def body(self, jobs, done):
-        """The whole response of a request that does not stream."""
+        """The whole response of a request that does not stream: a JSON object, or a
+        str sent as text/plain."""
         raise NotImplementedError
 
 
@@ -190,7 +191,11 @@ def run(h, g, fmt):
             done = svc.run_choices(g.entry, [functools.partial(one, job, cancel, look)
                                              for job in jobs], g.id_slot)
         if out is None:
-            h.send_json(200, fmt.body(jobs[:len(done)], done))
+            body = fmt.body(jobs[:len(done)], done)
+            if isinstance(body, str):
+                h.send_text(200, body, "text/plain; charset=utf-8")
+            else:
+                h.send_json(200, body)
             return
         fmt.end(out, done)
     except Exception as exc:

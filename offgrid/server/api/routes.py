@@ -10,7 +10,7 @@ from collections import namedtuple
 from ..httpd.httperrors import Unavailable
 from .errormap import respond
 from . import anthropic, embeddings, ollama, ollama_admin, openai_chat, responses, router_models
-from . import lora, slot_actions, status, webui
+from . import lora, slot_actions, status, transcriptions, webui
 from .status import health, metrics, models, props, slots
 from .native import completion, detokenize, infill, tokenize
 from .openai_completions import v1_completions
@@ -20,7 +20,7 @@ from .openai_completions import v1_completions
 # body_optional: a POST that may come without a body (the handler gets None)
 # body_array: a JSON array is a body too (POST /lora-adapters), not only an object
 Route = namedtuple("Route", "handler methods auth needs_service dialect body_optional "
-                   "body_array", defaults=("openai", False, False))
+                   "body_array body_form", defaults=("openai", False, False, False))
 
 
 # -- the table ------------------------------------------------------------------------
@@ -77,6 +77,10 @@ ROUTES = {
     "/api/delete": Route(ollama.manage, ("DELETE",), True, False, "ollama"),
     "/v1/messages": Route(anthropic.messages, _POST, True, True, "anthropic"),
     "/v1/messages/count_tokens": Route(anthropic.count_tokens, _POST, True, True, "anthropic"),
+    "/v1/audio/transcriptions": Route(transcriptions.transcriptions, _POST, True, True,
+                                      body_form=True),
+    "/audio/transcriptions": Route(transcriptions.transcriptions, _POST, True, True,
+                                   body_form=True),
     "/v1/responses": Route(responses.responses, _POST, True, True, "responses"),
     "/responses": Route(responses.responses, _POST, True, True, "responses"),
     "/v1/responses/input_tokens": Route(responses.input_tokens, _POST, True, True),

@@ -56,7 +56,7 @@ from http.server import BaseHTTPRequestHandler
 from urllib.parse import urlsplit
 
 from ... import __version__
-from . import reader
+from . import form, reader
 from .httperrors import HTTPError, MethodNotAllowed, NotFound, Unauthorized, Unavailable
 from .streams import EventStream, NDJSONStream, dumps
 
@@ -265,9 +265,16 @@ class Handler(BaseHTTPRequestHandler):
             if method == "POST" and route.needs_service and self.front_memory is not None:
                 # before its body takes any room
                 self.front_memory.check(self.server.requests_in_flight() - 1)
-            body = self._read_json(getattr(route, "body_optional", False),
-                                   getattr(route, "body_array", False)) \
-                if method == "POST" else None
+            # a multipart/form-data upload's files, where the route takes one (form.py)
+            self.files = {}
+            if method != "POST":
+                body = None
+            elif getattr(route, "body_form", False) and \
+                    form.boundary_of(self.headers.get("Content-Type")) is not None:
+                body = self._read_form()
+            else:
+                body = self._read_json(getattr(route, "body_optional", False),
+                                       getattr(route, "body_array", False))
             self.app.dispatch(self, route, body)
         except Exception as exc:           # the one exit for errors
             self._send_exception(exc)
@@ -385,6 +392,19 @@ class Handler(BaseHTTPRequestHandler):
             # length at all) leaves the connection out of step: end it
             self.close_connection = True
             raise
+
+    def _read_form(self):
+        """A multipart/form-data body's fields (strings, as llama-server reads them, a
+        repeated one a list); its files go to ``self.files``."""
+        try:
+            data = reader.read_body(self.rfile, self.headers, self.max_body, self.read_timeout,
+                                    self.request_version)
+        except HTTPError:
+            self.close_connection = True
+            raise
+        self._body_pending = False
+        fields, self.files = form.parse(data, self.headers.get("Content-Type"))
+        return fields
 
     def handle_expect_100(self):
         """Say "100 Continue" only to a body that will be read: right path, key and size."""
