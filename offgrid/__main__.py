@@ -88,7 +88,7 @@ def main(argv=None):
         httpd = make_server(args.host, args.port, APP, None, api_keys, args.cors_origin,
                             args.max_body, args.verbose, args.timeout, args.read_timeout,
                             ceiling_from_flag(args.front_max_rss), args.instance_name,
-                            args.tls)
+                            args.tls, args.api_prefix)
     except OSError as e:
         print("offgrid: cannot listen on %s:%d: %s" % (args.host, args.port, e), file=sys.stderr)
         return 1
@@ -154,7 +154,8 @@ def main(argv=None):
                               host if ":" not in host else "[%s]" % host, port)
     print("listening on " + address, flush=True)
     if args.webui:
-        print("offgrid: chat page at %s/" % address, file=sys.stderr, flush=True)
+        print("offgrid: chat page at %s%s/" % (address, args.api_prefix or ""), file=sys.stderr,
+              flush=True)
 
     stop.wait()
     print("offgrid: shutting down", file=sys.stderr, flush=True)

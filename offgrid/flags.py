@@ -8,7 +8,7 @@ import re
 import sys
 
 from . import __version__
-from .flagvalues import (device_list, gpu_layers, kv_override, rpc_endpoints,
+from .flagvalues import (api_prefix, device_list, gpu_layers, kv_override, rpc_endpoints,
                          template_kwargs, tensor_overrides, tensor_split, thread_count,
                          tls_context)
 from .protocol import WorkerSettings
@@ -57,6 +57,10 @@ def parse_args(argv=None):
                    help="PEM private key: with --ssl-cert-file the server speaks HTTPS only")
     p.add_argument("--ssl-cert-file", metavar="FNAME", default=None,
                    help="PEM certificate (chain) of --ssl-key-file's key")
+    p.add_argument("--api-prefix", type=api_prefix, default=None, metavar="PREFIX",
+                   help="path the server serves every route under, without the trailing "
+                   "slash: /llama serves /llama/v1/chat/completions, /llama/health and the "
+                   "chat page at /llama/ (default: none)")
     p.add_argument("-c", "--ctx-size", type=int, default=4096,
                    help="context size of each session, in tokens (default 4096; "
                    "0: the model's training context)")

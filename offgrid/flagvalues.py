@@ -156,6 +156,17 @@ def is_loopback(host):
         return False
 
 
+def api_prefix(value):
+    """--api-prefix: the path every route is served under, as "/llama" or "/a/b": it
+    starts with "/", has no trailing "/" and no empty part, and only printable ASCII
+    that a path takes as it is (no space, "?", "#" or "%")."""
+    if not re.fullmatch(r"(/[\x21-\x2e\x30-\x7e]+)+", value) or any(c in value for c in "?#%"):
+        raise argparse.ArgumentTypeError(
+            "a path such as /llama: starting with /, without a trailing /, of printable "
+            "characters without spaces, ?, # or %%, not %r" % value)
+    return value
+
+
 class _EncryptedKey(Exception):
     """The key file asks for a passphrase, which nothing gives (llama-server takes none)."""
 

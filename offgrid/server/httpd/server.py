@@ -217,8 +217,10 @@ class Server(ThreadingHTTPServer):
     def reply_when_full(self, head, refusal):
         """(status, body, head_only) for a request that got no slot: /health, or 503."""
         line = head.split(b"\n", 1)[0].split()
-        if len(line) == 3 and line[0] in (b"GET", b"HEAD") \
-                and line[1].split(b"?", 1)[0] in (b"/health", b"/v1/health"):
+        path = (self.RequestHandlerClass.route_path(line[1].decode("latin-1"))
+                if len(line) == 3 else None)
+        if len(line) == 3 and line[0] in (b"GET", b"HEAD") and path is not None \
+                and path.split("?", 1)[0] in ("/health", "/v1/health"):
             probe = _HealthProbe(self.RequestHandlerClass.service)
             try:
                 self.RequestHandlerClass.app.route("/health").handler(probe, None)
@@ -357,14 +359,15 @@ class Servers:
 
 def make_server(host, port, app, service=None, api_keys=(), cors_origins=(), max_body=None,
                 verbose=False, timeout=None, read_timeout=None, front_max_rss=None,
-                instance_name=None, tls=None):
+                instance_name=None, tls=None, api_prefix=None):
     """A Server bound to host:port serving ``app``, whose Handler class carries these
     settings.
 
     ``host`` may be a comma list of addresses: a Servers, every address on
     the same port (port 0: the one the first address got).  ``tls``: an
     ssl.SSLContext with the server's certificate and key, for HTTPS on every
-    address.
+    address; ``api_prefix``: the path every route is served under
+    (``Handler.api_prefix``).
     """
     attrs = {"app": app, "service": service, "cors_origins": tuple(cors_origins), "verbose": verbose,
              "api_keys": tuple(hashlib.sha256(k.encode("utf-8")).digest() for k in api_keys)}
@@ -378,6 +381,8 @@ def make_server(host, port, app, service=None, api_keys=(), cors_origins=(), max
         attrs["front_memory"] = FrontMemory(front_max_rss)
     if instance_name:
         attrs["instance_name"] = instance_name
+    if api_prefix:
+        attrs["api_prefix"] = api_prefix
     handler = type("OffgridHandler", (Handler,), attrs)
     # descriptors for the cap, the lobby, and the models, pipes and logs beside them
     _raise_fd_limit(Server.max_connections + Server.max_waiting + 256)
