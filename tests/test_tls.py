@@ -271,6 +271,41 @@ def test_a_full_server_answers_health_and_503_over_tls(cert):
         httpd.server_close()
 
 
+def test_stalled_handshakes_are_dropped_for_a_newcomer_when_the_server_is_full(cert):
+    """A connection stalled in its handshake holds a seat as one trickling its head does,
+    and like it is dropped for a newcomer once the server is full (seats.py)."""
+    httpd = make_server("127.0.0.1", 0, APP, tls=tls_context(*map(str, cert)))
+    httpd.max_connections = 2
+    httpd.peer_share = 1.0
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    port = httpd.server_address[1]
+    stalled = []
+    try:
+        for _ in range(2):
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            s.sendall(b"\x16")              # one byte of a ClientHello, then nothing
+            stalled.append(s)
+        deadline = time.monotonic() + 10
+        while len(httpd.seats._waiting) < 2:    # both seated, in their handshakes
+            assert time.monotonic() < deadline, "the two connections never got their seats"
+            time.sleep(0.01)
+        time.sleep(httpd.seats.min_wait)
+        client = ssl.create_default_context(cafile=str(cert[1]))
+        with client.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=10),
+                                server_hostname="127.0.0.1") as s:
+            s.sendall(rawhttp.request("GET", "/v1/models", headers={"Connection": "close"}))
+            (answer,) = rawhttp.parse_responses(rawhttp.read_until_closed(s, 5))
+        # seated: a handler answered (no model service here: "Loading model"), where a
+        # refusal would say "too many connections"
+        assert json.loads(answer[2])["error"]["message"] == "Loading model", answer
+        assert httpd.seats.dropped == 1
+    finally:
+        for s in stalled:
+            s.close()
+        httpd.shutdown()
+        httpd.server_close()
+
+
 # -- start errors -------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
