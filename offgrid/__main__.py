@@ -2,7 +2,8 @@
 
 The flags are named like llama-server's, so habits carry over.  The HTTP
 socket opens first, so ``/health`` answers 503 "loading" while the models
-load; then one line ``listening on http://HOST:PORT`` says it is ready.
+load; then one line ``listening on http://HOST:PORT`` (``https://`` with
+--ssl-key-file and --ssl-cert-file) says it is ready.
 SIGINT/SIGTERM stop it: new requests get 503, running ones get a grace
 period, the process exits 0.
 """
@@ -87,7 +88,8 @@ def main(argv=None):
     try:
         httpd = make_server(args.host, args.port, APP, None, api_keys, args.cors_origin,
                             args.max_body, args.verbose, args.timeout, args.read_timeout,
-                            ceiling_from_flag(args.front_max_rss), args.instance_name)
+                            ceiling_from_flag(args.front_max_rss), args.instance_name,
+                            args.tls, args.api_prefix)
     except OSError as e:
         print("offgrid: cannot listen on %s:%d: %s" % (args.host, args.port, e), file=sys.stderr)
         return 1
@@ -151,10 +153,12 @@ def main(argv=None):
     stop = StopSignals()
     stop.install()
     host, port = httpd.server_address[:2]
-    address = "http://%s:%d" % (host if ":" not in host else "[%s]" % host, port)
+    address = "%s://%s:%d" % ("https" if args.tls else "http",
+                              host if ":" not in host else "[%s]" % host, port)
     print("listening on " + address, flush=True)
     if args.webui:
-        print("offgrid: chat page at %s/" % address, file=sys.stderr, flush=True)
+        print("offgrid: chat page at %s%s/" % (address, args.api_prefix or ""), file=sys.stderr,
+              flush=True)
 
     stop.wait()
     print("offgrid: shutting down", file=sys.stderr, flush=True)

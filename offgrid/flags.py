@@ -8,10 +8,10 @@ import re
 import sys
 
 from . import __version__
-from .flagvalues import (device_list, gpu_layers, grammar_file, grammar_text,
+from .flagvalues import (api_prefix, device_list, gpu_layers, grammar_file, grammar_text,
                          json_schema_file, json_schema_text, kv_override, logit_bias,
-                         rpc_endpoints,
-                         template_kwargs, tensor_overrides, tensor_split, thread_count)
+                         rpc_endpoints, template_kwargs, tensor_overrides, tensor_split,
+                         thread_count, tls_context)
 from .protocol import WorkerSettings
 from .request import (KV_CACHE_TYPES, LOAD_MODES, POOLINGS, REASONING_FORMATS,
                       REASONING_MODES, SPEC_TYPES)
@@ -54,6 +54,14 @@ def parse_args(argv=None):
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind, or a comma list of them (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks one)")
+    p.add_argument("--ssl-key-file", metavar="FNAME", default=None,
+                   help="PEM private key: with --ssl-cert-file the server speaks HTTPS only")
+    p.add_argument("--ssl-cert-file", metavar="FNAME", default=None,
+                   help="PEM certificate (chain) of --ssl-key-file's key")
+    p.add_argument("--api-prefix", type=api_prefix, default=None, metavar="PREFIX",
+                   help="path the server serves every route under, without the trailing "
+                   "slash: /llama serves /llama/v1/chat/completions, /llama/health and the "
+                   "chat page at /llama/ (default: none)")
     p.add_argument("-c", "--ctx-size", type=int, default=4096,
                    help="context size of each session, in tokens (default 4096; "
                    "0: the model's training context)")
@@ -370,6 +378,7 @@ def parse_args(argv=None):
         args.override_kv = [kv_override(item) for value in args.override_kv
                             for item in value.split(",") if item]
         args.override_tensor = tensor_overrides(args)
+        args.tls = tls_context(args.ssl_key_file, args.ssl_cert_file)
     except ValueError as e:
         p.error(str(e))
     if args.verbosity is not None and args.verbosity >= 4:

@@ -7,6 +7,8 @@ import argparse
 import ipaddress
 import json
 import re
+import ssl
+
 
 def thread_count(value):
     """-t / -tb: "auto", or a count (0 and below mean auto, as llama-server's -1)."""
@@ -205,3 +207,63 @@ def json_schema_text(value):
 
 def json_schema_file(path):
     return _schema(_read_text(path, "--json-schema-file"), "--json-schema-file %s" % path)
+
+
+def api_prefix(value):
+    """--api-prefix: the path every route is served under, as "/llama" or "/a/b": it
+    starts with "/", has no trailing "/" and no empty part, and only printable ASCII
+    that a path takes as it is (no space, "?", "#" or "%")."""
+    if not re.fullmatch(r"(/[\x21-\x2e\x30-\x7e]+)+", value) or any(c in value for c in "?#%"):
+        raise argparse.ArgumentTypeError(
+            "a path such as /llama: starting with /, without a trailing /, of printable "
+            "characters without spaces, ?, # or %%, not %r" % value)
+    return value
+
+
+class _EncryptedKey(Exception):
+    """The key file asks for a passphrase, which nothing gives (llama-server takes none)."""
+
+
+def _no_passphrase():
+    raise _EncryptedKey()
+
+
+def tls_context(key_file, cert_file):
+    """--ssl-key-file and --ssl-cert-file as the server's ssl.SSLContext, None without
+    them; ValueError, naming the flag and the file, for one given without the other, a
+    file that cannot be read, a certificate or key that does not load, or a key that is
+    not the certificate's.  (llama-server serves plain HTTP with one of them alone, and
+    fails to bind, saying only that, with files that do not load.)"""
+    if key_file is None and cert_file is None:
+        return None
+    if key_file is None or cert_file is None:
+        given, missing = (("--ssl-cert-file", "--ssl-key-file") if key_file is None
+                          else ("--ssl-key-file", "--ssl-cert-file"))
+        raise ValueError("%s needs %s too: HTTPS takes the private key and its certificate"
+                         % (given, missing))
+    for flag, path in (("--ssl-key-file", key_file), ("--ssl-cert-file", cert_file)):
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as e:
+            raise ValueError("%s %s: %s" % (flag, path, e.strerror or e))
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=cert_file)
+    except ssl.SSLError:
+        raise ValueError("--ssl-cert-file %s: no PEM certificate in it" % cert_file)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2        # llama-server's (cpp-httplib's)
+    try:
+        context.load_cert_chain(cert_file, key_file, password=_no_passphrase)
+    except _EncryptedKey:
+        raise ValueError("--ssl-key-file %s is encrypted: give the key without a passphrase "
+                         "(openssl pkey -in %s -out key.pem)" % (key_file, key_file))
+    except ssl.SSLError as e:
+        if e.reason == "KEY_VALUES_MISMATCH":
+            raise ValueError("--ssl-key-file %s is not the private key of the certificate in "
+                             "--ssl-cert-file %s" % (key_file, cert_file))
+        if e.reason is None:            # OpenSSL's "PEM lib": the key did not parse
+            raise ValueError("--ssl-key-file %s: no PEM private key in it" % key_file)
+        raise ValueError("--ssl-cert-file %s with --ssl-key-file %s: %s"
+                         % (cert_file, key_file, e.reason.lower().replace("_", " ")))
+    return context

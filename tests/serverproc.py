@@ -50,6 +50,9 @@ class ServerProcess:
     # True for a server started through a shell or make: it gets a process group of its
     # own, and stop() signals the whole group, so the server under them stops too
     own_group = False
+    # An ssl.SSLContext for a server started with --ssl-key-file and --ssl-cert-file:
+    # the client helpers then speak HTTPS, verifying the server's certificate with it
+    tls = None
 
     def __init__(self, model, *args, threads=TEST_THREADS, ctx=2048, startup_timeout=120):
         self.port = free_port()
@@ -63,7 +66,7 @@ class ServerProcess:
 
     @property
     def base(self):
-        return "http://%s:%d" % (self.host, self.port)
+        return "%s://%s:%d" % ("https" if self.tls else "http", self.host, self.port)
 
     def launch(self):
         """(argv, cwd, env) of the server process: this checkout's offgrid.
@@ -105,7 +108,7 @@ class ServerProcess:
         def read():
             for line in self.proc.stdout:
                 self.output.append(line)
-                if line.startswith("listening on http://"):
+                if line.startswith(("listening on http://", "listening on https://")):
                     ready.set()
         self._reader = threading.Thread(target=read, daemon=True)
         self._reader.start()
@@ -172,6 +175,9 @@ class ServerProcess:
 
     # -- client helpers ------------------------------------------------------
     def conn(self, timeout=120):
+        if self.tls is not None:
+            return http.client.HTTPSConnection(self.host, self.port, timeout=timeout,
+                                               context=self.tls)
         return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
 
     def request(self, method, path, body=None, headers=None, timeout=120, raw=None):

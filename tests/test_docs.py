@@ -6,7 +6,9 @@ says how it is tested:
 
 - ``Curl``: run with bash and curl against a real server: the README's
   ``make run`` for 127.0.0.1:8080 (the default model, Qwen2.5-Coder-0.5B),
-  the shelf that docs/models.md starts for 127.0.0.1:8081;
+  the shelf that docs/models.md starts for 127.0.0.1:8081, the HTTPS server of
+  docs/cli.md for 127.0.0.1:8443 (with the certificate its openssl command
+  makes in the scratch copy);
 - ``Server``: a command that starts offgrid, started (on a free port, one
   thread) and probed for what its page says it does;
 - ``Run``: run to its end, its output checked;
@@ -34,6 +36,7 @@ import os
 import re
 import shlex
 import shutil
+import ssl
 import subprocess
 import sys
 from pathlib import Path
@@ -112,6 +115,11 @@ def _greeting(text):
 
 def health(out):
     assert _json(out)["status"] == "ok"
+
+
+def https_health(out, server):
+    """docs/cli.md's curl, to the HTTPS server (which curl reached verifying cert.pem)."""
+    health(out)
 
 
 def completion_paris(out):
@@ -347,6 +355,18 @@ def answers_yes_or_no_objects(server):
     assert 'answer' in props["default_generation_settings"]["params"]["grammar"], props
 
 
+def serves_https_under_the_prefix(server):
+    """docs/cli.md's server: HTTPS with the page's certificate (server.tls trusts it and
+    nothing else), every route under /llama and none outside it."""
+    assert "listening on https://127.0.0.1:%d\n" % server.port in server.output
+    status, _, body = server.get("/llama/health")
+    assert status == 200 and body["status"] == "ok", body
+    status, _, body = server.get("/llama/v1/models")
+    assert status == 200 and body["data"][0]["id"] == QWEN, body
+    status, _, body = server.get("/health")
+    assert status == 404, body
+
+
 def allows_one_origin(server):
     status, headers, _ = server.request("OPTIONS", "/v1/chat/completions", headers={
         "Origin": "http://localhost:5173", "Access-Control-Request-Method": "POST"})
@@ -522,6 +542,9 @@ DOCS = {
     # docs/cli.md
     r"^python3 -m offgrid --version$": Run(version),
     r"^python3 -m offgrid -m models/gemma\S* -j ": Server(answers_yes_or_no_objects),
+    r"^openssl req -x509 ": "tls_cert",        # the certificate of the 8443 example
+    r"--ssl-key-file key\.pem ": "tls",        # the server of the 8443 example
+    r"8443/llama/health$": Curl(https_health, "127.0.0.1:8443", server="tls"),
     # docs/models.md
     r"^make run MODEL=models/gemma": Server(serves_gemma_without_fim),
     r"^python3 -m offgrid -m models/smollm.* --fim-model models/qwen":
@@ -679,6 +702,19 @@ def vision(lib, scratch, plain_model_path, tiny_dir):
 
 
 @pytest.fixture(scope="module")
+def tls(lib, scratch):
+    """docs/cli.md's HTTPS server: its certificate made by the page's openssl command in
+    the scratch copy, then the page's server, whose client helpers trust that certificate."""
+    (make_cert,) = [c for c in OTHERS if entry_for(c)[1] == "tls_cert"]
+    run = _sh(doctext.uncommented(make_cert.text), scratch)
+    assert run.returncode == 0, run.stdout + run.stderr
+    (command,) = [c for c in OTHERS if entry_for(c)[1] == "tls"]
+    with DocServer(command.text, scratch) as server:
+        server.tls = ssl.create_default_context(cafile=str(scratch / "cert.pem"))
+        yield server
+
+
+@pytest.fixture(scope="module")
 def make_run(lib, scratch):
     """The README's `make run`, on a free port: the server of the 127.0.0.1:8080 examples."""
     assert shutil.which("curl"), "the docs' examples use curl; install it"
@@ -718,6 +754,8 @@ def test_docs_command(command, scratch, request):
     _, entry = entry_for(command)
     if entry == "make_run":
         serves_the_default(request.getfixturevalue("make_run"))
+    elif entry in ("tls_cert", "tls"):
+        serves_https_under_the_prefix(request.getfixturevalue("tls"))
     elif isinstance(entry, Curl) and entry.server != "make_run":
         server = request.getfixturevalue(entry.server)
         entry.check(run_curl(command.text, {entry.address: server}, scratch), server)

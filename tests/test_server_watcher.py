@@ -6,6 +6,8 @@ server holds one end, closing the other is the client going away.
 
 import os
 import socket
+import ssl
+import threading
 import time
 
 import pytest
@@ -13,6 +15,11 @@ import pytest
 from offgrid.server.serving import watcher as watcher_module
 from offgrid.server.serving.watcher import DisconnectWatcher
 from offgrid.engine.session import RequestCancel
+
+try:
+    from .test_tls import make_cert
+except ImportError:
+    from test_tls import make_cert
 
 
 @pytest.fixture(params=["rdhup", "interval"])
@@ -135,3 +142,34 @@ def test_unwatch_finds_a_socket_its_handler_already_closed(watcher):
     watcher.unwatch(server_end)
     assert not watcher._watched
     client_end.close()
+
+
+def test_a_tls_client_hanging_up_cancels_its_request(watcher, tmp_path):
+    # an HTTPS connection's server end is an SSLSocket, which refuses recv(MSG_PEEK):
+    # the watcher looks at the TCP connection under it (httpd/tls.py).  TCP, not a
+    # socketpair: a client's FIN is no POLLHUP, so the fallback must look
+    key, cert = make_cert(tmp_path)
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(str(cert), str(key))
+    # no TLS 1.3 session tickets: left unread by the client, they would make its close a
+    # reset (POLLHUP) rather than the FIN of a client that read everything
+    server_ctx.num_tickets = 0
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client_raw = socket.create_connection(listener.getsockname())
+        server_raw, _ = listener.accept()
+    client_end = ssl.create_default_context(cafile=str(cert)).wrap_socket(
+        client_raw, server_hostname="localhost", do_handshake_on_connect=False)
+    shake = threading.Thread(target=client_end.do_handshake)
+    shake.start()
+    server_end = server_ctx.wrap_socket(server_raw, server_side=True)
+    shake.join(10)
+    cancel = RequestCancel()
+    watcher.watch(server_end, cancel)
+    client_end.sendall(b"GET /health HTTP/1.1\r\n\r\n")     # bytes are not a hang-up
+    assert not _wait(cancel, 0.3)
+    assert server_end.recv(100)         # the handler reads its request, as the server's does
+    client_end.close()
+    assert _wait(cancel)
+    assert cancel.reason == "client disconnected"
+    watcher.unwatch(server_end)
+    server_end.close()

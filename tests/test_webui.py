@@ -262,6 +262,20 @@ def test_page_loads_clean_and_asks_no_other_origin(server, browser):
     assert strangers == []
 
 
+def test_the_page_under_an_api_prefix_asks_the_api_under_it(plain_model_path, browser):
+    # --api-prefix /llama: the page is at /llama/, and its requests (relative) go there too
+    with ServerProcess(plain_model_path, "--api-prefix", "/llama", ctx=512) as s:
+        b = browser.open(s.base + "/llama")
+        assert b.models_listed()
+        b.setting("max_tokens", 4)
+        b.type_and_send("Say hi.")
+        b.finished()
+        assert b.errors() == []
+        ours = [url for url, doc in b.requests if doc.startswith(s.base)]
+        assert s.base + "/llama/v1/chat/completions" in ours, ours
+        assert all(url.startswith(s.base + "/llama/") for url in ours), ours
+
+
 def test_typed_message_streams_and_stop_cancels_it(server, browser):
     b = browser.open(server.base)
     b.models_listed()

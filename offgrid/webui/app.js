@@ -428,7 +428,8 @@ async function api(path, opts = {}) {
     if (opts.json !== undefined) headers["Content-Type"] = "application/json";
     const key = localStorage.getItem(KEY);
     if (key) headers.Authorization = "Bearer " + key;
-    const res = await fetch(path, {method: opts.json !== undefined ? "POST" : "GET", headers, cache: "no-store",
+    // relative to the page: with --api-prefix the page is at PREFIX/, and the API under it
+    const res = await fetch("." + path, {method: opts.json !== undefined ? "POST" : "GET", headers, cache: "no-store",
       body: opts.json !== undefined ? JSON.stringify(opts.json) : undefined, signal: opts.signal});
     if (res.status !== 401) return res;
     const why = await errorText(res);

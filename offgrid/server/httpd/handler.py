@@ -9,7 +9,11 @@ session; streams write each piece as one chunk of a chunked response.
 
 This layer knows no route: it is handed an ``app`` (``server/api/routes.py``)
 with the route table (``app.route``), the call into it (``app.dispatch``)
-and the one error exit (``app.error_response``).
+and the one error exit (``app.error_response``).  With ``--api-prefix`` every
+route is served under the prefix, as llama-server registers each of its
+routes (the chat page's too) at prefix + path: the prefix comes off a
+request's path as its line is read (``route_path``), so the routes and their
+handlers see the paths they always do, and a path outside it is a 404.
 
 Errors: handlers raise ``HTTPError`` (or let engine errors through);
 ``_send_exception`` hands every exception, and http.server's own refusals
@@ -106,6 +110,20 @@ class Handler(BaseHTTPRequestHandler):
     # --instance-name: sent on every response as INSTANCE_HEADER, so whoever stands
     # behind a load balancer (an operator, a test) sees which replica answered
     instance_name = None
+    # --api-prefix: the path every route is served under ("/llama"; "": none)
+    api_prefix = ""
+
+    @classmethod
+    def route_path(cls, path):
+        """A request's path (query string and all) within api_prefix, as the routes know
+        it; None where it is outside the prefix.  "/llama/health" is "/health" under
+        "/llama", and "/llama" alone is outside it, as llama-server's routes are
+        prefix + "/...".  The one place the prefix is read."""
+        if not cls.api_prefix:
+            return path
+        if path.startswith(cls.api_prefix + "/"):
+            return path[len(cls.api_prefix):]
+        return None
 
     # -- connection ---------------------------------------------------------------
     def setup(self):
@@ -120,6 +138,7 @@ class Handler(BaseHTTPRequestHandler):
         self.server.head_waiting(self.connection, self.client_address)
         self._stream = None
         self._body_pending = False
+        self.outside_prefix = False
         # what send_error needs if the request line never arrives whole
         self.command, self.path, self.request_version = "", "", "HTTP/1.1"
         try:
@@ -162,7 +181,9 @@ class Handler(BaseHTTPRequestHandler):
 
     def parse_request(self):
         """http.server's parse_request (CPython 3.13's checks), the headers read
-        by reader.read_headers rather than the email parser: keep in step."""
+        by reader.read_headers rather than the email parser: keep in step; and the
+        path taken out of --api-prefix (``route_path``)."""
+        self.outside_prefix = False
         self.command = None
         self.request_version = version = self.default_request_version
         self.close_connection = True
@@ -201,6 +222,11 @@ class Handler(BaseHTTPRequestHandler):
         self.command, self.path = command, path
         if self.path.startswith("//"):
             self.path = "/" + self.path.lstrip("/")     # gh-87389: no open redirects
+        inside = self.route_path(self.path)
+        if inside is None:
+            self.outside_prefix = True      # kept as sent, for the 404's message
+        else:
+            self.path = inside
         self.rfile.head_left = self.max_header_bytes     # the line is in; the headers follow
         try:
             self.headers = reader.read_headers(self.rfile)
@@ -300,7 +326,7 @@ class Handler(BaseHTTPRequestHandler):
     def _route(self, method):
         """The route for this request; NotFound or MethodNotAllowed (OPTIONS: route or None)."""
         path = self.path.split("?", 1)[0]
-        route = self.app.route(path)
+        route = None if self.outside_prefix else self.app.route(path)
         if method == "OPTIONS":
             return route
         if route is None:

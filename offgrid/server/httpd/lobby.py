@@ -23,6 +23,13 @@ So /health answers however many connections are held, and answering it can
 hold no thread: the lobby never blocks, and a guest that dawdles is dropped
 at its deadline.
 
+Under HTTPS (``tls``) a guest is a plain TCP connection until it has a
+handler, whose thread does the handshake (tls.py): its first byte is a
+ClientHello.  A silent one is dropped at its deadline without a word (a 408
+in plain text would be noise to a TLS client); a refused one has its
+handshake done here, without blocking, a step each time its socket is
+readable, and its head read and answered through TLS as above.
+
 Threading: only the lobby thread touches a guest's socket (the accepting
 thread peeks at a connection before it is one).  ``add`` (the
 accepting thread) and ``stop`` hand over under the lock and wake it through a
@@ -38,9 +45,11 @@ import logging
 import os
 import select
 import socket
+import ssl
 import threading
 import time
 
+from . import tls
 from .httperrors import RequestTimeout, Unavailable
 
 log = logging.getLogger("offgrid.lobby")
@@ -70,7 +79,7 @@ def _has_bytes(sock):
 class _Guest:
     """One connection in the lobby."""
 
-    __slots__ = ("sock", "addr", "deadline", "head", "refusal")
+    __slots__ = ("sock", "addr", "deadline", "head", "refusal", "shaking")
 
     def __init__(self, sock, addr, deadline):
         self.sock = sock
@@ -78,6 +87,7 @@ class _Guest:
         self.deadline = deadline
         self.head = None            # bytearray once it is read here (no slot for it)
         self.refusal = None         # why it got no slot: the 503's message
+        self.shaking = False        # a refused HTTPS guest whose handshake is under way
 
 
 class Lobby:
@@ -91,8 +101,9 @@ class Lobby:
     linger_seconds = 1.0
 
     def __init__(self, server, first_byte_timeout, max_waiting, server_name="offgrid",
-                 extra_headers=""):
+                 extra_headers="", tls_context=None):
         self.server = server
+        self.tls_context = tls_context          # an ssl.SSLContext: the guests speak HTTPS
         self.first_byte_timeout = first_byte_timeout
         self.max_waiting = max_waiting
         self.server_name = server_name
@@ -248,28 +259,55 @@ class Lobby:
         g.head, g.refusal = bytearray(), refusal
         g.deadline = time.monotonic() + self.first_byte_timeout
         self._refused[fd] = g
+        if self.tls_context is not None:
+            try:           # the same descriptor, still non-blocking: the poller keeps it
+                g.sock = self.tls_context.wrap_socket(g.sock, server_side=True,
+                                                      do_handshake_on_connect=False)
+            except (OSError, ValueError):
+                self._leave(fd)
+                return
+            g.shaking = True
         self._more(fd)
 
     def _more(self, fd):
-        """A refused guest sent more: read its head, or drain what follows its answer."""
+        """A refused guest sent more: its handshake's next step, its head read, or what
+        follows its answer drained."""
         g = self._refused[fd]
-        try:
-            data = g.sock.recv(1 << 16 if g.head is None else self.head_bytes - len(g.head))
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:
-            self._leave(fd)
-            return
-        if g.head is None:
-            return                  # answered already: draining
-        g.head += data
-        if b"\r\n\r\n" in g.head or b"\n\n" in g.head:
-            status, obj, head_only = self.server.reply_when_full(bytes(g.head), g.refusal)
-            self._answer(fd, status, obj, head_only)
-        elif len(g.head) >= self.head_bytes:
-            self._answer(fd, *self.server.error_reply(Unavailable(g.refusal)))
+        if g.shaking:
+            try:
+                g.sock.do_handshake()
+            except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                return              # more of it to come (a write blocks only past its deadline)
+            except (OSError, ValueError):
+                self._leave(fd)     # not TLS (plain HTTP, say), or gone
+                return
+            g.shaking = False
+        while True:
+            try:
+                data = g.sock.recv(1 << 16 if g.head is None
+                                   else self.head_bytes - len(g.head))
+            except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                return
+            except (OSError, ValueError):
+                data = b""
+            if not data:
+                self._leave(fd)
+                return
+            if g.head is None:
+                return              # answered already: draining
+            g.head += data
+            if b"\r\n\r\n" in g.head or b"\n\n" in g.head:
+                status, obj, head_only = self.server.reply_when_full(bytes(g.head),
+                                                                     g.refusal)
+                self._answer(fd, status, obj, head_only)
+                return
+            if len(g.head) >= self.head_bytes:
+                self._answer(fd, *self.server.error_reply(Unavailable(g.refusal)))
+                return
+            # TLS: the rest of its head may be decrypted already, where poll() does not
+            # see it (tls.py); a plain socket has none such
+            if not (tls.is_tls(g.sock) and g.sock.pending()):
+                return
 
     def _answer(self, fd, status, obj, head_only=False):
         """Write the one answer, half-close, and drain for linger_seconds."""
@@ -277,8 +315,9 @@ class Lobby:
         try:
             g.sock.send(response_bytes(status, obj, self.server_name, head_only,
                                        self.extra_headers))
-            g.sock.shutdown(socket.SHUT_WR)
-        except OSError:
+            tls.close_notify(g.sock)
+            g.sock.shutdown(socket.SHUT_WR)     # (TLS: from here the socket reads as plain)
+        except (OSError, ValueError):
             self._leave(fd)
             return
         g.head = None
@@ -290,17 +329,18 @@ class Lobby:
             if g.deadline > now:
                 break
             # the 408 a handler would have sent; into an empty socket buffer
-            # it cannot block
-            try:
-                g.sock.send(response_bytes(*self.server.error_reply(RequestTimeout(
-                    "no request arrived within %g seconds" % self.first_byte_timeout)),
-                    server=self.server_name, extra=self.extra_headers))
-            except OSError:
-                pass
+            # it cannot block (none in plain text to a TLS client)
+            if self.tls_context is None:
+                try:
+                    g.sock.send(response_bytes(*self.server.error_reply(RequestTimeout(
+                        "no request arrived within %g seconds" % self.first_byte_timeout)),
+                        server=self.server_name, extra=self.extra_headers))
+                except OSError:
+                    pass
             self._leave(fd)
         for fd, g in list(self._refused.items()):
             if g.deadline <= now:
-                if g.head is not None:      # its head never came whole
+                if g.head is not None and not g.shaking:    # its head never came whole
                     self._answer(fd, *self.server.error_reply(Unavailable(g.refusal)))
                     continue
                 self._leave(fd)

@@ -35,11 +35,11 @@ import http.client
 import io
 import json
 import re
-import select
 import socket
 import time
 
 from ... import jsonlimit
+from . import tls
 from .httperrors import BadRequest, LengthRequired, PayloadTooLarge, RequestTimeout
 
 # A JSON string escape of a UTF-16 surrogate: only with one can a lone
@@ -172,13 +172,12 @@ def read_headers(rfile):
 
 
 def unread_bytes(sock):
-    """Whether the client has sent bytes the server has not read (without waiting)."""
-    poller = select.poll()      # first: recv on a socket with a timeout waits that long
-    poller.register(sock, select.POLLIN)
-    if not poller.poll(0):
-        return False
+    """Whether the client has sent bytes the server has not read (without waiting); under
+    TLS, bytes decrypted already count too, and any TLS record does (tls.py)."""
+    if tls.is_tls(sock) and sock.pending():
+        return True
     try:
-        return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        return bool(tls.raw_peek(sock))
     except OSError:
         return False
 
@@ -191,6 +190,7 @@ def linger(sock, seconds, max_bytes):
     body it will never have read gets a moment to read the answer instead.
     """
     try:
+        tls.close_notify(sock)
         sock.shutdown(socket.SHUT_WR)
         deadline, left = time.monotonic() + seconds, max_bytes
         while left > 0:

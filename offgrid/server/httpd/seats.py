@@ -27,9 +27,10 @@ at once and the overshoot is bounded by the drops under way.
 """
 
 import collections
-import socket
 import threading
 import time
+
+from . import tls
 
 
 class Seats:
@@ -99,8 +100,9 @@ class Seats:
         self._dropping[victim] = victim_peer
         self.dropped += 1
         try:
-            # its handler's read returns at once, and it ends the connection
-            victim.shutdown(socket.SHUT_RDWR)
+            # its handler's read returns at once, and it ends the connection (the TCP
+            # connection's shutdown: under TLS the handler's thread owns the TLS state)
+            tls.raw_shutdown(victim)
         except OSError:
             pass
         return True

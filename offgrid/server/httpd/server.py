@@ -1,8 +1,11 @@
-"""The listening side: connections, their limits, several addresses, and shutdown's drain.
+"""The listening side: connections, their limits, several addresses, HTTPS, and shutdown's
+drain.
 
 ``make_server`` builds a Server whose Handler class carries the settings of
 the command line and the application it serves (``app``: the route table,
-the dispatch and the one error exit, from ``server/api/routes.py``).
+the dispatch and the one error exit, from ``server/api/routes.py``).  With an
+ssl.SSLContext (``tls``) every connection speaks HTTPS, and only that: its
+handshake is done on its own thread, before its handler starts (tls.py).
 """
 
 import errno
@@ -17,6 +20,7 @@ import time
 from http.server import ThreadingHTTPServer
 
 from ...jobs import Threads
+from . import tls as tls_layer
 from .handler import INSTANCE_HEADER, Handler
 from .httperrors import Unavailable
 from .frontmem import FrontMemory
@@ -83,7 +87,9 @@ class Server(ThreadingHTTPServer):
     # oldest is dropped, so a flood of them cannot keep real clients out.
     max_waiting = 1024
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, tls=None, **kwargs):
+        # an ssl.SSLContext (--ssl-key-file, --ssl-cert-file): HTTPS only; None: HTTP
+        self.tls = tls
         self._cond = threading.Condition()
         # connections with a thread, per peer, and which wait for a request head
         self.seats = Seats()
@@ -98,7 +104,7 @@ class Server(ThreadingHTTPServer):
         name = self.RequestHandlerClass.instance_name
         self.lobby = Lobby(self, min(self.first_byte_timeout, self.RequestHandlerClass.timeout),
                            self.max_waiting, Handler.server_version,
-                           "%s: %s\r\n" % (INSTANCE_HEADER, name) if name else "")
+                           "%s: %s\r\n" % (INSTANCE_HEADER, name) if name else "", tls)
 
     # -- the accept loop ----------------------------------------------------------
     def serve_forever(self, poll_interval=None):
@@ -175,15 +181,46 @@ class Server(ThreadingHTTPServer):
 
     def process_request_thread(self, request, client_address):
         try:
+            if self.tls is not None:
+                request, ready = self._handshake(request, client_address)
+                if not ready:
+                    return
             super().process_request_thread(request, client_address)
         finally:
             self.seats.ended(request, _peer(client_address))
 
+    def _handshake(self, sock, client_address):
+        """The connection's TLS handshake, within the read timeout (tls.py): (its
+        SSLSocket, True), or (the socket, closed, False) where it failed: a client that
+        speaks plain HTTP, stalls or leaves has its connection closed, as llama-server's
+        does.  Meanwhile it waits for its request head, as one whose head trickles: it
+        may be dropped for a newcomer (seats.py)."""
+        try:
+            tls_sock = tls_layer.wrap(self.tls, sock)
+        except OSError as e:
+            log.info("TLS with %s failed: %s", client_address[0], e)
+            sock.close()
+            return sock, False
+        self.seats.waiting(tls_sock, _peer(client_address))
+        try:
+            tls_layer.handshake(tls_sock, self.RequestHandlerClass.read_timeout)
+        except OSError as e:
+            log.info("TLS handshake with %s failed: %s", client_address[0], e)
+            tls_sock.close()
+            return tls_sock, False
+        return tls_sock, True
+
+    def shutdown_request(self, request):
+        tls_layer.close_notify(request)         # HTTPS: TLS's goodbye first
+        super().shutdown_request(request)
+
     def reply_when_full(self, head, refusal):
         """(status, body, head_only) for a request that got no slot: /health, or 503."""
         line = head.split(b"\n", 1)[0].split()
-        if len(line) == 3 and line[0] in (b"GET", b"HEAD") \
-                and line[1].split(b"?", 1)[0] in (b"/health", b"/v1/health"):
+        path = (self.RequestHandlerClass.route_path(line[1].decode("latin-1"))
+                if len(line) == 3 else None)
+        if len(line) == 3 and line[0] in (b"GET", b"HEAD") and path is not None \
+                and path.split("?", 1)[0] in ("/health", "/v1/health"):
             probe = _HealthProbe(self.RequestHandlerClass.service)
             try:
                 self.RequestHandlerClass.app.route("/health").handler(probe, None)
@@ -322,12 +359,15 @@ class Servers:
 
 def make_server(host, port, app, service=None, api_keys=(), cors_origins=(), max_body=None,
                 verbose=False, timeout=None, read_timeout=None, front_max_rss=None,
-                instance_name=None):
+                instance_name=None, tls=None, api_prefix=None):
     """A Server bound to host:port serving ``app``, whose Handler class carries these
     settings.
 
     ``host`` may be a comma list of addresses: a Servers, every address on
-    the same port (port 0: the one the first address got).
+    the same port (port 0: the one the first address got).  ``tls``: an
+    ssl.SSLContext with the server's certificate and key, for HTTPS on every
+    address; ``api_prefix``: the path every route is served under
+    (``Handler.api_prefix``).
     """
     attrs = {"app": app, "service": service, "cors_origins": tuple(cors_origins), "verbose": verbose,
              "api_keys": tuple(hashlib.sha256(k.encode("utf-8")).digest() for k in api_keys)}
@@ -341,6 +381,8 @@ def make_server(host, port, app, service=None, api_keys=(), cors_origins=(), max
         attrs["front_memory"] = FrontMemory(front_max_rss)
     if instance_name:
         attrs["instance_name"] = instance_name
+    if api_prefix:
+        attrs["api_prefix"] = api_prefix
     handler = type("OffgridHandler", (Handler,), attrs)
     # descriptors for the cap, the lobby, and the models, pipes and logs beside them
     _raise_fd_limit(Server.max_connections + Server.max_waiting + 256)
@@ -351,7 +393,7 @@ def make_server(host, port, app, service=None, api_keys=(), cors_origins=(), max
             server_class = Server
             if ":" in one:
                 server_class = type("Server6", (Server,), {"address_family": socket.AF_INET6})
-            servers.append(server_class((one.strip("[]"), port), handler))
+            servers.append(server_class((one.strip("[]"), port), handler, tls=tls))
             port = servers[0].server_address[1]
     except OSError:
         for server in servers:

@@ -11,8 +11,9 @@ cancel-on-disconnect for the life of the process.
 import logging
 import os
 import select
-import socket
 import threading
+
+from ..httpd import tls
 
 log = logging.getLogger("offgrid.watcher")
 
@@ -166,8 +167,11 @@ class DisconnectWatcher:
 
     @staticmethod
     def _closed(sock):
+        # the TCP connection's bytes, also under TLS (whose socket refuses MSG_PEEK):
+        # EOF is a hang-up either way; a client's bytes, or its TLS close_notify
+        # alert before its FIN, are not yet
         try:
-            return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            return tls.raw_peek(sock) == b""
         except BlockingIOError:
             return False
         except OSError:
