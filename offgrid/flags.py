@@ -9,10 +9,11 @@ import sys
 
 from . import __version__
 from .flagvalues import (api_prefix, device_list, gpu_layers, grammar_file, grammar_text,
-                         json_schema_file, json_schema_text, kv_override, logit_bias,
+                         json_schema_file, json_schema_text, logit_bias,
                          rpc_endpoints, template_kwargs, tensor_overrides, tensor_split,
                          thread_count, tls_context)
 from .protocol import WorkerSettings
+from .server.models import overrides
 from .request import (KV_CACHE_TYPES, LOAD_MODES, POOLINGS, REASONING_FORMATS,
                       REASONING_MODES, SPEC_TYPES)
 
@@ -375,8 +376,8 @@ def parse_args(argv=None):
         args.lora_specs = lora.specs_from(args)
         args.sampling = sampling.from_args(args)
         args.template_kwargs = template_kwargs(args)
-        args.override_kv = [kv_override(item) for value in args.override_kv
-                            for item in value.split(",") if item]
+        args.override_kv = [o for value in args.override_kv
+                            for o in overrides.kv_overrides(value)]
         args.override_tensor = tensor_overrides(args)
         args.tls = tls_context(args.ssl_key_file, args.ssl_cert_file)
     except ValueError as e:

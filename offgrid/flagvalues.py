@@ -9,6 +9,8 @@ import json
 import re
 import ssl
 
+from .server.models import overrides
+
 
 def thread_count(value):
     """-t / -tb: "auto", or a count (0 and below mean auto, as llama-server's -1)."""
@@ -21,52 +23,11 @@ def thread_count(value):
     return n if n > 0 else "auto"
 
 
-# llama.cpp's LLM_FFN_EXPS_REGEX (common.h): a Mixture of Experts layer's expert weights
-FFN_EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
-
-
 def tensor_overrides(args):
     """-ot's REGEX=BUFT items, then --cpu-moe's and --n-cpu-moe's, as [regex, buffer type
     name] (llama-server's order); ValueError for one that does not read."""
-    out = []
-    for value in args.override_tensor:
-        for item in value.split(","):
-            pattern, sep, buft = item.rpartition("=")
-            if not sep or not pattern or not buft:
-                raise ValueError("-ot %s: give REGEX=BUFFER_TYPE, e.g. "
-                                 "'\\.ffn_.*_exps\\.=CPU'" % item)
-            try:
-                re.compile(pattern)
-            except re.error as e:
-                raise ValueError("-ot %s: not a regular expression (%s)" % (item, e))
-            out.append([pattern, buft])
-    if args.n_cpu_moe < 0:
-        raise ValueError("--n-cpu-moe must be 0 or more")
-    if args.cpu_moe:
-        out.append([FFN_EXPS_REGEX, "CPU"])
-    out += [[r"blk\.%d%s" % (i, FFN_EXPS_REGEX), "CPU"] for i in range(args.n_cpu_moe)]
-    return out
-
-
-def kv_override(item):
-    """One --override-kv item, KEY=TYPE:VALUE, as [key, type, value] (as llama.cpp's
-    string_parse_kv_override reads it); ValueError where it is not one."""
-    key, sep, rest = item.partition("=")
-    kind, colon, text = rest.partition(":")
-    if not sep or not key or len(key.encode()) >= 128 or not colon:
-        raise ValueError("--override-kv %s: give KEY=TYPE:VALUE (TYPE int, float, bool or "
-                         "str)" % item)
-    try:
-        value = {"int": int, "float": float, "str": str,
-                 "bool": {"true": True, "false": False}.__getitem__}[kind](text)
-    except (KeyError, ValueError):
-        raise ValueError("--override-kv %s: not a value of type int, float, bool (true or "
-                         "false) or str" % item)
-    if kind == "int" and not -2 ** 63 <= value < 2 ** 63:
-        raise ValueError("--override-kv %s: an int is 64 bits" % item)
-    if kind == "str" and len(text.encode()) > 127:
-        raise ValueError("--override-kv %s: a str value may be at most 127 bytes" % key)
-    return [key, kind, value]
+    out = [o for value in args.override_tensor for o in overrides.tensor_overrides(value)]
+    return out + overrides.moe_overrides(args.cpu_moe, args.n_cpu_moe)
 
 
 def template_kwargs(args):
@@ -74,14 +35,7 @@ def template_kwargs(args):
     ValueError for a value they, or --reasoning-budget, do not take."""
     kwargs = {}
     if args.chat_template_kwargs is not None:
-        try:
-            kwargs = json.loads(args.chat_template_kwargs)
-        except ValueError as e:
-            raise ValueError("--chat-template-kwargs: not JSON (%s)" % e)
-        if not isinstance(kwargs, dict):
-            raise ValueError("--chat-template-kwargs must be a JSON object")
-        if not isinstance(kwargs.get("enable_thinking", False), bool):
-            raise ValueError("--chat-template-kwargs: enable_thinking must be true or false")
+        kwargs = overrides.template_kwargs(args.chat_template_kwargs)
     if args.reasoning_effort not in (None, "default"):
         kwargs["reasoning_effort"] = args.reasoning_effort
     if args.reasoning_budget < -1:

@@ -599,3 +599,59 @@ def test_a_preset_takes_the_cache_types_load_mode_and_reasoning_budget_under_the
         ini.write_text("[m]\n%s\n" % bad)
         with pytest.raises(PresetError, match=bad.split(" ")[0]):
             read_preset(str(ini))
+
+
+def test_a_preset_takes_the_overrides_and_template_kwargs_as_the_flags_read_them(tmp_path):
+    """A preset's --override-kv, -ot with --cpu-moe/--n-cpu-moe and --chat-template-kwargs
+    reach that model's worker settings, read by the flags' own readers; a flag given wins;
+    a value they do not take is an error that says why."""
+    from offgrid.flags import parse_args
+    from offgrid.server.models.entry import ModelEntry
+    from offgrid.server.models.folders import PresetError, read_preset
+    from offgrid.server.models.launch import model_args, worker_settings
+    from offgrid.server.models.overrides import FFN_EXPS_REGEX
+    ini = tmp_path / "p.ini"
+    ini.write_text("[*]\nchat-template-kwargs = {\"enable_thinking\": false}\n"
+                   "[m]\noverride-kv = general.name=str:renamed,x.y=int:3\n"
+                   "ot = blk\\.0\\.=CPU\nn-cpu-moe = 1\n")
+    defaults, models, ignored = read_preset(str(ini))
+    assert not ignored
+    entry = ModelEntry("m", path="m.gguf")
+    entry.preset = dict(defaults, **models["m"])
+    s = worker_settings("m.gguf", model_args(entry, parse_args(["-m", "x.gguf"])))
+    assert s.override_kv == [["general.name", "str", "renamed"], ["x.y", "int", 3]]
+    assert s.override_tensor == [[r"blk\.0\.", "CPU"], [r"blk\.0" + FFN_EXPS_REGEX, "CPU"]]
+    assert s.template_kwargs == {"enable_thinking": False}
+    given = parse_args(["-m", "x.gguf", "--override-kv", "a.b=bool:true", "--cpu-moe",
+                        "--reasoning-effort", "low"])
+    s = worker_settings("m.gguf", model_args(entry, given))
+    assert s.override_kv == [["a.b", "bool", True]]
+    assert s.override_tensor == [[FFN_EXPS_REGEX, "CPU"]]
+    assert s.template_kwargs == {"enable_thinking": False, "reasoning_effort": "low"}
+    for bad, why in (("override-kv = name=int:x", "not a value of type int"),
+                     ("ot = nothing", "give REGEX=BUFFER_TYPE"),
+                     ("chat-template-kwargs = [1]", "must be a JSON object"),
+                     ("n-cpu-moe = -1", "not a valid value")):
+        ini.write_text("[m]\n%s\n" % bad)
+        with pytest.raises(PresetError, match=why):
+            read_preset(str(ini))
+
+
+def test_a_presets_override_kv_reaches_libllama(tmp_path, gemma_path, smollm_path):
+    """The classic use again, from a preset: gemma's tokenizer adds no BOS in [g], and
+    does in [h], the same file without the override (by another path: one path is one
+    model)."""
+    link = tmp_path / "gemma-link.gguf"
+    link.symlink_to(gemma_path)
+    ini = tmp_path / "p.ini"
+    ini.write_text("[g]\nmodel = %s\noverride-kv = tokenizer.ggml.add_bos_token=bool:false\n"
+                   "ctx-size = 256\n[h]\nmodel = %s\nctx-size = 256\n" % (link, gemma_path))
+    with ServerProcess(smollm_path, "--models-preset", ini, ctx=256) as s:
+        tokens = {m: s.post("/tokenize", {"content": "hi", "add_special": True, "model": m})[2]
+                  for m in ("g", "h")}
+        listed = {m["id"]: m for m in s.get("/models")[2]["data"]}
+    # /models writes the preset back in its own words
+    assert "override-kv = tokenizer.ggml.add_bos_token=bool:false\n" in \
+        listed["g"]["status"]["preset"], listed["g"]
+    assert tokens["g"]["tokens"] == [2202], tokens
+    assert tokens["h"]["tokens"] == [2, 2202], tokens

@@ -9,12 +9,22 @@ once the model has been loaded, the ``meta`` llama-server's ``/v1/models``
 gives.  Reading them never wakes a model (see ``shelf.py``).
 """
 
+import json
+
 from ..httpd.httperrors import BadRequest
 from .fields import Fields
 
 _SETTINGS = ("ctx_size", "parallel", "threads", "threads_batch", "batch_size", "ubatch_size",
              "cache_type_k", "cache_type_v", "load_mode", "reasoning_budget",
-             "chat_template", "load_on_startup", "stop_timeout", "keep_alive")
+             "chat_template", "load_on_startup", "stop_timeout", "keep_alive", "override_kv",
+             "override_tensor", "cpu_moe", "n_cpu_moe", "template_kwargs")
+# the settings written back as a flag reads them (models/overrides.py), by the flag's name
+_WRITTEN = {
+    "override_kv": ("override-kv", lambda v: ",".join(
+        "%s=%s:%s" % (k, t, str(x).lower() if t == "bool" else x) for k, t, x in v)),
+    "override_tensor": ("override-tensor", lambda v: ",".join("%s=%s" % tuple(o) for o in v)),
+    "template_kwargs": ("chat-template-kwargs", json.dumps),
+}
 
 
 def _preset_ini(name, preset):
@@ -23,9 +33,12 @@ def _preset_ini(name, preset):
     for key in _SETTINGS:
         if key in preset:
             value = preset[key]
-            if isinstance(value, bool):
+            word, write = _WRITTEN.get(key, (key.replace("_", "-"), None))
+            if write is not None:
+                value = write(value)
+            elif isinstance(value, bool):
                 value = "true" if value else "false"
-            lines.append("%s = %s" % (key.replace("_", "-"), value))
+            lines.append("%s = %s" % (word, value))
     return "\n".join(lines) + "\n"
 
 

@@ -13,7 +13,7 @@ import os
 import re
 
 from ...request import KV_CACHE_TYPES, LOAD_MODES
-from . import sampling
+from . import overrides, sampling
 
 # -- sizes and durations ---------------------------------------------------------------------
 
@@ -202,6 +202,13 @@ _PRESET_KEYS = {
     "cache-type-v": ("cache_type_v", KV_CACHE_TYPES), "ctv": ("cache_type_v", KV_CACHE_TYPES),
     "load-mode": ("load_mode", LOAD_MODES), "lm": ("load_mode", LOAD_MODES),
     "reasoning-budget": ("reasoning_budget", int),
+    # read as the flags are (models/overrides.py)
+    "override-kv": ("override_kv", overrides.kv_overrides),
+    "override-tensor": ("override_tensor", overrides.tensor_overrides),
+    "ot": ("override_tensor", overrides.tensor_overrides),
+    "cpu-moe": ("cpu_moe", "bool"), "cmoe": ("cpu_moe", "bool"),
+    "n-cpu-moe": ("n_cpu_moe", int), "ncmoe": ("n_cpu_moe", int),
+    "chat-template-kwargs": ("template_kwargs", overrides.template_kwargs),
 }
 _PRESET_KEYS.update(sampling.preset_keys())      # temp, top-k, ... (models/sampling.py)
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True,
@@ -229,10 +236,17 @@ def _setting(section, key, raw):
         elif kind is str:
             if name in ("alias", "tags"):
                 value = [a.strip() for a in value.split(",") if a.strip()]
-        else:
+        elif kind in (int, float):
             value = kind(value)
-        if name == "reasoning_budget" and value < -1:
+        else:
+            try:
+                value = kind(value)
+            except ValueError as e:         # a reader of overrides.py says what is wrong
+                raise PresetError("[%s] %s = %s: %s" % (section, key, raw, e))
+        if (name == "reasoning_budget" and value < -1) or (name == "n_cpu_moe" and value < 0):
             raise ValueError(value)
+    except PresetError:
+        raise
     except (KeyError, ValueError):
         raise PresetError("[%s] %s = %s: not a valid value" % (section, key, raw))
     return name, value

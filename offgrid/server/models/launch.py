@@ -13,7 +13,7 @@ import sys
 
 from ... import protocol
 from ...errors import ModelLoadError
-from . import sampling
+from . import overrides, sampling
 from .entry import ModelEntry
 from .folders import PresetError, default_memory_budget, parse_size, read_preset
 from .shelf import Shelf
@@ -147,7 +147,8 @@ def draft_ceiling(draft_bytes):
 
 # A preset's settings that are our flags, by their argparse names.
 PRESET_FLAGS = ("ctx_size", "parallel", "threads", "threads_batch", "batch_size",
-                "ubatch_size", "cache_type_k", "cache_type_v", "load_mode", "reasoning_budget")
+                "ubatch_size", "cache_type_k", "cache_type_v", "load_mode", "reasoning_budget",
+                "override_kv")
 
 
 def model_args(entry, args):
@@ -158,6 +159,15 @@ def model_args(entry, args):
     for key in PRESET_FLAGS:
         if key in preset and key not in explicit:
             setattr(out, key, preset[key])
+    # -ot, --cpu-moe and --n-cpu-moe make one list: the command line's, else the preset's
+    moe = ("override_tensor", "cpu_moe", "n_cpu_moe")
+    if any(k in preset for k in moe) and not any(k in explicit for k in moe):
+        out.override_tensor = preset.get("override_tensor", []) + overrides.moe_overrides(
+            preset.get("cpu_moe", False), preset.get("n_cpu_moe", 0))
+    # --chat-template-kwargs: the preset's under a --reasoning-effort given
+    if "template_kwargs" in preset and "chat_template_kwargs" not in explicit:
+        out.template_kwargs = dict(preset["template_kwargs"], **{
+            k: v for k, v in (args.template_kwargs or {}).items() if k == "reasoning_effort"})
     return out
 
 

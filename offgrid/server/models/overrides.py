@@ -1,0 +1,74 @@
+"""What a model's file and its load are told to do otherwise, read alike from the command
+line (flagvalues.py) and a preset's keys (folders.py): --override-kv, -ot with
+--cpu-moe and --n-cpu-moe, and --chat-template-kwargs.  Each reader raises ValueError
+naming the flag and what it takes."""
+
+import json
+import re
+
+# llama.cpp's LLM_FFN_EXPS_REGEX (common.h): a Mixture of Experts layer's expert weights
+FFN_EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
+
+
+def tensor_overrides(text, flag="-ot"):
+    """-ot's REGEX=BUFT items, a comma list, as [[regex, buffer type name], ...]."""
+    out = []
+    for item in text.split(","):
+        pattern, sep, buft = item.rpartition("=")
+        if not sep or not pattern or not buft:
+            raise ValueError("%s %s: give REGEX=BUFFER_TYPE, e.g. '\\.ffn_.*_exps\\.=CPU'"
+                             % (flag, item))
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ValueError("%s %s: not a regular expression (%s)" % (flag, item, e))
+        out.append([pattern, buft])
+    return out
+
+
+def moe_overrides(cpu_moe, n_cpu_moe):
+    """--cpu-moe's and --n-cpu-moe's items (after -ot's, as llama-server orders them): every
+    layer's expert weights, or the first N layers', in host memory."""
+    if n_cpu_moe < 0:
+        raise ValueError("--n-cpu-moe must be 0 or more")
+    out = [[FFN_EXPS_REGEX, "CPU"]] if cpu_moe else []
+    return out + [[r"blk\.%d%s" % (i, FFN_EXPS_REGEX), "CPU"] for i in range(n_cpu_moe)]
+
+
+def kv_override(item):
+    """One --override-kv item, KEY=TYPE:VALUE, as [key, type, value] (as llama.cpp's
+    string_parse_kv_override reads it)."""
+    key, sep, rest = item.partition("=")
+    kind, colon, text = rest.partition(":")
+    if not sep or not key or len(key.encode()) >= 128 or not colon:
+        raise ValueError("--override-kv %s: give KEY=TYPE:VALUE (TYPE int, float, bool or "
+                         "str)" % item)
+    try:
+        value = {"int": int, "float": float, "str": str,
+                 "bool": {"true": True, "false": False}.__getitem__}[kind](text)
+    except (KeyError, ValueError):
+        raise ValueError("--override-kv %s: not a value of type int, float, bool (true or "
+                         "false) or str" % item)
+    if kind == "int" and not -2 ** 63 <= value < 2 ** 63:
+        raise ValueError("--override-kv %s: an int is 64 bits" % item)
+    if kind == "str" and len(text.encode()) > 127:
+        raise ValueError("--override-kv %s: a str value may be at most 127 bytes" % key)
+    return [key, kind, value]
+
+
+def kv_overrides(text):
+    """--override-kv's comma list of items."""
+    return [kv_override(item) for item in text.split(",") if item]
+
+
+def template_kwargs(text):
+    """--chat-template-kwargs: a JSON object, whose enable_thinking (if any) is a bool."""
+    try:
+        kwargs = json.loads(text)
+    except ValueError as e:
+        raise ValueError("--chat-template-kwargs: not JSON (%s)" % e)
+    if not isinstance(kwargs, dict):
+        raise ValueError("--chat-template-kwargs must be a JSON object")
+    if not isinstance(kwargs.get("enable_thinking", False), bool):
+        raise ValueError("--chat-template-kwargs: enable_thinking must be true or false")
+    return kwargs
