@@ -200,6 +200,14 @@ def parse_args(argv=None):
     p.add_argument("--spm-infill", action="store_true",
                    help="lay fill-in-the-middle prompts out suffix first (suffix/prefix/middle), "
                    "as some code models were trained; llama-server's flag (default: prefix first)")
+    p.add_argument("-ctxcp", "--ctx-checkpoints", "--swa-checkpoints", type=int, default=8,
+                   metavar="N", dest="ctx_checkpoints",
+                   help="checkpoints of a hybrid or recurrent model's state kept per session, "
+                   "where a later prompt that parts from the cache restarts (default 8; 0: "
+                   "none, such a prompt is evaluated whole)")
+    p.add_argument("-cms", "--checkpoint-min-step", type=int, default=256, metavar="N",
+                   help="tokens between those checkpoints inside a long prompt (default 256; "
+                   "0: one a batch)")
     p.add_argument("--context-shift", action=argparse.BooleanOptionalAction, default=False,
                    help="when a session's context fills up while generating, drop the older "
                    "half of it after the request's n_keep tokens and go on (default off: the "
@@ -444,6 +452,8 @@ def parse_args(argv=None):
             args.rpc = ",".join(rpc_endpoints(args.rpc, args.rpc_allow_remote))
         except ValueError as e:
             p.error(str(e))
+    if args.ctx_checkpoints < 0 or args.checkpoint_min_step < 0:
+        p.error("-ctxcp and -cms must be 0 or more")
     if args.keep < -1:
         p.error("--keep %d: give -1 (the whole prompt), 0 or more" % args.keep)
     if args.main_gpu < 0:

@@ -227,6 +227,8 @@ class WorkerSettings:
     # --grammar(-file), -j/-jf: ["grammar", GBNF] or ["schema", a JSON schema], what a
     # request that sets no output format of its own is held to (engine/loaded.py)
     output_default: Optional[list] = None
+    ctx_checkpoints: int = 8        # -ctxcp: a recurrent state's checkpoints per session
+    checkpoint_min_step: int = 256  # -cms: tokens between them in a long prompt (0: a batch)
 
 
 @dataclasses.dataclass

@@ -102,3 +102,27 @@ def test_a_turn_whose_reply_renders_otherwise_restarts_from_a_checkpoint(hybrid,
             assert got.text == ref.complete(second, greedy).text
     finally:
         model.close()
+
+
+def test_ctx_checkpoints_bounds_the_checkpoints_and_zero_means_none(tiny_dir):
+    """-ctxcp (llama-server's flag): a prompt that parts from a hybrid's cache restarts
+    from a checkpoint, or with -ctxcp 0 is evaluated whole; the text is the same."""
+    path = archmodels.build("qwen35", tiny_dir)
+    words = text(700, 3).split()
+    first, second = " ".join(words), " ".join(words[:500] + ["granite"] + words[501:])
+    with reference_server(path, ctx=4096) as ref:
+        want = fresh(ref, second)
+        n_before = len(tokens_of(ref, " ".join(words[:500])))
+    got = {}
+    for flags in ((), ("-ctxcp", "0"), ("-ctxcp", "1", "-cms", "128")):
+        with ServerProcess(path, *flags, ctx=4096) as srv:
+            complete(srv, first)
+            body = complete(srv, second)
+        assert body == want, flags
+        got[flags] = body["timings"]["cache_n"]
+    # 256 apart by default: the last checkpoint at or before the edit
+    assert n_before - 256 < got[()] <= n_before, got
+    assert got[("-ctxcp", "0")] == 0, got
+    # one kept, the newest (4 tokens before the first prompt's end): past the edit,
+    # so of no use to the second prompt
+    assert got[("-ctxcp", "1", "-cms", "128")] == 0, got

@@ -132,7 +132,9 @@ class Loaded:
                 sessions.append(ChatSession(
                     model, decoder=decoder, context_shift=args.context_shift,
                     draft_max=draft_max,
-                    copy_draft_max=args.spec_draft_n_max or 63, draft_model=draft_model))
+                    copy_draft_max=args.spec_draft_n_max or 63, draft_model=draft_model,
+                    ctx_checkpoints=args.ctx_checkpoints,
+                    checkpoint_step=args.checkpoint_min_step))
             # the embedding context learns its thread counts on its own: its
             # decodes (every token an output) run at another speed than a prompt's
             embedder = Embedder.for_model(

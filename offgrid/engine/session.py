@@ -215,7 +215,8 @@ class ChatSession(Generation, RecurrentCache):
 
     def __init__(self, model, n_ctx=4096, n_batch=512, n_ubatch=None, n_threads=None,
                  n_threads_batch=None, swa_full=True, threads=None, draft_max=0,
-                 context_shift=False, decoder=None, copy_draft_max=63, draft_model=None):
+                 context_shift=False, decoder=None, copy_draft_max=63, draft_model=None,
+                 ctx_checkpoints=8, checkpoint_step=256):
         """``decoder``: the BatchDecoder (shared_decoder) this session is one
         member of; without it the session has a context of its own, made from
         n_ctx, n_batch, n_ubatch, swa_full and threads (the worker's
@@ -227,7 +228,9 @@ class ChatSession(Generation, RecurrentCache):
         making longer; or from ``draft_model`` (an engine.draftmodel.DraftModel
         whose sequence ``index`` of this session is this session's: -md).
         ``context_shift``: a full context drops part of its past instead of
-        ending the reply (--context-shift)."""
+        ending the reply (--context-shift).  ``ctx_checkpoints``: a recurrent
+        state's checkpoints kept (-ctxcp; 0: none), ``checkpoint_step`` tokens
+        apart inside a long prompt (-cms; 0: a batch apart)."""
         self._owns_decoder = decoder is None
         if decoder is None:
             decoder = shared_decoder(model, 1, n_ctx, n_batch, n_ubatch, swa_full, threads,
@@ -255,7 +258,8 @@ class ChatSession(Generation, RecurrentCache):
         self.memory = decoder.memory
         self._can_shift = self.memory.moves_keys
         # a recurrent state cut back restarts from one of these (checkpoints.py)
-        self.checkpoints = Checkpoints() if self.memory.needs_checkpoints else None
+        self.checkpoints = Checkpoints(ctx_checkpoints, step=checkpoint_step or self.n_batch) \
+            if self.memory.needs_checkpoints and ctx_checkpoints > 0 else None
         # tokens of the prompt sequence that can be taken back natively now:
         # a recurrent state's snapshots are those of the last decode's tokens,
         # single use (engine/memory.py), so only after a decode with a draft

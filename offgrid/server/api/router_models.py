@@ -17,7 +17,8 @@ from .fields import Fields
 _SETTINGS = ("ctx_size", "parallel", "threads", "threads_batch", "batch_size", "ubatch_size",
              "cache_type_k", "cache_type_v", "load_mode", "reasoning_budget",
              "chat_template", "load_on_startup", "stop_timeout", "keep_alive", "override_kv",
-             "override_tensor", "cpu_moe", "n_cpu_moe", "template_kwargs")
+             "override_tensor", "cpu_moe", "n_cpu_moe", "template_kwargs", "ctx_checkpoints",
+             "checkpoint_min_step")
 # the settings written back as a flag reads them (models/overrides.py), by the flag's name
 _WRITTEN = {
     "override_kv": ("override-kv", lambda v: ",".join(

@@ -209,6 +209,9 @@ _PRESET_KEYS = {
     "cpu-moe": ("cpu_moe", "bool"), "cmoe": ("cpu_moe", "bool"),
     "n-cpu-moe": ("n_cpu_moe", int), "ncmoe": ("n_cpu_moe", int),
     "chat-template-kwargs": ("template_kwargs", overrides.template_kwargs),
+    "ctx-checkpoints": ("ctx_checkpoints", int), "ctxcp": ("ctx_checkpoints", int),
+    "swa-checkpoints": ("ctx_checkpoints", int),
+    "checkpoint-min-step": ("checkpoint_min_step", int), "cms": ("checkpoint_min_step", int),
 }
 _PRESET_KEYS.update(sampling.preset_keys())      # temp, top-k, ... (models/sampling.py)
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True,
@@ -243,7 +246,8 @@ def _setting(section, key, raw):
                 value = kind(value)
             except ValueError as e:         # a reader of overrides.py says what is wrong
                 raise PresetError("[%s] %s = %s: %s" % (section, key, raw, e))
-        if (name == "reasoning_budget" and value < -1) or (name == "n_cpu_moe" and value < 0):
+        if (name == "reasoning_budget" and value < -1) or (
+                name in ("n_cpu_moe", "ctx_checkpoints", "checkpoint_min_step") and value < 0):
             raise ValueError(value)
     except PresetError:
         raise

@@ -55,6 +55,8 @@ def worker_settings(path, args, chat_template=None, decode_lock=None):
         override_tensor=getattr(args, "override_tensor", None) or [],
         cache_type_v=getattr(args, "cache_type_v", "f16"),
         output_default=getattr(args, "output_default", None),
+        ctx_checkpoints=getattr(args, "ctx_checkpoints", 8),
+        checkpoint_min_step=getattr(args, "checkpoint_min_step", 256),
         reasoning_format=args.reasoning_format, lib=args.lib, decode_lock=decode_lock,
         rpc=args.rpc or None, n_gpu_layers=args.n_gpu_layers,
         tensor_split=list(args.tensor_split) if args.tensor_split else None,
@@ -148,7 +150,7 @@ def draft_ceiling(draft_bytes):
 # A preset's settings that are our flags, by their argparse names.
 PRESET_FLAGS = ("ctx_size", "parallel", "threads", "threads_batch", "batch_size",
                 "ubatch_size", "cache_type_k", "cache_type_v", "load_mode", "reasoning_budget",
-                "override_kv")
+                "override_kv", "ctx_checkpoints", "checkpoint_min_step")
 
 
 def model_args(entry, args):
