@@ -14,7 +14,7 @@ from .flagvalues import (api_prefix, device_list, gpu_layers, grammar_file, gram
                          thread_count, tls_context)
 from .protocol import WorkerSettings
 from .server.models import overrides
-from .request import (KV_CACHE_TYPES, LOAD_MODES, POOLINGS, REASONING_FORMATS,
+from .request import (KV_CACHE_TYPES, LAZY_MODES, LOAD_MODES, POOLINGS, REASONING_FORMATS,
                       REASONING_MODES, SPEC_TYPES)
 
 
@@ -344,6 +344,10 @@ def parse_args(argv=None):
                    help="older llama-server's form of -lm mmap+mlock")
     p.add_argument("--no-mmap", dest="load_mode", action="store_const", const="none",
                    help="older llama-server's form of -lm none")
+    p.add_argument("-lzm", "--lazy-mode", default="auto", choices=LAZY_MODES,
+                   help="tensors the architecture marks (per-layer embeddings) read from the "
+                   "file as needed instead of held in memory, as llama-server's: on, auto "
+                   "(those over 4 GiB; the default) or off")
     p.add_argument("--override-kv", action="append", default=[], metavar="KEY=TYPE:VALUE,...",
                    help="the model's metadata values in place of its file's (TYPE int, float, "
                    "bool or str), as llama-server's: tokenizer.ggml.add_bos_token=bool:false")

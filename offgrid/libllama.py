@@ -193,6 +193,9 @@ class llama_model_kv_override(Structure):
 
 # enum llama_load_mode, by -lm's words
 LOAD_MODES = {"auto": -1, "none": 0, "mmap": 1, "mlock": 2, "mmap+mlock": 3, "dio": 4}
+# enum llama_lazy_mode (-lzm): tensors the architecture marks (per-layer embeddings)
+# read from the file on demand
+LAZY_MODES = {"off": 0, "auto": 1, "on": 2}
 
 # enum llama_model_kv_override_type, by --override-kv's words
 KV_OVERRIDE_TYPES = {"int": 0, "float": 1, "bool": 2, "str": 3}
@@ -919,7 +922,7 @@ class ModelHandle:
 
     def __init__(self, lib, path, progress=None, vocab_only=False, devices=(), n_gpu_layers=None,
                  tensor_split=None, repack=True, split_mode=None, main_gpu=0, kv_offload=True,
-                 kv_overrides=(), load_mode="auto", tensor_overrides=()):
+                 kv_overrides=(), load_mode="auto", tensor_overrides=(), lazy_mode="auto"):
         """Load ``path``; ``progress(fraction)`` is called while loading.
 
         ``vocab_only`` loads the tokenizer and metadata but no weights: enough
@@ -955,6 +958,7 @@ class ModelHandle:
         params.vocab_only = vocab_only
         params.use_extra_bufts = repack
         params.load_mode = LOAD_MODES[load_mode]
+        params.lazy_mode = LAZY_MODES[lazy_mode]
         self.vocab_only = vocab_only
         self.kv_offload = kv_offload
         # the arrays libllama reads while loading (it copies the device list)

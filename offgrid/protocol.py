@@ -222,6 +222,7 @@ class WorkerSettings:
     # -ot, --cpu-moe, --n-cpu-moe: [regex, buffer type name] (engine/model.py)
     override_tensor: list = dataclasses.field(default_factory=list)
     load_mode: str = "auto"         # -lm: how libllama reads the file (libllama.LOAD_MODES)
+    lazy_mode: str = "auto"         # -lzm: per-layer embeddings read on demand (LAZY_MODES)
     cache_type_k: str = "f16"       # -ctk, -ctv: the KV cache's types (request.KV_CACHE_TYPES)
     cache_type_v: str = "f16"
     # --grammar(-file), -j/-jf: ["grammar", GBNF] or ["schema", a JSON schema], what a

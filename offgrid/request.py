@@ -33,6 +33,7 @@ SPEC_TYPES = ("none", "edits", "auto", "ngram-simple", "ngram-mod", "draft-simpl
 # -ctk / -ctv: the KV cache's types, llama-server's (common/arg.cpp kv_cache_types)
 KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 LOAD_MODES = ("auto", "none", "mmap", "mlock", "mmap+mlock", "dio")   # -lm (libllama.LOAD_MODES)
+LAZY_MODES = ("off", "auto", "on")      # -lzm (libllama.LAZY_MODES)
 
 # llama-server's default sampler order (common_params_sampling::samplers);
 # a request may reorder or drop them with "samplers".

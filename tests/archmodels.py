@@ -57,6 +57,14 @@ ARCHS = {
     "llama": dict(template="meta-llama-Llama-3.2-3B-Instruct.jinja", std_layer=0.3),
     "qwen3moe": dict(template="Qwen-Qwen3-0.6B.jinja", moe=True),
     "gemma3": dict(template="google-gemma-2-2b-it.jinja", swa=64, n_layer=2),
+    # Gemma 4's small kind: per-layer embeddings, which libllama may read from the file
+    # as it needs them (-lzm)
+    "gemma4": dict(template="google-gemma-4-31B-it.jinja", vocab="gemma-4", swa=64, n_layer=2,
+                   captured=True,
+                   swa_pattern=[True, False],
+                   u32={"embedding_length_per_layer_input": 8, "attention.key_length": 32,
+                        "attention.value_length": 32, "attention.key_length_swa": 32,
+                        "attention.value_length_swa": 32}),
     "gpt-oss": dict(template="openai-gpt-oss-120b.jinja", moe=True, swa=64, std_layer=1.2),
     "lfm2": dict(template="LFM2.5-Instruct.jinja"),
     "granitehybrid": dict(template="ibm-granite-granite-4.0.jinja", std_layer=0.3),
@@ -326,7 +334,14 @@ class _Builder:
         f32("%s.attention.group_norm_epsilon", 1e-5)
         u32("%s.attention.group_norm_groups", 8)
         u32("%s.attention.sliding_window", spec.get("swa", 128))
-        u32("%s.attention.sliding_window_pattern", 2)
+        if spec.get("swa_pattern"):
+            # Gemma 4 reads which layers are windowed as an array of bools
+            pattern = spec["swa_pattern"]
+            data = (c_bool * len(pattern))(*pattern)
+            g.gguf_set_arr_data(ctx, ("%s.attention.sliding_window_pattern" % a).encode(),
+                                _BOOL, data, len(pattern))
+        else:
+            u32("%s.attention.sliding_window_pattern", 2)
         f32("%s.rope.freq_base", 10000.0)
         arr("%s.rope.dimension_sections", spec.get("sections", [head_dim // 4] * 4))
         if spec.get("deepstack"):

@@ -123,6 +123,24 @@ def test_an_override_kv_of_another_type_than_the_files_key_fails_the_load(plain_
         in str(e.value), e.value
 
 
+def test_the_lazy_mode_reads_gemma4s_per_layer_embeddings_on_demand(tiny_dir):
+    """-lzm on: libllama reads the per-layer embeddings gemma4 marks from the file as
+    it needs them (its own line says so), and the text is the same as with them held."""
+    import archmodels
+    path = archmodels.build("gemma4", tiny_dir)
+    body = {"prompt": "Once upon a time", "n_predict": 8, "temperature": 0}
+    texts = {}
+    for mode in ("on", "off"):
+        with ServerProcess(path, "-lzm", mode, "-v", ctx=256) as s:
+            status, _, out = s.post("/completion", body)
+            assert status == 200, out
+            texts[mode] = out["content"]
+        lazy = [line for line in s.output if "lazy read enabled" in line]
+        assert bool(lazy) == (mode == "on"), "".join(s.output)[-2000:]
+    assert texts["on"] == texts["off"]
+    assert parse_args(["-m", "x.gguf"]).lazy_mode == "auto"
+
+
 def test_the_load_mode_reaches_libllama(smollm_path):
     assert parse_args(["-m", "x.gguf", "--mlock"]).load_mode == "mmap+mlock"
     assert parse_args(["-m", "x.gguf", "--no-mmap"]).load_mode == "none"

@@ -119,7 +119,7 @@ class Model:
              rpc_endpoints=(), n_gpu_layers=None, tensor_split=None, repack=True,
              on_rpc_stall=None, device_names=None, split_mode=None, main_gpu=0,
              kv_offload=True, n_ctx_hint=0, kv_overrides=(), load_mode="auto",
-             tensor_overrides=()):
+             tensor_overrides=(), lazy_mode="auto"):
         """Load a GGUF file.  Raises ModelLoadError (or LibraryError, RpcUnavailable).
 
         With ``vocab_only`` only the tokenizer and metadata are loaded (no
@@ -173,7 +173,8 @@ class Model:
                                       # pick() kept -sm none's device alone: index 0
                                       main_gpu=0, kv_offload=kv_offload,
                                       kv_overrides=[tuple(o) for o in kv_overrides or ()],
-                                      load_mode=load_mode, tensor_overrides=overrides)
+                                      load_mode=load_mode, tensor_overrides=overrides,
+                                      lazy_mode=lazy_mode)
         if not handle.ptr:
             if any(d.endpoint is None for d in devices):
                 # libllama logs "unable to allocate <device> buffer" and returns

@@ -12,7 +12,7 @@ import math
 import os
 import re
 
-from ...request import KV_CACHE_TYPES, LOAD_MODES
+from ...request import KV_CACHE_TYPES, LAZY_MODES, LOAD_MODES
 from . import overrides, sampling
 
 # -- sizes and durations ---------------------------------------------------------------------
@@ -201,6 +201,7 @@ _PRESET_KEYS = {
     "cache-type-k": ("cache_type_k", KV_CACHE_TYPES), "ctk": ("cache_type_k", KV_CACHE_TYPES),
     "cache-type-v": ("cache_type_v", KV_CACHE_TYPES), "ctv": ("cache_type_v", KV_CACHE_TYPES),
     "load-mode": ("load_mode", LOAD_MODES), "lm": ("load_mode", LOAD_MODES),
+    "lazy-mode": ("lazy_mode", LAZY_MODES), "lzm": ("lazy_mode", LAZY_MODES),
     "reasoning-budget": ("reasoning_budget", int),
     # read as the flags are (models/overrides.py)
     "override-kv": ("override_kv", overrides.kv_overrides),

@@ -52,6 +52,7 @@ def worker_settings(path, args, chat_template=None, decode_lock=None):
         cache_type_k=getattr(args, "cache_type_k", "f16"),
         override_kv=getattr(args, "override_kv", None) or [],
         load_mode=getattr(args, "load_mode", "auto"),
+        lazy_mode=getattr(args, "lazy_mode", "auto"),
         override_tensor=getattr(args, "override_tensor", None) or [],
         cache_type_v=getattr(args, "cache_type_v", "f16"),
         output_default=getattr(args, "output_default", None),
@@ -150,7 +151,7 @@ def draft_ceiling(draft_bytes):
 # A preset's settings that are our flags, by their argparse names.
 PRESET_FLAGS = ("ctx_size", "parallel", "threads", "threads_batch", "batch_size",
                 "ubatch_size", "cache_type_k", "cache_type_v", "load_mode", "reasoning_budget",
-                "override_kv", "ctx_checkpoints", "checkpoint_min_step")
+                "override_kv", "ctx_checkpoints", "checkpoint_min_step", "lazy_mode")
 
 
 def model_args(entry, args):
