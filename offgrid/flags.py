@@ -230,6 +230,12 @@ def parse_args(argv=None):
     p.add_argument("-ctv", "--cache-type-v", choices=KV_CACHE_TYPES, default="f16",
                    help="the KV cache's value type (default f16); a quantized one needs flash "
                    "attention (-fa on or auto)")
+    p.add_argument("-ctkd", "--cache-type-k-draft", "--spec-draft-type-k",
+                   choices=KV_CACHE_TYPES, default="f16", dest="cache_type_k_draft",
+                   help="the draft model's (-md) key cache type (default f16)")
+    p.add_argument("-ctvd", "--cache-type-v-draft", "--spec-draft-type-v",
+                   choices=KV_CACHE_TYPES, default="f16", dest="cache_type_v_draft",
+                   help="the draft model's (-md) value cache type (default f16)")
     p.add_argument("--no-swa-full", action="store_true",
                    help="windowed KV cache for sliding-window models: less memory, "
                    "but no prompt-cache reuse")

@@ -225,6 +225,8 @@ class WorkerSettings:
     lazy_mode: str = "auto"         # -lzm: per-layer embeddings read on demand (LAZY_MODES)
     cache_type_k: str = "f16"       # -ctk, -ctv: the KV cache's types (request.KV_CACHE_TYPES)
     cache_type_v: str = "f16"
+    cache_type_k_draft: str = "f16"     # -ctkd, -ctvd: the draft model's (-md)
+    cache_type_v_draft: str = "f16"
     # --grammar(-file), -j/-jf: ["grammar", GBNF] or ["schema", a JSON schema], what a
     # request that sets no output format of its own is held to (engine/loaded.py)
     output_default: Optional[list] = None

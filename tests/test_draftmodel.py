@@ -152,3 +152,15 @@ def test_flags_that_cannot_work_are_refused(flags, words):
     run = subprocess.run([sys.executable, "-m", "offgrid", "-m", str(GEMMA)] + flags,
                          cwd=str(ROOT), capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and words in run.stderr, run.stderr
+
+
+def test_the_draft_models_cache_takes_its_own_types():
+    """-ctkd/-ctvd (llama-server's): the draft model's KV cache in q8_0 beside the target's
+    f16 (libllama's own lines say so), and its drafts still come true."""
+    with ServerProcess(GEMMA, "-md", GEMMA, "-ctkd", "q8_0", "-ctvd", "q8_0", "-np", "1", "-v",
+                       ctx=1024) as s:
+        t = _greedy(s, PROMPTS[0])["timings"]
+    assert t["draft_n"] > 0 and t["draft_n_accepted"] >= 0.7 * t["draft_n"], t
+    caches = [line for line in s.output if "llama_kv_cache: size =" in line]
+    assert any("K (f16)" in line for line in caches), caches
+    assert any("K (q8_0)" in line and "V (q8_0)" in line for line in caches), caches

@@ -31,8 +31,9 @@ import threading
 from .. import libllama
 from ..errors import ModelLoadError
 from . import cachereuse
+from .memory import KV_TYPES
 from .model import Model
-from .session import decode_turn, shared_pool
+from .session import check_cache_types, decode_turn, shared_pool
 
 OUT_NONE, OUT_LAST = libllama.ContextHandle.OUT_NONE, libllama.ContextHandle.OUT_LAST
 
@@ -68,12 +69,13 @@ class DraftModel:
     """The draft model and its context: one sequence per session of the target."""
 
     def __init__(self, model, target, n_sessions, n_ctx, n_batch, n_ubatch, threads, n_min=0,
-                 p_min=0.0, kv_unified=True):
+                 p_min=0.0, kv_unified=True, type_k="f16", type_v="f16"):
         """``model``: the loaded draft Model (owned from here on); ``target``:
         the target Model; ``n_ctx``: tokens per session (the target's);
         ``threads``: the target's DecodeThreads (the counts the draft's
         decodes follow); ``kv_unified``: False gives each session's sequence a
-        cache stream of its own, as the target's (--no-kv-unified)."""
+        cache stream of its own, as the target's (--no-kv-unified); ``type_k``,
+        ``type_v``: its KV cache's types (-ctkd, -ctvd; memory.KV_TYPES)."""
         self.model = model
         self.n_ctx = n_ctx
         self.n_min = max(0, n_min)
@@ -84,10 +86,13 @@ class DraftModel:
         if why is not None:
             raise ModelLoadError("the draft model %s cannot draft for %s: %s"
                                  % (model.name, target.name, why))
+        check_cache_types(model, type_k, type_v, None, ("-ctkd", "-ctvd"))
+        self.type_k, self.type_v = type_k, type_v
         self.ctx = libllama.ContextHandle(
             model.lib, model.handle, n_ctx * n_sessions, n_batch, n_ubatch or n_batch,
             threads.generation.max_threads, threads.batch.max_threads, n_seq_max=n_sessions,
-            seq_per_stream=0 if kv_unified else 1)
+            seq_per_stream=0 if kv_unified else 1, type_k=KV_TYPES[type_k][0],
+            type_v=KV_TYPES[type_v][0])
         if not self.ctx.ptr:
             raise ModelLoadError("libllama could not make the draft model's context of %d "
                                  "tokens (not enough memory?)" % (n_ctx * n_sessions))
@@ -104,11 +109,12 @@ class DraftModel:
 
     @classmethod
     def load(cls, path, target, n_sessions, n_ctx, n_batch, n_ubatch, threads, n_min=0,
-             p_min=0.0, lib_path=None, verbose=False, kv_unified=True):
+             p_min=0.0, lib_path=None, verbose=False, kv_unified=True, type_k="f16",
+             type_v="f16"):
         model = Model.load(path, lib_path=lib_path, verbose=verbose, progress=False)
         try:
             return cls(model, target, n_sessions, n_ctx, n_batch, n_ubatch, threads, n_min,
-                       p_min, kv_unified)
+                       p_min, kv_unified, type_k, type_v)
         except BaseException:
             model.close()
             raise

@@ -128,7 +128,8 @@ class Loaded:
                     args.model_draft, model, n_sessions, decoder.n_ctx_session,
                     args.batch_size, args.ubatch_size, threads, args.spec_draft_n_min,
                     args.spec_draft_p_min, lib_path=args.lib, verbose=args.verbose,
-                    kv_unified=kv_unified)
+                    kv_unified=kv_unified, type_k=args.cache_type_k_draft,
+                    type_v=args.cache_type_v_draft)
             for _ in range(n_sessions):
                 sessions.append(ChatSession(
                     model, decoder=decoder, context_shift=args.context_shift,
@@ -212,7 +213,8 @@ class Loaded:
         d = self.draft_model
         if d is None:
             return 0
-        return os.path.getsize(d.model.path) + kv_bytes_of(d.model.meta, d.ctx.n_ctx)
+        return os.path.getsize(d.model.path) + kv_bytes_of(d.model.meta, d.ctx.n_ctx,
+                                                           d.type_k, d.type_v)
 
     def kv_bytes(self):
         """The KV caches' size, from the model's shape and the caches' types."""

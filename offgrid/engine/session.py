@@ -189,20 +189,22 @@ def shared_decoder(model, n_sessions, n_ctx=4096, n_batch=512, n_ubatch=None, sw
     return decoder
 
 
-def check_cache_types(model, type_k, type_v, flash_attn):
+def check_cache_types(model, type_k, type_v, flash_attn, flags=("-ctk", "-ctv")):
     """Raise ContextError for KV cache types libllama would refuse with a null context
     (llama_init_from_model's checks), naming the flag: a quantized value cache needs
     flash attention, whose quantized rows must divide each head, and a model of
-    latent attention (DeepSeek-V2/V3) keeps keys and values of one type."""
+    latent attention (DeepSeek-V2/V3) keeps keys and values of one type.  ``flags``: the
+    two flags that gave them (a draft model's are -ctkd, -ctvd)."""
     k_len, v_len = kv_head_sizes(model.meta)
     arch = model.meta.get("general.architecture", "")
     if type_k != type_v and model.meta.get("%s.attention.kv_lora_rank" % arch) is not None:
-        raise ContextError("%s keeps its keys and values in one latent cache: give -ctk "
-                           "and -ctv the same type, not %s and %s" % (model.name, type_k, type_v))
+        raise ContextError("%s keeps its keys and values in one latent cache: give %s "
+                           "and %s the same type, not %s and %s"
+                           % (model.name, flags[0], flags[1], type_k, type_v))
     if KV_TYPES[type_v][2] > 1 and flash_attn is False:
-        raise ContextError("-ctv %s (a quantized value cache) needs flash attention, which "
-                           "-fa off turns off" % type_v)
-    for flag, kind, size in (("-ctk", type_k, k_len), ("-ctv", type_v, v_len)):
+        raise ContextError("%s %s (a quantized value cache) needs flash attention, which "
+                           "-fa off turns off" % (flags[1], type_v))
+    for flag, kind, size in ((flags[0], type_k, k_len), (flags[1], type_v, v_len)):
         block = KV_TYPES[kind][2]
         if flash_attn is not False and size % block:
             raise ContextError("%s %s: its blocks of %d values do not divide %s's heads of "

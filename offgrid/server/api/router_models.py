@@ -15,7 +15,8 @@ from ..httpd.httperrors import BadRequest
 from .fields import Fields
 
 _SETTINGS = ("ctx_size", "parallel", "threads", "threads_batch", "batch_size", "ubatch_size",
-             "cache_type_k", "cache_type_v", "load_mode", "lazy_mode", "reasoning_budget",
+             "cache_type_k", "cache_type_v", "cache_type_k_draft", "cache_type_v_draft",
+             "load_mode", "lazy_mode", "reasoning_budget",
              "chat_template", "load_on_startup", "stop_timeout", "keep_alive", "override_kv",
              "override_tensor", "cpu_moe", "n_cpu_moe", "template_kwargs", "ctx_checkpoints",
              "checkpoint_min_step")

@@ -200,6 +200,10 @@ _PRESET_KEYS = {
     # a choice among these words
     "cache-type-k": ("cache_type_k", KV_CACHE_TYPES), "ctk": ("cache_type_k", KV_CACHE_TYPES),
     "cache-type-v": ("cache_type_v", KV_CACHE_TYPES), "ctv": ("cache_type_v", KV_CACHE_TYPES),
+    "cache-type-k-draft": ("cache_type_k_draft", KV_CACHE_TYPES),
+    "ctkd": ("cache_type_k_draft", KV_CACHE_TYPES),
+    "cache-type-v-draft": ("cache_type_v_draft", KV_CACHE_TYPES),
+    "ctvd": ("cache_type_v_draft", KV_CACHE_TYPES),
     "load-mode": ("load_mode", LOAD_MODES), "lm": ("load_mode", LOAD_MODES),
     "lazy-mode": ("lazy_mode", LAZY_MODES), "lzm": ("lazy_mode", LAZY_MODES),
     "reasoning-budget": ("reasoning_budget", int),

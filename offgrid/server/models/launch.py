@@ -55,6 +55,8 @@ def worker_settings(path, args, chat_template=None, decode_lock=None):
         lazy_mode=getattr(args, "lazy_mode", "auto"),
         override_tensor=getattr(args, "override_tensor", None) or [],
         cache_type_v=getattr(args, "cache_type_v", "f16"),
+        cache_type_k_draft=getattr(args, "cache_type_k_draft", "f16"),
+        cache_type_v_draft=getattr(args, "cache_type_v_draft", "f16"),
         output_default=getattr(args, "output_default", None),
         ctx_checkpoints=getattr(args, "ctx_checkpoints", 8),
         checkpoint_min_step=getattr(args, "checkpoint_min_step", 256),
@@ -151,7 +153,8 @@ def draft_ceiling(draft_bytes):
 # A preset's settings that are our flags, by their argparse names.
 PRESET_FLAGS = ("ctx_size", "parallel", "threads", "threads_batch", "batch_size",
                 "ubatch_size", "cache_type_k", "cache_type_v", "load_mode", "reasoning_budget",
-                "override_kv", "ctx_checkpoints", "checkpoint_min_step", "lazy_mode")
+                "override_kv", "ctx_checkpoints", "checkpoint_min_step", "lazy_mode",
+                "cache_type_k_draft", "cache_type_v_draft")
 
 
 def model_args(entry, args):
