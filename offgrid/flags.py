@@ -8,6 +8,7 @@ import re
 import sys
 
 from . import __version__
+from .flagenv import env_argv
 from .flagvalues import (api_prefix, device_list, gpu_layers, grammar_file, grammar_text,
                          json_schema_file, json_schema_text, logit_bias,
                          rpc_endpoints, template_kwargs, tensor_overrides, tensor_split,
@@ -389,6 +390,12 @@ def parse_args(argv=None):
     p.add_argument("--version", action="version", version="offgrid " + __version__)
     from .server.api import lora
     lora.add_flags(p)
+    # llama-server's LLAMA_ARG_* variables, under the command line (flagenv.py)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv = env_argv(p, argv, os.environ) + argv
+    except ValueError as e:
+        p.error(str(e))
     args = p.parse_args(argv)
     try:
         args.lora_specs = lora.specs_from(args)
