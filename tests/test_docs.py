@@ -232,6 +232,22 @@ def image_chat(out, server):
     assert body["choices"][0]["message"]["content"] == expected, body
 
 
+def transcription(out, server):
+    """docs/api.md's transcription: clip.wav (a tone) to the tests' own audio encoder
+    (tests/mmproj.py); the transcript is the greedy text of the chat turn it stands for."""
+    body = _json(out)
+    status, _, prompt = server.post("/apply-template", {"messages": [
+        {"role": "user", "content": "Transcribe audio to text<__media__>"}]})
+    assert status == 200, prompt
+    status, _, want = server.post("/completion", {
+        "prompt": {"prompt_string": prompt["prompt"],
+                   "multimodal_data": [base64.b64encode(mmproj.wav(1.0)).decode()]},
+        "n_predict": 8, "temperature": 0})
+    assert status == 200, want
+    assert body["type"] == "transcript.text.done" and body["usage"]["output_tokens"] == 8, body
+    assert body["text"] == want["content"], (body, want)
+
+
 def version(out):
     assert out.strip() == "offgrid %s" % __version__
 
@@ -533,6 +549,7 @@ DOCS = {
         "with a projector the tests write (tests/mmproj.py); offgrid's parser checks the flags",
         offgrid_parses),
     r'8080/v1/chat/completions .*"image_url"': Curl(image_chat, server="vision"),
+    r"8080/v1/audio/transcriptions ": Curl(transcription, server="audio"),
     # docs/dialects.md
     r"8080/api/generate ": Curl(ollama_fim),
     r"8080/api/chat ": Curl(ollama_chat),
@@ -711,6 +728,17 @@ def tls(lib, scratch):
     (command,) = [c for c in OTHERS if entry_for(c)[1] == "tls"]
     with DocServer(command.text, scratch) as server:
         server.tls = ssl.create_default_context(cafile=str(scratch / "cert.pem"))
+        yield server
+
+
+@pytest.fixture(scope="module")
+def audio(lib, scratch, plain_model_path, tiny_dir):
+    """docs/api.md's server with an audio encoder: the tiny model with the tests' own
+    (tests/mmproj.py), greedy; and the page's clip.wav, a second of a tone."""
+    (scratch / "clip.wav").write_bytes(mmproj.wav(1.0))
+    path = mmproj.write_audio(tiny_dir, plain_model_path)
+    with ServerProcess(plain_model_path, "--mmproj", path, "--temp", "0", ctx=1024,
+                       threads=1) as server:
         yield server
 
 
