@@ -89,11 +89,12 @@ def main(argv=None):
         httpd = make_server(args.host, args.port, APP, None, api_keys, args.cors_origin,
                             args.max_body, args.verbose, args.timeout, args.read_timeout,
                             ceiling_from_flag(args.front_max_rss), args.instance_name,
-                            args.tls, args.api_prefix)
+                            args.tls, args.api_prefix, args.reuse_port)
     except OSError as e:
         print("offgrid: cannot listen on %s:%d: %s" % (args.host, args.port, e), file=sys.stderr)
         return 1
     httpd.RequestHandlerClass.webui = args.webui
+    httpd.RequestHandlerClass.ping_every = args.sse_ping_interval
     serving = threading.Thread(target=httpd.serve_forever, name="http", daemon=True)
     serving.start()   # /health says "loading" meanwhile
 
@@ -131,7 +132,8 @@ def main(argv=None):
                   "/rerank scores are the first component of its hidden state, not relevance"
                   % entry.id, file=sys.stderr)
     defaults = GenerationParams(n_predict=args.n_predict, ignore_eos=args.ignore_eos,
-                                n_keep=args.keep, cache_prompt=args.cache_prompt)
+                                n_keep=args.keep, cache_prompt=args.cache_prompt,
+                                stop=list(args.reverse_prompt))
     service = Service(text, fim, generation_default=defaults,
                       shutdown_grace=args.shutdown_grace, cache_reuse=max(0, args.cache_reuse),
                       endpoints_off=[

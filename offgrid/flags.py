@@ -113,10 +113,13 @@ def parse_args(argv=None):
                    "prompt takes the rest of the time in steps of its own of about two "
                    "periods (default %(default)g; 0: the prompt goes in whole batches and "
                    "the streams wait, as llama-server)")
-    p.add_argument("-n", "--n-predict", type=int, default=-1,
+    p.add_argument("-n", "--n-predict", "--predict", type=int, default=-1,
                    help="default tokens to generate when a request sets none (-1: no limit)")
     # what a request that does not say gets (llama-server's params_base); the sampling
     # ones are models/sampling.py's, and -l's ids are checked against each model's vocabulary
+    p.add_argument("-r", "--reverse-prompt", action="append", default=[], metavar="TEXT",
+                   help="a stop string for requests that give none of their own "
+                   "(repeatable; llama-server's flag)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="requests go on past the end-of-generation tokens unless they set "
                    "ignore_eos false (llama-server's flag)")
@@ -165,7 +168,7 @@ def parse_args(argv=None):
                    help="origins allowed, a comma list (llama-server's form of --cors-origin)")
     p.add_argument("--max-body", type=int, default=8 * 1024 * 1024,
                    help="largest request body in bytes (default 8 MiB)")
-    p.add_argument("--timeout", type=float, default=30.0,
+    p.add_argument("-to", "--timeout", type=float, default=30.0,
                    help="seconds an idle connection is kept, and a client that stops "
                    "reading a response is waited for (default 30)")
     p.add_argument("--read-timeout", type=float, default=30.0,
@@ -176,6 +179,13 @@ def parse_args(argv=None):
                    help="requests that may wait for a model's sessions, per model; one more "
                    "gets 503 with Retry-After at once, which a load balancer takes to another "
                    "replica (default: no bound)")
+    p.add_argument("--reuse-port", action="store_true",
+                   help="let other processes listen on the same port (SO_REUSEPORT: the "
+                   "kernel spreads new connections over them), as llama-server's flag")
+    p.add_argument("--sse-ping-interval", type=float, default=10.0, metavar="S",
+                   help="seconds a stream may stay quiet (its prompt evaluated, its request "
+                   "queued) before a keep-alive comment or ping event (default 10; 0 or "
+                   "less: none)")
     p.add_argument("--instance-name", metavar="NAME", default=None,
                    help="send X-Offgrid-Instance: NAME on every response, so which replica "
                    "behind a load balancer answered shows (default: none)")
@@ -279,6 +289,17 @@ def parse_args(argv=None):
                          "unless --no-mmproj-offload")):
         p.add_argument(*flags, action="store_true", dest="as_default",
                        help="taken: offgrid always does (%s)" % what)
+    for flags, kind, what in ((("--perf", "--no-perf"), None, "libllama's timings"),
+                              (("-dt", "--defrag-thold"), "N", "deprecated in llama-server too"),
+                              (("-sps", "--slot-prompt-similarity"), "X", "a request goes to "
+                               "the session whose cache serves it best"),
+                              (("--cache-idle-slots", "--no-cache-idle-slots"), None,
+                               "offgrid's kept prompt states do it")):
+        p.add_argument(*flags, dest="as_default", default=None,
+                       **({"action": "store_true"} if kind is None else {"metavar": kind}),
+                       help="taken and unused (%s)" % what)
+    p.add_argument("-nocb", "--no-cont-batching", action="store_true",
+                   help="taken, with a line: offgrid always batches the sessions' decodes")
     p.add_argument("--no-jinja", action="store_true",
                    help="taken, with a line: offgrid renders every template as Jinja")
     p.add_argument("--no-tool-call-rescue", action="store_true",
@@ -351,6 +372,9 @@ def parse_args(argv=None):
                    help="older llama-server's form of -lm mmap+mlock")
     p.add_argument("--no-mmap", dest="load_mode", action="store_const", const="none",
                    help="older llama-server's form of -lm none")
+    p.add_argument("--check-tensors", action="store_true",
+                   help="check every tensor's data for NaN and infinity as the model loads "
+                   "(a load that finds one fails), as llama-server's flag")
     p.add_argument("-lzm", "--lazy-mode", default="auto", choices=LAZY_MODES,
                    help="tensors the architecture marks (per-layer embeddings) read from the "
                    "file as needed instead of held in memory, as llama-server's: on, auto "
@@ -418,6 +442,9 @@ def parse_args(argv=None):
     if args.cache_type_v not in ("f32", "f16", "bf16") and args.flash_attn == "off":
         p.error("-ctv %s (a quantized value cache) needs flash attention: -fa on or auto, "
                 "not off" % args.cache_type_v)
+    if args.no_cont_batching:
+        print("offgrid: --no-cont-batching: offgrid always batches the -np sessions' decodes",
+              file=sys.stderr)
     if args.no_jinja:
         print("offgrid: --no-jinja: offgrid renders every chat template as Jinja, the "
               "model's own unless --chat-template names another", file=sys.stderr)

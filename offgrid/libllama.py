@@ -922,7 +922,8 @@ class ModelHandle:
 
     def __init__(self, lib, path, progress=None, vocab_only=False, devices=(), n_gpu_layers=None,
                  tensor_split=None, repack=True, split_mode=None, main_gpu=0, kv_offload=True,
-                 kv_overrides=(), load_mode="auto", tensor_overrides=(), lazy_mode="auto"):
+                 kv_overrides=(), load_mode="auto", tensor_overrides=(), lazy_mode="auto",
+                 check_tensors=False):
         """Load ``path``; ``progress(fraction)`` is called while loading.
 
         ``vocab_only`` loads the tokenizer and metadata but no weights: enough
@@ -959,6 +960,7 @@ class ModelHandle:
         params.use_extra_bufts = repack
         params.load_mode = LOAD_MODES[load_mode]
         params.lazy_mode = LAZY_MODES[lazy_mode]
+        params.check_tensors = bool(check_tensors)      # --check-tensors: NaN, inf refused
         self.vocab_only = vocab_only
         self.kv_offload = kv_offload
         # the arrays libllama reads while loading (it copies the device list)

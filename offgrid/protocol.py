@@ -223,6 +223,7 @@ class WorkerSettings:
     override_tensor: list = dataclasses.field(default_factory=list)
     load_mode: str = "auto"         # -lm: how libllama reads the file (libllama.LOAD_MODES)
     lazy_mode: str = "auto"         # -lzm: per-layer embeddings read on demand (LAZY_MODES)
+    check_tensors: bool = False     # --check-tensors: a tensor of NaN or inf fails the load
     cache_type_k: str = "f16"       # -ctk, -ctv: the KV cache's types (request.KV_CACHE_TYPES)
     cache_type_v: str = "f16"
     cache_type_k_draft: str = "f16"     # -ctkd, -ctvd: the draft model's (-md)

@@ -180,3 +180,37 @@ def test_the_logging_and_http_thread_flags_are_taken_and_lv_4_is_verbose():
     assert not args.verbose
     assert parse_args(["-m", "x.gguf", "--verbosity", "4"]).verbose
     assert parse_args(["-m", "x.gguf", "--log-verbose", "--log-colors", "off"]).verbose
+
+
+def test_check_tensors_refuses_a_file_with_a_nan(tmp_path, plain_model_path):
+    """--check-tensors: libllama reads every tensor's data as it loads and fails on a NaN
+    (here one value of the output norm); without it the same file loads."""
+    import struct
+    import gguf
+    src = gguf.read(plain_model_path)
+    info = next(t for t in src.tensors if t.type == gguf.TensorType.F32)
+    data = bytearray(src.tensor_bytes(info))
+    data[:4] = struct.pack("<f", float("nan"))
+    bad = tmp_path / "nan.gguf"
+    gguf.rewrite(plain_model_path, bad, {info.name: bytes(data)})
+    server = ServerProcess(bad, "--check-tensors", ctx=256)
+    with pytest.raises(RuntimeError) as e:
+        server.start()
+    assert server.stop() == 1
+    assert "a tensor of NaN or infinity (--check-tensors)" in str(e.value), e.value
+    with ServerProcess(bad, ctx=256) as s:
+        assert s.get("/health")[0] == 200
+
+
+def test_reuse_port_lets_two_servers_share_a_port(plain_model_path):
+    """--reuse-port (SO_REUSEPORT): a second server listens on the first one's port, and
+    the kernel spreads new connections over both."""
+    with ServerProcess(plain_model_path, "--reuse-port", "--instance-name", "one",
+                       ctx=256) as a:
+        b = ServerProcess(plain_model_path, "--reuse-port", "--instance-name", "two", ctx=256)
+        b.port_tries = 1
+        b.args[b.args.index("--port") + 1] = str(a.port)
+        b.port = a.port
+        with b:
+            seen = {a.get("/health")[1].get("X-Offgrid-Instance") for _ in range(40)}
+    assert seen == {"one", "two"}, seen

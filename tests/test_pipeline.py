@@ -221,3 +221,29 @@ def test_a_quiet_stream_gets_keep_alives(one_session):
     finally:
         holder.close()
     srv.wait_idle()
+
+
+@pytest.mark.parametrize("interval,pings", [("1", True), ("0", False)])
+def test_sse_ping_interval_sets_how_soon_a_quiet_stream_is_pinged(smollm_path, interval, pings):
+    """--sse-ping-interval (llama-server's): a queued stream's keep-alive after 1 s, or
+    none with 0 (the default, 10 s, is the test above's)."""
+    with ServerProcess(smollm_path, "-np", "1", "--sse-ping-interval", interval) as srv:
+        holder = _hold_the_session(srv)
+        try:
+            sock = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
+            body = json.dumps(STREAMS[3][1]).encode()
+            sock.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: %d\r\n\r\n%s"
+                         % (len(body), body))
+            sock.settimeout(0.25)
+            got, deadline = b"", time.monotonic() + 4
+            while b"event: ping" not in got and time.monotonic() < deadline:
+                try:
+                    got += sock.recv(4096)
+                except socket.timeout:
+                    pass
+            assert b"message_start" in got, got
+            assert (b"event: ping" in got) == pings, got
+            sock.close()
+        finally:
+            holder.close()

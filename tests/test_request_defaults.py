@@ -165,3 +165,17 @@ def test_ignore_eos_keep_and_cache_prompt_are_the_flags_unless_the_request_says(
     assert again["timings"]["prompt_n"] == first["timings"]["prompt_n"] > 1
     cached = completion(biased, n_predict=1, cache_prompt=True)
     assert cached["timings"]["prompt_n"] < first["timings"]["prompt_n"]
+
+
+def test_a_reverse_prompt_stops_requests_that_give_no_stop(plain_model_path):
+    """-r (llama-server's antiprompt): a stop string for a request without one of its own."""
+    with ServerProcess(plain_model_path, "-np", "1", ctx=512) as plain:
+        text = completion(plain, n_predict=12)["content"]
+    word = text[len(text) // 2:len(text) // 2 + 3]
+    assert len(word) == 3 and text.index(word) > 0, text
+    with ServerProcess(plain_model_path, "-r", word, "-np", "1", ctx=512) as s:
+        out = completion(s, n_predict=12)
+        assert out["content"] == text[:text.index(word)], (out["content"], text, word)
+        assert (out["stop_type"], out["stopping_word"]) == ("word", word)
+        # a request's own stop takes its place
+        assert completion(s, n_predict=12, stop=["\x00never"])["content"] == text

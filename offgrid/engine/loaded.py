@@ -77,7 +77,7 @@ class Loaded:
                            main_gpu=args.main_gpu, kv_offload=args.kv_offload,
                            n_ctx_hint=(args.ctx_size or 4096) * max(1, args.parallel),
                            kv_overrides=args.override_kv, load_mode=args.load_mode,
-                           lazy_mode=args.lazy_mode,
+                           lazy_mode=args.lazy_mode, check_tensors=args.check_tensors,
                            tensor_overrides=args.override_tensor)
         n_sessions = max(1, args.parallel)
         if on_sized is not None:

@@ -119,7 +119,7 @@ class Model:
              rpc_endpoints=(), n_gpu_layers=None, tensor_split=None, repack=True,
              on_rpc_stall=None, device_names=None, split_mode=None, main_gpu=0,
              kv_offload=True, n_ctx_hint=0, kv_overrides=(), load_mode="auto",
-             tensor_overrides=(), lazy_mode="auto"):
+             tensor_overrides=(), lazy_mode="auto", check_tensors=False):
         """Load a GGUF file.  Raises ModelLoadError (or LibraryError, RpcUnavailable).
 
         With ``vocab_only`` only the tokenizer and metadata are loaded (no
@@ -174,7 +174,7 @@ class Model:
                                       main_gpu=0, kv_offload=kv_offload,
                                       kv_overrides=[tuple(o) for o in kv_overrides or ()],
                                       load_mode=load_mode, tensor_overrides=overrides,
-                                      lazy_mode=lazy_mode)
+                                      lazy_mode=lazy_mode, check_tensors=check_tensors)
         if not handle.ptr:
             if any(d.endpoint is None for d in devices):
                 # libllama logs "unable to allocate <device> buffer" and returns
@@ -185,11 +185,13 @@ class Model:
                     "(fewer layers with -ngl N, or -dev none for the CPU alone)"
                     % (path, ", ".join(d.name for d in devices)))
             raise ModelLoadError("libllama could not load the model %s (not a GGUF file, or "
-                                 "an unsupported architecture%s%s)" % (path, (
+                                 "an unsupported architecture%s%s%s)" % (path, (
                                      ", or an --override-kv value it does not take"
                                      if kv_overrides else ""), (
                                      ", or an -ot pattern C++'s std::regex does not take"
-                                     if overrides else "")))
+                                     if overrides else ""), (
+                                     ", or a tensor of NaN or infinity (--check-tensors)"
+                                     if check_tensors else "")))
         if not vocab_only and handle.has_encoder():
             # libllama aborts the first decode without a llama_encode before it
             arch = handle.meta().get("general.architecture", "?")

@@ -254,7 +254,7 @@ def choices_from(f):
 def generation_from(f, n_vocab, defaults=None, max_tokens_names=MAX_TOKENS_NAMES,
                     sampling_default=None, tokenize=None):
     """GenerationParams from a request's generation fields; what it leaves out comes
-    from ``defaults`` (the server's: -n, --ignore-eos, --keep, --cache-prompt) and
+    from ``defaults`` (the server's: -n, -r, --ignore-eos, --keep, --cache-prompt) and
     ``sampling_default`` (``tokenize``: see sampling_from)."""
     d = defaults if defaults is not None else GenerationParams()
     g = GenerationParams()
@@ -265,7 +265,8 @@ def generation_from(f, n_vocab, defaults=None, max_tokens_names=MAX_TOKENS_NAMES
             n_predict = f.int(name, n_predict, lo=lo, hi=MAX_N_PREDICT)
             break
     g.n_predict = n_predict
-    g.stop = f.stop_list("stop")
+    # llama-server's -r strings where the request gives no stop string of its own
+    g.stop = f.stop_list("stop") or list(d.stop)
     g.sampling = sampling_from(f, n_vocab, sampling_default, tokenize)
     g.ignore_eos = f.bool("ignore_eos", d.ignore_eos)
     g.cache_prompt = f.bool("cache_prompt", d.cache_prompt)

@@ -62,7 +62,7 @@ from urllib.parse import urlsplit
 from ... import __version__
 from . import form, reader
 from .httperrors import HTTPError, MethodNotAllowed, NotFound, Unauthorized, Unavailable
-from .streams import EventStream, NDJSONStream, dumps
+from .streams import PING_EVERY, EventStream, NDJSONStream, dumps
 
 log = logging.getLogger("offgrid.http")
 
@@ -112,6 +112,8 @@ class Handler(BaseHTTPRequestHandler):
     instance_name = None
     # --api-prefix: the path every route is served under ("/llama"; "": none)
     api_prefix = ""
+    # --sse-ping-interval: seconds a stream may stay quiet before a keep-alive (streams.py)
+    ping_every = PING_EVERY
 
     @classmethod
     def route_path(cls, path):

@@ -87,9 +87,11 @@ class Server(ThreadingHTTPServer):
     # oldest is dropped, so a flood of them cannot keep real clients out.
     max_waiting = 1024
 
-    def __init__(self, *args, tls=None, **kwargs):
+    def __init__(self, *args, tls=None, reuse_port=False, **kwargs):
         # an ssl.SSLContext (--ssl-key-file, --ssl-cert-file): HTTPS only; None: HTTP
         self.tls = tls
+        # --reuse-port: other processes may listen on the port too (SO_REUSEPORT)
+        self.reuse_port = reuse_port
         self._cond = threading.Condition()
         # connections with a thread, per peer, and which wait for a request head
         self.seats = Seats()
@@ -105,6 +107,11 @@ class Server(ThreadingHTTPServer):
         self.lobby = Lobby(self, min(self.first_byte_timeout, self.RequestHandlerClass.timeout),
                            self.max_waiting, Handler.server_version,
                            "%s: %s\r\n" % (INSTANCE_HEADER, name) if name else "", tls)
+
+    def server_bind(self):
+        if self.reuse_port:
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        super().server_bind()
 
     # -- the accept loop ----------------------------------------------------------
     def serve_forever(self, poll_interval=None):
@@ -359,7 +366,7 @@ class Servers:
 
 def make_server(host, port, app, service=None, api_keys=(), cors_origins=(), max_body=None,
                 verbose=False, timeout=None, read_timeout=None, front_max_rss=None,
-                instance_name=None, tls=None, api_prefix=None):
+                instance_name=None, tls=None, api_prefix=None, reuse_port=False):
     """A Server bound to host:port serving ``app``, whose Handler class carries these
     settings.
 
@@ -367,7 +374,7 @@ def make_server(host, port, app, service=None, api_keys=(), cors_origins=(), max
     the same port (port 0: the one the first address got).  ``tls``: an
     ssl.SSLContext with the server's certificate and key, for HTTPS on every
     address; ``api_prefix``: the path every route is served under
-    (``Handler.api_prefix``).
+    (``Handler.api_prefix``); ``reuse_port``: SO_REUSEPORT on every listening socket.
     """
     attrs = {"app": app, "service": service, "cors_origins": tuple(cors_origins), "verbose": verbose,
              "api_keys": tuple(hashlib.sha256(k.encode("utf-8")).digest() for k in api_keys)}
@@ -393,7 +400,8 @@ def make_server(host, port, app, service=None, api_keys=(), cors_origins=(), max
             server_class = Server
             if ":" in one:
                 server_class = type("Server6", (Server,), {"address_family": socket.AF_INET6})
-            servers.append(server_class((one.strip("[]"), port), handler, tls=tls))
+            servers.append(server_class((one.strip("[]"), port), handler, tls=tls,
+                                        reuse_port=reuse_port))
             port = servers[0].server_address[1]
     except OSError:
         for server in servers:

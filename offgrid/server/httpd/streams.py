@@ -13,9 +13,9 @@ import time
 
 from . import burst
 
-# Seconds a stream opened early may stay quiet before it gets a keep-alive.
-# Anthropic's API pings about this often; a proxy's or client's idle timeout
-# is rarely under 30 s.
+# Seconds a stream opened early may stay quiet before it gets a keep-alive, by
+# default (--sse-ping-interval: Handler.ping_every).  Anthropic's API pings about
+# this often; a proxy's or client's idle timeout is rarely under 30 s.
 PING_EVERY = 10.0
 
 
@@ -44,12 +44,15 @@ class _ChunkedStream:
         self._lock = threading.Lock()
         self.last_write = time.monotonic()
         self.keepalive = None       # the bytes of a keep-alive message, once open()ed
+        self.ping_every = PING_EVERY
 
     def open(self, keepalive=None):
         """Send the headers now, and ``keepalive`` (a message's bytes) whenever the stream
-        has been quiet PING_EVERY seconds, until it ends."""
+        has been quiet the handler's ping_every seconds (none where it is 0 or less),
+        until it ends."""
         self._write_now(b"")
-        if keepalive is not None and not self.broken:
+        self.ping_every = getattr(self.handler, "ping_every", PING_EVERY)
+        if keepalive is not None and not self.broken and self.ping_every > 0:
             self.keepalive = self._chunk(keepalive)
             PINGER.add(self)
 
@@ -57,7 +60,7 @@ class _ChunkedStream:
         """The Pinger's call: the keep-alive if the stream has been quiet long enough.
         Never waits for the stream's lock: a writer stuck on a client that stopped
         reading must not hold up the other streams' keep-alives."""
-        if now - self.last_write < PING_EVERY or not self._lock.acquire(blocking=False):
+        if now - self.last_write < self.ping_every or not self._lock.acquire(blocking=False):
             return
         try:
             self._write_locked(self.keepalive)
