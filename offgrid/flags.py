@@ -9,7 +9,7 @@ import sys
 
 from . import __version__
 from .flagenv import env_argv
-from .flagvalues import (api_prefix, device_list, gpu_layers, grammar_file, grammar_text,
+from .flagvalues import (api_prefix, rope_settings, device_list, gpu_layers, grammar_file, grammar_text,
                          json_schema_file, json_schema_text, logit_bias,
                          rpc_endpoints, template_kwargs, tensor_overrides, tensor_split,
                          thread_count, tls_context)
@@ -372,6 +372,23 @@ def parse_args(argv=None):
                    help="older llama-server's form of -lm mmap+mlock")
     p.add_argument("--no-mmap", dest="load_mode", action="store_const", const="none",
                    help="older llama-server's form of -lm none")
+    # RoPE and YaRN (llama-server's flags): positions stretched for a context longer than
+    # the trained one, e.g. --rope-scaling yarn --rope-scale 4 --yarn-orig-ctx 32768
+    p.add_argument("--rope-scaling", choices=("none", "linear", "yarn"), default=None,
+                   help="how positions are stretched past the trained context (default: "
+                   "the model file's)")
+    p.add_argument("--rope-scale", type=float, default=None, metavar="N",
+                   help="stretch the context N times (a RoPE frequency scale of 1/N)")
+    for flag, what in (("--rope-freq-base", "RoPE base frequency"),
+                       ("--rope-freq-scale", "RoPE frequency scale (1/N stretches N times)"),
+                       ("--yarn-ext-factor", "YaRN extrapolation mix factor"),
+                       ("--yarn-attn-factor", "YaRN attention magnitude scale"),
+                       ("--yarn-beta-slow", "YaRN high correction dimension"),
+                       ("--yarn-beta-fast", "YaRN low correction dimension")):
+        p.add_argument(flag, type=float, default=None, metavar="N",
+                       help="%s (default: the model file's)" % what)
+    p.add_argument("--yarn-orig-ctx", type=int, default=None, metavar="N",
+                   help="YaRN: the context the model was trained on (default: the file's)")
     p.add_argument("--check-tensors", action="store_true",
                    help="check every tensor's data for NaN and infinity as the model loads "
                    "(a load that finds one fails), as llama-server's flag")
@@ -429,6 +446,7 @@ def parse_args(argv=None):
                             for o in overrides.kv_overrides(value)]
         args.override_tensor = tensor_overrides(args)
         args.tls = tls_context(args.ssl_key_file, args.ssl_cert_file)
+        args.rope = rope_settings(args)
     except ValueError as e:
         p.error(str(e))
     if args.verbosity is not None and args.verbosity >= 4:

@@ -193,6 +193,11 @@ class llama_model_kv_override(Structure):
 
 # enum llama_load_mode, by -lm's words
 LOAD_MODES = {"auto": -1, "none": 0, "mmap": 1, "mlock": 2, "mmap+mlock": 3, "dio": 4}
+# enum llama_rope_scaling_type (--rope-scaling)
+ROPE_SCALING_TYPES = {"none": 0, "linear": 1, "yarn": 2}
+# llama_context_params' RoPE and YaRN fields a ModelHandle's ``rope`` may set
+ROPE_PARAMS = ("rope_scaling_type", "rope_freq_base", "rope_freq_scale", "yarn_ext_factor",
+               "yarn_attn_factor", "yarn_beta_fast", "yarn_beta_slow", "yarn_orig_ctx")
 # enum llama_lazy_mode (-lzm): tensors the architecture marks (per-layer embeddings)
 # read from the file on demand
 LAZY_MODES = {"off": 0, "auto": 1, "on": 2}
@@ -923,7 +928,7 @@ class ModelHandle:
     def __init__(self, lib, path, progress=None, vocab_only=False, devices=(), n_gpu_layers=None,
                  tensor_split=None, repack=True, split_mode=None, main_gpu=0, kv_offload=True,
                  kv_overrides=(), load_mode="auto", tensor_overrides=(), lazy_mode="auto",
-                 check_tensors=False):
+                 check_tensors=False, rope=None):
         """Load ``path``; ``progress(fraction)`` is called while loading.
 
         ``vocab_only`` loads the tokenizer and metadata but no weights: enough
@@ -963,6 +968,9 @@ class ModelHandle:
         params.check_tensors = bool(check_tensors)      # --check-tensors: NaN, inf refused
         self.vocab_only = vocab_only
         self.kv_offload = kv_offload
+        # --rope-*, --yarn-*: {ROPE_PARAMS field: value} for every context of this model
+        self.rope = {k: ROPE_SCALING_TYPES[v] if k == "rope_scaling_type" else v
+                     for k, v in (rope or {}).items() if k in ROPE_PARAMS}
         # the arrays libllama reads while loading (it copies the device list)
         keep = []
         if not vocab_only:
@@ -1416,6 +1424,9 @@ class ContextHandle:
         params.no_perf = True
         # --no-kv-offload is the model's, for all its contexts (ModelHandle)
         params.offload_kqv = getattr(model, "kv_offload", True)
+        # --rope-scaling and the others are the model's too: every context positions alike
+        for field, value in getattr(model, "rope", {}).items():
+            setattr(params, field, value)
         if params.kv_unified or seq_per_stream == 1:
             self.ptr = lib.llama_init_from_model(model.ptr, params)
         else:

@@ -224,6 +224,9 @@ class WorkerSettings:
     load_mode: str = "auto"         # -lm: how libllama reads the file (libllama.LOAD_MODES)
     lazy_mode: str = "auto"         # -lzm: per-layer embeddings read on demand (LAZY_MODES)
     check_tensors: bool = False     # --check-tensors: a tensor of NaN or inf fails the load
+    # --rope-scaling, --rope-scale, --rope-freq-*, --yarn-*: {llama_context_params field:
+    # value} of those given (libllama.ROPE_PARAMS)
+    rope: dict = dataclasses.field(default_factory=dict)
     cache_type_k: str = "f16"       # -ctk, -ctv: the KV cache's types (request.KV_CACHE_TYPES)
     cache_type_v: str = "f16"
     cache_type_k_draft: str = "f16"     # -ctkd, -ctvd: the draft model's (-md)

@@ -214,3 +214,52 @@ def test_reuse_port_lets_two_servers_share_a_port(plain_model_path):
         with b:
             seen = {a.get("/health")[1].get("X-Offgrid-Instance") for _ in range(40)}
     assert seen == {"one", "two"}, seen
+
+
+def test_rope_flags_read_as_llama_servers(capsys):
+    args = parse_args(["-m", "x.gguf", "--rope-scaling", "yarn", "--rope-scale", "4",
+                       "--yarn-orig-ctx", "32768", "--yarn-beta-fast", "32"])
+    assert args.rope == {"rope_scaling_type": "yarn", "rope_freq_scale": 0.25,
+                         "yarn_orig_ctx": 32768, "yarn_beta_fast": 32.0}
+    assert parse_args(["-m", "x.gguf"]).rope == {}
+    for bad in (["--rope-scale", "0"], ["--rope-freq-base", "-1"], ["--yarn-orig-ctx", "-5"],
+                ["--yarn-ext-factor", "nan"]):
+        with pytest.raises(SystemExit):
+            parse_args(["-m", "x.gguf"] + bad)
+        assert bad[0] in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("meta,rope,want", [
+    ({}, {}, 4096),
+    ({}, {"rope_freq_scale": 0.5}, 8192),
+    ({}, {"rope_freq_scale": 0.25, "yarn_orig_ctx": 2048}, 8192),
+    # a file that carries Qwen's YaRN: its context_length is the original one
+    ({"x.rope.scaling.type": "yarn", "x.rope.scaling.factor": "4.000000",
+      "x.rope.scaling.original_context_length": "4096"}, {}, 16384),
+    # ... and one whose context_length holds the stretch already (DeepSeek-V2's kind)
+    ({"x.rope.scaling.type": "yarn", "x.rope.scaling.factor": "40.000000",
+      "x.rope.scaling.original_context_length": "100"}, {}, 4096),
+    ({"x.rope.scaling.type": "yarn", "x.rope.scaling.factor": "4.000000"},
+     {"rope_scaling_type": 0}, 4096),
+])
+def test_the_context_a_model_is_meant_for_stretches_with_rope_scaling(meta, rope, want):
+    from offgrid.engine.model import stretched_context
+    assert stretched_context(4096, dict(meta, **{"general.architecture": "x"}), rope) == want
+
+
+def test_rope_scaling_reaches_libllama_and_lets_the_context_past_the_trained_one(
+        plain_model_path, smollm_path):
+    """The tiny model was trained on 4,096 positions: -c 8192 alone is held to them, and
+    with --rope-scale 2 it is 8,192.  On SmolLM2 the positions are placed otherwise, so
+    its greedy text is another (the tiny model's random weights barely look at them)."""
+    for flags, n_ctx in (((), 4096), (("--rope-scaling", "linear", "--rope-scale", "2"), 8192)):
+        with ServerProcess(plain_model_path, *flags, "-np", "1", ctx=8192) as s:
+            assert s.get("/props")[2]["default_generation_settings"]["n_ctx"] == n_ctx
+    body = {"prompt": "The three primary colours are", "n_predict": 24, "temperature": 0}
+    texts = {}
+    for flags in ((), ("--rope-scaling", "linear", "--rope-scale", "2")):
+        with ServerProcess(smollm_path, *flags, "-np", "1", ctx=256) as s:
+            status, _, out = s.post("/completion", body)
+            assert status == 200, out
+            texts[flags] = out["content"]
+    assert len(set(texts.values())) == 2, texts

@@ -78,6 +78,7 @@ class Loaded:
                            n_ctx_hint=(args.ctx_size or 4096) * max(1, args.parallel),
                            kv_overrides=args.override_kv, load_mode=args.load_mode,
                            lazy_mode=args.lazy_mode, check_tensors=args.check_tensors,
+                           rope=args.rope,
                            tensor_overrides=args.override_tensor)
         n_sessions = max(1, args.parallel)
         if on_sized is not None:
@@ -250,6 +251,8 @@ def make_states(args, model, session):
                 **({} if session.decoder.kv_unified else {"kv_unified": False}),
                 # the model's metadata as --override-kv made it
                 **({"override_kv": args.override_kv} if args.override_kv else {}),
+                # positions as --rope-scaling and the others place them
+                **({"rope": args.rope} if getattr(args, "rope", None) else {}),
                 # images' cells are the projector's: another mmproj, other states
                 **({"mmproj": [args.mmproj, os.path.getsize(args.mmproj)]}
                    if getattr(args, "mmproj", None) else {})})

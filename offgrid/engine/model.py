@@ -80,6 +80,7 @@ class Model:
         self.vocab_only = handle.vocab_only
         self.n_vocab = handle.n_vocab()
         self.n_ctx_train = handle.n_ctx_train()
+        self.rope = dict(getattr(handle, "rope", {}))
         self.n_embd = handle.n_embd()
         self.n_embd_out = handle.n_embd_out()
         self.n_params = handle.n_params()
@@ -97,6 +98,9 @@ class Model:
         # dense, SWA, hybrid or recurrent: what its contexts' caches may do
         # (a session's decoder refines it with the context's rollback depth)
         self.memory = MemoryClass.of(handle, self.meta)
+        # the longest context its positions are meant for: the trained one, stretched by
+        # RoPE scaling (--rope-scale, --rope-freq-scale, or the file's rope.scaling)
+        self.n_ctx_max = stretched_context(self.n_ctx_train, self.meta, self.rope)
         self.chat_template = handle.chat_template()
         self.devices = self._placement(devices, n_gpu_layers, tensor_split)
         self._device_objs = [(d, d.free) for d in devices]    # load() sets the true "before"
@@ -119,7 +123,7 @@ class Model:
              rpc_endpoints=(), n_gpu_layers=None, tensor_split=None, repack=True,
              on_rpc_stall=None, device_names=None, split_mode=None, main_gpu=0,
              kv_offload=True, n_ctx_hint=0, kv_overrides=(), load_mode="auto",
-             tensor_overrides=(), lazy_mode="auto", check_tensors=False):
+             tensor_overrides=(), lazy_mode="auto", check_tensors=False, rope=None):
         """Load a GGUF file.  Raises ModelLoadError (or LibraryError, RpcUnavailable).
 
         With ``vocab_only`` only the tokenizer and metadata are loaded (no
@@ -174,7 +178,8 @@ class Model:
                                       main_gpu=0, kv_offload=kv_offload,
                                       kv_overrides=[tuple(o) for o in kv_overrides or ()],
                                       load_mode=load_mode, tensor_overrides=overrides,
-                                      lazy_mode=lazy_mode, check_tensors=check_tensors)
+                                      lazy_mode=lazy_mode, check_tensors=check_tensors,
+                                      rope=rope)
         if not handle.ptr:
             if any(d.endpoint is None for d in devices):
                 # libllama logs "unable to allocate <device> buffer" and returns
@@ -401,6 +406,30 @@ class Model:
 
     def builtin_template_names(self):
         return libllama.builtin_chat_templates(self.lib)
+
+
+def stretched_context(n_ctx_train, meta, rope):
+    """The longest context a model's positions are meant for: ``n_ctx_train`` stretched
+    by the RoPE scaling in force.  The flags' (--rope-scale N, --rope-freq-scale 1/N:
+    the original context, --yarn-orig-ctx or the trained one, times N), else the
+    file's rope.scaling (linear or yarn: its original_context_length times its
+    factor; a file whose context_length holds that already stays as it is), which
+    --rope-scaling none turns off."""
+    if n_ctx_train <= 0:
+        return n_ctx_train
+    scale = rope.get("rope_freq_scale")
+    if scale:
+        return max(n_ctx_train, int((rope.get("yarn_orig_ctx") or n_ctx_train) / scale))
+    arch = meta.get("general.architecture", "")
+    if rope.get("rope_scaling_type") == libllama.ROPE_SCALING_TYPES["none"] or \
+            meta.get("%s.rope.scaling.type" % arch) not in ("linear", "yarn"):
+        return n_ctx_train
+    try:
+        factor = float(meta.get("%s.rope.scaling.factor" % arch) or 0)
+        orig = int(meta.get("%s.rope.scaling.original_context_length" % arch) or n_ctx_train)
+    except ValueError:
+        return n_ctx_train
+    return max(n_ctx_train, int(orig * factor)) if factor > 1 else n_ctx_train
 
 
 def _check_kv_overrides(path, kv_overrides):

@@ -121,10 +121,13 @@ SEQ_PIN = 2
 
 
 def context_size(model, n_ctx):
-    """The cells of one session's context: -c, 0 for the model's own, never past it."""
+    """The cells of one session's context: -c, 0 for the model's own, never past what its
+    positions are meant for (model.n_ctx_max: the trained context, or more under RoPE
+    scaling)."""
+    n_max = getattr(model, "n_ctx_max", model.n_ctx_train)
     if not n_ctx or n_ctx <= 0:     # 0: the model's own context, as llama-server's -c 0
         n_ctx = model.n_ctx_train if model.n_ctx_train > 0 else 4096
-    return min(n_ctx, model.n_ctx_train) if model.n_ctx_train > 0 else n_ctx
+    return min(n_ctx, n_max) if n_max > 0 else n_ctx
 
 
 def shared_decoder(model, n_sessions, n_ctx=4096, n_batch=512, n_ubatch=None, swa_full=True,

@@ -54,6 +54,7 @@ def worker_settings(path, args, chat_template=None, decode_lock=None):
         load_mode=getattr(args, "load_mode", "auto"),
         lazy_mode=getattr(args, "lazy_mode", "auto"),
         check_tensors=getattr(args, "check_tensors", False),
+        rope=getattr(args, "rope", None) or {},
         override_tensor=getattr(args, "override_tensor", None) or [],
         cache_type_v=getattr(args, "cache_type_v", "f16"),
         cache_type_k_draft=getattr(args, "cache_type_k_draft", "f16"),
