@@ -9,7 +9,7 @@ import sys
 
 from . import __version__
 from .flagenv import env_argv
-from .flagvalues import (api_prefix, rope_settings, device_list, gpu_layers, grammar_file, grammar_text,
+from .flagvalues import (api_prefix, device_list, gpu_layers, grammar_file, grammar_text,
                          json_schema_file, json_schema_text, logit_bias,
                          rpc_endpoints, template_kwargs, tensor_overrides, tensor_split,
                          thread_count, tls_context)
@@ -446,7 +446,7 @@ def parse_args(argv=None):
                             for o in overrides.kv_overrides(value)]
         args.override_tensor = tensor_overrides(args)
         args.tls = tls_context(args.ssl_key_file, args.ssl_cert_file)
-        args.rope = rope_settings(args)
+        args.rope = overrides.rope_settings(args)
     except ValueError as e:
         p.error(str(e))
     if args.verbosity is not None and args.verbosity >= 4:

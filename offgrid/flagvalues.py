@@ -221,33 +221,3 @@ def tls_context(key_file, cert_file):
         raise ValueError("--ssl-cert-file %s with --ssl-key-file %s: %s"
                          % (cert_file, key_file, e.reason.lower().replace("_", " ")))
     return context
-
-
-def rope_settings(args):
-    """--rope-scaling, --rope-scale, --rope-freq-*, --yarn-* as {llama_context_params
-    field: value} of those given (llama-server's reading: --rope-scale N is a frequency
-    scale of 1/N, and --rope-freq-scale wins over it; the scaling type by its name,
-    libllama.ModelHandle's to turn into its enum); ValueError for a value libllama
-    cannot use."""
-    out = {}
-    if args.rope_scaling is not None:
-        out["rope_scaling_type"] = args.rope_scaling
-    for flag, field, value in (("--rope-scale", "rope_freq_scale", args.rope_scale),
-                               ("--rope-freq-scale", "rope_freq_scale", args.rope_freq_scale),
-                               ("--rope-freq-base", "rope_freq_base", args.rope_freq_base)):
-        if value is not None:
-            if not 0 < value < float("inf"):
-                raise ValueError("%s %s: give a number above 0" % (flag, value))
-            out[field] = 1.0 / value if flag == "--rope-scale" else value
-    for field in ("yarn_ext_factor", "yarn_attn_factor", "yarn_beta_slow", "yarn_beta_fast"):
-        value = getattr(args, field)
-        if value is not None:
-            if not value == value or abs(value) == float("inf"):
-                raise ValueError("--%s %s: give a number" % (field.replace("_", "-"), value))
-            out[field] = value
-    if args.yarn_orig_ctx is not None:
-        if args.yarn_orig_ctx < 0:
-            raise ValueError("--yarn-orig-ctx %d: give 0 (the file's) or more"
-                             % args.yarn_orig_ctx)
-        out["yarn_orig_ctx"] = args.yarn_orig_ctx
-    return out

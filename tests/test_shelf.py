@@ -655,3 +655,27 @@ def test_a_presets_override_kv_reaches_libllama(tmp_path, gemma_path, smollm_pat
         listed["g"]["status"]["preset"], listed["g"]
     assert tokens["g"]["tokens"] == [2202], tokens
     assert tokens["h"]["tokens"] == [2, 2202], tokens
+
+
+def test_a_presets_rope_keys_stretch_that_models_context(tmp_path, plain_model_path):
+    """A preset's rope-scaling, rope-scale and yarn-* keys, as the flags: the preset's
+    tiny model takes 8,192 positions where it was trained on 4,096; -m's stays at its
+    own; a value the flags refuse stops the start."""
+    from offgrid.flags import parse_args
+    from offgrid.server.models.launch import build_shelf
+    link = tmp_path / "tiny-link.gguf"         # another path: another model than -m's
+    link.symlink_to(plain_model_path)
+    ini = tmp_path / "p.ini"
+    ini.write_text("[long]\nmodel = %s\nrope-scaling = linear\nrope-scale = 2\n"
+                   "ctx-size = 8192\n" % link)
+    with ServerProcess(plain_model_path, "--models-preset", ini, ctx=8192) as s:
+        s.post("/models/load", {"model": "long"})
+        listed = {m["id"]: m for m in s.get("/models")[2]["data"]}
+        long_ctx = s.post("/completion", {"prompt": "Hi", "n_predict": 1, "model": "long"})[2]
+        own_ctx = s.get("/props")[2]["default_generation_settings"]["n_ctx"]
+    assert long_ctx["generation_settings"]["n_ctx"] == 8192, long_ctx
+    assert own_ctx == 4096
+    assert "rope-scale = 2.0\n" in listed["long"]["status"]["preset"], listed["long"]
+    ini.write_text("[long]\nmodel = %s\nrope-scale = 0\n" % plain_model_path)
+    with pytest.raises(ValueError, match=r"\[long\] --rope-scale 0"):
+        build_shelf(parse_args(["--models-preset", str(ini)]), None)

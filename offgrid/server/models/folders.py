@@ -217,6 +217,13 @@ _PRESET_KEYS = {
     "ctx-checkpoints": ("ctx_checkpoints", int), "ctxcp": ("ctx_checkpoints", int),
     "swa-checkpoints": ("ctx_checkpoints", int),
     "checkpoint-min-step": ("checkpoint_min_step", int), "cms": ("checkpoint_min_step", int),
+    # RoPE and YaRN, as the flags (overrides.rope_settings reads them together)
+    "rope-scaling": ("rope_scaling", ("none", "linear", "yarn")),
+    "rope-scale": ("rope_scale", float), "rope-freq-base": ("rope_freq_base", float),
+    "rope-freq-scale": ("rope_freq_scale", float), "yarn-orig-ctx": ("yarn_orig_ctx", int),
+    "yarn-ext-factor": ("yarn_ext_factor", float),
+    "yarn-attn-factor": ("yarn_attn_factor", float),
+    "yarn-beta-slow": ("yarn_beta_slow", float), "yarn-beta-fast": ("yarn_beta_fast", float),
 }
 _PRESET_KEYS.update(sampling.preset_keys())      # temp, top-k, ... (models/sampling.py)
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True,

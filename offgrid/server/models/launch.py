@@ -159,6 +159,18 @@ PRESET_FLAGS = ("ctx_size", "parallel", "threads", "threads_batch", "batch_size"
                 "cache_type_k_draft", "cache_type_v_draft")
 
 
+# the RoPE and YaRN flags' names (overrides.rope_settings reads them together)
+ROPE_KEYS = ("rope_scaling", "rope_scale", "rope_freq_base", "rope_freq_scale", "yarn_orig_ctx",
+             "yarn_ext_factor", "yarn_attn_factor", "yarn_beta_slow", "yarn_beta_fast")
+
+
+def preset_rope(settings):
+    """A preset's RoPE and YaRN keys as WorkerSettings.rope; ValueError where one does
+    not read."""
+    return overrides.rope_settings(argparse.Namespace(**{k: settings.get(k)
+                                                         for k in ROPE_KEYS}))
+
+
 def model_args(entry, args):
     """Our flags as they apply to one model: the preset's settings under the command line's."""
     out = argparse.Namespace(**vars(args))
@@ -172,6 +184,9 @@ def model_args(entry, args):
     if any(k in preset for k in moe) and not any(k in explicit for k in moe):
         out.override_tensor = preset.get("override_tensor", []) + overrides.moe_overrides(
             preset.get("cpu_moe", False), preset.get("n_cpu_moe", 0))
+    # RoPE and YaRN: the preset's keys where the command line gives none of them
+    if any(k in preset for k in ROPE_KEYS) and not any(k in explicit for k in ROPE_KEYS):
+        out.rope = preset_rope(preset)
     # --chat-template-kwargs: the preset's under a --reasoning-effort given
     if "template_kwargs" in preset and "chat_template_kwargs" not in explicit:
         out.template_kwargs = dict(preset["template_kwargs"], **{
@@ -271,8 +286,10 @@ def build_shelf(args, decode_lock):
         for name, settings in [("*", defaults)] + sorted(sections.items()):
             try:
                 sampling.from_preset(dict(defaults, **settings), "[%s]" % name)
+                preset_rope(dict(defaults, **settings))
             except ValueError as e:
-                raise ValueError("--models-preset: %s" % e)
+                raise ValueError("--models-preset: [%s] %s" % (name, e) if "[" not in str(e)
+                                 else "--models-preset: %s" % e)
     for d in args.models_dir:
         if not os.path.isdir(d):
             raise ValueError("--models-dir %s is not a folder" % d)

@@ -1,6 +1,6 @@
 """What a model's file and its load are told to do otherwise, read alike from the command
 line (flagvalues.py) and a preset's keys (folders.py): --override-kv, -ot with
---cpu-moe and --n-cpu-moe, and --chat-template-kwargs.  Each reader raises ValueError
+--cpu-moe and --n-cpu-moe, --chat-template-kwargs, and RoPE's and YaRN's settings.  Each reader raises ValueError
 naming the flag and what it takes."""
 
 import json
@@ -72,3 +72,33 @@ def template_kwargs(text):
     if not isinstance(kwargs.get("enable_thinking", False), bool):
         raise ValueError("--chat-template-kwargs: enable_thinking must be true or false")
     return kwargs
+
+
+def rope_settings(args):
+    """--rope-scaling, --rope-scale, --rope-freq-*, --yarn-* as {llama_context_params
+    field: value} of those given (llama-server's reading: --rope-scale N is a frequency
+    scale of 1/N, and --rope-freq-scale wins over it; the scaling type by its name,
+    libllama.ModelHandle's to turn into its enum); ValueError for a value libllama
+    cannot use."""
+    out = {}
+    if args.rope_scaling is not None:
+        out["rope_scaling_type"] = args.rope_scaling
+    for flag, field, value in (("--rope-scale", "rope_freq_scale", args.rope_scale),
+                               ("--rope-freq-scale", "rope_freq_scale", args.rope_freq_scale),
+                               ("--rope-freq-base", "rope_freq_base", args.rope_freq_base)):
+        if value is not None:
+            if not 0 < value < float("inf"):
+                raise ValueError("%s %s: give a number above 0" % (flag, value))
+            out[field] = 1.0 / value if flag == "--rope-scale" else value
+    for field in ("yarn_ext_factor", "yarn_attn_factor", "yarn_beta_slow", "yarn_beta_fast"):
+        value = getattr(args, field)
+        if value is not None:
+            if not value == value or abs(value) == float("inf"):
+                raise ValueError("--%s %s: give a number" % (field.replace("_", "-"), value))
+            out[field] = value
+    if args.yarn_orig_ctx is not None:
+        if args.yarn_orig_ctx < 0:
+            raise ValueError("--yarn-orig-ctx %d: give 0 (the file's) or more"
+                             % args.yarn_orig_ctx)
+        out["yarn_orig_ctx"] = args.yarn_orig_ctx
+    return out
