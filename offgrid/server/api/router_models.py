@@ -12,6 +12,7 @@ gives.  Reading them never wakes a model (see ``shelf.py``).
 import json
 
 from ..httpd.httperrors import BadRequest
+from ..models.launch import ROPE_KEYS
 from .fields import Fields
 
 _SETTINGS = ("ctx_size", "parallel", "threads", "threads_batch", "batch_size", "ubatch_size",
@@ -19,9 +20,7 @@ _SETTINGS = ("ctx_size", "parallel", "threads", "threads_batch", "batch_size", "
              "load_mode", "lazy_mode", "reasoning_budget",
              "chat_template", "load_on_startup", "stop_timeout", "keep_alive", "override_kv",
              "override_tensor", "cpu_moe", "n_cpu_moe", "template_kwargs", "ctx_checkpoints",
-             "checkpoint_min_step", "rope_scaling", "rope_scale", "rope_freq_base",
-             "rope_freq_scale", "yarn_orig_ctx", "yarn_ext_factor", "yarn_attn_factor",
-             "yarn_beta_slow", "yarn_beta_fast")
+             "checkpoint_min_step") + ROPE_KEYS
 # the settings written back as a flag reads them (models/overrides.py), by the flag's name
 _WRITTEN = {
     "override_kv": ("override-kv", lambda v: ",".join(
