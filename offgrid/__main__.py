@@ -133,7 +133,7 @@ def main(argv=None):
                   % entry.id, file=sys.stderr)
     defaults = GenerationParams(n_predict=args.n_predict, ignore_eos=args.ignore_eos,
                                 n_keep=args.keep, cache_prompt=args.cache_prompt,
-                                stop=list(args.reverse_prompt))
+                                stop=list(args.reverse_prompt), special=args.special)
     service = Service(text, fim, generation_default=defaults,
                       shutdown_grace=args.shutdown_grace, cache_reuse=max(0, args.cache_reuse),
                       endpoints_off=[

@@ -123,6 +123,10 @@ def parse_args(argv=None):
     p.add_argument("--ignore-eos", action="store_true",
                    help="requests go on past the end-of-generation tokens unless they set "
                    "ignore_eos false (llama-server's flag)")
+    p.add_argument("-sp", "--special", action="store_true",
+                   help="replies show the text of the control tokens they generate "
+                   "(<|im_start|>, <think>, ...), which otherwise render as nothing "
+                   "(llama-server's flag)")
     p.add_argument("--keep", type=int, default=0, metavar="N",
                    help="tokens of the prompt a context shift keeps (-1: all) for requests "
                    "that set no n_keep (default 0)")

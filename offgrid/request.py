@@ -264,6 +264,7 @@ class GenerationParams:
     # control tokens whose text is kept in the output (a template's tool-call
     # markers such as <|python_tag|>, which otherwise render as nothing)
     preserved_tokens: FrozenSet[int] = frozenset()
+    special: bool = False               # every control token's text kept (-sp, --special)
     cache_reuse: int = 0                # reuse cached runs of at least this many tokens
                                         # after the common prefix (0: prefix only)
     n_indent: int = 0                   # FIM: stop at a line indented less than this

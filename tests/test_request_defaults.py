@@ -5,7 +5,8 @@ llama-server starts each request from its params_base: ``--grammar``,
 request without an output format of its own to that grammar (a chat's tool
 grammar takes its place); ``-l`` biases tokens for a request with no
 ``logit_bias``; ``--ignore-eos``, ``--keep`` and ``--no-cache-prompt`` set those
-fields.  A request's own field wins.  Served here on the tiny model.
+fields; ``-sp/--special`` shows the control tokens generated.  A request's own field
+wins.  Served here on the tiny model.
 """
 
 import json
@@ -135,7 +136,7 @@ def test_a_grammar_the_model_cannot_take_fails_the_load_naming_the_flag(plain_mo
 @pytest.fixture(scope="module")
 def biased(plain_model_path):
     with ServerProcess(plain_model_path, "-l", "42+100", "-l", "99999999+1", "--ignore-eos",
-                       "--keep", "3", "--no-cache-prompt", "-np", "1", ctx=512) as server:
+                       "--keep", "3", "--no-cache-prompt", "--special", "-np", "1", ctx=512) as server:
         yield server
 
 
@@ -165,6 +166,23 @@ def test_ignore_eos_keep_and_cache_prompt_are_the_flags_unless_the_request_says(
     assert again["timings"]["prompt_n"] == first["timings"]["prompt_n"] > 1
     cached = completion(biased, n_predict=1, cache_prompt=True)
     assert cached["timings"]["prompt_n"] < first["timings"]["prompt_n"]
+
+
+def test_special_shows_the_control_tokens_generated(biased, plain_model_path):
+    status, _, out = biased.post("/tokenize", {"content": "<repo_name>"})
+    assert status == 200 and len(out["tokens"]) == 1, out
+    control = out["tokens"][0]
+    body = dict(n_predict=2, logit_bias=[[control, 100]], n_probs=2, return_tokens=True)
+    out = completion(biased, **body)
+    assert out["tokens"] == [control] * 2
+    assert out["content"] == "<repo_name>" * 2
+    assert [p["token"] for p in out["completion_probabilities"]] == ["<repo_name>"] * 2
+    # the candidates too: after the sampler's bias it is the first of them
+    out = completion(biased, post_sampling_probs=True, **body)
+    assert out["completion_probabilities"][0]["top_probs"][0]["token"] == "<repo_name>"
+    with ServerProcess(plain_model_path, "-np", "1", ctx=512) as plain:
+        out = completion(plain, **body)
+    assert out["tokens"] == [control] * 2 and out["content"] == ""
 
 
 def test_a_reverse_prompt_stops_requests_that_give_no_stop(plain_model_path):

@@ -168,7 +168,8 @@ class Generation:
             out_tokens.append(token)
             if lookup is not None:
                 lookup.append(token)
-            piece = (model.token_text(token) if token in params.preserved_tokens
+            piece = (model.token_text(token)
+                     if params.special or token in params.preserved_tokens
                      else model.token_bytes(token))
             released, stopped = text.add(piece)
             if live is not None:
@@ -181,7 +182,7 @@ class Generation:
                     break
             else:
                 ledger.add(piece, token if reader is None
-                           else self._token_prob(reader, token, piece, idx))
+                           else self._token_prob(reader, token, piece, idx, params.special))
                 got = ledger.release(text.sent, len(text.text) if stopped else None)
                 if (released or got) and on_piece is not None \
                         and on_piece(released, got) is False:
@@ -312,12 +313,12 @@ class Generation:
             raise DecodeError("libllama could not drop a draft's cells", -1)
         del self.cached[n:]
 
-    def _token_prob(self, reader, token, piece, idx):
+    def _token_prob(self, reader, token, piece, idx, special=False):
         """The TokenProb of ``token``, just sampled from output ``idx`` (before the
-        next decode)."""
+        next decode); ``special``: the candidates' control tokens shown as text (-sp)."""
         p, top = reader.read(self._ctx, token, idx)
-        token_bytes = self.model.token_bytes
-        return TokenProb(token, piece, p, [TokenProb(t, token_bytes(t), q) for t, q in top])
+        text = self.model.token_text if special else self.model.token_bytes
+        return TokenProb(token, piece, p, [TokenProb(t, text(t), q) for t, q in top])
 
     def _eog_tokens(self):
         # all of them, as llama-server bans for ignore_eos: an EOG token left

@@ -269,6 +269,7 @@ def generation_from(f, n_vocab, defaults=None, max_tokens_names=MAX_TOKENS_NAMES
     g.stop = f.stop_list("stop") or list(d.stop)
     g.sampling = sampling_from(f, n_vocab, sampling_default, tokenize)
     g.ignore_eos = f.bool("ignore_eos", d.ignore_eos)
+    g.special = d.special
     g.cache_prompt = f.bool("cache_prompt", d.cache_prompt)
     g.t_max_predict_ms = f.int("t_max_predict_ms", 0, lo=0, hi=MAX_N_PREDICT)
     # llama-server's default is -1 (none), as any value <= 0 here
