@@ -142,6 +142,23 @@ def test_a_file_claiming_another_build_or_settings_is_not_used(qwen, written, ca
     assert "another context" in caplog.text and c.usage.cached_tokens == 0
 
 
+def test_a_folder_of_another_builds_files_is_one_log_line(qwen, written, caplog):
+    """After an upgrade of libllama every file is another build's: a line, not a line each."""
+    root, folder, _, _ = written
+    path = state_file(folder)
+    data = open(path, "rb").read()
+    at = data.index(b'"head_sha256": "', data.index(b'"build"')) + len(b'"head_sha256": "')
+    forged = data[:at] + (b"0" if data[at:at + 1] != b"0" else b"1") + data[at + 1:]
+    for i in range(5):
+        open(os.path.join(folder, "%d.state" % (i + 1)), "wb").write(forged)
+    with caplog.at_level(logging.WARNING, logger="offgrid.statedisk"):
+        assert [name for name, _, _ in disk_of(qwen, root).index()] \
+            == ["0.state"]
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "offgrid.statedisk"]
+    assert "1.state, 2.state, 3.state, ... (5 files)" in line, line
+    assert "another libllama build" in line
+
+
 def test_a_folder_that_cannot_be_written_logs_once_and_writes_nothing(qwen, tmp_path, caplog):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")

@@ -130,8 +130,13 @@ class StateDisk:
 
     # -- listing and reading ----------------------------------------------------------
     def index(self):
-        """(file name, tokens, state bytes) of each state here that this worker may use."""
-        out = []
+        """(file name, tokens, state bytes) of each state here that this worker may use.
+        The files it may not are logged a line for each reason, not each file: after
+        an upgrade of libllama every file of the folder is another build's."""
+        out, misses = [], {}
+
+        def miss(name, why):
+            misses.setdefault(why, []).append(name)
         try:
             names = sorted(n for n in os.listdir(self.dir) if n.endswith(".state"))
         except OSError:
@@ -139,36 +144,44 @@ class StateDisk:
         for name in names:
             try:
                 with open(os.path.join(self.dir, name), "rb") as f:
-                    head = self._head(f, name)
+                    head = self._head(f, name, miss)
                     if head is None:
                         continue
                     tokens = _tokens(f.read(4 * head["n_tokens"]), head["n_tokens"])
             except (OSError, ValueError) as e:
-                self._miss(name, "unreadable (%s)" % e)
+                miss(name, "unreadable (%s)" % e)
                 continue
             if tokens is None:
-                self._miss(name, "truncated")
+                miss(name, "truncated")
                 continue
             self._files[name] = head["state_bytes"]
             out.append((name, tokens, head["state_bytes"]))
+        for why, missed in misses.items():
+            if len(missed) == 1:
+                self._miss(missed[0], why)
+            else:
+                log.warning("prompt states %s (%d files) in %s: %s; not used",
+                            ", ".join(missed[:3]) + (", ..." if len(missed) > 3 else ""),
+                            len(missed), self.dir, why)
         return out
 
-    def _head(self, f, name):
+    def _head(self, f, name, miss=None):
+        miss = miss or self._miss
         if f.read(len(MAGIC)) != MAGIC:
-            self._miss(name, "not a state file")
+            miss(name, "not a state file")
             return None
         (n,) = struct.unpack("<I", f.read(4))
         if n > 1 << 20:
-            self._miss(name, "not a state file")
+            miss(name, "not a state file")
             return None
         head = json.loads(f.read(n).decode("utf-8"))
         if not isinstance(head, dict) or not isinstance(head.get("n_tokens"), int) \
                 or not isinstance(head.get("state_bytes"), int):
-            self._miss(name, "not a state file")
+            miss(name, "not a state file")
             return None
         for what in ("format", "model", "build", "context"):
             if head.get("ident", {}).get(what) != self.ident[what]:
-                self._miss(name, "written for another %s" % {
+                miss(name, "written for another %s" % {
                     "format": "format", "model": "model file", "build": "libllama build",
                     "context": "context (-c, -np, cache settings)"}[what])
                 return None
