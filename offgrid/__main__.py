@@ -49,6 +49,23 @@ def read_api_keys(args):
 
 def main(argv=None):
     args = parse_args(argv)
+    if not args.log_file:
+        return serve(args)
+    from .logfile import LogFile
+    try:
+        log = LogFile(args.log_file)
+    except OSError as e:
+        print("offgrid: cannot write --log-file %s: %s" % (args.log_file, e.strerror),
+              file=sys.stderr)
+        return 2
+    try:
+        return serve(args)
+    finally:
+        log.close()
+
+
+def serve(args):
+    """Serve until SIGINT or SIGTERM; the process's exit status."""
     if args.list_devices:
         # libllama is the workers' alone: a process of its own lists them
         from .server.models.worker_process import offgrid_command

@@ -105,6 +105,7 @@ ENV = (
     ('LLAMA_ARG_CHAT_TEMPLATE', '--chat-template'),
     ('LLAMA_ARG_CHAT_TEMPLATE_FILE', '--chat-template-file'),
     ('LLAMA_ARG_LOG_COLORS', '--log-colors'),
+    ('LLAMA_ARG_LOG_FILE', '--log-file'),
     ('LLAMA_ARG_OFFLINE', '--offline'),
     ('LLAMA_ARG_LOG_VERBOSITY', '--verbosity'),
     ('LLAMA_ARG_LOG_PREFIX', '--log-prefix', '--no-log-prefix'),

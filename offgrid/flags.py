@@ -420,6 +420,9 @@ def parse_args(argv=None):
                    "restarted, and its requests get a 500 naming the model (default: 30)")
     p.add_argument("-v", "--verbose", "--log-verbose", action="store_true",
                    help="log requests and libllama")
+    p.add_argument("--log-file", metavar="FNAME", default=None,
+                   help="what the server and its workers write to stdout and stderr goes to "
+                   "FNAME as well (made anew at each start)")
     # llama-server's logging and HTTP-thread flags, taken so its command lines run:
     # offgrid's log is a few plain lines on stderr, and each connection has a thread
     p.add_argument("--log-disable", "--log-timestamps", "--no-log-timestamps", "--log-prefix",

@@ -263,3 +263,24 @@ def test_rope_scaling_reaches_libllama_and_lets_the_context_past_the_trained_one
             assert status == 200, out
             texts[flags] = out["content"]
     assert len(set(texts.values())) == 2, texts
+
+
+def test_log_file_gets_what_the_server_and_its_worker_write(tmp_path, plain_model_path):
+    """--log-file: every line the front and the model's worker (libllama in it, -v) write
+    goes to the file as well as to the console, to the last one at exit."""
+    log = tmp_path / "server.log"
+    log.write_text("a line of an earlier run\n")
+    with ServerProcess(plain_model_path, "--log-file", log, "-v", ctx=256) as s:
+        assert s.post("/completion", {"prompt": "Hi", "n_predict": 2})[0] == 200
+    console = "".join(s.output)
+    text = log.read_text()
+    assert "earlier run" not in text
+    for line in ("listening on ", "llama_model_loader: ", "POST /completion",
+                 "offgrid: shutting down"):
+        assert line in console and line in text, (line, text)
+    assert text.splitlines()[-1] in console
+    bad = ServerProcess(plain_model_path, "--log-file", tmp_path / "no" / "such.log", ctx=256)
+    with pytest.raises(RuntimeError) as e:
+        bad.start()
+    assert bad.stop() == 2
+    assert "cannot write --log-file %s" % (tmp_path / "no" / "such.log") in str(e.value)
