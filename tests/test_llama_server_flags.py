@@ -279,6 +279,9 @@ def test_log_file_gets_what_the_server_and_its_worker_write(tmp_path, plain_mode
                  "offgrid: shutting down"):
         assert line in console and line in text, (line, text)
     assert text.splitlines()[-1] in console
+    # stdout and stderr went to one pipe here: their lines stay whole and in order
+    assert [line for line in text.splitlines() if line.startswith("listening on ")] == \
+        [line.rstrip("\n") for line in s.output if line.startswith("listening on ")]
     bad = ServerProcess(plain_model_path, "--log-file", tmp_path / "no" / "such.log", ctx=256)
     with pytest.raises(RuntimeError) as e:
         bad.start()
