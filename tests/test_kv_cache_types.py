@@ -19,9 +19,11 @@ import types
 import pytest
 
 from offgrid.flags import parse_args
-from offgrid.engine.memory import kv_bytes_of
+from offgrid.engine.memory import kv_bytes_of, per_layer
+from offgrid.engine.model import Model
 from offgrid.engine.session import check_cache_types
 from offgrid.errors import ContextError
+import archmodels
 from serverproc import ROOT, ServerProcess
 
 Q8 = ("-ctk", "q8_0", "-ctv", "q8_0")
@@ -104,7 +106,8 @@ def test_the_sizes_of_each_type():
 
 
 def fake_model(**meta):
-    return types.SimpleNamespace(name="m.gguf", meta=dict({"general.architecture": "x"}, **meta))
+    meta = dict({"general.architecture": "x"}, **meta)
+    return types.SimpleNamespace(name="m.gguf", meta=meta, kv_meta=meta)
 
 
 def test_what_libllama_would_refuse_is_a_clear_error_first():
@@ -118,6 +121,49 @@ def test_what_libllama_would_refuse_is_a_clear_error_first():
     with pytest.raises(ContextError, match="same type"):
         check_cache_types(latent, "q8_0", "f16", True)
     check_cache_types(latent, "q8_0", "q8_0", True)
+
+
+def test_per_layer_head_counts_and_sliding_window_head_sizes_are_read():
+    # Jamba's, Nemotron-H's head counts: one per layer, none in a recurrent one
+    hybrid = {"general.architecture": "x", "x.block_count": "3", "x.embedding_length": "256",
+              "x.attention.head_count": [4, 0, 4], "x.attention.head_count_kv": [2, 0, 2]}
+    assert kv_bytes_of(hybrid, 100) == 2 * (2 * (64 + 64) * 2) * 100
+    check_cache_types(fake_model(**hybrid), "q8_0", "q8_0", True)
+    with pytest.raises(ContextError, match="heads of 50"):
+        check_cache_types(fake_model(**dict(hybrid, **{"x.embedding_length": "200"})),
+                          "q8_0", "f16", True)
+    # Gemma 4's sliding-window layers have heads of their own size: each is checked
+    swa = fake_model(**{"x.embedding_length": "256", "x.attention.head_count": "4",
+                        "x.attention.key_length_swa": "48"})
+    check_cache_types(swa, "f16", "q8_0", True)
+    with pytest.raises(ContextError, match="heads of 48"):
+        check_cache_types(swa, "q8_0", "f16", True)
+
+
+def test_a_per_layer_head_count_libllama_leaves_out_is_read_from_the_file(tiny_dir):
+    # libllama's metadata has no arrays: the KV cache's size would count every layer,
+    # the recurrent one too, at one head each
+    model = Model.load(str(archmodels.build("nemotron_h", tiny_dir)), progress=False)
+    try:
+        assert "nemotron_h.attention.head_count_kv" not in model.meta
+        n_layer = int(model.meta["nemotron_h.block_count"])
+        heads = per_layer(model.kv_meta, "nemotron_h.attention.head_count_kv", n_layer)
+        k_len = int(model.meta["nemotron_h.attention.key_length"])
+        v_len = int(model.meta["nemotron_h.attention.value_length"])
+        size = kv_bytes_of(model.kv_meta, 100)
+    finally:
+        model.close()
+    assert heads == [0 if i == 1 else archmodels.N_HEAD for i in range(n_layer)]
+    assert size == sum(heads) * (k_len + v_len) * 2 * 100
+
+
+def test_an_override_of_a_per_layer_array_is_refused(tiny_dir):
+    from offgrid.engine.model import _check_kv_overrides
+    from offgrid.errors import ModelLoadError
+    path = archmodels.build("nemotron_h", tiny_dir)
+    with pytest.raises(ModelLoadError, match="is an array"):
+        _check_kv_overrides(path, [("nemotron_h.attention.head_count", "int", 2)])
+    _check_kv_overrides(path, [("nemotron_h.block_count", "int", 3)])
 
 
 def test_the_flags_are_llama_servers(capsys):

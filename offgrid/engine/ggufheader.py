@@ -1,7 +1,8 @@
 """The header of a GGUF file, read in Python with bounds: its metadata's scalar and
 string values, and its tensors' types and shapes, never their data.  What is
 checked before libllama sees a file (engine/adapters.py: a LoRA adapter's pairs;
-engine/model.py: --override-kv's types) reads it here."""
+engine/model.py: --override-kv's types) reads it here, and so do the arrays of a value
+per layer libllama's metadata leaves out (engine/memory.py: the KV cache's size)."""
 
 import struct
 
@@ -12,6 +13,9 @@ MAX_KV = 1 << 20
 MAX_TENSORS = 1 << 20
 MAX_STRING = 1 << 24
 MAX_DIMS = 4
+# arrays of numbers up to this long are read (a value per layer: Jamba's head counts);
+# longer ones (the vocabulary's token types and scores) are skipped
+MAX_LAYER_ARRAY = 4096
 
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?",
             10: "Q", 11: "q", 12: "d"}
@@ -46,19 +50,23 @@ class _Reader:
             if item == _STRING:
                 for _ in range(n):
                     self.f.seek(self.scalar("Q"), 1)
+            elif item in _SCALARS and n <= MAX_LAYER_ARRAY:
+                size = struct.calcsize(_SCALARS[item])
+                return list(struct.unpack("<%d%s" % (n, _SCALARS[item]), self.take(n * size)))
             elif item in _SCALARS:
                 self.f.seek(n * struct.calcsize(_SCALARS[item]), 1)
             else:
                 raise ModelLoadError("%s: a GGUF array of type %d" % (self.path, item))
-            return None         # arrays are not needed here
+            return None         # the vocabulary's arrays are not needed here
         if vtype not in _SCALARS:
             raise ModelLoadError("%s: a GGUF value of type %d" % (self.path, vtype))
         return self.scalar(_SCALARS[vtype])
 
 
 def read_header(path):
-    """(metadata, tensors) of a GGUF file: scalar and string values by key (arrays
-    as None), and name -> (ggml type, shape in ggml order).  ModelLoadError
+    """(metadata, tensors) of a GGUF file: scalar and string values by key (arrays of
+    numbers up to MAX_LAYER_ARRAY long as lists, other arrays as None), and name ->
+    (ggml type, shape in ggml order).  ModelLoadError
     where it is not a GGUF file or its header is cut short or out of bounds."""
     try:
         f = open(path, "rb")

@@ -82,7 +82,7 @@ class Loaded:
                            tensor_overrides=args.override_tensor)
         n_sessions = max(1, args.parallel)
         if on_sized is not None:
-            on_sized(kv_bytes_of(model.meta, context_size(model, args.ctx_size) * n_sessions,
+            on_sized(kv_bytes_of(model.kv_meta, context_size(model, args.ctx_size) * n_sessions,
                                  args.cache_type_k, args.cache_type_v))
         sessions = []
         decoder = draft_model = media = None
@@ -214,13 +214,13 @@ class Loaded:
         d = self.draft_model
         if d is None:
             return 0
-        return os.path.getsize(d.model.path) + kv_bytes_of(d.model.meta, d.ctx.n_ctx,
+        return os.path.getsize(d.model.path) + kv_bytes_of(d.model.kv_meta, d.ctx.n_ctx,
                                                            d.type_k, d.type_v)
 
     def kv_bytes(self):
         """The KV caches' size, from the model's shape and the caches' types."""
         types = (getattr(self.decoder, "type_k", "f16"), getattr(self.decoder, "type_v", "f16"))
-        return kv_bytes_of(self.model.meta, self.sessions[0].n_ctx * len(self.sessions), *types)
+        return kv_bytes_of(self.model.kv_meta, self.sessions[0].n_ctx * len(self.sessions), *types)
 
 
 def make_states(args, model, session):

@@ -32,6 +32,7 @@ once a context says how many tokens it can take back.
 """
 
 from .. import libllama
+from .ggufheader import read_header
 
 _ROPE_NAMES = {
     libllama.LLAMA_ROPE_TYPE_NONE: "none",
@@ -216,30 +217,57 @@ KV_TYPES = {"f32": (0, 4, 1), "f16": (1, 2, 1), "bf16": (30, 2, 1), "q8_0": (8, 
             "q5_0": (6, 22, 32), "q5_1": (7, 24, 32)}
 
 
+def kv_meta(meta, path):
+    """``meta`` (libllama's metadata as strings, which leaves arrays out) with the head
+    counts read from the file's header where it keeps one per layer (Jamba's,
+    Nemotron-H's: none in a recurrent layer): what the KV cache's size is read from."""
+    arch = meta.get("general.architecture", "")
+    keys = ("%s.attention.head_count" % arch, "%s.attention.head_count_kv" % arch)
+    if all(k in meta for k in keys):
+        return meta
+    header, _ = read_header(path)
+    return dict(meta, **{k: header[k] for k in keys if isinstance(header.get(k), list)})
+
+
+def per_layer(meta, key, n_layer):
+    """A metadata value that is one number, or a list of one per layer (kv_meta), as a
+    list of ``n_layer`` ints; None where the key is absent or does not read."""
+    value = meta.get(key)
+    try:
+        if isinstance(value, list):
+            values = [int(v) for v in value]
+            return values if len(values) == n_layer else None
+        return [int(value)] * n_layer if value is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
 def kv_bytes_of(meta, n_cells, type_k="f16", type_v="f16"):
     """Bytes of a KV cache of ``n_cells`` tokens for a model of this metadata, its keys
-    and values of these types (-ctk, -ctv)."""
+    and values of these types (-ctk, -ctv): each layer's KV heads (none in a
+    recurrent layer) times the head sizes."""
     arch = meta.get("general.architecture", "")
-
-    def num(key, default=0):
-        try:
-            return int(meta.get("%s.%s" % (arch, key), default))
-        except (TypeError, ValueError):
-            return default
-    n_kv = num("attention.head_count_kv", num("attention.head_count", 1) or 1)
-    k_len, v_len = kv_head_sizes(meta)
+    n_layer = _int(meta.get("%s.block_count" % arch))
+    n_kv = (per_layer(meta, "%s.attention.head_count_kv" % arch, n_layer)
+            or per_layer(meta, "%s.attention.head_count" % arch, n_layer) or [1] * n_layer)
+    k_len, v_len = kv_head_size_set(meta)[0]
     _, k_bytes, k_block = KV_TYPES[type_k]
     _, v_bytes, v_block = KV_TYPES[type_v]
-    per_token = num("block_count") * n_kv * (k_len * k_bytes / k_block
-                                             + v_len * v_bytes / v_block)
+    per_token = sum(n_kv) * (k_len * k_bytes / k_block + v_len * v_bytes / v_block)
     return int(per_token * n_cells)
 
 
-def kv_head_sizes(meta):
-    """(values of a key, of a value) per head of the model's attention, from its metadata
-    (llama.cpp's n_embd_head_k and n_embd_head_v)."""
+def kv_head_size_set(meta):
+    """Each (key, value) head size of the model's attention layers, from its metadata
+    (llama.cpp's n_embd_head_k and n_embd_head_v: the embedding over the first layer's
+    head count unless the file says), the full layers' first: sliding-window layers
+    may have sizes of their own (key_length_swa, value_length_swa: Gemma 4's)."""
     arch = meta.get("general.architecture", "")
-    n_head = _int(meta.get("%s.attention.head_count" % arch)) or 1
-    head = _int(meta.get("%s.embedding_length" % arch)) // n_head
-    return (_int(meta.get("%s.attention.key_length" % arch)) or head,
+    heads = meta.get("%s.attention.head_count" % arch)
+    first = _int(heads[0] if isinstance(heads, list) and heads else heads)
+    head = _int(meta.get("%s.embedding_length" % arch)) // (first or 1)
+    full = (_int(meta.get("%s.attention.key_length" % arch)) or head,
             _int(meta.get("%s.attention.value_length" % arch)) or head)
+    swa = (_int(meta.get("%s.attention.key_length_swa" % arch)) or full[0],
+           _int(meta.get("%s.attention.value_length_swa" % arch)) or full[1])
+    return [full] if swa == full else [full, swa]

@@ -16,7 +16,7 @@ from ..errors import InvalidToken, ModelLoadError
 from . import devices as gpus
 from . import rpc
 from .ggufheader import read_header
-from .memory import MemoryClass, kv_bytes_of
+from .memory import MemoryClass, kv_bytes_of, kv_meta
 
 # Texts this long or longer have their tokens kept (Model.tokenize), the last
 # TOKENIZED_KEPT of them: a few editors' prefixes and suffixes and their rings
@@ -95,6 +95,7 @@ class Model:
         self.add_sep = handle.add_sep()
 
         self.meta = handle.meta()
+        self.kv_meta = kv_meta(self.meta, path)     # with its per-layer head counts
         # dense, SWA, hybrid or recurrent: what its contexts' caches may do
         # (a session's decoder refines it with the context's rollback depth)
         self.memory = MemoryClass.of(handle, self.meta)
@@ -443,6 +444,9 @@ def _check_kv_overrides(path, kv_overrides):
         have = meta.get(key)
         if have is None:
             continue
+        if isinstance(have, list):
+            raise ModelLoadError("--override-kv %s=%s:...: the file's %s is an array (a value "
+                                 "per layer), which an override cannot give" % (key, kind, key))
         # a GGUF bool reads as bool, its ints (any width) as int, its floats as float
         file_kind = {bool: "bool", int: "int", float: "float", str: "str"}[type(have)]
         if file_kind != kind:
@@ -483,5 +487,5 @@ def _layers_for(lib, path, devices, n_gpu_layers, n_ctx, kv_offload):
     except (TypeError, ValueError):
         return -1
     layer = os.path.getsize(path) // (n_layer + 1)
-    kv = kv_bytes_of(meta, n_ctx) // n_layer if kv_offload and n_layer else 0
+    kv = kv_bytes_of(kv_meta(meta, path), n_ctx) // n_layer if kv_offload and n_layer else 0
     return gpus.layer_count(n_gpu_layers, n_layer, devices, layer, kv)

@@ -35,7 +35,7 @@ from .batch import OUT_ALL, OUT_LAST, OUT_NONE, SEQS_PER_SESSION, BatchDecoder
 from .checkpoints import Checkpoints
 from .generate import Generation
 from .media import floor_to_media
-from .memory import KV_TYPES, kv_head_sizes
+from .memory import KV_TYPES, kv_head_size_set
 from .positions import IDENTITY
 from .recurrent import RecurrentCache
 from .threads import DecodeThreads
@@ -198,7 +198,7 @@ def check_cache_types(model, type_k, type_v, flash_attn, flags=("-ctk", "-ctv"))
     flash attention, whose quantized rows must divide each head, and a model of
     latent attention (DeepSeek-V2/V3) keeps keys and values of one type.  ``flags``: the
     two flags that gave them (a draft model's are -ctkd, -ctvd)."""
-    k_len, v_len = kv_head_sizes(model.meta)
+    sizes = kv_head_size_set(model.kv_meta)
     arch = model.meta.get("general.architecture", "")
     if type_k != type_v and model.meta.get("%s.attention.kv_lora_rank" % arch) is not None:
         raise ContextError("%s keeps its keys and values in one latent cache: give %s "
@@ -207,7 +207,8 @@ def check_cache_types(model, type_k, type_v, flash_attn, flags=("-ctk", "-ctv"))
     if KV_TYPES[type_v][2] > 1 and flash_attn is False:
         raise ContextError("%s %s (a quantized value cache) needs flash attention, which "
                            "-fa off turns off" % (flags[1], type_v))
-    for flag, kind, size in ((flags[0], type_k, k_len), (flags[1], type_v, v_len)):
+    for flag, kind, size in [(flags[0], type_k, k) for k, _ in sizes] + [
+            (flags[1], type_v, v) for _, v in sizes]:
         block = KV_TYPES[kind][2]
         if flash_attn is not False and size % block:
             raise ContextError("%s %s: its blocks of %d values do not divide %s's heads of "
