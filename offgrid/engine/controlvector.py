@@ -106,8 +106,8 @@ def read_file(path, scale, arch):
 class ControlVector:
     """The summed vector of a worker's control vector files, and its layer range."""
 
-    def __init__(self, n_embd, data, il_start, il_end, files):
-        self.n_embd = n_embd
+    def __init__(self, n_embd, data, il_start, il_end, files, n_layer):
+        self.n_embd, self.n_layer = n_embd, n_layer
         self.data = data            # array('f'): n_embd floats a layer, from layer 1 on
         self.il_start, self.il_end = il_start, il_end
         self.files = files          # [(path, scale)] as given
@@ -151,14 +151,15 @@ class ControlVector:
         for layer, values in summed.items():
             if layer < n_layer:
                 data[(layer - 1) * model.n_embd:layer * model.n_embd] = values
-        return cls(model.n_embd, data, start, end, [(p, float(s)) for p, s in specs])
+        return cls(model.n_embd, data, start, end, [(p, float(s)) for p, s in specs], n_layer)
 
     def apply(self, ctx):
         """Make ``ctx`` (a ContextHandle of the model) add the vector in its decodes."""
         ctx.set_control_vector(self.data, self.n_embd, self.il_start, self.il_end)
 
     def describe(self):
-        """The load line's words for it."""
+        """The load line's words for it: its files and the layers it reaches (the
+        default END, the layer count, is one past the last layer)."""
         return "control vector %s, layers %d-%d" % (
             " + ".join("%s x %g" % (os.path.basename(p), s) for p, s in self.files),
-            self.il_start, self.il_end)
+            self.il_start, min(self.il_end, self.n_layer - 1))
