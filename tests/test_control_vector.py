@@ -257,6 +257,17 @@ def test_a_file_that_cannot_be_used_is_refused_before_libllama_sees_it(
     assert str(e.value) == "--control-vector %s: %s" % (bad, why)
 
 
+def test_a_file_cut_short_is_refused_not_read_past_its_end(files, plain_model, tmp_path):
+    from offgrid.engine.controlvector import ControlVector
+    from offgrid.errors import ModelLoadError
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(files["one"].read_bytes()[:-100])
+    with pytest.raises(ModelLoadError) as e:
+        ControlVector.load(plain_model, [[str(cut), 1.0]])
+    assert str(e.value) == ("--control-vector: %s: tensor direction.1's data lies outside "
+                            "the file" % cut)
+
+
 def test_a_file_for_another_model_stops_the_start_saying_why(files, tiny_dir):
     # libllama itself would log it and serve on without the vector (llama-server's way)
     bad = controlvectors.bad(tiny_dir, "n_embd")

@@ -97,7 +97,10 @@ def read_file(path, scale, arch):
         elif shape[0] != n_embd:
             refuse("tensor %s has %d values, the file's others %d" % (name, shape[0], n_embd))
         layers[layer] = name
-    data = read_f32(path, layers.values())
+    try:
+        data = read_f32(path, layers.values())
+    except ModelLoadError as e:
+        raise ModelLoadError("--control-vector: %s" % e)
     scale = _f32(scale)
     return n_embd, {layer: array.array("f", (_f32(v * scale) for v in data[name]))
                     for layer, name in layers.items()}
