@@ -393,6 +393,20 @@ def parse_args(argv=None):
                        help="%s (default: the model file's)" % what)
     p.add_argument("--yarn-orig-ctx", type=int, default=None, metavar="N",
                    help="YaRN: the context the model was trained on (default: the file's)")
+    # llama-server's control vectors, for -m's model (engine/controlvector.py); both
+    # file flags append to one list, in the order given, as llama-server sums them
+    p.add_argument("--control-vector", action="append", dest="control_vector_items",
+                   type=lambda v: ("--control-vector", v), default=[], metavar="FNAME",
+                   help="add a control vector to -m's model at scale 1 (a comma list, or "
+                   "the flag again, for several; they are summed)")
+    p.add_argument("--control-vector-scaled", action="append", dest="control_vector_items",
+                   type=lambda v: ("--control-vector-scaled", v), default=[],
+                   metavar="FNAME:SCALE,...",
+                   help="add a control vector at scale SCALE (a comma list for several)")
+    p.add_argument("--control-vector-layer-range", nargs=2, default=None,
+                   metavar=("START", "END"),
+                   help="the layers the control vectors are added to, both inclusive "
+                   "(default: from 1 to the last)")
     p.add_argument("--check-tensors", action="store_true",
                    help="check every tensor's data for NaN and infinity as the model loads "
                    "(a load that finds one fails), as llama-server's flag")
@@ -454,6 +468,10 @@ def parse_args(argv=None):
         args.override_tensor = tensor_overrides(args)
         args.tls = tls_context(args.ssl_key_file, args.ssl_cert_file)
         args.rope = overrides.rope_settings(args)
+        args.control_vectors = [pair for flag, value in args.control_vector_items
+                                for pair in overrides.control_vectors(value, flag)]
+        args.control_vector_layers = (overrides.control_vector_layers(
+            *args.control_vector_layer_range) if args.control_vector_layer_range else None)
     except ValueError as e:
         p.error(str(e))
     if args.verbosity is not None and args.verbosity >= 4:
@@ -475,6 +493,9 @@ def parse_args(argv=None):
               "model's own unless --chat-template names another", file=sys.stderr)
     if args.lora_specs and not args.model:
         p.error("--lora adapters are for -m's model: give one")
+    if args.control_vectors and not args.model:
+        p.error("--control-vector is for -m's model: give one (a preset's control-vector "
+                "key gives one to its model)")
     if args.list_devices:
         return args
     if not (args.model or args.models_dir or args.models_preset):

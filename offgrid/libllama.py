@@ -87,6 +87,7 @@ llama_adapter_lora_p = _spelled(c_void_p, "struct llama_adapter_lora *")
 const_llama_adapter_lora_p = _spelled(c_void_p, "const struct llama_adapter_lora *")
 char_buf = _spelled(c_char_p, "char *")             # an output buffer; c_char_p is const char *
 float_p = _spelled(c_void_p, "float *")             # read with from_address, not a POINTER
+const_float_p = _spelled(c_void_p, "const float *")  # a buffer's address (buffer_info)
 uint8_p = _spelled(c_void_p, "uint8_t *")           # a buffer's address (ctypes.addressof)
 const_uint8_p = _spelled(c_void_p, "const uint8_t *")
 llama_token_p = POINTER(llama_token)
@@ -370,6 +371,8 @@ _PROTOTYPES = {
     "llama_model_n_ctx_train": (c_int32, [const_llama_model_p]),
     # int32_t llama_model_n_embd(const struct llama_model * model);
     "llama_model_n_embd": (c_int32, [const_llama_model_p]),
+    # int32_t llama_model_n_layer(const struct llama_model * model);
+    "llama_model_n_layer": (c_int32, [const_llama_model_p]),
     # int32_t llama_model_n_embd_out(const struct llama_model * model);
     "llama_model_n_embd_out": (c_int32, [const_llama_model_p]),
     # int32_t llama_model_n_embd_inp(const struct llama_model * model);
@@ -412,6 +415,11 @@ _PROTOTYPES = {
     "llama_set_adapters_lora": (c_int32, [llama_context_p,
                                           _spelled(c_void_p, "struct llama_adapter_lora **"),
                                           c_size_t, float_p]),
+
+    # --- control vectors (engine/controlvector.py) ---------------------------
+    # int32_t llama_set_adapter_cvec(struct llama_context * ctx, const float * data, size_t len, int32_t n_embd, int32_t il_start, int32_t il_end);
+    "llama_set_adapter_cvec": (c_int32, [llama_context_p, const_float_p, c_size_t, c_int32,
+                                         c_int32, c_int32]),
 
     # --- vocab ---------------------------------------------------------------
     # int32_t llama_vocab_n_tokens(const struct llama_vocab * vocab);
@@ -1037,6 +1045,9 @@ class ModelHandle:
     def n_embd(self):
         return self.lib.llama_model_n_embd(self.ptr)
 
+    def n_layer(self):
+        return self.lib.llama_model_n_layer(self.ptr)
+
     def n_embd_out(self):
         """The size of the model's output embeddings (n_embd, save for a few architectures)."""
         return self.lib.llama_model_n_embd_out(self.ptr)
@@ -1510,6 +1521,18 @@ class ContextHandle:
                                                   ctypes.addressof(sc))
         if status != 0:
             raise LibraryError("libllama refused the LoRA adapters (status %d)" % status)
+
+    # -- a control vector (engine/controlvector.py) ------------------------
+    def set_control_vector(self, data, n_embd, il_start, il_end):
+        """Add ``data`` (an array('f') of n_embd floats per layer from layer 1 on)
+        to each layer's output from ``il_start`` to ``il_end`` (inclusive), in every
+        decode from now on.  libllama checks only n_embd against the model: the
+        caller has checked the rest (engine/controlvector.py)."""
+        address, n = data.buffer_info()
+        status = self.lib.llama_set_adapter_cvec(self.ptr, address, n, n_embd, il_start,
+                                                 il_end)
+        if status != 0:
+            raise LibraryError("libllama refused the control vector (status %d)" % status)
 
     # -- one sequence's state (engine/statecache.py) -----------------------
     def seq_state(self, seq, buf=None, partial=False):

@@ -207,6 +207,10 @@ class WorkerSettings:
     image_min_tokens: int = -1      # --image-min-tokens; -1: the mmproj's own
     image_max_tokens: int = -1      # --image-max-tokens; -1: the mmproj's own
     lora: Optional[list] = None     # -m's LoRA adapters: [path, start-up scale] (engine/adapters.py)
+    # --control-vector(-scaled): [path, scale] each, summed (engine/controlvector.py), and
+    # --control-vector-layer-range's [START, END] (None: every layer)
+    control_vectors: list = dataclasses.field(default_factory=list)
+    control_vector_layers: Optional[list] = None
     stream_pace: float = 12.0       # tok/s a stream keeps beside a prompt (engine/batch.py)
     device: Optional[list] = None   # -dev: device names, ["none"]; None: every GPU (engine/devices.py)
     split_mode: Optional[str] = None    # -sm: none, layer, row; None: layer
@@ -314,6 +318,8 @@ class ModelInfo:
     # its LoRA adapters (--lora): id, path, scale, task_name, prompt_prefix each
     lora: list = dataclasses.field(default_factory=list)
     placement: str = ""             # the load line's words for devices, "" on the CPU alone
+    # the load line's words for its control vector (engine/controlvector.py), "" without one
+    control_vector: str = ""
     # what the model holds in a GPU's own memory (not the host's: an integrated GPU's
     # or lavapipe's count as the host's), which the host memory accounting leaves out
     device_bytes: int = 0

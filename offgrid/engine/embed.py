@@ -147,6 +147,9 @@ class Embedder:
         # its model's LoRA adapters (engine/adapters.py; Loaded sets them): an
         # embedding runs with the global scales, as llama-server's does
         self.adapters = None
+        # its model's control vector (engine/controlvector.py; Loaded sets it), as
+        # llama-server's one context embeds with it too
+        self.control_vector = None
         self.closed = False
         # whether an input may span several batches: set with the context
         # (a decoder's keys stay in its cache; an encoder sees one batch)
@@ -192,6 +195,12 @@ class Embedder:
             if not ctx.ptr:
                 raise ContextError("libllama could not create an embedding context of %d "
                                    "tokens (not enough memory?)" % self.n_ctx)
+            if self.control_vector is not None:
+                try:
+                    self.control_vector.apply(ctx)
+                except BaseException:
+                    ctx.close()
+                    raise
             self.splits = ctx.causal_attn()
             self.n_batch = min(self.n_batch, ctx.n_batch)
             self._ctx = ctx

@@ -1,10 +1,15 @@
 """The header of a GGUF file, read in Python with bounds: its metadata's scalar and
-string values, and its tensors' types and shapes, never their data.  What is
+string values, and its tensors' types and shapes, not their data.  What is
 checked before libllama sees a file (engine/adapters.py: a LoRA adapter's pairs;
 engine/model.py: --override-kv's types) reads it here, and so do the arrays of a value
-per layer libllama's metadata leaves out (engine/memory.py: the KV cache's size)."""
+per layer libllama's metadata leaves out (engine/memory.py: the KV cache's size).  The
+one file whose data is read here is a control vector's (``read_f32``:
+engine/controlvector.py), a few small F32 vectors that offgrid hands libllama itself."""
 
+import array
+import os
 import struct
+import sys
 
 from ..errors import ModelLoadError
 
@@ -68,6 +73,48 @@ def read_header(path):
     numbers up to MAX_LAYER_ARRAY long as lists, other arrays as None), and name ->
     (ggml type, shape in ggml order).  ModelLoadError
     where it is not a GGUF file or its header is cut short or out of bounds."""
+    meta, tensors, _ = _read(path)
+    return meta, {name: (ttype, shape) for name, (ttype, shape, _) in tensors.items()}
+
+
+GGML_F32 = 0
+DEFAULT_ALIGNMENT = 32      # GGUF_DEFAULT_ALIGNMENT, where general.alignment is absent
+
+
+def read_f32(path, names):
+    """{name: array('f') of its values} of the F32 tensors ``names`` of a GGUF file
+    (every element, in ggml order); ModelLoadError where one is not F32 or its data
+    lies outside the file."""
+    meta, tensors, header_end = _read(path)
+    align = meta.get("general.alignment", DEFAULT_ALIGNMENT)
+    if not isinstance(align, int) or align <= 0 or align & (align - 1):
+        raise ModelLoadError("%s: general.alignment %r is not a power of two" % (path, align))
+    start = -(-header_end // align) * align         # the data section, aligned
+    size = os.path.getsize(path)
+    out = {}
+    with open(path, "rb") as f:
+        for name in names:
+            ttype, shape, offset = tensors[name]
+            if ttype != GGML_F32:
+                raise ModelLoadError("%s: tensor %s is not F32" % (path, name))
+            n = 1
+            for d in shape:
+                n *= d
+            begin = start + offset
+            if offset % align or begin + 4 * n > size:
+                raise ModelLoadError("%s: tensor %s's data lies outside the file"
+                                     % (path, name))
+            f.seek(begin)
+            values = array.array("f")
+            values.frombytes(f.read(4 * n))
+            if sys.byteorder != "little":
+                values.byteswap()
+            out[name] = values
+    return out
+
+
+def _read(path):
+    """(metadata, name -> (type, shape, offset), where the header ends) of a GGUF file."""
     try:
         f = open(path, "rb")
     except OSError as e:
@@ -95,6 +142,8 @@ def read_header(path):
                 raise ModelLoadError("%s: tensor %s has %d dimensions" % (path, name, n_dims))
             shape = struct.unpack("<%dQ" % n_dims, r.take(8 * n_dims))
             ttype = r.scalar("I")
-            r.scalar("Q")       # its offset: libllama checks it against the file
-            tensors[name] = (ttype, shape)
-    return meta, tensors
+            # its offset in the data section: libllama checks it against the file
+            # (read_f32 does, for the data it reads)
+            tensors[name] = (ttype, shape, r.scalar("Q"))
+        header_end = f.tell()
+    return meta, tensors, header_end

@@ -17,6 +17,7 @@ from ..errors import ModelLoadError, OffgridError
 from . import devices as gpus
 from . import rpc, statedisk
 from .adapters import Adapters
+from .controlvector import ControlVector
 from .draftmodel import DraftModel
 from .embed import POOLING, Embedder, model_pooling
 from .memory import kv_bytes_of
@@ -58,6 +59,7 @@ class Loaded:
         self.states = None          # the sessions' StateCache (engine/statecache.py)
         self.media = None           # --mmproj's MediaStore (engine/media.py), or None
         self.adapters = Adapters()  # its LoRA adapters (--lora: engine/adapters.py)
+        self.control_vector = None  # --control-vector's (engine/controlvector.py), or None
         self.flash_attn = "libllama's choice (-fa auto)"    # Loaded.load says which
         # --grammar(-file), -j/-jf as checked GBNF: what a request that sets no output
         # format of its own is held to (worker.py), or None
@@ -88,6 +90,9 @@ class Loaded:
         decoder = draft_model = media = None
         try:
             output_grammar = default_grammar(model, getattr(args, "output_default", None))
+            # checked here, before any context: one that does not fit fails the load
+            control_vector = ControlVector.load(model, getattr(args, "control_vectors", ()),
+                                                getattr(args, "control_vector_layers", None))
             adapters = Adapters.load(model, getattr(args, "lora", None) or ())
         except BaseException:
             model.close()
@@ -116,7 +121,8 @@ class Loaded:
                                      # sessions take a draft back by checkpoint and replay
                                      n_rs_seq=draft_max if n_sessions == 1 else 0,
                                      state_copies=not on_rpc(model),
-                                     type_k=args.cache_type_k, type_v=args.cache_type_v)
+                                     type_k=args.cache_type_k, type_v=args.cache_type_v,
+                                     control_vector=control_vector)
             decoder.stream_pace = args.stream_pace
             media = make_media(args, model, decoder)
             if media is not None:
@@ -148,12 +154,13 @@ class Loaded:
             loaded.flash_attn = flash_attn_words
             loaded.output_grammar = output_grammar
             loaded.adapters = decoder.adapters = embedder.adapters = adapters
+            loaded.control_vector = embedder.control_vector = control_vector
             # the media first: an M-RoPE projector changes what the sessions' memory
             # may do, which use_states asks
             loaded.media = media
             for s in sessions:
                 s.use_media(media)
-            loaded.states = make_states(args, model, sessions[0])
+            loaded.states = make_states(args, model, sessions[0], control_vector)
             for s in sessions:
                 s.use_states(loaded.states)
             return loaded
@@ -207,6 +214,7 @@ class Loaded:
             modalities=[k for k in ("vision", "audio")
                         if self.media is not None and getattr(self.media, k)],
             grammar=self.output_grammar or "",
+            control_vector=self.control_vector.describe() if self.control_vector else "",
             asr_prompt=list(asr_prompt(self.template.source or "")))
 
     def draft_bytes(self):
@@ -223,7 +231,7 @@ class Loaded:
         return kv_bytes_of(self.model.kv_meta, self.sessions[0].n_ctx * len(self.sessions), *types)
 
 
-def make_states(args, model, session):
+def make_states(args, model, session, control_vector=None):
     """The StateCache of --cache-ram (MiB; -1: no bound) and --cache-dir, or None where
     both are off; the states on disk are listed (read when one is wanted).  Off for a
     model with layers on --rpc devices, with a line saying so: llama.cpp aborts while
@@ -253,6 +261,9 @@ def make_states(args, model, session):
                 **({"override_kv": args.override_kv} if args.override_kv else {}),
                 # positions as --rope-scaling and the others place them
                 **({"rope": args.rope} if getattr(args, "rope", None) else {}),
+                # what --control-vector adds to each layer's output
+                **({"control_vector": control_vector.identity}
+                   if control_vector is not None else {}),
                 # images' cells are the projector's: another mmproj, other states
                 **({"mmproj": [args.mmproj, os.path.getsize(args.mmproj)]}
                    if getattr(args, "mmproj", None) else {})})

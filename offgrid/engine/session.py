@@ -133,7 +133,7 @@ def context_size(model, n_ctx):
 def shared_decoder(model, n_sessions, n_ctx=4096, n_batch=512, n_ubatch=None, swa_full=True,
                    threads=None, n_threads=None, n_threads_batch=None, flash_attn=None,
                    kv_unified=True, n_rs_seq=0, state_copies=True, type_k="f16",
-                   type_v="f16"):
+                   type_v="f16", control_vector=None):
     """The BatchDecoder of ``n_sessions`` sessions of ``n_ctx`` tokens each: one
     context whose unified cache holds n_sessions * n_ctx cells, which its
     sessions (ChatSession(..., decoder=it)) share.
@@ -160,6 +160,7 @@ def shared_decoder(model, n_sessions, n_ctx=4096, n_batch=512, n_ubatch=None, sw
     recurrent state per sequence.  ``state_copies``: False where a sequence's
     state cannot be copied out (layers on --rpc devices): no checkpoints.
     ``type_k``, ``type_v``: the KV cache's types (-ctk, -ctv; memory.KV_TYPES).
+    ``control_vector``: the model's ControlVector (engine/controlvector.py), or None.
     """
     if model.vocab_only:
         # libllama makes the context, then aborts the process at the first decode
@@ -181,6 +182,12 @@ def shared_decoder(model, n_sessions, n_ctx=4096, n_batch=512, n_ubatch=None, sw
         raise ContextError("libllama could not create a context of %d tokens "
                            "(not enough memory?)" % (n_ctx * n_sessions))
     ctx.attach_threadpool(shared_pool(model.lib, n_gen), shared_pool(model.lib, n_batch_threads))
+    if control_vector is not None:
+        try:
+            control_vector.apply(ctx)
+        except BaseException:
+            ctx.close()
+            raise
     memory = model.memory.with_context(ctx, copies=state_copies)
     decoder = BatchDecoder(ctx, threads, decode_turn, streams=not kv_unified and n_sessions > 1,
                            has_state=memory.has_state)

@@ -137,6 +137,40 @@ def read_adapters(path, n_adapters):
     return tuple(sorted((i, float(s)) for i, s in raw if s != 0))
 
 
+# The identity of the control vector a slot's cache was computed under
+# (engine/controlvector.py), in a file beside it as the adapter key; a slot file
+# without one was computed with none (llama-server's are).
+CONTROL_SUFFIX = ".cvec.json"
+
+
+def write_control_vector(path, identity):
+    """Write (or, without a control vector, remove) the control vector identity of
+    the slot file ``path``."""
+    _write_side(path + CONTROL_SUFFIX, {"control_vector": identity} if identity else None)
+
+
+def check_control_vector(path, identity):
+    """SlotFileError unless the slot file ``path`` was saved under the control vector
+    of identity ``identity`` (None: none): its cells hold what that vector added."""
+    try:
+        with open(path + CONTROL_SUFFIX) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raw = {"control_vector": None}
+    except (OSError, ValueError) as e:
+        raise SlotFileError("unreadable control vector identity beside the slot file: %s" % e)
+    saved = raw.get("control_vector") if isinstance(raw, dict) else "?"
+    if saved == identity:
+        return
+    if saved is None:
+        why = "without a control vector, and this server runs one"
+    elif identity is None:
+        why = "under a control vector, and this server runs none"
+    else:
+        why = "under another control vector than this server's"
+    raise SlotFileError("the slot was saved %s" % why)
+
+
 MEDIA_SUFFIX = ".media.json"
 
 

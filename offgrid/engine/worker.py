@@ -327,6 +327,7 @@ class Worker:
             try:
                 n_bytes = slotfile.write(path, tokens, state)
                 slotfile.write_adapters(path, session.adapters)
+                slotfile.write_control_vector(path, self._control_identity())
                 media = self.loaded.media
                 slotfile.write_media(path, media.identity if media is not None
                                      and min(tokens) < 0 else None,
@@ -340,6 +341,7 @@ class Worker:
             tokens, state, n_read = slotfile.read(path, self.model.n_vocab,
                                                   media=self.loaded.media is not None)
             key = slotfile.read_adapters(path, len(self.loaded.adapters))
+            slotfile.check_control_vector(path, self._control_identity())
             media = self.loaded.media
             if tokens and min(tokens) < 0:
                 # its images' cells are its projector's: refused under another
@@ -359,6 +361,12 @@ class Worker:
         return {"id_slot": a.id_slot, "filename": a.filename, "n_restored": len(tokens),
                 "n_read": n_read, "cached": tokens,
                 "timings": {"restore_ms": (time.perf_counter() - t0) * 1000.0}}
+
+    def _control_identity(self):
+        """The identity of the model's control vector (engine/controlvector.py), None
+        without one: what its slot files are computed under."""
+        cv = self.loaded.control_vector
+        return cv.identity if cv is not None else None
 
     def call_batching(self):
         """Decode steps made so far, how many of them carried several sessions' work, and

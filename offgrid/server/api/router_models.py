@@ -12,7 +12,7 @@ gives.  Reading them never wakes a model (see ``shelf.py``).
 import json
 
 from ..httpd.httperrors import BadRequest
-from ..models.launch import ROPE_KEYS
+from ..models.launch import CONTROL_KEYS, ROPE_KEYS
 from .fields import Fields
 
 _SETTINGS = ("ctx_size", "parallel", "threads", "threads_batch", "batch_size", "ubatch_size",
@@ -20,13 +20,17 @@ _SETTINGS = ("ctx_size", "parallel", "threads", "threads_batch", "batch_size", "
              "load_mode", "lazy_mode", "reasoning_budget",
              "chat_template", "load_on_startup", "stop_timeout", "keep_alive", "override_kv",
              "override_tensor", "cpu_moe", "n_cpu_moe", "template_kwargs", "ctx_checkpoints",
-             "checkpoint_min_step") + ROPE_KEYS
+             "checkpoint_min_step") + ROPE_KEYS + CONTROL_KEYS
 # the settings written back as a flag reads them (models/overrides.py), by the flag's name
 _WRITTEN = {
     "override_kv": ("override-kv", lambda v: ",".join(
         "%s=%s:%s" % (k, t, str(x).lower() if t == "bool" else x) for k, t, x in v)),
     "override_tensor": ("override-tensor", lambda v: ",".join("%s=%s" % tuple(o) for o in v)),
     "template_kwargs": ("chat-template-kwargs", json.dumps),
+    "control_vector": ("control-vector", lambda v: ",".join(p for p, _ in v)),
+    "control_vector_scaled": ("control-vector-scaled",
+                              lambda v: ",".join("%s:%s" % (p, s) for p, s in v)),
+    "control_vector_layer_range": ("control-vector-layer-range", lambda v: "%d %d" % tuple(v)),
 }
 
 

@@ -224,6 +224,12 @@ _PRESET_KEYS = {
     "yarn-ext-factor": ("yarn_ext_factor", float),
     "yarn-attn-factor": ("yarn_attn_factor", float),
     "yarn-beta-slow": ("yarn_beta_slow", float), "yarn-beta-fast": ("yarn_beta_fast", float),
+    # control vectors, as the flags (both file keys add to the model's list)
+    "control-vector": ("control_vector", overrides.control_vectors),
+    "control-vector-scaled": ("control_vector_scaled",
+                              lambda v: overrides.control_vectors(v, "--control-vector-scaled")),
+    "control-vector-layer-range": ("control_vector_layer_range",
+                                   overrides.control_vector_layer_range),
 }
 _PRESET_KEYS.update(sampling.preset_keys())      # temp, top-k, ... (models/sampling.py)
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True,

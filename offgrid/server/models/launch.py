@@ -78,7 +78,11 @@ def worker_settings(path, args, chat_template=None, decode_lock=None):
         image_max_tokens=getattr(args, "image_max_tokens", None) or -1,
         # --lora adapters are -m's model's alone (server/api/lora.py)
         lora=[[os.path.abspath(p), s] for p, s in getattr(args, "lora_specs", ())]
-        if model and os.path.realpath(model) == os.path.realpath(path) else None)
+        if model and os.path.realpath(model) == os.path.realpath(path) else None,
+        # model_args has chosen this model's: the command line's (-m's) or its preset's
+        control_vectors=[[os.path.abspath(p), s]
+                         for p, s in getattr(args, "control_vectors", None) or ()],
+        control_vector_layers=getattr(args, "control_vector_layers", None))
 
 
 def cache_ram_mib(args):
@@ -171,6 +175,21 @@ def preset_rope(settings):
                                                          for k in ROPE_KEYS}))
 
 
+# a preset's control vector keys (overrides.control_vectors reads them as the flags)
+CONTROL_KEYS = ("control_vector", "control_vector_scaled", "control_vector_layer_range")
+
+
+def control_vectors_for(path, args, preset):
+    """(files, layer range) of the control vectors of the model at ``path``: the
+    command line's for -m's model (as its --lora), else its preset's keys."""
+    model = getattr(args, "model", None)
+    if model and os.path.realpath(model) == os.path.realpath(path) and (
+            getattr(args, "control_vectors", None)):
+        return args.control_vectors, args.control_vector_layers
+    files = preset.get("control_vector", []) + preset.get("control_vector_scaled", [])
+    return files, preset.get("control_vector_layer_range") if files else None
+
+
 def model_args(entry, args):
     """Our flags as they apply to one model: the preset's settings under the command line's."""
     out = argparse.Namespace(**vars(args))
@@ -187,6 +206,8 @@ def model_args(entry, args):
     # RoPE and YaRN: the preset's keys where the command line gives none of them
     if any(k in preset for k in ROPE_KEYS) and not any(k in explicit for k in ROPE_KEYS):
         out.rope = preset_rope(preset)
+    out.control_vectors, out.control_vector_layers = control_vectors_for(entry.path, args,
+                                                                         preset)
     # --chat-template-kwargs: the preset's under a --reasoning-effort given
     if "template_kwargs" in preset and "chat_template_kwargs" not in explicit:
         out.template_kwargs = dict(preset["template_kwargs"], **{

@@ -1,9 +1,11 @@
 """What a model's file and its load are told to do otherwise, read alike from the command
 line (flagvalues.py) and a preset's keys (folders.py): --override-kv, -ot with
---cpu-moe and --n-cpu-moe, --chat-template-kwargs, and RoPE's and YaRN's settings.  Each reader raises ValueError
-naming the flag and what it takes."""
+--cpu-moe and --n-cpu-moe, --chat-template-kwargs, RoPE's and YaRN's settings, and
+control vectors.  Each reader raises ValueError naming the flag and what it takes."""
 
+import csv
 import json
+import math
 import re
 
 # llama.cpp's LLM_FFN_EXPS_REGEX (common.h): a Mixture of Experts layer's expert weights
@@ -102,3 +104,54 @@ def rope_settings(args):
                              % args.yarn_orig_ctx)
         out["yarn_orig_ctx"] = args.yarn_orig_ctx
     return out
+
+
+def control_vectors(text, flag="--control-vector"):
+    """--control-vector's files (each at scale 1), or --control-vector-scaled's
+    FNAME:SCALE items (``flag``), a comma list read as llama-server's CSV row
+    (quotes allowed), as [[path, scale], ...]."""
+    try:
+        items = [item.strip() for item in next(csv.reader([text])) if item.strip()]
+    except (csv.Error, StopIteration):
+        items = []
+    if not items:
+        raise ValueError("%s %r: give a file name" % (flag, text))
+    if flag == "--control-vector":
+        return [[item, 1.0] for item in items]
+    out = []
+    for item in items:
+        parts = item.split(":")
+        if len(parts) != 2 or not parts[0]:
+            raise ValueError("%s %s: give FNAME:SCALE (a file name without ':')"
+                             % (flag, item))
+        try:
+            scale = float(parts[1])
+        except ValueError:
+            scale = math.nan
+        if not math.isfinite(scale):
+            raise ValueError("%s %s: the scale %r is not a number" % (flag, item, parts[1]))
+        out.append([parts[0], scale])
+    return out
+
+
+def control_vector_layers(start, end):
+    """--control-vector-layer-range START END as [START, END] (0 or less: the first
+    layer, the last; as llama-server's), both inclusive."""
+    try:
+        start, end = int(start), int(end)
+    except ValueError:
+        raise ValueError("--control-vector-layer-range %s %s: give two layer numbers"
+                         % (start, end))
+    if start > 0 and end > 0 and start > end:
+        raise ValueError("--control-vector-layer-range %d %d: START is past END, so no "
+                         "layer would get the vector" % (start, end))
+    return [start, end]
+
+
+def control_vector_layer_range(text):
+    """A preset's control-vector-layer-range: START END (or START,END), as the flag's
+    two values."""
+    parts = text.replace(",", " ").split()
+    if len(parts) != 2:
+        raise ValueError("--control-vector-layer-range %s: give START END" % text)
+    return control_vector_layers(*parts)

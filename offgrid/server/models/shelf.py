@@ -403,11 +403,12 @@ class Shelf:
         if closed:
             worker.close()
             raise Unavailable("server is shutting down")
-        self.announce("loaded %s in %.1f s; flash attention %s; memory %s%s"
-                      % (entry.id, seconds, worker.info.flash_attn,
-                         worker.info.memory.get("description", "?"),
-                         "; layers: " + worker.info.placement if worker.info.placement
-                         else ""))
+        info = worker.info
+        self.announce("loaded %s in %.1f s; flash attention %s; memory %s%s%s"
+                      % (entry.id, seconds, info.flash_attn,
+                         info.memory.get("description", "?"),
+                         "; layers: " + info.placement if info.placement else "",
+                         "; " + info.control_vector if info.control_vector else ""))
         for note in entry.sampling_notes:
             self.announce("%s: %s" % (entry.id, note))
 
