@@ -9,44 +9,15 @@ once the model has been loaded, the ``meta`` llama-server's ``/v1/models``
 gives.  Reading them never wakes a model (see ``shelf.py``).
 """
 
-import json
-
 from ..httpd.httperrors import BadRequest
-from ..models.launch import CONTROL_KEYS, ROPE_KEYS
+from ..models import presetkeys
 from .fields import Fields
-
-_SETTINGS = ("ctx_size", "parallel", "threads", "threads_batch", "batch_size", "ubatch_size",
-             "cache_type_k", "cache_type_v", "cache_type_k_draft", "cache_type_v_draft",
-             "load_mode", "lazy_mode", "reasoning_budget",
-             "chat_template", "load_on_startup", "stop_timeout", "keep_alive", "override_kv",
-             "override_tensor", "cpu_moe", "n_cpu_moe", "template_kwargs", "ctx_checkpoints",
-             "checkpoint_min_step") + ROPE_KEYS + CONTROL_KEYS
-# the settings written back as a flag reads them (models/overrides.py), by the flag's name
-_WRITTEN = {
-    "override_kv": ("override-kv", lambda v: ",".join(
-        "%s=%s:%s" % (k, t, str(x).lower() if t == "bool" else x) for k, t, x in v)),
-    "override_tensor": ("override-tensor", lambda v: ",".join("%s=%s" % tuple(o) for o in v)),
-    "template_kwargs": ("chat-template-kwargs", json.dumps),
-    "control_vector": ("control-vector", lambda v: ",".join(p for p, _ in v)),
-    "control_vector_scaled": ("control-vector-scaled",
-                              lambda v: ",".join("%s:%s" % (p, s) for p, s in v)),
-    "control_vector_layer_range": ("control-vector-layer-range", lambda v: "%d %d" % tuple(v)),
-}
 
 
 def _preset_ini(name, preset):
     """A model's preset settings in llama-server's INI words, as its /models shows them."""
-    lines = ["[%s]" % name]
-    for key in _SETTINGS:
-        if key in preset:
-            value = preset[key]
-            word, write = _WRITTEN.get(key, (key.replace("_", "-"), None))
-            if write is not None:
-                value = write(value)
-            elif isinstance(value, bool):
-                value = "true" if value else "false"
-            lines.append("%s = %s" % (word, value))
-    return "\n".join(lines) + "\n"
+    return "\n".join(["[%s]" % name] + [presetkeys.ini_line(key, preset[key])
+                                       for key in presetkeys.SHOWN if key in preset]) + "\n"
 
 
 def embeds_only(info):
@@ -88,7 +59,8 @@ def model_object(shelf, e, created):
     preset = e.preset or {}
     if preset:
         status["preset"] = _preset_ini(e.id, preset)
-    settings = {k: v for k, v in preset.items() if k in _SETTINGS and k != "chat_template"}
+    settings = {k: v for k, v in preset.items()
+                if k in presetkeys.SHOWN and k != "chat_template"}
     if e.settings.get("chat_template") or preset.get("chat_template"):
         settings["chat_template"] = e.settings.get("chat_template") or preset["chat_template"]
     info = e.info

@@ -12,8 +12,7 @@ import math
 import os
 import re
 
-from ...request import KV_CACHE_TYPES, LAZY_MODES, LOAD_MODES
-from . import overrides, sampling
+from . import presetkeys, sampling
 
 # -- sizes and durations ---------------------------------------------------------------------
 
@@ -180,58 +179,8 @@ def name_is_safe(name):
 
 # -- presets ---------------------------------------------------------------------------------
 
-# llama-server's preset keys (long and short flag names, and the env names we
-# know) -> offgrid's setting, and how its value reads.
-_PRESET_KEYS = {
-    "ctx-size": ("ctx_size", int), "c": ("ctx_size", int), "llama_arg_ctx_size": ("ctx_size", int),
-    "parallel": ("parallel", int), "np": ("parallel", int),
-    "llama_arg_n_parallel": ("parallel", int),
-    "threads": ("threads", int), "t": ("threads", int), "llama_arg_threads": ("threads", int),
-    "threads-batch": ("threads_batch", int), "tb": ("threads_batch", int),
-    "batch-size": ("batch_size", int), "b": ("batch_size", int),
-    "ubatch-size": ("ubatch_size", int), "ub": ("ubatch_size", int),
-    "chat-template": ("chat_template", str), "chat-template-file": ("chat_template", str),
-    "llama_arg_chat_template": ("chat_template", str),
-    "alias": ("alias", str), "a": ("alias", str), "llama_arg_alias": ("alias", str),
-    "tags": ("tags", str), "llama_arg_tags": ("tags", str),
-    "model": ("model", str), "m": ("model", str), "llama_arg_model": ("model", str),
-    "load-on-startup": ("load_on_startup", "bool"), "stop-timeout": ("stop_timeout", float),
-    "pin": ("pin", "bool"), "keep-alive": ("keep_alive", "duration"),
-    # a choice among these words
-    "cache-type-k": ("cache_type_k", KV_CACHE_TYPES), "ctk": ("cache_type_k", KV_CACHE_TYPES),
-    "cache-type-v": ("cache_type_v", KV_CACHE_TYPES), "ctv": ("cache_type_v", KV_CACHE_TYPES),
-    "cache-type-k-draft": ("cache_type_k_draft", KV_CACHE_TYPES),
-    "ctkd": ("cache_type_k_draft", KV_CACHE_TYPES),
-    "cache-type-v-draft": ("cache_type_v_draft", KV_CACHE_TYPES),
-    "ctvd": ("cache_type_v_draft", KV_CACHE_TYPES),
-    "load-mode": ("load_mode", LOAD_MODES), "lm": ("load_mode", LOAD_MODES),
-    "lazy-mode": ("lazy_mode", LAZY_MODES), "lzm": ("lazy_mode", LAZY_MODES),
-    "reasoning-budget": ("reasoning_budget", int),
-    # read as the flags are (models/overrides.py)
-    "override-kv": ("override_kv", overrides.kv_overrides),
-    "override-tensor": ("override_tensor", overrides.tensor_overrides),
-    "ot": ("override_tensor", overrides.tensor_overrides),
-    "cpu-moe": ("cpu_moe", "bool"), "cmoe": ("cpu_moe", "bool"),
-    "n-cpu-moe": ("n_cpu_moe", int), "ncmoe": ("n_cpu_moe", int),
-    "chat-template-kwargs": ("template_kwargs", overrides.template_kwargs),
-    "ctx-checkpoints": ("ctx_checkpoints", int), "ctxcp": ("ctx_checkpoints", int),
-    "swa-checkpoints": ("ctx_checkpoints", int),
-    "checkpoint-min-step": ("checkpoint_min_step", int), "cms": ("checkpoint_min_step", int),
-    # RoPE and YaRN, as the flags (overrides.rope_settings reads them together)
-    "rope-scaling": ("rope_scaling", ("none", "linear", "yarn")),
-    "rope-scale": ("rope_scale", float), "rope-freq-base": ("rope_freq_base", float),
-    "rope-freq-scale": ("rope_freq_scale", float), "yarn-orig-ctx": ("yarn_orig_ctx", int),
-    "yarn-ext-factor": ("yarn_ext_factor", float),
-    "yarn-attn-factor": ("yarn_attn_factor", float),
-    "yarn-beta-slow": ("yarn_beta_slow", float), "yarn-beta-fast": ("yarn_beta_fast", float),
-    # control vectors, as the flags (both file keys add to the model's list)
-    "control-vector": ("control_vector", overrides.control_vectors),
-    "control-vector-scaled": ("control_vector_scaled",
-                              lambda v: overrides.control_vectors(v, "--control-vector-scaled")),
-    "control-vector-layer-range": ("control_vector_layer_range",
-                                   overrides.control_vector_layer_range),
-}
-_PRESET_KEYS.update(sampling.preset_keys())      # temp, top-k, ... (models/sampling.py)
+# the sampling keys (temp, top-k, ...: models/sampling.py) beside presetkeys.SETTINGS
+_SAMPLING_KEYS = sampling.preset_keys()
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True,
           "0": False, "false": False, "no": False, "off": False}
 
@@ -242,9 +191,13 @@ class PresetError(ValueError):
 
 def _setting(section, key, raw):
     key_l = key.strip().lower()
-    if key_l not in _PRESET_KEYS:
+    s = presetkeys.BY_KEY.get(key_l)
+    if s is not None:
+        name, kind, low = s.name, s.kind, s.low
+    elif key_l in _SAMPLING_KEYS:
+        (name, kind), low = _SAMPLING_KEYS[key_l], None
+    else:
         return None, None
-    name, kind = _PRESET_KEYS[key_l]
     value = raw.strip()
     try:
         if isinstance(kind, tuple):
@@ -254,9 +207,10 @@ def _setting(section, key, raw):
             value = _BOOLS[value.lower()]
         elif kind == "duration":
             value = parse_duration(value)
+        elif kind == "list":
+            value = [a.strip() for a in value.split(",") if a.strip()]
         elif kind is str:
-            if name in ("alias", "tags"):
-                value = [a.strip() for a in value.split(",") if a.strip()]
+            pass
         elif kind in (int, float):
             value = kind(value)
         else:
@@ -264,8 +218,7 @@ def _setting(section, key, raw):
                 value = kind(value)
             except ValueError as e:         # a reader of overrides.py says what is wrong
                 raise PresetError("[%s] %s = %s: %s" % (section, key, raw, e))
-        if (name == "reasoning_budget" and value < -1) or (
-                name in ("n_cpu_moe", "ctx_checkpoints", "checkpoint_min_step") and value < 0):
+        if low is not None and value < low:
             raise ValueError(value)
     except PresetError:
         raise

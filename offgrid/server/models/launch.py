@@ -13,7 +13,7 @@ import sys
 
 from ... import protocol
 from ...errors import ModelLoadError
-from . import overrides, sampling
+from . import overrides, presetkeys, sampling
 from .entry import ModelEntry
 from .folders import PresetError, default_memory_budget, parse_size, read_preset
 from .shelf import Shelf
@@ -156,16 +156,11 @@ def draft_ceiling(draft_bytes):
     return ceiling_of(draft_bytes, 0) if draft_bytes else 0
 
 
-# A preset's settings that are our flags, by their argparse names.
-PRESET_FLAGS = ("ctx_size", "parallel", "threads", "threads_batch", "batch_size",
-                "ubatch_size", "cache_type_k", "cache_type_v", "load_mode", "reasoning_budget",
-                "override_kv", "ctx_checkpoints", "checkpoint_min_step", "lazy_mode",
-                "cache_type_k_draft", "cache_type_v_draft")
-
-
-# the RoPE and YaRN flags' names (overrides.rope_settings reads them together)
-ROPE_KEYS = ("rope_scaling", "rope_scale", "rope_freq_base", "rope_freq_scale", "yarn_orig_ctx",
-             "yarn_ext_factor", "yarn_attn_factor", "yarn_beta_slow", "yarn_beta_fast")
+# a preset's settings that are our flags, by their argparse names, and the groups
+# read together (presetkeys.py)
+PRESET_FLAGS = presetkeys.names("flag")
+MOE_KEYS = presetkeys.names("moe")
+ROPE_KEYS = presetkeys.names("rope")
 
 
 def preset_rope(settings):
@@ -173,10 +168,6 @@ def preset_rope(settings):
     not read."""
     return overrides.rope_settings(argparse.Namespace(**{k: settings.get(k)
                                                          for k in ROPE_KEYS}))
-
-
-# a preset's control vector keys (overrides.control_vectors reads them as the flags)
-CONTROL_KEYS = ("control_vector", "control_vector_scaled", "control_vector_layer_range")
 
 
 def control_vectors_for(path, args, preset):
@@ -199,8 +190,7 @@ def model_args(entry, args):
         if key in preset and key not in explicit:
             setattr(out, key, preset[key])
     # -ot, --cpu-moe and --n-cpu-moe make one list: the command line's, else the preset's
-    moe = ("override_tensor", "cpu_moe", "n_cpu_moe")
-    if any(k in preset for k in moe) and not any(k in explicit for k in moe):
+    if any(k in preset for k in MOE_KEYS) and not any(k in explicit for k in MOE_KEYS):
         out.override_tensor = preset.get("override_tensor", []) + overrides.moe_overrides(
             preset.get("cpu_moe", False), preset.get("n_cpu_moe", 0))
     # RoPE and YaRN: the preset's keys where the command line gives none of them
