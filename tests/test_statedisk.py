@@ -80,6 +80,12 @@ def state_file(folder):
     return os.path.join(folder, name)
 
 
+def another_build(data):
+    """A state file's bytes, its header claiming another libllama build."""
+    at = data.index(b'"head_sha256": "', data.index(b'"build"')) + len(b'"head_sha256": "')
+    return data[:at] + (b"0" if data[at:at + 1] != b"0" else b"1") + data[at + 1:]
+
+
 def test_a_state_on_disk_serves_the_next_worker_with_the_same_text(qwen, written):
     root, _, follow, want = written
     c, states = restore_from(qwen, root, follow)
@@ -128,9 +134,7 @@ def test_a_file_claiming_another_build_or_settings_is_not_used(qwen, written, ca
     root, folder, follow, want = written
     path = state_file(folder)
     data = open(path, "rb").read()
-    at = data.index(b'"head_sha256": "', data.index(b'"build"')) + len(b'"head_sha256": "')
-    forged = data[:at] + (b"0" if data[at:at + 1] != b"0" else b"1") + data[at + 1:]
-    open(path, "wb").write(forged)
+    open(path, "wb").write(another_build(data))
     with caplog.at_level(logging.WARNING, logger="offgrid.statedisk"):
         c, _ = restore_from(qwen, root, follow)
     assert "another libllama build" in caplog.text
@@ -145,15 +149,11 @@ def test_a_file_claiming_another_build_or_settings_is_not_used(qwen, written, ca
 def test_a_folder_of_another_builds_files_is_one_log_line(qwen, written, caplog):
     """After an upgrade of libllama every file is another build's: a line, not a line each."""
     root, folder, _, _ = written
-    path = state_file(folder)
-    data = open(path, "rb").read()
-    at = data.index(b'"head_sha256": "', data.index(b'"build"')) + len(b'"head_sha256": "')
-    forged = data[:at] + (b"0" if data[at:at + 1] != b"0" else b"1") + data[at + 1:]
+    forged = another_build(open(state_file(folder), "rb").read())
     for i in range(5):
         open(os.path.join(folder, "%d.state" % (i + 1)), "wb").write(forged)
     with caplog.at_level(logging.WARNING, logger="offgrid.statedisk"):
-        assert [name for name, _, _ in disk_of(qwen, root).index()] \
-            == ["0.state"]
+        assert [name for name, _, _ in disk_of(qwen, root).index()] == ["0.state"]
     (line,) = [r.getMessage() for r in caplog.records if r.name == "offgrid.statedisk"]
     assert "1.state, 2.state, 3.state, ... (5 files)" in line, line
     assert "another libllama build" in line
