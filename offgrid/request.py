@@ -185,13 +185,35 @@ class RequestCancel:
     The session attaches a hook while it runs (it sets libllama's abort flag,
     so a long prompt evaluation stops within one graph node); cancel() calls
     the hooks under a lock, so a hook is never called after detach() returns.
+
+    It carries a running request's controls the same way (llama-server's
+    /v1/chat/completions/control: "reasoning_end"): control() calls the
+    control hooks, each ``hook(action)`` (the front's sends the action on to
+    the worker; the worker's ends the generation's thinking).
     """
 
     def __init__(self):
         self._event = threading.Event()
         self._lock = threading.Lock()
         self._hooks = []
+        self._controls = []
         self.reason = None
+
+    def control(self, action):
+        """Hand ``action`` to the control hooks attached now; how many there were."""
+        with self._lock:
+            for hook in self._controls:
+                hook(action)
+            return len(self._controls)
+
+    def attach_control(self, hook):
+        with self._lock:
+            self._controls.append(hook)
+
+    def detach_control(self, hook):
+        with self._lock:
+            if hook in self._controls:
+                self._controls.remove(hook)
 
     def cancel(self, reason="cancelled"):
         with self._lock:
@@ -312,6 +334,9 @@ class GenerationParams:
     # and the words forced before that end (None: --reasoning-budget-message)
     reasoning_budget: Optional[int] = None
     reasoning_budget_message: Optional[str] = None
+    # chat: its thinking may be ended while it runs (llama-server's reasoning_control:
+    # POST /v1/chat/completions/control with action "reasoning_end")
+    reasoning_control: bool = False
     # ... as the worker makes them ready for engine/thinkbudget.py (worker.think_spec)
     think: Optional[dict] = None
 

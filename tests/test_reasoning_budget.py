@@ -6,12 +6,16 @@ served model is the default one with DeepSeek-R1's template from the pinned
 llama.cpp source, whose prompt opens the thinking block: greedy, the budgeted
 reply's reasoning is exactly the first N tokens the model thinks (what
 /completion gives for that prompt), then its end comes whatever the model
-would have written.
+would have written.  A request with ``reasoning_control`` has its thinking ended
+where it is by POST /v1/chat/completions/control.
 """
+
+import json
 
 import pytest
 
-from offgrid.engine.thinkbudget import COUNTING, DONE, FORCING, IDLE, ThinkBudget, utf8_complete
+from offgrid.engine.thinkbudget import (COUNTING, DONE, FORCING, IDLE, NO_BOUND, ThinkBudget,
+                                        utf8_complete)
 from serverproc import ServerProcess
 
 ASK = [{"role": "user", "content": "What is 2+2?"}]
@@ -122,3 +126,81 @@ def test_anthropics_budget_tokens_is_the_budget(server):
         "model": "x", "max_tokens": 8, "messages": ASK,
         "thinking": {"type": "enabled", "budget_tokens": "many"}})
     assert status == 400 and "budget_tokens" in out["error"]["message"], out
+
+
+# -- ended while it runs: POST /v1/chat/completions/control ----------------------------------
+
+def test_a_control_ends_the_thinking_of_a_running_request_where_it_is():
+    b = ThinkBudget(spec(NO_BOUND, counting=True))
+    b.accept(5, b"a")
+    b.control("reasoning_end")
+    assert b.state == COUNTING          # taken at the next step, in the generating thread
+    assert b.forced() == 9 and b.state == FORCING
+    idle = ThinkBudget(spec(NO_BOUND))
+    idle.control("reasoning_end")       # not thinking: left as it is, as llama.cpp's
+    assert idle.forced() is None and idle.state == IDLE
+
+
+def stream_chat(server, at_thinking, **body):
+    """A streamed chat's (reasoning, content); ``at_thinking(id)`` is called once, at its
+    first piece of thinking, while it runs."""
+    c = server.conn()
+    c.request("POST", "/v1/chat/completions", body=json.dumps(dict(
+        {"messages": ASK, "max_tokens": 48, "temperature": 0, "stream": True}, **body)),
+        headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    assert r.status == 200
+    reasoning, content, called = "", "", False
+    try:
+        for line in iter(r.readline, b""):
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[len(b"data: "):])
+            if not chunk["choices"]:
+                continue
+            delta = chunk["choices"][0]["delta"]
+            reasoning += delta.get("reasoning_content") or ""
+            content += delta.get("content") or ""
+            if reasoning and not called:
+                called = True
+                at_thinking(chunk["id"])
+    finally:
+        c.close()
+    return reasoning, content
+
+
+def control(server, cid):
+    status, _, out = server.post("/v1/chat/completions/control",
+                                 {"id": cid, "action": "reasoning_end"})
+    assert status == 200, out
+    return out
+
+
+def test_reasoning_end_ends_a_streaming_chats_thinking_and_its_answer_follows(server):
+    natural = first_tokens(server, 48)
+    answers = []
+    reasoning, content = stream_chat(server, lambda cid: answers.append(control(server, cid)),
+                                     reasoning_budget_tokens=100000, reasoning_control=True)
+    assert answers == [{"success": True}]
+    # the thinking the model would have gone on with, cut where the control came
+    assert "</think>" not in natural
+    assert natural.strip().startswith(reasoning.strip()) and len(reasoning) < len(natural)
+    assert content.strip(), (reasoning, content)
+
+
+def test_a_control_names_a_running_request_that_asked_for_it(server):
+    post = server.post
+    assert post("/v1/chat/completions/control", {"action": "reasoning_end"})[::2] == \
+        (400, {"error": {"code": 400, "message": "missing completion id",
+                         "type": "invalid_request_error"}})
+    status, _, out = post("/v1/chat/completions/control", {"id": "x", "action": "stop"})
+    assert (status, out["error"]["message"]) == (400, "unknown control action")
+    assert control(server, "chatcmpl-none") == \
+        {"success": False, "message": "no active completion for this id"}
+    # running, but without reasoning_control: its thinking goes on to the budget's end
+    answers = []
+    reasoning, _ = stream_chat(server, lambda cid: answers.append(control(server, cid)),
+                               max_tokens=12, reasoning_budget_tokens=8)
+    assert answers == [{"success": False,
+                        "message": "reasoning control not enabled for this completion"}]
+    assert reasoning.strip() == first_tokens(server, 8).strip()

@@ -91,7 +91,17 @@ class Generation:
                 for t in tokens[-max(params.sampling.repeat_last_n, 0):] if \
                         params.sampling.repeat_last_n >= 0 else tokens:
                     sampler.accept(t, grammar=False)
-            return self._generate(tokens, params, sampler, on_piece, cancel, usage, reader)
+            budget = ThinkBudget(params.think) if params.think else None
+            if budget is None:
+                return self._generate(tokens, params, sampler, on_piece, cancel, usage, reader)
+            # /v1/chat/completions/control's "reasoning_end" reaches it from the
+            # worker's frame reader: the budget takes it at its next step
+            cancel.attach_control(budget.control)
+            try:
+                return self._generate(tokens, params, sampler, on_piece, cancel, usage, reader,
+                                      budget)
+            finally:
+                cancel.detach_control(budget.control)
         finally:
             usage.n_decode = self.n_decodes - n_decodes
             self._member.unwatch()
@@ -101,7 +111,8 @@ class Generation:
             if reader is not None:
                 reader.close()
 
-    def _generate(self, prompt, params, sampler, on_piece, cancel, usage, reader=None):
+    def _generate(self, prompt, params, sampler, on_piece, cancel, usage, reader=None,
+                  budget=None):
         model, ctx = self.model, self._ctx
         text = TextAssembler(params.stop, params.n_indent, params.fim_suffix, params.fim_indent)
         # which tokens each piece shows: their TokenProbs (with a reader), or
@@ -124,7 +135,6 @@ class Generation:
             draft_cap = min(draft_cap, self.memory.drafts)     # what can be taken back
         pending, idx = [], self._out
         drafted = accepted = steps = 0
-        budget = ThinkBudget(params.think) if params.think else None
 
         while True:
             if cancel.cancelled:

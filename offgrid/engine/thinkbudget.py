@@ -9,9 +9,16 @@ character is whole), forcing (the budget message and the end marker, one
 token a step, whatever the model would have picked), done (and armed again
 by another start marker).  The generation loop (engine/generate.py) asks
 ``forced()`` before it samples and tells ``accept()`` every token kept.
+
+A request with ``reasoning_control`` may have its thinking ended while it
+runs (llama-server's POST /v1/chat/completions/control, "reasoning_end"):
+``control()``, from another thread, asks; the next ``forced()`` begins the
+forcing if the budget is counting then (as common_reasoning_budget_force,
+which leaves any other state as it is).
 """
 
 IDLE, COUNTING, WAITING, FORCING, DONE = range(5)
+NO_BOUND = 2 ** 31 - 1      # a budget of no bound that can still be ended (llama.cpp's INT_MAX)
 
 
 class _Matcher:
@@ -57,6 +64,7 @@ class ThinkBudget:
         self.ends = _Matcher(spec["ends"])
         self.forced_tokens = list(spec["forced"])
         self.state, self.left, self.at = IDLE, self.budget, 0
+        self.end_asked = False
         if spec["counting"]:
             self._open()
 
@@ -66,8 +74,19 @@ class ThinkBudget:
         if self.left <= 0:
             self.state, self.at = FORCING, 0
 
+    def control(self, action):
+        """A control of the running request (RequestCancel.control): "reasoning_end"
+        ends the thinking at the next step."""
+        if action == "reasoning_end":
+            self.end_asked = True
+
     def forced(self):
         """The token this step must be, or None to sample."""
+        if self.end_asked:
+            self.end_asked = False
+            if self.state == COUNTING:
+                self.state, self.at = FORCING, 0
+                self.ends.reset()
         if self.state == FORCING and self.at < len(self.forced_tokens):
             return self.forced_tokens[self.at]
         return None

@@ -53,6 +53,7 @@ from .infill import layout_infill
 from .loaded import Loaded
 from .pacing import StreamPacer
 from .session import pause_pools, take_turns_with
+from .thinkbudget import NO_BOUND
 
 
 def parse_args(argv=None):
@@ -212,6 +213,12 @@ class Worker:
                     cancel = self._cancels.get(frame["id"])
                 if cancel is not None:
                     cancel.cancel(frame.get("reason") or "cancelled")
+            elif op == "control":
+                # a running generation's control (engine/generate.py hooks it)
+                with self._lock:
+                    cancel = self._cancels.get(frame["id"])
+                if cancel is not None:
+                    cancel.control(frame.get("action"))
             elif op == "generate":
                 cancel = RequestCancel()
                 with self._lock:
@@ -616,7 +623,11 @@ class Worker:
         reasoning_budget_* fields, which it makes from the template's thinking tags."""
         budget = gen.reasoning_budget if gen.reasoning_budget is not None \
             else self.reasoning_budget
-        if budget is None or budget < 0 or not fmt.reasoning_markers:
+        if budget is None or budget < 0:
+            # no bound, but its end may be asked for (reasoning_control), as
+            # llama.cpp's sampler then counts from INT_MAX
+            budget = NO_BOUND if gen.reasoning_control else -1
+        if budget < 0 or not fmt.reasoning_markers:
             return None
         message = gen.reasoning_budget_message if gen.reasoning_budget_message is not None \
             else self.reasoning_budget_message

@@ -180,6 +180,7 @@ def chat_completions(h, body):
     apply_plan(gen, plan)
     gen.reasoning_budget = reasoning_budget_from(f)
     gen.reasoning_budget_message = f.str("reasoning_budget_message")
+    gen.reasoning_control = f.bool("reasoning_control", False)
     chat_probs_from(f, gen)
     stream = f.bool("stream", False)
     gen.return_progress = stream and f.bool("return_progress", False)
@@ -189,6 +190,19 @@ def chat_completions(h, body):
                    chat=plan["chat"])
     pipeline.run(h, g, ChatFormat(g, include_usage_from(f), f.bool("timings_per_token", False),
                                   f.bool("verbose", h.verbose)))
+
+
+def control(h, body):
+    """POST /v1/chat/completions/control: {"id": a running chat completion's id,
+    "action": "reasoning_end"}, as llama-server's: its thinking ends now (a request
+    that set reasoning_control).  200 {"success": ...}, with a "message" where not."""
+    f = Fields(body)
+    cid, action = f.str("id") or "", f.str("action") or ""
+    if not cid:
+        raise BadRequest("missing completion id")
+    if action != "reasoning_end":
+        raise BadRequest("unknown control action")
+    h.send_json(200, h.service.control(cid, action))
 
 
 class ChatFormat(Format):

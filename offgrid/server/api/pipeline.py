@@ -31,6 +31,7 @@ pipeline does the rest, once for every dialect (llama.cpp's
 Nothing here knows a dialect's field names or shapes.
 """
 
+import contextlib
 import functools
 import itertools
 from dataclasses import dataclass, field
@@ -85,6 +86,9 @@ class Format:
 
     # "sse" (text/event-stream) or "ndjson" (application/x-ndjson)
     stream_kind = "sse"
+    # the completion's id, where its shapes carry one ("chatcmpl-..."): the running
+    # request POST /v1/chat/completions/control names (None: none reaches it)
+    cid = None
     # the message a quiet stream gets every few seconds (None: nothing); an SSE
     # comment, which every SSE reader skips
     keepalive = b": ping\n\n"
@@ -187,7 +191,9 @@ def run(h, g, fmt):
 
     try:
         with svc.one_request(g.entry, g.id_slot, h.connection,
-                             warmup=g.gen.n_predict == 0) as (cancel, look):
+                             warmup=g.gen.n_predict == 0) as (cancel, look), \
+                svc.controlled(fmt.cid, cancel, g.gen.reasoning_control) if fmt.cid \
+                else contextlib.nullcontext():
             done = svc.run_choices(g.entry, [functools.partial(one, job, cancel, look)
                                              for job in jobs], g.id_slot)
         if out is None:

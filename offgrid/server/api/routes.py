@@ -48,6 +48,7 @@ ROUTES = {
     "/v1/completions": Route(v1_completions, _POST, True, True),
     "/v1/chat/completions": Route(openai_chat.chat_completions, _POST, True, True),
     "/chat/completions": Route(openai_chat.chat_completions, _POST, True, True),
+    "/v1/chat/completions/control": Route(openai_chat.control, _POST, True, True),
     # embeddings and rerank (server/embeddings.py)
     "/v1/embeddings": Route(embeddings.v1_embeddings, _POST, True, True),
     "/embedding": Route(embeddings.embedding, _POST, True, True),

@@ -516,6 +516,9 @@ class WorkerClient:
 
         def hook():
             self._send({"op": "cancel", "id": rid, "reason": cancel.reason})
+
+        def control(action):
+            self._send({"op": "control", "id": rid, "action": action})
         try:
             frame = {"op": "generate", "id": rid, "session": session, "tokens": tokens,
                      "gen": protocol.encode_gen(gen), "stream": stream, "chat": chat}
@@ -525,6 +528,7 @@ class WorkerClient:
                 frame["want_cached"] = True
             self._send(frame)
             cancel.attach(hook)
+            cancel.attach_control(control)
             slow_at = time.monotonic() + slow_after
             try:
                 while True:
@@ -548,6 +552,7 @@ class WorkerClient:
                     return self._outcome(frame)
             finally:
                 cancel.detach(hook)
+                cancel.detach_control(control)
         finally:
             self._forget(rid)
 

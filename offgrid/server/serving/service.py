@@ -82,6 +82,9 @@ class Service:
         self.watcher = DisconnectWatcher()
         self.state = "ready"
         self._running = set()           # RequestCancel of every request in generate()
+        # completion id -> (its RequestCancel, whether it takes controls): the running
+        # requests POST /v1/chat/completions/control may reach
+        self._by_id = {}
         self._lock = threading.Lock()
         self._local = threading.local()     # .scope: the request this thread serves
 
@@ -185,6 +188,31 @@ class Service:
             if c.finish_reason is FinishReason.CANCELLED:
                 return done[:i + 1]
         return done
+
+    @contextlib.contextmanager
+    def controlled(self, cid, cancel, armed):
+        """While it lasts, the request of completion id ``cid`` (and ``cancel``) can be
+        reached by control(); ``armed``: it asked for that (reasoning_control)."""
+        with self._lock:
+            self._by_id[cid] = (cancel, armed)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._by_id.pop(cid, None)
+
+    def control(self, cid, action):
+        """llama-server's control of a running completion: "reasoning_end" ends its
+        thinking now.  Its answer: {"success": bool} and, where false, a "message"."""
+        with self._lock:
+            cancel, armed = self._by_id.get(cid, (None, False))
+        if cancel is None:
+            return {"success": False, "message": "no active completion for this id"}
+        if not armed:
+            return {"success": False,
+                    "message": "reasoning control not enabled for this completion"}
+        cancel.control(action)
+        return {"success": True}
 
     @contextlib.contextmanager
     def one_request(self, entry, id_slot=-1, sock=None, warmup=False):
