@@ -17,6 +17,7 @@ FALSEY = ("off", "disabled", "false", "0")
 # them for the flags offgrid takes (tests/test_flag_env.py holds this to the pinned source)
 ENV = (
     ('LLAMA_ARG_THREADS', '--threads'),
+    ('LLAMA_ARG_NUMA', '--numa'),
     ('LLAMA_ARG_CTX_SIZE', '--ctx-size'),
     ('LLAMA_ARG_N_PREDICT', '--n-predict'),
     ('LLAMA_ARG_BATCH', '--batch-size'),

@@ -9,10 +9,11 @@ import sys
 
 from . import __version__
 from .flagenv import env_argv
-from .flagvalues import (api_prefix, device_list, gpu_layers, grammar_file, grammar_text,
-                         json_schema_file, json_schema_text, logit_bias,
-                         rpc_endpoints, template_kwargs, tensor_overrides, tensor_split,
-                         thread_count, tls_context)
+from .flagvalues import (api_prefix, cpu_mask, cpu_placements, cpu_range, cpu_strict,
+                         device_list, gpu_layers, grammar_file, grammar_text,
+                         json_schema_file, json_schema_text, logit_bias, numa_strategy,
+                         poll_level, priority, rpc_endpoints, template_kwargs,
+                         tensor_overrides, tensor_split, thread_count, tls_context)
 from .protocol import WorkerSettings
 from .server.models import overrides
 from .request import (KV_CACHE_TYPES, LAZY_MODES, LOAD_MODES, POOLINGS, REASONING_FORMATS,
@@ -77,6 +78,32 @@ def parse_args(argv=None):
                         "some (docs/cli.md, \"Threads\")")
     p.add_argument("-tb", "--threads-batch", type=thread_count, default=None,
                    help="threads for prompt evaluation, likewise (default: as --threads)")
+    # where those threads run (engine/placement.py); each -batch one defaults to its twin's
+    for batch in ("", "-batch"):
+        short = "b" if batch else ""
+        what = "prompt batches' threads" if batch else "generation's threads"
+        p.add_argument("-C" + short, "--cpu-mask" + batch, type=cpu_mask, default=None,
+                       metavar="M", help="CPUs the %s may run on, as a hex mask "
+                       "(0x6: CPUs 1 and 2); adds to --cpu-range%s (default: %s)"
+                       % (what, batch, "--cpu-mask's" if batch else "any"))
+        p.add_argument("-Cr" + short, "--cpu-range" + batch, type=cpu_range, default=None,
+                       metavar="LO-HI", help="CPUs the %s may run on, as a range; adds to "
+                       "--cpu-mask%s" % (what, batch))
+        p.add_argument("--cpu-strict" + batch, type=cpu_strict, default=None if batch else 0,
+                       metavar="<0|1>", help="1: each of the %s on a CPU of its own, in "
+                       "turn (default: %s)" % (what, "--cpu-strict's" if batch else "0"))
+        p.add_argument("--prio" + batch, type=priority, default=None if batch else 0,
+                       metavar="N", help="scheduling of the %s: -1 low, 0 normal, 1 medium, "
+                       "2 high, 3 realtime (1 to 3 need root or CAP_SYS_NICE; default: %s)"
+                       % (what, "--prio's" if batch else "0"))
+        p.add_argument("--poll" + batch, type=poll_level, default=None, metavar="<0...100>",
+                       help="how long the %s poll for work before they sleep (default: %s)"
+                       % (what, "--poll's" if batch else "1, about 4 ms; llama-server's 50 "
+                          "is about 200 ms of a core after each decode"))
+    p.add_argument("--numa", type=numa_strategy, default=None, metavar="TYPE",
+                   help="ggml's NUMA placement: distribute (spread threads over every node), "
+                   "isolate (the node the worker started on), numactl (numactl's CPU map) "
+                   "(default: off)")
     p.add_argument("--spec-type", choices=SPEC_TYPES, default=None,
                    help="speculative decoding: drafts tokens from the request's own text "
                         "and checks them in one decode; the output is the same; a request "
@@ -467,6 +494,7 @@ def parse_args(argv=None):
                             for o in overrides.kv_overrides(value)]
         args.override_tensor = tensor_overrides(args)
         args.tls = tls_context(args.ssl_key_file, args.ssl_cert_file)
+        args.cpu_placement, args.cpu_placement_batch = cpu_placements(args)
         args.rope = overrides.rope_settings(args)
         args.control_vectors = [pair for flag, value in args.control_vector_items
                                 for pair in overrides.control_vectors(value, flag)]
@@ -485,6 +513,13 @@ def parse_args(argv=None):
     if args.cache_type_v not in ("f32", "f16", "bf16") and args.flash_attn == "off":
         p.error("-ctv %s (a quantized value cache) needs flash attention: -fa on or auto, "
                 "not off" % args.cache_type_v)
+    for threads, placement, flag in ((args.threads, args.cpu_placement, "-t"),
+                                     (args.threads_batch, args.cpu_placement_batch, "-tb")):
+        cpus = placement["cpus"]
+        if isinstance(threads, int) and cpus and len(cpus) < threads:
+            # llama-server's warning (postprocess_cpu_params); -t auto stays within them
+            print("offgrid: %s %d: more threads than the %d CPUs their mask names; they "
+                  "will wait for each other" % (flag, threads, len(cpus)), file=sys.stderr)
     if args.no_cont_batching:
         print("offgrid: --no-cont-batching: offgrid always batches the -np sessions' decodes",
               file=sys.stderr)

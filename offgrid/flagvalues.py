@@ -6,6 +6,7 @@ parse_args does), naming the flag and what it takes."""
 import argparse
 import ipaddress
 import json
+import os
 import re
 import ssl
 
@@ -221,3 +222,119 @@ def tls_context(key_file, cert_file):
         raise ValueError("--ssl-cert-file %s with --ssl-key-file %s: %s"
                          % (cert_file, key_file, e.reason.lower().replace("_", " ")))
     return context
+
+
+# -- where the decode threads run: -C/-Cr, --cpu-strict, --prio, --poll, and -batch's --
+
+# ggml.h's GGML_MAX_N_THREADS: the CPUs a ggml_threadpool_params' mask can name
+MAX_CPUS = 512
+
+
+def _machine_cpus():
+    """The CPUs this process may run on (a worker inherits them)."""
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return set(range(os.cpu_count() or 1))
+
+
+def _cpu_list(cpus):
+    """{0, 1, 2, 5} as "0-2,5", as /proc and taskset write CPU lists."""
+    out, run = [], []
+    for cpu in sorted(cpus):
+        if run and cpu != run[-1] + 1:
+            out.append(run)
+            run = []
+        run.append(cpu)
+    if run:
+        out.append(run)
+    return ",".join("%d" % r[0] if len(r) == 1 else "%d-%d" % (r[0], r[-1]) for r in out)
+
+
+def _on_this_machine(cpus, what):
+    """``cpus``, or ArgumentTypeError where they name none, or one this process may not
+    run on: ggml would only warn for each thread it cannot place, and run it anywhere."""
+    if not cpus:
+        raise argparse.ArgumentTypeError("%s names no CPU" % what)
+    here = _machine_cpus()
+    missing = sorted(set(cpus) - here)
+    if missing:
+        raise argparse.ArgumentTypeError(
+            "%s names CPU %s, which this machine does not let offgrid run on (it may: %s)"
+            % (what, _cpu_list(missing), _cpu_list(here)))
+    return frozenset(cpus)
+
+
+def cpu_mask(value):
+    """-C / -Cb: a hexadecimal mask, bit i for CPU i ("0x6", "6": CPUs 1 and 2), at most
+    GGML_MAX_N_THREADS bits; as a frozenset of CPUs."""
+    digits = value[2:] if value[:2].lower() == "0x" else value
+    if not re.fullmatch(r"[0-9a-fA-F]+", digits):
+        raise argparse.ArgumentTypeError("a hexadecimal CPU mask such as 0x3, not %r" % value)
+    bits = int(digits, 16)
+    if bits >> MAX_CPUS:
+        raise argparse.ArgumentTypeError("mask %s names CPUs past %d, the most ggml can "
+                                         "place" % (value, MAX_CPUS - 1))
+    return _on_this_machine({i for i in range(bits.bit_length()) if bits >> i & 1},
+                            "mask %s" % value)
+
+
+def cpu_range(value):
+    """-Cr / -Crb: "LO-HI" (CPUs LO to HI), "-HI" (from 0) or "LO-" (to the last this
+    process may run on; llama-server's runs to 511); as a frozenset of CPUs."""
+    m = re.fullmatch(r"(\d*)-(\d*)", value.strip())
+    if not m:
+        raise argparse.ArgumentTypeError("a range of CPUs such as 0-3 (LO-HI, -HI or LO-), "
+                                         "not %r" % value)
+    lo = int(m.group(1)) if m.group(1) else 0
+    hi = int(m.group(2)) if m.group(2) else max(_machine_cpus())
+    if max(lo, hi) >= MAX_CPUS:
+        raise argparse.ArgumentTypeError("range %s goes past CPU %d, the last ggml can place"
+                                         % (value, MAX_CPUS - 1))
+    return _on_this_machine(set(range(lo, hi + 1)), "range %s" % value)
+
+
+def _bounded(low, high, what):
+    def read(value):
+        try:
+            n = int(value)
+        except ValueError:
+            n = None
+        if n is None or not low <= n <= high:
+            raise argparse.ArgumentTypeError("%s, %d to %d, not %r" % (what, low, high, value))
+        return n
+    read.__name__ = what
+    return read
+
+
+# --cpu-strict(-batch) 0|1; --prio(-batch): enum ggml_sched_priority, low (-1) to realtime
+# (3; llama-server's --prio-batch stops at 0); --poll(-batch): ggml's polling level
+cpu_strict = _bounded(0, 1, "0 or 1")
+priority = _bounded(-1, 3, "a priority: -1 low, 0 normal, 1 medium, 2 high, 3 realtime")
+poll_level = _bounded(0, 100, "a polling level")
+
+
+def numa_strategy(value):
+    """--numa: distribute (also for ""), isolate or numactl, as llama-server reads it."""
+    if value in ("", "distribute"):
+        return "distribute"
+    if value in ("isolate", "numactl"):
+        return value
+    raise argparse.ArgumentTypeError("distribute, isolate or numactl, not %r" % value)
+
+
+def cpu_placements(args):
+    """The generation's and the batch's placement (protocol.WorkerSettings'
+    cpu_placement, cpu_placement_batch): a mask and a range add up, as llama-server's,
+    and each batch setting not given is the generation's.  (llama-server takes the
+    generation's settings whole for the batch unless -tb is given, and then its own
+    given settings or ggml's defaults.)"""
+    gen = {"cpus": sorted((args.cpu_mask or set()) | (args.cpu_range or set())),
+           "strict": bool(args.cpu_strict), "prio": args.prio, "poll": args.poll}
+    batch_cpus = (args.cpu_mask_batch or set()) | (args.cpu_range_batch or set())
+    batch = {"cpus": sorted(batch_cpus) if batch_cpus else gen["cpus"],
+             "strict": gen["strict"] if args.cpu_strict_batch is None
+             else bool(args.cpu_strict_batch),
+             "prio": gen["prio"] if args.prio_batch is None else args.prio_batch,
+             "poll": gen["poll"] if args.poll_batch is None else args.poll_batch}
+    return gen, batch

@@ -101,6 +101,7 @@ ggml_backend_reg_t = _spelled(c_void_p, "ggml_backend_reg_t")
 enum_ggml_log_level = _spelled(c_int, "enum ggml_log_level")
 enum_ggml_backend_dev_type = _spelled(c_int, "enum ggml_backend_dev_type")
 enum_llama_pooling_type = _spelled(c_int, "enum llama_pooling_type")
+enum_ggml_numa_strategy = _spelled(c_int, "enum ggml_numa_strategy")
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF
 
@@ -109,6 +110,9 @@ GGML_BACKEND_DEVICE_TYPE_CPU = 0
 
 # ggml.h: the size of ggml_threadpool_params.cpumask
 GGML_MAX_N_THREADS = 512
+
+# enum ggml_numa_strategy (ggml-cpu.h), by --numa's names
+NUMA_STRATEGIES = {"distribute": 1, "isolate": 2, "numactl": 3}
 
 # enum llama_pooling_type: how an embedding context pools its tokens' hidden states
 LLAMA_POOLING_TYPE_UNSPECIFIED = -1
@@ -349,6 +353,8 @@ _PROTOTYPES = {
     "llama_version": (c_char_p, []),
     # void llama_backend_init(void);
     "llama_backend_init": (None, []),
+    # void llama_numa_init(enum ggml_numa_strategy numa);
+    "llama_numa_init": (None, [enum_ggml_numa_strategy]),
     # void llama_log_set(ggml_log_callback log_callback, void * user_data);
     "llama_log_set": (None, [ggml_log_callback, c_void_p]),
     # struct llama_model_params llama_model_default_params(void);
@@ -1218,9 +1224,13 @@ class ThreadPool:
     # (engine/worker.FileTurns), and at 1 that took 6.3 s.
     POLL = 1
 
-    def __init__(self, lib, n_threads, poll=None):
+    def __init__(self, lib, n_threads, poll=None, cpus=(), strict=False, prio=0):
+        """``cpus``: the CPUs its threads may run on (ggml's cpumask; empty: any), each
+        thread on one of them in turn with ``strict``; ``prio``: enum
+        ggml_sched_priority (engine/placement.py says what ggml does with them)."""
         self.n_threads = n_threads
         self.poll = self.POLL if poll is None else poll
+        self.cpus, self.strict, self.prio = tuple(cpus), bool(strict), prio
         self.ptr = None
         self._free = self._pause = None
         try:
@@ -1236,6 +1246,14 @@ class ThreadPool:
         params = ggml_threadpool_params()
         lib.ggml_threadpool_params_init(ctypes.byref(params), n_threads)
         params.poll = self.poll
+        for cpu in self.cpus:
+            params.cpumask[cpu] = True
+        params.strict_cpu = self.strict
+        params.prio = prio
+        # made paused, ggml places nobody but its own threads now: made running, it
+        # would pin and reschedule the thread that happens to create it, as the
+        # pool's thread 0 (the caller of each decode places itself: placement.lead)
+        params.paused = bool(self.cpus) or prio != 0
         self.ptr = _ggml_threadpool_new(new)(ctypes.byref(params)) or None
         self._free = _ggml_threadpool_free(free)
         # a library built without patch 0003 hands out no pause: pause() does nothing

@@ -240,6 +240,11 @@ class WorkerSettings:
     output_default: Optional[list] = None
     ctx_checkpoints: int = 8        # -ctxcp: a recurrent state's checkpoints per session
     checkpoint_min_step: int = 256  # -cms: tokens between them in a long prompt (0: a batch)
+    # -C/-Cr, --cpu-strict, --prio, --poll and their -batch twins, the twins already
+    # defaulted: {"cpus": [...], "strict", "prio", "poll"} (engine/placement.py)
+    cpu_placement: dict = dataclasses.field(default_factory=dict)
+    cpu_placement_batch: dict = dataclasses.field(default_factory=dict)
+    numa: Optional[str] = None      # --numa: distribute, isolate, numactl; None: off
 
 
 @dataclasses.dataclass

@@ -33,7 +33,7 @@ from ..errors import ModelLoadError
 from . import cachereuse
 from .memory import KV_TYPES
 from .model import Model
-from .session import check_cache_types, decode_turn, shared_pool
+from .session import check_cache_types, decode_turn
 
 OUT_NONE, OUT_LAST = libllama.ContextHandle.OUT_NONE, libllama.ContextHandle.OUT_LAST
 
@@ -188,8 +188,8 @@ class DraftModel:
     def _decode(self, seq, tokens, pos, outputs):
         threads = self.threads
         with decode_turn():
-            self.ctx.use_pools(shared_pool(self.model.lib, threads.generation.current(0)),
-                               shared_pool(self.model.lib, threads.batch.max_threads))
+            threads.attach(self.ctx, len(tokens), threads.generation.current(0),
+                           threads.batch.max_threads)
             status = self.ctx.decode_parts([(tokens, pos, (seq,), outputs)])
         if status != 0:
             self._forget(seq)       # what a failed decode left is not known

@@ -8,7 +8,7 @@ Runs in the worker process (engine/worker.py holds one and serves its frames).
 import logging
 import os
 
-from .. import protocol
+from .. import libllama, protocol
 from ..chat.adjust import asr_prompt
 from ..chat.gbnf import check_grammar
 from ..chat.jsonschema import schema_to_grammar
@@ -70,6 +70,12 @@ class Loaded:
         """The model and its sessions; ``on_sized(kv_bytes)`` is called once the
         model's shape is known and before its KV caches are made (the front's
         memory ceiling depends on them)."""
+        if getattr(args, "numa", None):
+            # --numa: ggml reads the machine's nodes once, before the model's
+            # file is mapped (with several nodes libllama then maps it without
+            # prefetching, and the pools' threads keep to their nodes)
+            lib = libllama.load(args.lib, verbose=args.verbose)
+            lib.llama_numa_init(libllama.NUMA_STRATEGIES[args.numa])
         model = Model.load(args.model, lib_path=args.lib, verbose=args.verbose,
                            progress=progress, rpc_endpoints=rpc.split_endpoints(args.rpc),
                            n_gpu_layers=args.n_gpu_layers, tensor_split=args.tensor_split,

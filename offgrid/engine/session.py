@@ -38,6 +38,7 @@ from .media import floor_to_media
 from .memory import KV_TYPES, kv_head_size_set
 from .positions import IDENTITY
 from .recurrent import RecurrentCache
+from .placement import Placement
 from .threads import DecodeThreads
 from .statecache import SAVE_BELOW
 
@@ -72,16 +73,29 @@ def decode_turn():
 # pool per context is far worse: idle pools' threads poll and steal cores).
 # Pools live as long as the process, like the library: a context holds a raw
 # pointer to its pool, and freeing one under a live context would crash.
+# They are keyed by count and placement: -C/-Cb and the like may place the
+# generation's and the batch's threads apart (engine/placement.py).
 _POOLS = {}
 _POOLS_LOCK = threading.Lock()
+_PLACEMENTS = (Placement(), Placement())     # (generation, batch): place_threads
 
 
-def shared_pool(lib, n_threads):
-    """The process's ThreadPool of ``n_threads`` (made on first use), for any context."""
+def place_threads(generation, batch):
+    """The worker's Placements for its generation and its batch pools (from its
+    settings), before any pool is made: every DecodeThreads of the process uses them."""
+    global _PLACEMENTS
+    _PLACEMENTS = (generation, batch)
+
+
+def shared_pool(lib, n_threads, placement=Placement()):
+    """The process's ThreadPool of ``n_threads`` placed so (made on first use), for any
+    context."""
     with _POOLS_LOCK:
-        pool = _POOLS.get(n_threads)
+        pool = _POOLS.get((n_threads, placement))
         if pool is None:
-            pool = _POOLS[n_threads] = libllama.ThreadPool(lib, n_threads)
+            pool = _POOLS[n_threads, placement] = libllama.ThreadPool(
+                lib, n_threads, poll=placement.poll, cpus=placement.cpus,
+                strict=placement.strict, prio=placement.prio)
         return pool
 
 
@@ -98,7 +112,8 @@ def pause_pools():
 def decode_threads(model, n_threads=None, n_threads_batch=None):
     """One worker's DecodeThreads (engine/threads.py), on the shared pools:
     its sessions take turns, so they share one choice of thread counts."""
-    return DecodeThreads(lambda n: shared_pool(model.lib, n), n_threads, n_threads_batch)
+    return DecodeThreads(lambda n, placement: shared_pool(model.lib, n, placement), n_threads,
+                         n_threads_batch, placements=_PLACEMENTS)
 
 
 # The sequences of a session's cache, numbered from the session's first
@@ -181,7 +196,7 @@ def shared_decoder(model, n_sessions, n_ctx=4096, n_batch=512, n_ubatch=None, sw
     if not ctx.ptr:
         raise ContextError("libllama could not create a context of %d tokens "
                            "(not enough memory?)" % (n_ctx * n_sessions))
-    ctx.attach_threadpool(shared_pool(model.lib, n_gen), shared_pool(model.lib, n_batch_threads))
+    ctx.attach_threadpool(threads.pool(n_gen), threads.pool(n_batch_threads, batch=True))
     if control_vector is not None:
         try:
             control_vector.apply(ctx)

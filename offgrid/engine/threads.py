@@ -36,6 +36,8 @@ import statistics
 import time
 from collections import deque
 
+from .placement import Placement
+
 log = logging.getLogger("offgrid.threads")
 
 # prompt batches are told apart by size: per-token speed grows with the batch
@@ -260,23 +262,30 @@ class DecodeThreads:
     """A worker's thread counts: one ThreadChoice for single-token decodes
     (``-t``), one for prompt batches (``-tb``), and the pools they run on.
 
-    ``pool_for(n)`` is the shared ggml thread pool of n threads (one per count
-    for the life of the process: engine/session.py).  Switching a context
-    from one pool to another is two pointer stores in libllama, so a choice
-    may change from one decode to the next at no cost.  Every decode takes
-    its turn under the worker's decode lock, so before() and after() are
-    never called concurrently.
+    ``pool_for(n, placement)`` is the shared ggml thread pool of n threads
+    placed so (one per count and placement for the life of the process:
+    engine/session.py); ``placements`` are the generation's and the batch's
+    (engine/placement.py: -C, -Cb ...).  Switching a context from one pool to
+    another is two pointer stores in libllama, so a choice may change from
+    one decode to the next at no cost.  Every decode takes its turn under the
+    worker's decode lock, so before() and after() are never called
+    concurrently.
     """
 
-    def __init__(self, pool_for, threads=None, threads_batch=None, clock=time.monotonic):
-        """``threads`` / ``threads_batch``: a count, or None / "auto" to adapt."""
+    def __init__(self, pool_for, threads=None, threads_batch=None, clock=time.monotonic,
+                 placements=(Placement(), Placement())):
+        """``threads`` / ``threads_batch``: a count, or None / "auto" to adapt (up to the
+        usable cores, and no more than the CPUs a placement names: more threads than
+        CPUs would spin for each other's)."""
         gen_fixed = _fixed(threads)
         batch_fixed = _fixed(threads_batch) if threads_batch not in (None, "auto") else gen_fixed
         now = clock()
-        self.generation = ThreadChoice(gen_fixed or usable_cores(), fixed=bool(gen_fixed), now=now)
-        self.batch = ThreadChoice(batch_fixed or usable_cores(), fixed=bool(batch_fixed), now=now)
+        self.placements = placements
+        auto = [min(usable_cores(), len(p.cpus) or usable_cores()) for p in placements]
+        self.generation = ThreadChoice(gen_fixed or auto[0], fixed=bool(gen_fixed), now=now)
+        self.batch = ThreadChoice(batch_fixed or auto[1], fixed=bool(batch_fixed), now=now)
         self.pool_for = pool_for
-        self._pools = {}        # count -> pool, so the per-token path takes no lock
+        self._pools = {}        # (count, batch) -> pool, so the per-token path takes no lock
         self.clock = clock
         self._gen_k = self.generation.max_threads
         self._batch_k = self.batch.max_threads
@@ -293,13 +302,24 @@ class DecodeThreads:
             k = self._gen_k = self.generation.choose(1, now)
         else:
             k = self._batch_k = self.batch.choose(n_tokens, now)
-        ctx.use_pools(self._pool(self._gen_k), self._pool(self._batch_k))
+        self.attach(ctx, n_tokens, self._gen_k, self._batch_k)
         return k, now
 
-    def _pool(self, n):
-        pool = self._pools.get(n)
+    def attach(self, ctx, n_tokens, gen_k, batch_k):
+        """Attach the pools of gen_k and batch_k threads to ``ctx``, and put the
+        calling thread, which leads the decode of n_tokens, where ggml puts the
+        first thread of the pool that runs it (Placement.lead)."""
+        ctx.use_pools(self.pool(gen_k), self.pool(batch_k, batch=True))
+        if n_tokens == 1:
+            self.placements[0].lead(gen_k)
+        else:
+            self.placements[1].lead(batch_k)
+
+    def pool(self, n, batch=False):
+        """The pool of n threads for single tokens, or for prompt batches."""
+        pool = self._pools.get((n, batch))
         if pool is None:
-            pool = self._pools[n] = self.pool_for(n)
+            pool = self._pools[n, batch] = self.pool_for(n, self.placements[batch])
         return pool
 
     def after(self, n_tokens, started):

@@ -52,7 +52,9 @@ from .fill import IdleFill
 from .infill import layout_infill
 from .loaded import Loaded
 from .pacing import StreamPacer
-from .session import pause_pools, take_turns_with
+from . import placement
+from .placement import Placement
+from .session import pause_pools, place_threads, take_turns_with
 from .thinkbudget import NO_BOUND
 
 
@@ -815,6 +817,13 @@ def main(argv=None):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     args = parse_args(argv)
+    # the nice value first, so that the threads made from here on inherit it
+    # (llama-server sets it from --prio alone, as here)
+    generation = Placement.from_settings(args.cpu_placement)
+    placement.set_process_priority(generation.prio)
+    place_threads(placement.usable(generation, "--prio"),
+                  placement.usable(Placement.from_settings(args.cpu_placement_batch),
+                                   "--prio-batch"))
     if args.decode_lock:
         take_turns_with(FileTurns(args.decode_lock, on_handoff=pause_pools))
     inp = sys.stdin.buffer
