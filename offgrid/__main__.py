@@ -155,6 +155,7 @@ def serve(args):
                       shutdown_grace=args.shutdown_grace, cache_reuse=max(0, args.cache_reuse),
                       endpoints_off=[
                           name for name, on in (("metrics", args.metrics),
+                                                ("props", args.props),
                                                 ("slots", args.slots),
                                                 ("embeddings", args.embeddings)) if not on],
                       shelf=shelf, fim_given=fim is not None)

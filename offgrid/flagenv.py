@@ -92,6 +92,7 @@ ENV = (
     ('LLAMA_ARG_CACHE_PROMPT', '--cache-prompt', '--no-cache-prompt'),
     ('LLAMA_ARG_CACHE_REUSE', '--cache-reuse'),
     ('LLAMA_ARG_ENDPOINT_METRICS', '--metrics'),
+    ('LLAMA_ARG_ENDPOINT_PROPS', '--props'),
     ('LLAMA_ARG_ENDPOINT_SLOTS', '--slots', '--no-slots'),
     ('LLAMA_ARG_MODELS_DIR', '--models-dir'),
     ('LLAMA_ARG_MODELS_PRESET', '--models-preset'),

@@ -178,6 +178,9 @@ def parse_args(argv=None):
     sampling.add_flags(p)
     p.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True,
                    help="serve /metrics (default on; llama-server's default is off)")
+    p.add_argument("--props", action="store_true",
+                   help="POST /props answers {\"success\": true} (llama-server's: it changes "
+                   "no property yet); without it, a 501")
     p.add_argument("--slots", action=argparse.BooleanOptionalAction, default=True,
                    help="serve /slots (default on, as llama-server's)")
     p.add_argument("--embeddings", "--embedding", action=argparse.BooleanOptionalAction,

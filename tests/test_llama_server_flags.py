@@ -287,3 +287,16 @@ def test_log_file_gets_what_the_server_and_its_worker_write(tmp_path, plain_mode
         bad.start()
     assert bad.stop() == 2
     assert "cannot write --log-file %s" % (tmp_path / "no" / "such.log") in str(e.value)
+
+
+def test_post_props_is_a_501_unless_props_is_given(plain_model_path):
+    """llama-server's POST /props: with --props it answers success (and changes nothing,
+    as there); without it, its 501 in its words."""
+    with ServerProcess(plain_model_path, ctx=256) as s:
+        status, _, out = s.post("/props", {})
+        assert (status, out["error"]["type"]) == (501, "not_supported_error")
+        assert "Start it with `--props`" in out["error"]["message"]
+        assert s.get("/props")[0] == 200
+    with ServerProcess(plain_model_path, "--props", ctx=256) as s:
+        assert s.post("/props", {})[::2] == (200, {"success": True})
+        assert s.request("POST", "/props")[::2] == (200, {"success": True})   # no body

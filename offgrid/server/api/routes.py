@@ -30,7 +30,7 @@ _GET, _POST = ("GET",), ("POST",)
 ROUTES = {
     "/health": Route(health, _GET, False, False),
     "/v1/health": Route(health, _GET, False, False),
-    "/props": Route(props, _GET, True, True),
+    "/props": Route(props, ("GET", "POST"), True, True, body_optional=True),
     "/models": Route(models, _GET, True, True),
     "/v1/models": Route(models, _GET, True, True),
     "/models/load": Route(router_models.load, _POST, True, True),

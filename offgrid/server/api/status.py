@@ -73,6 +73,14 @@ def _health_status(entry):
 
 def props(h, _body):
     svc = h.service
+    if h.command == "POST":
+        # llama-server's POST /props: with --props it answers success and changes
+        # nothing (its "update any props here" is empty), without it a 501
+        if "props" in svc.endpoints_off:
+            raise HTTPError("This server does not support changing global properties. "
+                            "Start it with `--props`", status=501, type="not_supported_error")
+        h.send_json(200, {"success": True})
+        return
     e = svc.text
     info = e.info if e is not None else None
     if info is None:
