@@ -568,6 +568,18 @@ _PROTOTYPES = {
     "llama_sampler_init_typical": (llama_sampler_p, [c_float, c_size_t]),
     # struct llama_sampler * llama_sampler_init_temp_ext(float t, float delta, float exponent);
     "llama_sampler_init_temp_ext": (llama_sampler_p, [c_float, c_float, c_float]),
+    # struct llama_sampler * llama_sampler_init_temp(float t);
+    "llama_sampler_init_temp": (llama_sampler_p, [c_float]),
+    # struct llama_sampler * llama_sampler_init_xtc(float p, float t, size_t min_keep, uint32_t seed);
+    "llama_sampler_init_xtc": (llama_sampler_p, [c_float, c_float, c_size_t, c_uint32]),
+    # struct llama_sampler * llama_sampler_init_top_n_sigma(float n);
+    "llama_sampler_init_top_n_sigma": (llama_sampler_p, [c_float]),
+    # struct llama_sampler * llama_sampler_init_mirostat(int32_t n_vocab, uint32_t seed,
+    #                                                    float tau, float eta, int32_t m);
+    "llama_sampler_init_mirostat": (llama_sampler_p, [c_int32, c_uint32, c_float, c_float,
+                                                      c_int32]),
+    # struct llama_sampler * llama_sampler_init_mirostat_v2(uint32_t seed, float tau, float eta);
+    "llama_sampler_init_mirostat_v2": (llama_sampler_p, [c_uint32, c_float, c_float]),
     # struct llama_sampler * llama_sampler_init_penalties(int32_t n_vocab, int32_t penalty_last_n,
     #                         float penalty_repeat, float penalty_freq, float penalty_present);
     "llama_sampler_init_penalties": (llama_sampler_p, [c_int32, c_int32, c_float, c_float, c_float]),
@@ -1849,6 +1861,28 @@ class SamplerHandle:
     @classmethod
     def temp_ext(cls, lib, t, delta, exponent):
         return cls(lib, lib.llama_sampler_init_temp_ext(t, delta, exponent), "temp_ext")
+
+    @classmethod
+    def temp(cls, lib, t):
+        return cls(lib, lib.llama_sampler_init_temp(t), "temp")
+
+    @classmethod
+    def xtc(cls, lib, p, t, min_keep, seed):
+        return cls(lib, lib.llama_sampler_init_xtc(p, t, min_keep, seed & 0xFFFFFFFF), "xtc")
+
+    @classmethod
+    def top_n_sigma(cls, lib, n):
+        return cls(lib, lib.llama_sampler_init_top_n_sigma(n), "top_n_sigma")
+
+    @classmethod
+    def mirostat(cls, lib, n_vocab, seed, tau, eta, m=100):
+        return cls(lib, lib.llama_sampler_init_mirostat(n_vocab, seed & 0xFFFFFFFF, tau, eta, m),
+                   "mirostat")
+
+    @classmethod
+    def mirostat_v2(cls, lib, seed, tau, eta):
+        return cls(lib, lib.llama_sampler_init_mirostat_v2(seed & 0xFFFFFFFF, tau, eta),
+                   "mirostat_v2")
 
     @classmethod
     def penalties(cls, lib, n_vocab, last_n, repeat, freq, present):

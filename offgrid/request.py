@@ -45,11 +45,12 @@ SAMPLER_ALIASES = {
     "penalties": "penalties", "top_k": "top_k", "typ_p": "typ_p", "typical_p": "typ_p",
     "typ": "typ_p", "typical": "typ_p", "top_p": "top_p", "nucleus": "top_p",
     "min_p": "min_p", "temperature": "temperature", "temp": "temperature",
-    # samplers offgrid does not run: each does nothing at its default setting
-    # (dry_multiplier 0, top_n_sigma -1, xtc_probability 0), so the name is
-    # accepted and skipped; a request that sets one of them to act is refused
-    # (server/api/fields.py), and so is a name llama-server does not know
-    "dry": None, "top_n_sigma": None, "xtc": None,
+    "top_n_sigma": "top_n_sigma", "xtc": "xtc",
+    # DRY, which offgrid does not run: it does nothing at its default setting
+    # (dry_multiplier 0), so the name is accepted and skipped; a request that sets
+    # it to act is refused (server/api/fields.py), and so is a name llama-server
+    # does not know
+    "dry": None,
     # FIM: merges candidates that share a prefix, prefers ending when likely
     "infill": "infill",
 }
@@ -58,18 +59,22 @@ SAMPLER_ALIASES = {
 SAMPLER_LETTERS = {"e": "penalties", "k": "top_k", "y": "typ_p", "p": "top_p", "m": "min_p",
                    "t": "temperature", "d": "dry", "x": "xtc", "s": "top_n_sigma"}
 
+# llama-server's default chain (common.h), where DEFAULT_SAMPLERS leaves out the
+# samplers that do nothing at their defaults: a request that turns top-n-sigma or
+# XTC on and names no chain gets them at these places
+LLAMA_DEFAULT_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p",
+                          "min_p", "xtc", "temperature")
+
 # Samplers offgrid does not run, by the field that makes each act and the value at
 # which it does nothing (llama-server's defaults): a request or a flag that asks one
 # to act is refused rather than silently sampled without it.
-SAMPLERS_NOT_RUN = (("mirostat", 0, "mirostat"), ("dry_multiplier", 0.0, "DRY"),
-                    ("xtc_probability", 0.0, "XTC"), ("top_n_sigma", -1.0, "top-n-sigma"))
+SAMPLERS_NOT_RUN = (("dry_multiplier", 0.0, "DRY"),)
 
 
 def sampler_acts(name, value):
-    """Whether ``value`` of SAMPLERS_NOT_RUN's field ``name`` would make its sampler act
-    (top_n_sigma is off at any value of 0 or less)."""
+    """Whether ``value`` of SAMPLERS_NOT_RUN's field ``name`` would make its sampler act."""
     idle = next(i for n, i, _ in SAMPLERS_NOT_RUN if n == name)
-    return value != idle and not (name == "top_n_sigma" and value <= 0)
+    return value != idle
 
 
 def sampler_chain(names):
@@ -79,9 +84,10 @@ def sampler_chain(names):
         names = [SAMPLER_LETTERS.get(c, c) for c in names]
     unknown = [n for n in names if n not in SAMPLER_ALIASES]
     if unknown:
-        raise ValueError("unknown sampler %s; offgrid runs %s (and accepts dry, top_n_sigma "
-                         "and xtc at their default, inactive settings)"
-                         % (json.dumps(unknown[0][:64]), ", ".join(DEFAULT_SAMPLERS)))
+        raise ValueError("unknown sampler %s; offgrid runs %s (and accepts dry at its "
+                         "default, inactive setting)"
+                         % (json.dumps(unknown[0][:64]),
+                            ", ".join(n for n in LLAMA_DEFAULT_SAMPLERS if n != "dry")))
     return tuple(SAMPLER_ALIASES[n] for n in names if SAMPLER_ALIASES[n] is not None)
 
 
@@ -103,6 +109,16 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: Optional[int] = None          # None or -1: a random seed each request
+    # XTC: with this probability, every candidate above the threshold but the least
+    # likely of them is dropped (0: off; a threshold over 0.5: off)
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    top_n_sigma: float = -1.0           # keep logits within n sigma of the top (<= 0: off)
+    # mirostat 1 or 2 replaces the chain (but the logit bias) with temperature and
+    # the mirostat pick at target surprise tau, learning rate eta (0: off)
+    mirostat: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
     samplers: Tuple[str, ...] = DEFAULT_SAMPLERS
     logit_bias: List[Tuple[int, float]] = field(default_factory=list)
     grammar: Optional[str] = None       # GBNF (rule "root"): only text it matches is sampled
@@ -119,7 +135,13 @@ class SamplingParams:
 
     @property
     def greedy(self):
-        return self.temperature <= 0
+        """Whether the pick is the most likely token: temperature 0, and no XTC (which
+        may drop the top candidates first) and no mirostat before it."""
+        return self.temperature <= 0 and not self.xtc_acts and not self.mirostat
+
+    @property
+    def xtc_acts(self):
+        return self.xtc_probability > 0 and self.xtc_threshold <= 0.5
 
     @property
     def has_penalties(self):
@@ -132,9 +154,12 @@ class SamplingParams:
         """The samplers that run, in order: ``samplers`` without ``infill`` when a
         grammar is set (infill picks EOT when nothing passes its threshold, and
         accepting EOT in an unfinished grammar aborts libllama)."""
+        samplers = self.samplers
+        if samplers == DEFAULT_SAMPLERS and (self.xtc_acts or self.top_n_sigma > 0):
+            samplers = tuple(s for s in LLAMA_DEFAULT_SAMPLERS if s != "dry")
         if self.grammar is None and self.rescue_grammar is None:
-            return tuple(self.samplers)
-        return tuple(s for s in self.samplers if s != "infill")
+            return tuple(samplers)
+        return tuple(s for s in samplers if s != "infill")
 
     def validate(self):
         """Raise InvalidRequest for values libllama must never see.
@@ -148,12 +173,17 @@ class SamplingParams:
         min_p <= 0 and typical_p >= 1 turn a sampler off, as documented.
         """
         for name in ("temperature", "dynatemp_range", "dynatemp_exponent", "top_p", "min_p",
-                     "typical_p", "repeat_penalty", "presence_penalty", "frequency_penalty"):
+                     "typical_p", "repeat_penalty", "presence_penalty", "frequency_penalty",
+                     "xtc_probability", "xtc_threshold", "top_n_sigma", "mirostat_tau",
+                     "mirostat_eta"):
             v = getattr(self, name)
             if not (math.isfinite(v) and abs(v) <= _FLT_MAX):
                 raise InvalidRequest("%s must be a finite number" % name)
         if self.repeat_penalty <= 0:
             raise InvalidRequest("repeat_penalty must be greater than 0 (1.0 disables it)")
+        if self.mirostat not in (0, 1, 2):
+            # llama.cpp's common_sampler_init asserts on any other version
+            raise InvalidRequest("mirostat must be 0 (off), 1 or 2")
         for name in ("top_k", "repeat_last_n"):
             if not _INT32_MIN <= getattr(self, name) <= _INT32_MAX:
                 raise InvalidRequest("%s is out of range" % name)

@@ -218,6 +218,18 @@ def build_sampler(lib, params, n_vocab, n_ctx, eog_tokens=(), vocab=None, candid
         biases = list(params.logit_bias) + [(t, -math.inf) for t in eog_tokens]
         if biases:
             chain.add(Sampler.logit_bias(lib, n_vocab, biases))
+        seed = params.seed
+        if seed is None or seed < 0:
+            seed = libllama.LLAMA_DEFAULT_SEED
+        if params.mirostat:
+            # as common_sampler_init: the chain's samplers give way to temperature and
+            # the mirostat pick (penalties too)
+            chain.add(Sampler.temp(lib, params.temperature))
+            chain.add(Sampler.mirostat(lib, n_vocab, seed, params.mirostat_tau,
+                                       params.mirostat_eta) if params.mirostat == 1
+                      else Sampler.mirostat_v2(lib, seed, params.mirostat_tau,
+                                               params.mirostat_eta))
+            return TokenSampler(chain, grammar, candidates, keep_candidates, rescue)
         if params.greedy:
             if params.has_penalties:
                 chain.add(_penalties(lib, params, n_vocab, n_ctx))
@@ -239,15 +251,19 @@ def build_sampler(lib, params, n_vocab, n_ctx, eog_tokens=(), vocab=None, candid
             elif name == "min_p":
                 if params.min_p > 0.0:
                     chain.add(Sampler.min_p(lib, params.min_p, params.min_keep))
+            elif name == "top_n_sigma":
+                if params.top_n_sigma > 0:
+                    chain.add(Sampler.top_n_sigma(lib, params.top_n_sigma))
+            elif name == "xtc":
+                if params.xtc_acts:
+                    chain.add(Sampler.xtc(lib, params.xtc_probability, params.xtc_threshold,
+                                          params.min_keep, seed))
             elif name == "infill":
                 if vocab is not None:
                     chain.add(Sampler.infill(lib, vocab))
             elif name == "temperature":
                 chain.add(Sampler.temp_ext(lib, params.temperature, params.dynatemp_range,
                                            params.dynatemp_exponent))
-        seed = params.seed
-        if seed is None or seed < 0:
-            seed = libllama.LLAMA_DEFAULT_SEED
         chain.add(Sampler.dist(lib, seed))
         return TokenSampler(chain, grammar, candidates, keep_candidates, rescue)
     except BaseException:

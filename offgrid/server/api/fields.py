@@ -142,6 +142,12 @@ def sampling_from(f, n_vocab, base=None, tokenize=None):
     p.repeat_last_n = f.int("repeat_last_n", p.repeat_last_n, lo=-1, hi=MAX_REPEAT_LAST_N)
     p.presence_penalty = f.float("presence_penalty", p.presence_penalty, lo=-2.0, hi=2.0)
     p.frequency_penalty = f.float("frequency_penalty", p.frequency_penalty, lo=-2.0, hi=2.0)
+    p.xtc_probability = f.float("xtc_probability", p.xtc_probability, lo=0.0, hi=1.0)
+    p.xtc_threshold = f.float("xtc_threshold", p.xtc_threshold, lo=0.0, hi=1.0)
+    p.top_n_sigma = f.float("top_n_sigma", p.top_n_sigma)
+    p.mirostat = f.int("mirostat", p.mirostat, lo=0, hi=2)
+    p.mirostat_tau = f.float("mirostat_tau", p.mirostat_tau, lo=0.0)
+    p.mirostat_eta = f.float("mirostat_eta", p.mirostat_eta, lo=0.0)
     seed = f.int("seed", -1 if p.seed is None else p.seed, lo=-(2 ** 63), hi=2 ** 64 - 1)
     p.seed = None if seed < 0 or seed == 0xFFFFFFFF else seed
     samplers = f.raw("samplers")

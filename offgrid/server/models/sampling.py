@@ -9,10 +9,8 @@ flags given on the command line (``--temp``, ``--top-k``, ...).  So a flag the
 user gave wins over the file, as in llama.cpp's common_init_sampler_from_model,
 and over a preset, as every flag does.
 
-Samplers offgrid does not run (mirostat, DRY, XTC, top-n-sigma) are taken at
-the values that leave them off: a flag or a preset key that turns one on is an
-error at start, and a file that does is served without it, with a line saying
-so (llama-server would run it).
+DRY, which offgrid does not run, is taken at the value that leaves it off: a
+flag or a preset key that turns it on is an error at start.
 """
 
 import dataclasses
@@ -38,24 +36,28 @@ FLAGS = (
     ("samplers", ("--samplers",), str, "the samplers in order: names split by ';'"),
     ("sampling_seq", ("--sampling-seq", "--sampler-seq"), str,
      "the samplers in order, as letters (kfypmt)"),
+    ("xtc_probability", ("--xtc-probability",), float, "XTC probability (0: off)"),
+    ("xtc_threshold", ("--xtc-threshold",), float, "XTC threshold (over 0.5: off)"),
+    ("top_n_sigma", ("--top-nsigma", "--top-n-sigma"), float, "top-n-sigma (-1: off)"),
+    ("mirostat", ("--mirostat",), int, "mirostat version (0: off, 1, 2)"),
+    ("mirostat_tau", ("--mirostat-ent",), float, "mirostat target entropy (tau)"),
+    ("mirostat_eta", ("--mirostat-lr",), float, "mirostat learning rate (eta)"),
 )
-# the samplers offgrid does not run, by the flag that makes each act (SAMPLERS_NOT_RUN):
-# taken at the values that leave them off
-NOT_RUN_FLAGS = (("mirostat", ("--mirostat",), int, "0 only (offgrid runs no mirostat)"),
-                 ("dry_multiplier", ("--dry-multiplier",), float, "0 only (no DRY)"),
-                 ("xtc_probability", ("--xtc-probability",), float, "0 only (no XTC)"),
-                 ("top_n_sigma", ("--top-nsigma", "--top-n-sigma"), float,
-                  "-1 only (no top-n-sigma)"))
-# their parameters' flags, taken and unused: they do nothing while their sampler is off
-IDLE_FLAGS = ("--mirostat-lr", "--mirostat-ent", "--dry-base", "--dry-allowed-length",
-              "--dry-penalty-last-n", "--dry-sequence-breaker", "--xtc-threshold")
+# DRY, the sampler offgrid does not run, by the flag that makes it act (SAMPLERS_NOT_RUN):
+# taken at the value that leaves it off
+NOT_RUN_FLAGS = (("dry_multiplier", ("--dry-multiplier",), float, "0 only (no DRY)"),)
+# its parameters' flags, taken and unused: they do nothing while DRY is off
+IDLE_FLAGS = ("--dry-base", "--dry-allowed-length", "--dry-penalty-last-n",
+              "--dry-sequence-breaker")
 
 # the file's keys (general.sampling.NAME), as common_init_sampler_from_model reads them
 FILE_KEYS = (("temp", "temperature", float), ("top_k", "top_k", int),
              ("top_p", "top_p", float), ("min_p", "min_p", float),
              ("penalty_last_n", "repeat_last_n", int),
-             ("penalty_repeat", "repeat_penalty", float))
-FILE_NOT_RUN = (("mirostat", "mirostat", int), ("xtc_probability", "xtc_probability", float))
+             ("penalty_repeat", "repeat_penalty", float),
+             ("xtc_probability", "xtc_probability", float),
+             ("xtc_threshold", "xtc_threshold", float), ("mirostat", "mirostat", int),
+             ("mirostat_tau", "mirostat_tau", float), ("mirostat_eta", "mirostat_eta", float))
 
 
 def add_flags(p):
@@ -128,20 +130,15 @@ def from_preset(preset, where="--models-preset"):
 
 def from_file(meta):
     """({field: value}, notes) of a GGUF's general.sampling.* keys (``meta``: its
-    metadata as strings); a value that does not read, is out of range or asks for a
-    sampler offgrid does not run is left out with a note."""
+    metadata as strings); a value that does not read or is out of range is left out
+    with a note."""
     got, notes = {}, []
-    for key, field, kind in FILE_KEYS + FILE_NOT_RUN:
+    for key, field, kind in FILE_KEYS:
         raw = meta.get("general.sampling." + key)
         if raw is None:
             continue
         try:
             v = kind(raw)
-            if (key, field, kind) in FILE_NOT_RUN:
-                if sampler_acts(field, v):
-                    notes.append("general.sampling.%s = %s asks for a sampler offgrid does "
-                                 "not run: left out" % (key, raw))
-                continue
             checked({field: v}, "general.sampling.%s" % key)
         except ValueError:
             notes.append("general.sampling.%s = %r: not a value it takes, left out"
