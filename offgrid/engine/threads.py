@@ -281,6 +281,8 @@ class DecodeThreads:
         batch_fixed = _fixed(threads_batch) if threads_batch not in (None, "auto") else gen_fixed
         now = clock()
         self.placements = placements
+        # whether a decode's leading thread is ever moved (nothing to do per decode if not)
+        self._placed = any(p.placed for p in placements)
         auto = [min(usable_cores(), len(p.cpus) or usable_cores()) for p in placements]
         self.generation = ThreadChoice(gen_fixed or auto[0], fixed=bool(gen_fixed), now=now)
         self.batch = ThreadChoice(batch_fixed or auto[1], fixed=bool(batch_fixed), now=now)
@@ -310,6 +312,8 @@ class DecodeThreads:
         calling thread, which leads the decode of n_tokens, where ggml puts the
         first thread of the pool that runs it (Placement.lead)."""
         ctx.use_pools(self.pool(gen_k), self.pool(batch_k, batch=True))
+        if not self._placed:
+            return
         if n_tokens == 1:
             self.placements[0].lead(gen_k)
         else:
